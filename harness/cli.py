@@ -1,0 +1,171 @@
+"""The `harness` command: render, launch, stop, status, preflight, prepare."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import socket
+import sys
+import time
+from pathlib import Path
+
+from harness import __version__
+from harness.errors import HarnessError, UsageError
+from harness.inventory import Inventory, load_inventory
+from harness.launch import check_local_entrypoint, run_plan
+from harness.local import start_local_nodes
+from harness.plan import Plan, plan_hosts, plan_local
+from harness.render import render_json, render_text
+from harness.runs import find_run, list_runs, new_run_id, runs_root
+from harness.spec import JobSpec, load_job
+from harness.stop import stop_run
+
+
+def resolve_master_ip(inventory: Inventory) -> str:
+    """MASTER_ADDR must be an IP: hostnames resolve differently per node (127.0.1.1, IPv6-only)."""
+    address = inventory.master_host().address
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UsageError(f"{inventory.path}: master address {address!r} does not resolve ({exc.strerror}); "
+                         f"write the master's IP address in the inventory") from None
+    ips = sorted({str(info[4][0]) for info in infos}, key=lambda ip: ":" in ip)
+    if ipaddress.ip_address(ips[0]).is_loopback:
+        raise UsageError(f"{inventory.path}: master address {address!r} resolves to loopback {ips[0]} here; "
+                         f"other nodes cannot reach that, write the master's routable IP")
+    return ips[0]
+
+
+def _local_gpus(spec: JobSpec) -> int:
+    if spec.nproc_per_node != "auto":
+        return 0
+    import torch  # only when needed: importing torch costs seconds
+
+    return torch.cuda.device_count()
+
+
+def build_plan(spec: JobSpec, hosts: str | None, run_id: str, log_dir: Path | None = None) -> Plan:
+    if hosts is None:
+        return plan_local(spec, run_id=run_id, python=sys.executable, local_gpus=_local_gpus(spec),
+                          log_dir=str(log_dir.resolve()) if log_dir else None)
+    inventory = load_inventory(hosts)
+    return plan_hosts(spec, inventory, run_id=run_id, master_ip=resolve_master_ip(inventory))
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    spec = load_job(args.job)
+    plan = build_plan(spec, args.hosts, args.run_id or spec.name)
+    sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    spec = load_job(args.job)
+    if args.hosts is not None:
+        raise UsageError("launching over SSH (--hosts) is not available yet; use `harness render --hosts` "
+                         "to see the per-node commands")
+    check_local_entrypoint(spec, Path.cwd())
+    run_id = new_run_id(spec.name)
+    root = runs_root(args.runs_dir)
+    plan = build_plan(spec, None, run_id, log_dir=root / run_id / "torchrun")
+    return run_plan(plan, spec, Path(args.job), root,
+                    lambda p: list(start_local_nodes(p.nodes)), mode="local")
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    return stop_run(find_run(runs_root(args.runs_dir), args.run_id), timeout=args.timeout)
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.0f}h"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    root = runs_root(args.runs_dir)
+    if args.run_id is None:
+        runs = list_runs(root)
+        if not runs:
+            print(f"no runs in {root}/")
+            return 0
+        print(f"{'RUN ID':<44} {'STATUS':<12} {'NODES':>5} {'STARTED':>8} {'DURATION':>9}")
+        for run in runs:
+            state, summary = run.read_state(), run.read_summary()
+            status = _live_status(run.read_state())
+            duration = summary["duration_s"] if summary else time.time() - state["started_at"]
+            print(f"{run.run_id:<44} {status:<12} {state['nnodes']:>5} "
+                  f"{_age(time.time() - state['started_at']) + ' ago':>8} {duration:>8.1f}s")
+        return 0
+    run = find_run(root, args.run_id)
+    state, summary = run.read_state(), run.read_summary()
+    print(f"run {run.run_id}: {_live_status(state)} ({state['mode']}, {state['nnodes']} node(s), "
+          f"world size {state['world_size']})")
+    if summary is None:
+        for node_rank, host in enumerate(state["hosts"]):
+            print(f"  node{node_rank} on {host}: running; log {run.log_file(node_rank)}")
+        return 0
+    for node in summary["nodes"]:
+        ended = node["error"] or (f"signal {node['signal']}" if node["signal"] else f"exit {node['exit_code']}")
+        print(f"  node{node['node_rank']} on {node['host']}: {ended} after {node['duration_s']} s; log {node['log']}")
+    failure = summary["first_failure"]
+    if failure:
+        print(f"  first failure: node{failure['node_rank']} ({failure['host']}), "
+              f"rank {failure['rank']}, {failure['description']}")
+    return 0
+
+
+def _live_status(state: dict[str, object]) -> str:
+    from harness.procs import is_alive
+
+    controller = state["controller"]
+    assert isinstance(controller, dict)
+    if state["status"] == "running" and not is_alive(controller["pid"], controller["start_ticks"]):
+        return "lost"
+    return str(state["status"])
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="harness", description=__doc__)
+    top.add_argument("--version", action="version", version=f"harness {__version__}")
+    verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    render = verbs.add_parser("render", help="print every node's exact torchrun command without running anything")
+    render.add_argument("job", help="job spec, e.g. jobs/cifar.yaml")
+    render.add_argument("--hosts", help="host inventory (hosts.yaml); default: simulated nodes on this machine")
+    render.add_argument("--format", choices=("text", "json"), default="text")
+    render.add_argument("--run-id", help="run id to render with (default: the job name)")
+    render.set_defaults(func=cmd_render)
+
+    runs_dir = argparse.ArgumentParser(add_help=False)
+    runs_dir.add_argument("--runs-dir", help="where run records live (default: $HARNESS_RUNS_DIR or ./runs)")
+
+    launch = verbs.add_parser("launch", parents=[runs_dir], help="run the job and supervise every node")
+    launch.add_argument("job")
+    launch.add_argument("--hosts", help="host inventory; default: nnodes simulated nodes on this machine")
+    launch.set_defaults(func=cmd_launch)
+
+    stop = verbs.add_parser("stop", parents=[runs_dir], help="stop a running run (from any terminal)")
+    stop.add_argument("run_id")
+    stop.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the run to end")
+    stop.set_defaults(func=cmd_stop)
+
+    status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
+    status.add_argument("run_id", nargs="?")
+    status.set_defaults(func=cmd_status)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except HarnessError as exc:
+        print(f"harness: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

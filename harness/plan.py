@@ -1,0 +1,177 @@
+"""Spec (+ inventory) -> plan: for every node its host, node_rank, argv and env. Pure: no I/O.
+
+This is the single source of truth for master address, port, node ranks and the env contract;
+every renderer and backend consumes a Plan and nothing else.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from harness.errors import UsageError
+from harness.inventory import Host, Inventory
+from harness.spec import JobSpec
+
+LOCAL_MASTER = "127.0.0.1"
+TORCHRUN_MODULE = "torch.distributed.run"
+# torchrun prefixes worker lines with the local rank by default; ${rank} is the global rank.
+LOG_LINE_PREFIX = "[rank${rank}]: "
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One torchrun agent: where it runs and exactly what it executes."""
+
+    host: str
+    address: str
+    node_rank: int
+    nproc: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    workdir: str | None = None
+    ssh: Host | None = field(default=None, compare=False)
+
+    @property
+    def ranks(self) -> range:
+        """Global ranks of this node's workers (uniform nproc, as torchrun's static rendezvous needs)."""
+        return range(self.node_rank * self.nproc, (self.node_rank + 1) * self.nproc)
+
+    @property
+    def label(self) -> str:
+        return f"node{self.node_rank}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_id: str
+    name: str
+    master_addr: str
+    master_port: int
+    nnodes: int
+    nproc_per_node: int
+    nodes: tuple[NodePlan, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "run_id": self.run_id,
+            "name": self.name,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "nnodes": self.nnodes,
+            "nproc_per_node": self.nproc_per_node,
+            "world_size": self.world_size,
+            "nodes": [
+                {"host": n.host, "address": n.address, "node_rank": n.node_rank, "ranks": list(n.ranks),
+                 "workdir": n.workdir, "argv": list(n.argv), "env": dict(n.env)}
+                for n in self.nodes
+            ],
+        }
+
+
+def _resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> int:
+    if spec.nproc_per_node != "auto":
+        return spec.nproc_per_node
+    unknown = [w for w, g in zip(where, gpus) if g is None]
+    if unknown:
+        raise UsageError(
+            f"nproc_per_node is 'auto' but the GPU count of {', '.join(unknown)} is unknown; "
+            f"set `gpus:` for those hosts (or under `defaults:`) in the inventory, or a number in the job"
+        )
+    counts = {max(g or 0, 1) for g in gpus}
+    if len(counts) > 1:
+        detail = ", ".join(f"{w}={g}" for w, g in zip(where, gpus))
+        raise UsageError(
+            f"nproc_per_node 'auto' needs the same GPU count on every node, got {detail}; "
+            f"set nproc_per_node to a number that every node can run"
+        )
+    return counts.pop()
+
+
+def torchrun_args(
+    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int, log_dir: str | None = None
+) -> list[str]:
+    """torchrun's own flags for one node (without the interpreter or the entrypoint).
+
+    `--tee=3` is what makes torchrun apply the rank prefix: it echoes each worker's tee'd log lines.
+    """
+    args = [f"--nnodes={spec.nnodes}", f"--nproc-per-node={nproc}"]
+    if spec.rdzv == "static":
+        args += [f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={spec.master_port}"]
+    else:
+        args += [
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{spec.master_port}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf=join_timeout={int(spec.timeouts.rendezvous)}",
+        ]
+    args += [f"--max-restarts={spec.max_restarts}", "--tee=3", f"--log-line-prefix-template={LOG_LINE_PREFIX}"]
+    if log_dir is not None:
+        args.append(f"--log-dir={log_dir}/node{node_rank}")
+    entry = spec.entrypoint
+    target = ["-m", entry.module] if entry.module is not None else [entry.script]  # type: ignore[list-item]
+    return args + target + list(entry.args)
+
+
+def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int) -> dict[str, str]:
+    """The env contract of DESIGN.md: identical on every backend, user env first, ours last."""
+    contract = {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(spec.master_port),
+        "NNODES": str(spec.nnodes),
+        "NODE_RANK": str(node_rank),
+        "NPROC_PER_NODE": str(nproc),
+        "HARNESS_RUN_ID": run_id,
+        "HARNESS_BACKEND": spec.backend,
+    }
+    defaults = {"PYTHONUNBUFFERED": "1"}  # output reaches the supervisor as it happens, not at exit
+    pet = {f"PET_{k}": contract[k] for k in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE")}
+    return defaults | dict(spec.env) | contract | pet
+
+
+def plan_local(spec: JobSpec, *, run_id: str, python: str, local_gpus: int, log_dir: str | None = None) -> Plan:
+    """nnodes torchrun agents on this machine, rendezvousing on 127.0.0.1 like a real cluster.
+
+    log_dir keeps torchrun's per-worker files inside the run directory instead of /tmp.
+    """
+    nproc = _resolve_nproc(spec, [local_gpus] * spec.nnodes, ["this machine"] * spec.nnodes)
+    nodes = tuple(
+        NodePlan(
+            host="localhost", address=LOCAL_MASTER, node_rank=rank, nproc=nproc,
+            argv=(python, "-m", TORCHRUN_MODULE,
+                  *torchrun_args(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank,
+                                log_dir=log_dir)),
+            env=node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank),
+        )
+        for rank in range(spec.nnodes)
+    )
+    return Plan(run_id, spec.name, LOCAL_MASTER, spec.master_port, spec.nnodes, nproc, nodes)
+
+
+def plan_hosts(spec: JobSpec, inventory: Inventory, *, run_id: str, master_ip: str) -> Plan:
+    """One node per host, master first. master_ip is the master's address already resolved to an IP."""
+    try:
+        ipaddress.ip_address(master_ip)
+    except ValueError:
+        raise UsageError(f"master address must be an IP address, got {master_ip!r}") from None
+    hosts = inventory.ordered_hosts()
+    if len(hosts) < spec.nnodes:
+        raise UsageError(
+            f"{inventory.path}: the job needs nnodes={spec.nnodes} hosts but the inventory lists {len(hosts)}; "
+            f"add hosts or lower nnodes"
+        )
+    hosts = hosts[: spec.nnodes]
+    nproc = _resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
+    nodes = tuple(
+        NodePlan(
+            host=host.name, address=host.address, node_rank=rank, nproc=nproc,
+            argv=(host.python, "-m", TORCHRUN_MODULE,
+                  *torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank)),
+            env=node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank),
+            workdir=host.workdir, ssh=host,
+        )
+        for rank, host in enumerate(hosts)
+    )
+    return Plan(run_id, spec.name, master_ip, spec.master_port, spec.nnodes, nproc, nodes)

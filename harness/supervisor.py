@@ -1,0 +1,203 @@
+"""Supervise the nodes of one run, whatever runs them: stream logs, propagate failure, stop cleanly.
+
+A failed node must not leave the survivors hanging in a collective until NCCL/gloo time out, so the
+first failure stops every other node (SIGTERM, then SIGKILL after the grace period).
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO, Iterator, Protocol
+
+from harness.plan import NodePlan, Plan
+from harness.runs import RunDir
+
+TAIL_LINES = 20
+# torchrun's ChildFailedError report names the root-cause rank; use it when present.
+ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)")
+ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a node ended: an exit code, or the signal that killed it, or a lost connection."""
+
+    exit_code: int | None
+    signal: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def describe(self) -> str:
+        if self.error:
+            return self.error
+        if self.signal is not None:
+            return f"killed by {signal.Signals(self.signal).name}"
+        return f"exit code {self.exit_code}"
+
+
+class NodeProcess(Protocol):
+    """A started torchrun agent on some backend (local process, SSH channel)."""
+
+    node: NodePlan
+
+    def output(self) -> Iterator[str]:
+        """Lines of combined stdout/stderr until the node's output ends."""
+
+    def wait(self) -> Outcome:
+        """Block until the node has ended."""
+
+    def terminate(self) -> None:
+        """Ask the node's processes to stop (SIGTERM to its process group)."""
+
+    def kill(self) -> None:
+        """Force every process of the node to end (SIGKILL, then a sweep by run id)."""
+
+
+@dataclass
+class NodeRecord:
+    node: NodePlan
+    started: float
+    ended: float | None = None
+    outcome: Outcome | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=500))
+
+    def root_cause(self) -> tuple[int | None, int | None]:
+        """(global rank, exit code) of the first failed worker, from torchrun's "Root Cause" report."""
+        rank = code = None
+        in_root_cause = False
+        for line in self.tail:
+            in_root_cause = in_root_cause or line.startswith("Root Cause")
+            if not in_root_cause:
+                continue
+            if rank is None and (match := ROOT_CAUSE_RANK.match(line)):
+                rank = int(match.group(1))
+            elif rank is not None and code is None and (match := ROOT_CAUSE_EXIT.match(line)):
+                code = int(match.group(1))
+        return rank, code
+
+    def last_lines(self, rank: int | None, count: int = TAIL_LINES) -> list[str]:
+        """The failing rank's own last lines say why; the node's tail is the fallback."""
+        own = [line for line in self.tail if rank is not None and line.startswith(f"[rank{rank}]:")]
+        return (own or list(self.tail))[-count:]
+
+    def to_json(self, run: RunDir) -> dict[str, object]:
+        outcome = self.outcome
+        return {
+            "node_rank": self.node.node_rank,
+            "host": self.node.host,
+            "ranks": list(self.node.ranks),
+            "exit_code": outcome.exit_code if outcome else None,
+            "signal": signal.Signals(outcome.signal).name if outcome and outcome.signal else None,
+            "error": outcome.error if outcome else None,
+            "duration_s": round((self.ended or time.time()) - self.started, 3),
+            "log": str(run.log_file(self.node.node_rank)),
+        }
+
+
+class StopRequested(Exception):
+    """Raised inside the supervisor's wait when SIGINT/SIGTERM reached the harness."""
+
+
+@dataclass
+class Supervisor:
+    plan: Plan
+    run: RunDir
+    grace: float
+    out: IO[str] = sys.stdout
+    records: list[NodeRecord] = field(default_factory=list)
+    first_failure: NodeRecord | None = None
+    _print_lock: threading.Lock = field(default_factory=threading.Lock)
+    _events: queue.Queue[NodeRecord] = field(default_factory=queue.Queue)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _processes: list[NodeProcess] = field(default_factory=list)
+
+    def start(self, processes: list[NodeProcess]) -> None:
+        for process in processes:
+            record = NodeRecord(process.node, started=time.time())
+            self.records.append(record)
+            self._spawn(self._pump, process, record)
+            self._spawn(self._reap, process, record)
+        self._processes = list(processes)
+
+    def _spawn(self, target: object, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
+        thread.start()
+        self._threads.append(thread)
+
+    def _pump(self, process: NodeProcess, record: NodeRecord) -> None:
+        prefix = f"[{record.node.label}] "
+        with open(self.run.log_file(record.node.node_rank), "a", encoding="utf-8") as log:
+            for line in process.output():
+                log.write(line + "\n")
+                log.flush()
+                record.tail.append(line)
+                with self._print_lock:
+                    self.out.write(prefix + line + "\n")
+                    self.out.flush()
+
+    def _reap(self, process: NodeProcess, record: NodeRecord) -> None:
+        outcome = process.wait()
+        record.ended = time.time()
+        record.outcome = outcome
+        self._events.put(record)
+
+    def say(self, message: str) -> None:
+        with self._print_lock:
+            self.out.write(f"harness: {message}\n")
+            self.out.flush()
+
+    def wait(self, stop_requested: threading.Event) -> None:
+        """Until every node has ended; the first failure or a stop request stops the rest."""
+        pending = len(self.records)
+        stopping = False
+        while pending:
+            if stop_requested.is_set() and not stopping:
+                self.say("stop requested: stopping every node")
+                self.stop_all()
+                stopping = True
+            try:
+                record = self._events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            pending -= 1
+            assert record.outcome is not None
+            if not record.outcome.ok and self.first_failure is None and not stopping:
+                self.first_failure = record
+                self.say(f"{record.node.label} on {record.node.host} failed ({record.outcome.describe()}); "
+                         f"stopping the other nodes")
+                self.stop_all()
+                stopping = True
+
+    def stop_all(self) -> None:
+        """SIGTERM every node now; SIGKILL whatever is left after the grace period (in background)."""
+        for process, record in zip(self._processes, self.records):
+            if record.outcome is None:
+                process.terminate()
+        self._spawn(self._kill_after_grace)
+
+    def _kill_after_grace(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline:
+            if all(r.outcome is not None for r in self.records):
+                return
+            time.sleep(0.05)
+        for process, record in zip(self._processes, self.records):
+            if record.outcome is None:
+                process.kill()
+
+    def finish(self) -> None:
+        """Every node has ended: sweep stragglers (orphaned workers), drain output threads."""
+        for process in self._processes:
+            process.kill()
+        for thread in self._threads:
+            thread.join(timeout=2)

@@ -1,0 +1,50 @@
+"""A small torchrun-able gloo DDP job for harness tests: trains a linear model, optionally fails.
+
+FAIL_RANK / FAIL_AT_STEP make one rank exit 1 mid-run, and HANG_AT_STEP makes every other rank block
+there (like a long step or a stuck read) so that only the supervisor can end them. STEPS and
+STEP_SECONDS set the pace.
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = int(os.environ.get("STEPS", "20"))
+    pause = float(os.environ.get("STEP_SECONDS", "0"))
+    fail_rank = int(os.environ.get("FAIL_RANK", "-1"))
+    fail_at = int(os.environ.get("FAIL_AT_STEP", "-1"))
+    hang_at = int(os.environ.get("HANG_AT_STEP", "-1"))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    target = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    print(f"rank {rank}/{world} up; args={sys.argv[1:]}", flush=True)
+    for step in range(steps):
+        if rank == fail_rank and step == fail_at:
+            print(f"rank {rank} failing on purpose at step {step}", flush=True)
+            sys.exit(1)
+        if rank != fail_rank and step == hang_at:
+            time.sleep(3600)
+        g = torch.Generator().manual_seed(step * world + rank)
+        x = torch.randn(32, 4, generator=g)
+        loss = ((model(x).squeeze(1) - x @ target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == 0 and step % 5 == 0:
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+        time.sleep(pause)
+    weights = model.module.weight.detach().flatten()
+    print(f"rank {rank} final loss {loss.item():.4f} weights {weights.tolist()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Planning and rendering are pure: golden plans, one master for all, hostile arguments intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import harness
+from harness.errors import UsageError
+from harness.inventory import load_inventory
+from harness.plan import NodePlan, plan_hosts, plan_local
+from harness.render import render_json, render_text, shell_command
+from harness.spec import load_job
+
+GOLDEN = Path(__file__).parent / "golden"
+JOB = """
+name: golden
+nnodes: {nnodes}
+nproc_per_node: {nproc}
+backend: gloo
+master_port: 29400
+rdzv: {rdzv}
+entrypoint:
+  script: train.py
+  args: [--epochs, 2, "--note=a b"]
+env:
+  NCCL_DEBUG: WARN
+"""
+HOSTS = """
+defaults: {user: ml, python: /opt/venv/bin/python, workdir: /srv/job, gpus: 2}
+hosts:
+  - {name: n1, address: 10.9.0.1}
+  - {name: n2, address: 10.9.0.2}
+  - {name: n3, address: 10.9.0.3}
+  - {name: n4, address: 10.9.0.4}
+"""
+CASES = {
+    "local-1": dict(nnodes=1, nproc=2, rdzv="static", hosts=False),
+    "local-2": dict(nnodes=2, nproc=1, rdzv="static", hosts=False),
+    "hosts-4": dict(nnodes=4, nproc="auto", rdzv="static", hosts=True),
+    "hosts-2-c10d": dict(nnodes=2, nproc=1, rdzv="c10d", hosts=True),
+}
+
+
+def make_plan(write_yaml, case: dict):
+    spec = load_job(write_yaml(JOB.format(**case)))
+    if case["hosts"]:
+        return plan_hosts(spec, load_inventory(write_yaml(HOSTS, "hosts.yaml")), run_id="golden-run",
+                          master_ip="10.9.0.1")
+    return plan_local(spec, run_id="golden-run", python="python3", local_gpus=0)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_plan(write_yaml, name):
+    """UPDATE_GOLDEN=1 rewrites the files; review the diff before committing it."""
+    rendered = render_json(make_plan(write_yaml, CASES[name]))
+    golden = GOLDEN / f"{name}.json"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(rendered)
+    assert rendered == golden.read_text()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_nodes_share_one_master_and_ranks_are_dense(write_yaml, name):
+    plan = make_plan(write_yaml, CASES[name])
+    assert [n.node_rank for n in plan.nodes] == list(range(plan.nnodes))
+    assert {n.env["MASTER_ADDR"] for n in plan.nodes} == {plan.master_addr}
+    assert {n.env["MASTER_PORT"] for n in plan.nodes} == {"29400"}
+    assert {n.env["NNODES"] for n in plan.nodes} == {str(plan.nnodes)}
+    assert all(n.env["PET_NODE_RANK"] == n.env["NODE_RANK"] == str(n.node_rank) for n in plan.nodes)
+    assert sorted(r for n in plan.nodes for r in n.ranks) == list(range(plan.world_size))
+    assert all("--log-line-prefix-template=[rank${rank}]: " in n.argv for n in plan.nodes)
+
+
+def test_auto_nproc_uses_the_hosts_gpus(write_yaml):
+    plan = make_plan(write_yaml, CASES["hosts-4"])
+    assert plan.nproc_per_node == 2 and plan.world_size == 8
+
+
+def test_auto_nproc_is_one_without_gpus(write_yaml):
+    spec = load_job(write_yaml(JOB.format(nnodes=1, nproc="auto", rdzv="static")))
+    assert plan_local(spec, run_id="r", python="python3", local_gpus=0).nproc_per_node == 1
+
+
+def test_auto_nproc_with_unknown_gpus_is_an_error(write_yaml):
+    spec = load_job(write_yaml(JOB.format(nnodes=1, nproc="auto", rdzv="static")))
+    inventory = load_inventory(write_yaml("hosts:\n  - {name: a, address: 10.0.0.1}\n", "h.yaml"))
+    with pytest.raises(UsageError, match="GPU count of a is unknown"):
+        plan_hosts(spec, inventory, run_id="r", master_ip="10.0.0.1")
+
+
+def test_master_must_be_an_ip(write_yaml):
+    spec = load_job(write_yaml(JOB.format(nnodes=1, nproc=1, rdzv="static")))
+    inventory = load_inventory(write_yaml(HOSTS, "hosts.yaml"))
+    with pytest.raises(UsageError, match="must be an IP address"):
+        plan_hosts(spec, inventory, run_id="r", master_ip="gpu-01.example")
+
+
+HOSTILE = ["a b", "it's", '"quoted"', "$(touch /tmp/pwned)", "`id`", "x;y", "*", "back\\slash", "new\nline", "", "--flag=$HOME"]
+
+
+def test_shell_form_delivers_hostile_arguments_intact(tmp_path):
+    """Run the rendered shell line in a real shell: argv and env must arrive byte for byte."""
+    printer = "import json, os, sys; print(json.dumps([sys.argv[1:], os.environ['WEIRD'], os.getcwd()]))"
+    node = NodePlan(host="h", address="127.0.0.1", node_rank=0, nproc=1,
+                    argv=(sys.executable, "-c", printer, *HOSTILE), env={"WEIRD": "v a l'$x"}, workdir=str(tmp_path))
+    out = subprocess.run(["/bin/sh", "-c", shell_command(node)], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [HOSTILE, "v a l'$x", str(tmp_path)]
+
+
+def test_render_cli_json_shape(write_yaml):
+    job = write_yaml(JOB.format(nnodes=2, nproc=1, rdzv="static"))
+    result = harness("render", str(job), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    nodes = json.loads(result.stdout)["nodes"]
+    assert [sorted({"host", "node_rank", "argv", "env"} - set(n)) for n in nodes] == [[], []]
+    assert [n["node_rank"] for n in nodes] == [0, 1]
+
+
+def test_render_cli_text_shows_each_node(write_yaml):
+    hosts = write_yaml(HOSTS, "hosts.yaml")
+    result = harness("render", str(write_yaml(JOB.format(nnodes=2, nproc=1, rdzv="static"))), "--hosts", str(hosts))
+    assert result.returncode == 0, result.stderr
+    assert "# node1 on n2 (10.9.0.2): node_rank 1, global ranks 1" in result.stdout
+    assert "cd /srv/job && exec env" in result.stdout and "'--note=a b'" in result.stdout
+
+
+def test_render_text_and_json_agree(write_yaml):
+    plan = make_plan(write_yaml, CASES["local-2"])
+    text = render_text(plan)
+    assert all(shell_command(node) in text for node in plan.nodes)

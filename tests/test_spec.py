@@ -1,0 +1,98 @@
+"""Job spec validation: every bad input is located (file:line:col + key path) and exits 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO, harness
+from harness.errors import SpecError
+from harness.spec import load_job
+
+GOOD = """
+name: demo
+nnodes: 2
+entrypoint:
+  module: harness.payload.train
+  args: [--epochs, 3, --lr, 0.1]
+"""
+
+
+def problems(path) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        load_job(path)
+    return [str(p) for p in info.value.problems]
+
+
+def test_minimal_spec_gets_documented_defaults(write_yaml):
+    spec = load_job(write_yaml(GOOD))
+    assert (spec.nproc_per_node, spec.backend, spec.master_port, spec.rdzv, spec.max_restarts) == (1, "auto", 29500, "static", 0)
+    assert spec.entrypoint.args == ["--epochs", "3", "--lr", "0.1"]
+
+
+def test_shipped_jobs_are_valid():
+    for path in sorted((REPO / "jobs").glob("*.yaml")):
+        load_job(path)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("name: demo\nnnodes: 2\nentrypoint: {module: m}\nnprocs_per_node: 2\n",
+         "job.yaml:4:1: nprocs_per_node: unknown key 'nprocs_per_node' (did you mean 'nproc_per_node'?)"),
+        ("name: Demo_Job\nnnodes: 1\nentrypoint: {module: m}\n", "job.yaml:1:1: name: expected a DNS-1123 label"),
+        ("name: demo\nnnodes: 0\nentrypoint: {module: m}\n", "job.yaml:2:1: nnodes: expected an integer >= 1, got 0"),
+        ("name: demo\nnnodes: 1\nnproc_per_node: many\nentrypoint: {module: m}\n",
+         "job.yaml:3:1: nproc_per_node: expected an integer >= 1 or 'auto'"),
+        ("name: demo\nnnodes: 1\nbackend: mpi\nentrypoint: {module: m}\n", "job.yaml:3:1: backend: Input should be 'auto', 'nccl' or 'gloo'"),
+        ("name: demo\nnnodes: 1\nmaster_port: 80\nentrypoint: {module: m}\n",
+         "job.yaml:3:1: master_port: Input should be greater than or equal to 1024"),
+        ("name: demo\nnnodes: 1\nrdzv: etcd\nentrypoint: {module: m}\n", "job.yaml:3:1: rdzv: Input should be 'static' or 'c10d'"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m, script: t.py}\n",
+         "job.yaml:3:1: entrypoint: set exactly one of 'module'"),
+        ("name: demo\nnnodes: 1\nentrypoint: {args: [a]}\n", "job.yaml:3:1: entrypoint: set exactly one of 'module'"),
+        ("name: demo\nnnodes: 1\nentrypoint:\n  module: m\n  args: [--x, true]\n",
+         "job.yaml:5:15: entrypoint.args[1]: expected a string or number, got true; quote it"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nenv:\n  MASTER_ADDR: 10.0.0.1\n",
+         "job.yaml:5:3: env.MASTER_ADDR: MASTER_ADDR is set by the harness/torchrun for every node and cannot be overridden"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nenv:\n  PET_NNODES: '3'\n",
+         "job.yaml:5:3: env.PET_NNODES: PET_NNODES is set by the harness/torchrun"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nenv:\n  WORLD_SIZE: '3'\n", "env.WORLD_SIZE: WORLD_SIZE is set by the harness"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nenv:\n  OMP_NUM_THREADS: 4\n",
+         "job.yaml:5:3: env.OMP_NUM_THREADS: Input should be a valid string, got int 4"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nresources: {memory: 16GB}\n",
+         "job.yaml:4:13: resources.memory: expected a Kubernetes quantity such as 4, 500m, 16Gi or 512Mi, got '16GB'"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nresources: {gpus: -1}\n",
+         "resources.gpus: Input should be greater than or equal to 0"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nimage: 'Not An Image'\n", "job.yaml:4:1: image: expected an image reference"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\ntimeouts: {stop_grace: 30}\n",
+         "timeouts.stop_grace: Input should be less than or equal to 4"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nmax_restarts: -1\n", "max_restarts: Input should be greater than or equal to 0"),
+        ("name: demo\nentrypoint: {module: m}\n", "job.yaml:1:1: nnodes: required key is missing"),
+        ("name: demo\nnnodes: 1\nnnodes: 2\nentrypoint: {module: m}\n", "job.yaml:3:1: nnodes: duplicate key 'nnodes'"),
+        ("name: demo\nnnodes: [1\n", "job.yaml:3:1: invalid YAML"),
+        ("- just\n- a list\n", "job.yaml:1:1: expected a mapping of keys"),
+        ("", "job.yaml: the file is empty; expected a mapping"),
+    ],
+)
+def test_bad_spec_is_located_and_explained(write_yaml, text, expected):
+    found = problems(write_yaml(text))
+    assert any(expected in p for p in found), found
+
+
+def test_every_problem_is_reported_at_once(write_yaml):
+    found = problems(write_yaml("name: BAD\nnnodes: 0\nentrypoint: {module: m}\ntypo: 1\n"))
+    assert len(found) == 3, found
+
+
+def test_cli_exits_2_with_the_location_on_stderr(write_yaml):
+    path = write_yaml("name: demo\nnnodes: 1\nentrypoint: {module: m}\nenv:\n  RANK: '0'\n")
+    result = harness("render", str(path))
+    assert result.returncode == 2
+    assert f"{path}:5:3: env.RANK: RANK is set by the harness" in result.stderr
+    assert result.stdout == ""
+
+
+def test_missing_file_exits_2():
+    result = harness("render", "jobs/does-not-exist.yaml")
+    assert result.returncode == 2
+    assert "jobs/does-not-exist.yaml: file not found" in result.stderr
