@@ -7,10 +7,10 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # System packages the tests need: sshd, network namespaces and firewalls for the multi-host cluster.
 APT_PACKAGES := openssh-server openssh-client iproute2 iptables
-JOB ?= jobs/smoke.yaml
+JOB ?=
 HOSTS ?=
 
-.PHONY: setup system-packages test launch render lock clean
+.PHONY: setup system-packages test launch render k8s lock clean
 
 setup: system-packages $(STAMP)
 
@@ -30,10 +30,14 @@ test: setup
 	$(BIN)/python -m pytest
 
 launch: setup
-	$(BIN)/harness launch $(JOB) $(if $(HOSTS),--hosts $(HOSTS))
+	$(BIN)/harness launch $(or $(JOB),jobs/smoke.yaml) $(if $(HOSTS),--hosts $(HOSTS))
 
 render: setup
-	$(BIN)/harness render $(JOB) $(if $(HOSTS),--hosts $(HOSTS))
+	$(BIN)/harness render $(or $(JOB),jobs/smoke.yaml) $(if $(HOSTS),--hosts $(HOSTS))
+
+# Kubernetes manifests for JOB (default jobs/cifar.yaml) into k8s/ (committed for jobs/cifar.yaml; a test fails when they drift).
+k8s: setup
+	$(BIN)/harness render $(or $(JOB),jobs/cifar.yaml) --target k8s --out k8s
 
 # Re-pin the full dependency closure after changing a pin in pyproject.toml.
 lock: $(STAMP)

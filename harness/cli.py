@@ -12,11 +12,12 @@ from pathlib import Path
 from harness import __version__
 from harness.errors import HarnessError, UsageError
 from harness.inventory import Inventory, load_inventory
+from harness.k8s import manifests_yaml
 from harness.launch import check_local_entrypoint, run_plan
 from harness.local import start_local_nodes
 from harness.plan import Plan, plan_hosts, plan_local
 from harness.render import render_json, render_text
-from harness.runs import find_run, list_runs, new_run_id, runs_root
+from harness.runs import find_run, list_runs, new_run_id, runs_root, write_text_atomic
 from harness.spec import JobSpec, load_job
 from harness.stop import stop_run
 
@@ -58,6 +59,18 @@ def build_plan(spec: JobSpec, hosts: str | None, run_id: str, log_dir: Path | No
 
 def cmd_render(args: argparse.Namespace) -> int:
     spec = load_job(args.job)
+    if args.target == "k8s":
+        text = manifests_yaml(spec, Path(args.job).read_text(), args.job)
+        if args.out is None:
+            sys.stdout.write(text)
+            return 0
+        out = Path(args.out) / f"{spec.name}.yaml"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out, text)
+        print(f"wrote {out}; apply with: kubectl apply -f {args.out}/")
+        return 0
+    if args.out is not None:
+        raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan")
     plan = build_plan(spec, args.hosts, args.run_id or spec.name)
     sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
     return 0
@@ -137,6 +150,9 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--hosts", help="host inventory (hosts.yaml); default: simulated nodes on this machine")
     render.add_argument("--format", choices=("text", "json"), default="text")
     render.add_argument("--run-id", help="run id to render with (default: the job name)")
+    render.add_argument("--target", choices=("torchrun", "k8s"), default="torchrun",
+                        help="torchrun: per-node commands (default); k8s: Kubernetes manifests")
+    render.add_argument("--out", help="with --target k8s: write DIR/<job>.yaml instead of printing")
     render.set_defaults(func=cmd_render)
 
     runs_dir = argparse.ArgumentParser(add_help=False)

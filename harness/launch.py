@@ -107,6 +107,9 @@ def run_plan(
                 f"master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
         sup.start(start_nodes(plan))
         sup.wait(stop)
+    except BaseException as exc:
+        write_json_atomic(run.state_file, state | {"status": "error", "error": str(exc), "ended_at": time.time()})
+        raise
     finally:
         sup.finish()
         for sig, handler in previous.items():

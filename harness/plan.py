@@ -73,7 +73,7 @@ class Plan:
         }
 
 
-def _resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> int:
+def resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> int:
     if spec.nproc_per_node != "auto":
         return spec.nproc_per_node
     unknown = [w for w, g in zip(where, gpus) if g is None]
@@ -93,7 +93,7 @@ def _resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> i
 
 
 def torchrun_args(
-    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int, log_dir: str | None = None
+    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, log_dir: str | None = None
 ) -> list[str]:
     """torchrun's own flags for one node (without the interpreter or the entrypoint).
 
@@ -112,10 +112,11 @@ def torchrun_args(
         args.append(f"--log-dir={log_dir}/node{node_rank}")
     entry = spec.entrypoint
     target = ["-m", entry.module] if entry.module is not None else [entry.script]  # type: ignore[list-item]
-    return args + target + list(entry.args)
+    # torchrun runs script args through string.Template (its ${local_rank} macro): `$$` keeps a `$`.
+    return args + target + [arg.replace("$", "$$") for arg in entry.args]
 
 
-def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int) -> dict[str, str]:
+def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str) -> dict[str, str]:
     """The env contract of DESIGN.md: identical on every backend, user env first, ours last."""
     contract = {
         "MASTER_ADDR": master_addr,
@@ -136,7 +137,7 @@ def plan_local(spec: JobSpec, *, run_id: str, python: str, local_gpus: int, log_
 
     log_dir keeps torchrun's per-worker files inside the run directory instead of /tmp.
     """
-    nproc = _resolve_nproc(spec, [local_gpus] * spec.nnodes, ["this machine"] * spec.nnodes)
+    nproc = resolve_nproc(spec, [local_gpus] * spec.nnodes, ["this machine"] * spec.nnodes)
     nodes = tuple(
         NodePlan(
             host="localhost", address=LOCAL_MASTER, node_rank=rank, nproc=nproc,
@@ -163,7 +164,7 @@ def plan_hosts(spec: JobSpec, inventory: Inventory, *, run_id: str, master_ip: s
             f"add hosts or lower nnodes"
         )
     hosts = hosts[: spec.nnodes]
-    nproc = _resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
+    nproc = resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
     nodes = tuple(
         NodePlan(
             host=host.name, address=host.address, node_rank=rank, nproc=nproc,

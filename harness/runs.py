@@ -25,19 +25,22 @@ def new_run_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Readers in another terminal never see a half-written file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Readers (another terminal, kubectl) never see a half-written file, and a failure loses nothing."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 @dataclass(frozen=True)

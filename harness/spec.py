@@ -97,12 +97,16 @@ class Entrypoint(StrictModel):
 
 
 class Resources(StrictModel):
-    """Per-node resources; the Kubernetes renderer and preflight use them."""
+    """Per-node resources; the Kubernetes renderer and preflight use them.
+
+    storage sizes the shared volume that holds data and checkpoints on Kubernetes.
+    """
 
     gpus: Annotated[int, Field(ge=0)] = 0
     cpu: Quantity | None = None
     memory: Quantity | None = None
     shm_size: Quantity | None = None
+    storage: Quantity = "50Gi"
 
 
 class Timeouts(StrictModel):

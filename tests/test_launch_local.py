@@ -24,7 +24,7 @@ backend: gloo
 master_port: {port}
 entrypoint:
   script: {script}
-  args: [--tag, "two words"]
+  args: [--tag, "two words", "$$", "${{local_rank}}", "$(x)"]
 env:
 {env}
 """
@@ -115,7 +115,7 @@ def test_two_nodes_train_over_gloo(write_yaml, launch):
     weights = set(re.findall(r"\[node(\d)\] \[rank(\d)\]: rank \2 final loss \S+ weights (\[.*\])", run.output))
     assert {(n, r) for n, r, _ in weights} == {("0", "0"), ("0", "1"), ("1", "2"), ("1", "3")}, run.output
     assert len({w for _, _, w in weights}) == 1, "DDP replicas diverged"
-    assert "args=['--tag', 'two words']" in run.output
+    assert "args=['--tag', 'two words', '$$', '${local_rank}', '$(x)']" in run.output
     run_dir = run.runs_dir / run.run_id
     assert {p.name for p in run_dir.iterdir()} >= {"spec.yaml", "plan.json", "node0.log", "node1.log", "summary.json"}
     assert "[rank3]: rank 3 final loss" in (run_dir / "node1.log").read_text()
