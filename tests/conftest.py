@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +33,28 @@ def harness(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.Co
                           text=True, timeout=timeout)
 
 
+JOB = """
+name: ddp-sum
+nnodes: 2
+nproc_per_node: {nproc}
+backend: gloo
+master_port: {port}
+entrypoint:
+  script: {script}
+  args: [--tag, "two words", "$$", "${{local_rank}}", "$(x)"]
+env:
+{env}
+"""
+SCRIPT = REPO / "tests" / "scripts" / "ddp_sum.py"
+
+
+def ddp_job(write_yaml, nproc: int = 1, **env: str) -> Path:
+    """A job running tests/scripts/ddp_sum.py on 2 nodes; env tunes its pace and failures."""
+    lines = "\n".join(f"  {k}: '{v}'" for k, v in env.items()) or "  {}"
+    text = JOB.format(nproc=nproc, port=free_port(), script=SCRIPT, env=lines)
+    return write_yaml(text.replace("env:\n  {}", "env: {}"))
+
+
 def leftover(run_id: str) -> list[int]:
     return run_processes(run_id)
 
@@ -41,3 +69,76 @@ def write_yaml(tmp_path: Path):
         return path
 
     return write
+
+
+class Launch:
+    """`harness launch` as a user starts it, with its output collected as it arrives."""
+
+    def __init__(self, job_path: Path, runs_dir: Path, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "harness.cli", "launch", str(job_path), "--runs-dir", str(runs_dir), *extra],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        self.runs_dir = runs_dir
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if match := re.search(pattern, self.output):
+                return match
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{pattern!r} not seen; output:\n{self.output}")
+
+    @property
+    def run_id(self) -> str:
+        return self.wait_for(r"harness: run (\S+): ").group(1)
+
+    def finish(self, timeout: float = 120) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=5)
+        return code
+
+    def summary(self) -> dict:
+        return json.loads((self.runs_dir / self.run_id / "summary.json").read_text())
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if match := re.search(r"harness: run (\S+): ", self.output):
+            for pid in leftover(match.group(1)):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def launch(tmp_path):
+    started: list[Launch] = []
+
+    def start(job_path: Path, *extra: str) -> Launch:
+        started.append(Launch(job_path, tmp_path / "runs", *extra))
+        return started[-1]
+
+    yield start
+    for run in started:
+        run.cleanup()
+
+
+def assert_nothing_left(run_id: str, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while leftover(run_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftover(run_id) == [], f"processes of {run_id} still running"

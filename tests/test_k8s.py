@@ -194,6 +194,6 @@ def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, tmp_path):
     worker, master = outputs
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "waiting for the master's rendezvous port" in worker
-    assert "args=['--tag', 'two words', '$(not-a-var)', '$$', '${local_rank}']" in master
+    assert "; args=['--tag', 'two words', '$(not-a-var)', '$$', '${local_rank}']" in master
     finals = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", master + worker)
     assert sorted(r for r, _ in finals) == ["0", "1"] and len({w for _, w in finals}) == 1

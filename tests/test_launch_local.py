@@ -2,112 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
-import pytest
-
-from conftest import REPO, free_port, harness, leftover
-
-JOB = """
-name: ddp-sum
-nnodes: 2
-nproc_per_node: {nproc}
-backend: gloo
-master_port: {port}
-entrypoint:
-  script: {script}
-  args: [--tag, "two words", "$$", "${{local_rank}}", "$(x)"]
-env:
-{env}
-"""
-SCRIPT = REPO / "tests" / "scripts" / "ddp_sum.py"
-
-
-def job(write_yaml, nproc: int = 1, **env: str) -> Path:
-    lines = "\n".join(f"  {k}: '{v}'" for k, v in env.items()) or "  {}"
-    text = JOB.format(nproc=nproc, port=free_port(), script=SCRIPT, env=lines)
-    return write_yaml(text.replace("env:\n  {}", "env: {}"))
-
-
-class Launch:
-    """`harness launch` as a user starts it, with its output collected as it arrives."""
-
-    def __init__(self, job_path: Path, runs_dir: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.cli", "launch", str(job_path), "--runs-dir", str(runs_dir)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        self.runs_dir = runs_dir
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if match := re.search(pattern, self.output):
-                return match
-            if self.proc.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{pattern!r} not seen; output:\n{self.output}")
-
-    @property
-    def run_id(self) -> str:
-        return self.wait_for(r"harness: run (\S+): ").group(1)
-
-    def finish(self, timeout: float = 120) -> int:
-        code = self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=5)
-        return code
-
-    def summary(self) -> dict:
-        return json.loads((self.runs_dir / self.run_id / "summary.json").read_text())
-
-    def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        for pid in leftover(self.run_id) if self.lines else []:
-            os.kill(pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def launch(tmp_path):
-    started: list[Launch] = []
-
-    def start(job_path: Path) -> Launch:
-        started.append(Launch(job_path, tmp_path / "runs"))
-        return started[-1]
-
-    yield start
-    for run in started:
-        run.cleanup()
-
-
-def assert_nothing_left(run_id: str, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while leftover(run_id) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert leftover(run_id) == [], f"processes of {run_id} still running"
-
+from conftest import ddp_job as job
+from conftest import assert_nothing_left, harness, leftover
 
 def test_two_nodes_train_over_gloo(write_yaml, launch):
     run = launch(job(write_yaml, nproc=2, STEPS="12"))
@@ -115,7 +16,7 @@ def test_two_nodes_train_over_gloo(write_yaml, launch):
     weights = set(re.findall(r"\[node(\d)\] \[rank(\d)\]: rank \2 final loss \S+ weights (\[.*\])", run.output))
     assert {(n, r) for n, r, _ in weights} == {("0", "0"), ("0", "1"), ("1", "2"), ("1", "3")}, run.output
     assert len({w for _, _, w in weights}) == 1, "DDP replicas diverged"
-    assert "args=['--tag', 'two words', '$$', '${local_rank}', '$(x)']" in run.output
+    assert "; args=['--tag', 'two words', '$$', '${local_rank}', '$(x)']" in run.output
     run_dir = run.runs_dir / run.run_id
     assert {p.name for p in run_dir.iterdir()} >= {"spec.yaml", "plan.json", "node0.log", "node1.log", "summary.json"}
     assert "[rank3]: rank 3 final loss" in (run_dir / "node1.log").read_text()

@@ -6,6 +6,7 @@ STEP_SECONDS set the pace.
 """
 
 import os
+import socket
 import sys
 import time
 
@@ -25,7 +26,7 @@ def main() -> None:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     target = torch.tensor([1.0, -2.0, 3.0, 0.5])
-    print(f"rank {rank}/{world} up; args={sys.argv[1:]}", flush=True)
+    print(f"rank {rank}/{world} up on {socket.gethostname()}; args={sys.argv[1:]}", flush=True)
     for step in range(steps):
         if rank == fail_rank and step == fail_at:
             print(f"rank {rank} failing on purpose at step {step}", flush=True)
