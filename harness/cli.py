@@ -78,15 +78,50 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     spec = load_job(args.job)
-    if args.hosts is not None:
-        raise UsageError("launching over SSH (--hosts) is not available yet; use `harness render --hosts` "
-                         "to see the per-node commands")
-    check_local_entrypoint(spec, Path.cwd())
     run_id = new_run_id(spec.name)
     root = runs_root(args.runs_dir)
-    plan = build_plan(spec, None, run_id, log_dir=root / run_id / "torchrun")
-    return run_plan(plan, spec, Path(args.job), root,
-                    lambda p: list(start_local_nodes(p.nodes)), mode="local")
+    if args.hosts is None:
+        check_local_entrypoint(spec, Path.cwd())
+        plan = build_plan(spec, None, run_id, log_dir=root / run_id / "torchrun")
+        return run_plan(plan, spec, Path(args.job), root, lambda p: list(start_local_nodes(p.nodes)), mode="local")
+    return launch_over_ssh(spec, Path(args.job), load_inventory(args.hosts), run_id, root, args)
+
+
+def launch_over_ssh(spec: JobSpec, job_path: Path, inventory: Inventory, run_id: str, root: Path,
+                    args: argparse.Namespace) -> int:
+    """Preflight's fast checks, then one supervised SSH channel per node; connections closed at the end."""
+    from harness.ssh import connect
+    from harness.ssh_launch import SSHNode, start_ssh_nodes
+
+    plan = plan_hosts(spec, inventory, run_id=run_id, master_ip=resolve_master_ip(inventory))
+    hosts = inventory.ordered_hosts()[: spec.nnodes]
+    if not args.skip_preflight:
+        from harness.preflight import run_preflight
+
+        report = run_preflight(inventory.model_copy(update={"hosts": hosts}), spec, known_hosts=args.known_hosts,
+                               accept_new_host_keys=args.accept_new_host_keys, fast=True,
+                               timeout=spec.timeouts.connect)
+        if not report.ok:
+            print(report.render_table(), file=sys.stderr)
+            print("harness: preflight failed, nothing was started (use --skip-preflight to launch anyway)",
+                  file=sys.stderr)
+            return 1
+    started: list[SSHNode] = []
+
+    def start(plan: Plan) -> list[SSHNode]:
+        started.extend(start_ssh_nodes(
+            plan.nodes,
+            lambda host: connect(host, known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys,
+                                 timeout=spec.timeouts.connect),
+            spec.timeouts.stop_grace,
+        ))
+        return started
+
+    try:
+        return run_plan(plan, spec, job_path, root, start, mode="ssh")
+    finally:
+        for node in started:
+            node.close()
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -140,6 +175,12 @@ def _live_status(state: dict[str, object]) -> str:
     return str(state["status"])
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from harness.payload import prepare
+
+    return prepare.main(args.passthrough)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="harness", description=__doc__)
     top.add_argument("--version", action="version", version=f"harness {__version__}")
@@ -161,6 +202,10 @@ def parser() -> argparse.ArgumentParser:
     launch = verbs.add_parser("launch", parents=[runs_dir], help="run the job and supervise every node")
     launch.add_argument("job")
     launch.add_argument("--hosts", help="host inventory; default: nnodes simulated nodes on this machine")
+    launch.add_argument("--skip-preflight", action="store_true", help="with --hosts: start without the fast checks")
+    launch.add_argument("--known-hosts", help="known_hosts file for host keys (default ~/.ssh/known_hosts)")
+    launch.add_argument("--accept-new-host-keys", action="store_true",
+                        help="trust and record keys of hosts not yet in known_hosts (never silent otherwise)")
     launch.set_defaults(func=cmd_launch)
 
     stop = verbs.add_parser("stop", parents=[runs_dir], help="stop a running run (from any terminal)")
@@ -171,11 +216,18 @@ def parser() -> argparse.ArgumentParser:
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
     status.add_argument("run_id", nargs="?")
     status.set_defaults(func=cmd_status)
+    prepare = verbs.add_parser("prepare", add_help=False, help="download and verify CIFAR-10 once, before training "
+                               "(harness prepare --data-dir DIR; --help for options)")
+    prepare.set_defaults(func=cmd_prepare)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    top = parser()
+    args, passthrough = top.parse_known_args(argv)
+    if passthrough and args.verb != "prepare":
+        top.error(f"unrecognized arguments: {' '.join(passthrough)}")
+    args.passthrough = passthrough
     try:
         return args.func(args)
     except HarnessError as exc:
