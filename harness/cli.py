@@ -175,6 +175,14 @@ def _live_status(state: dict[str, object]) -> str:
     return str(state["status"])
 
 
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from harness.preflight import preflight_command
+
+    return preflight_command(args.hosts, args.job, json_out=args.json, collective=args.collective,
+                             accept_new_host_keys=args.accept_new_host_keys, known_hosts=args.known_hosts,
+                             timeout=args.timeout)
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from harness.payload import prepare
 
@@ -216,6 +224,18 @@ def parser() -> argparse.ArgumentParser:
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
     status.add_argument("run_id", nargs="?")
     status.set_defaults(func=cmd_status)
+    preflight = verbs.add_parser("preflight", help="prove before launch that every host can run the job")
+    preflight.add_argument("hosts", help="host inventory, e.g. hosts.yaml")
+    preflight.add_argument("--job", help="job spec: its port, backend, GPUs and entrypoint are checked too")
+    preflight.add_argument("--json", action="store_true", help="the same report as JSON")
+    preflight.add_argument("--collective", action="store_true",
+                           help="also run a short all_reduce across all hosts with the job's backend")
+    preflight.add_argument("--known-hosts", help="known_hosts file for host keys (default ~/.ssh/known_hosts)")
+    preflight.add_argument("--accept-new-host-keys", action="store_true",
+                           help="trust and record keys of hosts not yet in known_hosts")
+    preflight.add_argument("--timeout", type=float, default=10.0, help="seconds per step")
+    preflight.set_defaults(func=cmd_preflight)
+
     prepare = verbs.add_parser("prepare", add_help=False, help="download and verify CIFAR-10 once, before training "
                                "(harness prepare --data-dir DIR; --help for options)")
     prepare.set_defaults(func=cmd_prepare)

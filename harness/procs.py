@@ -1,16 +1,24 @@
-"""Find and end the processes of one run by the HARNESS_RUN_ID in their environment.
+"""Own the processes of one run: find and end them by the HARNESS_RUN_ID in their environment.
 
 torchrun starts its workers in sessions of their own, so signalling the agent's process group does
 not reach a worker whose agent was SIGKILLed. The run id every node carries is exact (never a name
-pattern), so sweeping by it ends precisely that run's processes and nothing else. This file has no
-imports from the package so that its source can also run on a remote host with a bare Python.
+pattern), so sweeping by it ends precisely that run's processes and nothing else.
+
+This file imports nothing from the package: the SSH backend sends its source to each host and runs
+it there with the host's own Python as the node's agent (see `supervise_node`), so remote hosts need
+no harness install.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import threading
+import time
+
+EXIT_MARKER = "\x1eharness-node-exit"
 
 
 def run_processes(run_id: str, node_rank: str | None = None) -> list[int]:
@@ -65,7 +73,46 @@ def is_alive(pid: int, ticks: int | None) -> bool:
     return fields is not None and ticks is not None and int(fields[19]) == ticks and fields[0] != b"Z"
 
 
+def supervise_node(run_id: str, node_rank: str, grace: float, command: str) -> int:
+    """Run one node's shell command in a session of its own, stopped by the controller's word.
+
+    Reads the controller's commands on stdin: TERM (SIGTERM to the node's process group) and KILL
+    (SIGKILL, then a sweep by run id). End of stdin means the controller or its connection died:
+    the node is stopped the same way, so a lost controller never leaves a job running.
+    """
+    child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdin=subprocess.DEVNULL)
+
+    def signal_group(sig: int) -> None:
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill() -> None:
+        signal_group(signal.SIGKILL)
+        kill_run_processes(run_id, node_rank)
+
+    def obey_controller() -> None:
+        for line in sys.stdin:
+            word = line.strip()
+            if word == "TERM":
+                signal_group(signal.SIGTERM)
+            elif word == "KILL":
+                kill()
+        signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kill()
+
+    threading.Thread(target=obey_controller, daemon=True).start()
+    code = child.wait()
+    kill_run_processes(run_id, node_rank)
+    sys.stdout.flush()
+    print(f"{EXIT_MARKER} {code}", flush=True)
+    return code if code >= 0 else 128 - code
+
+
 if __name__ == "__main__":
-    # Remote form: python - RUN_ID [NODE_RANK] < procs.py  -> kills and prints the PIDs.
-    killed = kill_run_processes(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
-    print(" ".join(map(str, killed)))
+    # On a host: python -c "$(cat procs.py)" RUN_ID NODE_RANK GRACE_SECONDS SHELL_COMMAND
+    sys.exit(supervise_node(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]))

@@ -18,6 +18,8 @@ import pytest
 
 from harness.procs import run_processes
 
+pytest_plugins = ("cluster",)  # the namespace-cluster fixtures (cluster2, cluster3) for every module
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-from pathlib import Path
 
 from conftest import ddp_job as job
 from conftest import assert_nothing_left, harness, leftover

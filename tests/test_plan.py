@@ -127,7 +127,7 @@ def test_render_cli_text_shows_each_node(write_yaml):
     result = harness("render", str(write_yaml(JOB.format(nnodes=2, nproc=1, rdzv="static"))), "--hosts", str(hosts))
     assert result.returncode == 0, result.stderr
     assert "# node1 on n2 (10.9.0.2): node_rank 1, global ranks 1" in result.stdout
-    assert "cd /srv/job && exec env" in result.stdout and "'--note=a b'" in result.stdout
+    assert "cd -- /srv/job && exec env" in result.stdout and "'--note=a b'" in result.stdout
 
 
 def test_render_text_and_json_agree(write_yaml):

@@ -1,0 +1,184 @@
+"""Verdicts from the probes' facts: software parity across hosts, GPUs, /dev/shm, disk, name resolution."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+from typing import Any
+
+from harness.inventory import Host
+from harness.preflight.probe import MISSING
+from harness.preflight.report import Check, Status
+from harness.spec import JobSpec
+
+FINGERPRINT = ("python", "torch", "torch_git", "cuda", "nccl", "torchvision", "driver", "harness", "payload")
+GIB = 1 << 30
+SHM_WARN = 1 * GIB
+DISK_FAIL = 1 * GIB
+DISK_WARN = 10 * GIB
+
+Facts = dict[str, Any]
+
+
+def size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
+
+
+def job_backend(spec: JobSpec | None, facts: dict[str, Facts]) -> str | None:
+    """The backend the job will really use: `auto` is nccl only where every host has a GPU."""
+    if spec is None:
+        return None
+    if spec.backend != "auto":
+        return spec.backend
+    return "nccl" if facts and all(f["gpus"] > 0 for f in facts.values()) else "gloo"
+
+
+def fingerprint_of(facts: Facts) -> dict[str, str]:
+    values = {name: str(facts.get(name)) for name in FINGERPRINT[:-1]}
+    payload = facts.get("payload")
+    values["payload"] = "n/a" if payload is None else payload.get("sha256", MISSING)[:12]
+    return values
+
+
+def _reference(values: list[str], master_value: str | None) -> str:
+    """What most hosts have; on a tie, what the master has."""
+    counts = Counter(values).most_common()
+    tied = [value for value, count in counts if count == counts[0][1]]
+    return master_value if master_value in tied else tied[0]
+
+
+def fingerprint_checks(facts: dict[str, Facts],
+                       master: str) -> tuple[list[Check], dict[str, dict[str, str]], list[str]]:
+    """Per host: torch present, entrypoint found, and every fingerprint field equal across hosts."""
+    prints = {host: fingerprint_of(f) for host, f in facts.items()}
+    mismatched = [field for field in FINGERPRINT if len({p[field] for p in prints.values()}) > 1]
+    reference = {field: _reference([p[field] for p in prints.values()], prints.get(master, {}).get(field))
+                 for field in mismatched}
+    checks = []
+    for host, values in prints.items():
+        problems, fixes = [], []
+        if values["torch"] == MISSING:
+            problems.append(f"torch is not installed for {facts[host]['python_executable']}")
+            fixes.append("point `python:` in the inventory at the interpreter of the environment that has torch")
+        payload = facts[host].get("payload") or {}
+        if payload.get("error"):
+            problems.append(f"entrypoint {payload['target']}: {payload['error']}")
+            fixes.append("put the job's code at the same path in the workdir of every host")
+        differs = [field for field in mismatched if values[field] != reference[field]]
+        if differs:
+            others = [h for h in prints if h != host and all(prints[h][f] == reference[f] for f in differs)]
+            problems.append("differs from " + (", ".join(others) or "the other hosts") + ": " + ", ".join(
+                f"{field} {values[field]} vs {reference[field]}" for field in differs))
+            fixes.append("install the same versions everywhere (one pinned venv or image); see the table below")
+        if problems:
+            checks.append(Check(host, "fingerprint", Status.FAIL, "; ".join(problems), "; ".join(fixes), values))
+            continue
+        summary = (f"python {values['python']}, torch {values['torch']} ({values['torch_git'][:8]}), "
+                   f"cuda {values['cuda']}, nccl {values['nccl']}, torchvision {values['torchvision']}, "
+                   f"driver {values['driver']}, harness {values['harness']}, payload {values['payload']}")
+        same = "; other hosts differ, see below" if mismatched else ("; same on all hosts" if len(prints) > 1 else "")
+        checks.append(Check(host, "fingerprint", Status.PASS, summary + same, None, values))
+    return checks, prints, mismatched
+
+
+def _gpus(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> Check:
+    found = facts["gpus"]
+    if spec is None or (backend != "nccl" and spec.resources.gpus == 0):
+        why = "no job given" if spec is None else f"the job runs on CPU (backend {backend}, resources.gpus 0)"
+        return Check(host.name, "gpus", Status.SKIP, f"{why}; {found} GPUs found")
+    per_node = spec.nproc_per_node if isinstance(spec.nproc_per_node, int) else (host.gpus or 1)
+    required = max(per_node if backend == "nccl" else 0, spec.resources.gpus)
+    if found < required:
+        error = f" ({facts['gpu_error']})" if facts.get("gpu_error") else ""
+        return Check(host.name, "gpus", Status.FAIL, f"{found} GPUs{error}, the job needs {required} per node",
+                     "lower nproc_per_node/resources.gpus, or check the GPUs and driver with `nvidia-smi`")
+    torch_gpus = facts.get("torch_gpus")
+    if torch_gpus is not None and torch_gpus < required:
+        return Check(host.name, "gpus", Status.FAIL,
+                     f"torch sees {torch_gpus} GPUs but nvidia-smi lists {found}; the job needs {required}",
+                     f"the driver {facts['driver']} may be too old for CUDA {facts['cuda']}, "
+                     f"or CUDA_VISIBLE_DEVICES hides GPUs")
+    busy = facts["gpu_processes"]
+    if busy:
+        holders = ", ".join(f"pid {p['pid']} ({p['name']}) {p['used_mib']} MiB on GPU {p['gpu']}" for p in busy)
+        return Check(host.name, "gpus", Status.WARN, f"{found} GPUs, but memory is in use: {holders}",
+                     "stop those processes or use other hosts; they compete for GPU memory", {"processes": busy})
+    names = ", ".join(sorted(set(facts["gpu_names"])))
+    return Check(host.name, "gpus", Status.PASS,
+                 f"{found} GPUs ({names}), driver {facts['driver']}, job needs {required}")
+
+
+def _shm(host: str, facts: Facts) -> Check:
+    shm = facts["shm_bytes"]
+    fix = "enlarge it, e.g. `mount -o remount,size=16G /dev/shm` (containers: --shm-size, or a Memory emptyDir)"
+    if shm is None:
+        return Check(host, "shm", Status.WARN, "/dev/shm does not exist (DataLoader workers need it)", fix)
+    if shm < SHM_WARN:
+        return Check(host, "shm", Status.WARN,
+                     f"/dev/shm is only {size(shm)}; DataLoader workers die with 'bus error' when it fills", fix)
+    return Check(host, "shm", Status.PASS, f"/dev/shm {size(shm)}")
+
+
+def _disk(host: str, facts: Facts) -> Check:
+    workdir = facts["workdir"]
+    if not facts["workdir_exists"]:
+        return Check(host, "disk", Status.FAIL, f"workdir {workdir} does not exist",
+                     "create it with the job's code in it, or fix `workdir:` in the inventory")
+    free = facts["disk_free_bytes"]
+    fix = f"free space in {workdir} (checkpoints and logs are written there)"
+    if free < DISK_FAIL:
+        return Check(host, "disk", Status.FAIL, f"only {size(free)} free in {workdir}", fix)
+    if free < DISK_WARN:
+        return Check(host, "disk", Status.WARN, f"only {size(free)} free in {workdir}", fix)
+    return Check(host, "disk", Status.PASS, f"{size(free)} free in {workdir}")
+
+
+def resource_checks(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> list[Check]:
+    return [_gpus(host, facts, spec, backend), _shm(host.name, facts), _disk(host.name, facts)]
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_checks(facts: dict[str, Facts], master: Host, addresses: dict[str, str], spec: JobSpec | None,
+                   backend: str | None) -> list[Check]:
+    """Every host resolves the master's address alike and not to loopback; own names not to loopback.
+
+    gloo advertises the address its hostname resolves to (first answer), so a Debian-style
+    `127.0.1.1 <hostname>` line makes peers connect to their own loopback (pytorch#73656).
+    """
+    master_view = facts.get(master.name, {}).get("master_resolves")
+    gloo_pinned = spec is not None and "GLOO_SOCKET_IFNAME" in spec.env
+    checks = []
+    for host, f in facts.items():
+        found: list[tuple[Status, str, str]] = []
+        seen = f["master_resolves"]
+        if isinstance(seen, str):
+            found.append((Status.FAIL, f"the master address {master.address} {seen}",
+                          f"use the master's IP address in the inventory, or fix DNS / /etc/hosts on {host}"))
+        elif _loopback(seen[0]):
+            found.append((Status.FAIL, f"resolves the master address {master.address} to {seen[0]} (loopback)",
+                          f"use the master's IP address in the inventory, or drop that /etc/hosts line on {host}"))
+        elif isinstance(master_view, list) and master_view and seen[0] != master_view[0]:
+            found.append((Status.FAIL, f"resolves {master.address} to {seen[0]} but {master.name} resolves it "
+                          f"to {master_view[0]}", "make DNS / /etc/hosts agree on every host, or use an IP address"))
+        own, name = f["self_resolves"], f["hostname"]
+        if not gloo_pinned and (isinstance(own, str) or _loopback(own[0])):
+            what = f"own hostname {name} " + (own if isinstance(own, str) else f"resolves to {own[0]} (loopback)")
+            status = Status.FAIL if backend == "gloo" else Status.WARN
+            found.append((status, f"{what}: gloo would advertise a loopback address that peers cannot reach",
+                          f"map {name} to {addresses.get(host, 'its network address')} in /etc/hosts on {host}, "
+                          f"or set GLOO_SOCKET_IFNAME in the job's env"))
+        if found:
+            worst = Status.FAIL if any(s is Status.FAIL for s, _, _ in found) else Status.WARN
+            checks.append(Check(host, "resolve", worst, "; ".join(t for _, t, _ in found),
+                                "; ".join(x for _, _, x in found), {"master": seen, "self": own}))
+        else:
+            own_text = "" if isinstance(own, str) else f"; own name {name} -> {own[0]}"
+            checks.append(Check(host, "resolve", Status.PASS, f"master {master.address} -> {seen[0]}{own_text}",
+                                None, {"master": seen, "self": own}))
+    return checks

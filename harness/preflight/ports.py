@@ -1,0 +1,145 @@
+"""Master port and data plane: real listeners on the hosts, real TCP connections between them.
+
+The master binds master_port (proving it is free) and every host binds one ephemeral port, the
+kind gloo and NCCL open for rank-to-rank traffic (nccl#388: MASTER_PORT alone proves little).
+Then every host connects to every other host's ephemeral port and the workers to master_port, all
+at once with a short timeout, so a firewall that drops packets costs seconds, and the report tells
+a drop (timeout) from a reject (refused) from a routing problem (no route).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from harness.preflight import netcheck
+from harness.preflight.remote import first_answer, on_hosts, run_script, start_script
+from harness.preflight.report import Check, Status
+from harness.ssh import Connection, RemoteProcess, RemoteTimeout
+
+CONNECT_TIMEOUT = 3.0
+MASTER = "master"
+
+_DESCRIBE = {
+    "timeout": "timed out after {timeout:g}s (a firewall drops the packets)",
+    "refused": "refused (a firewall rejects it, or nothing listens)",
+    "no_route": "no route to host (a firewall answers host-unreachable, or the address is wrong)",
+    "no_reply": "connected, but not to our listener (another service or a proxy in between?)",
+}
+
+
+def _describe(result: dict[str, Any], timeout: float) -> str:
+    template = _DESCRIBE.get(result["status"])
+    return template.format(timeout=timeout) if template else f"failed: {result['detail']}"
+
+
+def _listen(connection: Connection, ports: list[int], lifetime: float, timeout: float,
+            started: dict[str, RemoteProcess]) -> dict[str, Any]:
+    config = json.dumps({"ports": ports, "lifetime": lifetime})
+    process = start_script(connection, netcheck, ["listen", config], timeout=timeout)
+    started[connection.host.name] = process
+    return first_answer(process, timeout=timeout)
+
+
+def _stop(process: RemoteProcess, timeout: float) -> None:
+    """Closing stdin ends a listener; one that lingers is killed with its tree."""
+    try:
+        process.close_stdin()
+        process.wait(timeout)
+    except (RemoteTimeout, OSError, EOFError):
+        pass
+    finally:
+        process.close()
+
+
+def network_checks(connections: dict[str, Connection], master: str, master_port: int, *,
+                   timeout: float) -> list[Check]:
+    """master_port rows (free on the master, reached by each worker) and data_plane rows (per destination)."""
+    names = list(connections)
+    wait = min(CONNECT_TIMEOUT, timeout)
+    started: dict[str, RemoteProcess] = {}
+    try:
+        listening = on_hosts(lambda name: _listen(
+            connections[name], [0, master_port] if name == master else [0], 4 * timeout + 30, timeout, started,
+        ), names)
+        data_ports = {n: a["ports"][0]["port"] for n, a in listening.items() if isinstance(a, dict)}
+        master_answer = listening.get(master)
+        master_bound = isinstance(master_answer, dict) and master_answer["ports"][1]["error"] is None
+
+        def targets(source: str) -> list[dict[str, Any]]:
+            found = [{"id": dest, "address": connections[dest].peer_ip, "port": port}
+                     for dest, port in data_ports.items() if dest != source]
+            if master_bound and source != master:
+                found.append({"id": MASTER, "address": connections[master].peer_ip, "port": master_port})
+            return found
+
+        reached = on_hosts(lambda name: run_script(
+            connections[name], netcheck, ["connect", json.dumps({"targets": targets(name), "timeout": wait})],
+            timeout=timeout + wait,
+        ), names)
+    finally:
+        on_hosts(lambda name: _stop(started[name], timeout), list(started))
+    results = {source: {r["id"]: r for r in answer["results"]} for source, answer in reached.items()
+               if isinstance(answer, dict)}
+    rows = [_master_row(master, master_port, master_answer)]
+    rows += [_worker_row(name, master, master_port, master_bound, reached[name], results, connections, wait)
+             for name in names if name != master]
+    ephemeral = master_answer.get("ephemeral_range") if isinstance(master_answer, dict) else None
+    rows += [_data_row(name, listening[name], reached[name], results, data_ports, connections, wait, ephemeral)
+             for name in names]
+    order = {name: i for i, name in enumerate(names)}
+    return sorted(rows, key=lambda c: (order[c.host], c.name != "master_port"))
+
+
+def _master_row(master: str, port: int, answer: dict[str, Any] | Exception | None) -> Check:
+    if not isinstance(answer, dict):
+        return Check(master, "master_port", Status.FAIL, f"could not start a test listener: {answer}",
+                     "see the fingerprint row: the host's python must run")
+    error = answer["ports"][1]["error"]
+    if error == "in use":
+        return Check(master, "master_port", Status.FAIL, f"port {port} is already in use on {master}",
+                     f"stop what listens there (`ss -ltnp 'sport = :{port}'` names it) or set another master_port")
+    if error:
+        return Check(master, "master_port", Status.FAIL, f"cannot listen on port {port}: {error}",
+                     "pick a master_port >= 1024 that the job's user may bind")
+    return Check(master, "master_port", Status.PASS, f"port {port} is free on {master} (test listener bound)")
+
+
+def _worker_row(source: str, master: str, port: int, master_bound: bool, answer: Any,
+                results: dict[str, dict[str, dict[str, Any]]], connections: dict[str, Connection],
+                wait: float) -> Check:
+    if not isinstance(answer, dict):
+        return Check(source, "master_port", Status.FAIL, f"could not run the connection test: {answer}",
+                     "see the fingerprint row: the host's python must run")
+    if not master_bound:
+        return Check(source, "master_port", Status.SKIP, f"not tested: port {port} is not available on {master}")
+    result = results[source][MASTER]
+    where = f"{source} -> {master} {connections[master].peer_ip}:{port}"
+    if result["status"] == "ok":
+        return Check(source, "master_port", Status.PASS, f"{where} connected in {result['ms']:g} ms")
+    return Check(source, "master_port", Status.FAIL, f"{where} {_describe(result, wait)}",
+                 f"allow tcp {port} into {master} from {source} (e.g. `iptables -I INPUT -p tcp --dport {port} "
+                 f"-j ACCEPT` on {master}, or the cloud security group)", result)
+
+
+def _data_row(dest: str, listening: Any, own: Any, results: dict[str, dict[str, dict[str, Any]]],
+              data_ports: dict[str, int], connections: dict[str, Connection], wait: float,
+              ephemeral: list[int] | None) -> Check:
+    problems = []
+    if not isinstance(listening, dict):
+        problems.append(f"could not start a test listener on {dest}: {listening}")
+    if not isinstance(own, dict):
+        problems.append(f"could not run the connection test from {dest}: {own}")
+    sources = [s for s in results if dest in results[s]]
+    failed = [(s, results[s][dest]) for s in sources if results[s][dest]["status"] != "ok"]
+    port = data_ports.get(dest)
+    problems += [f"{s} -> {dest} {connections[dest].peer_ip}:{port} {_describe(r, wait)}" for s, r in failed]
+    if problems:
+        span = f"{ephemeral[0]}-{ephemeral[1]}" if ephemeral else "32768-60999"
+        return Check(dest, "data_plane", Status.FAIL, "; ".join(problems),
+                     f"allow tcp from the other hosts into {dest} on the ephemeral ports {span}, where gloo and "
+                     f"NCCL listen (not only master_port), e.g. `iptables -I INPUT -p tcp -s <cluster subnet> "
+                     f"-j ACCEPT` on {dest}", {"failed": [{"source": s, **r} for s, r in failed]})
+    if not sources:
+        return Check(dest, "data_plane", Status.SKIP, "no other host to connect from")
+    return Check(dest, "data_plane", Status.PASS, f"ephemeral port {port} reached from {', '.join(sources)}")

@@ -1,0 +1,191 @@
+"""Remote probe: everything preflight needs to know about one host, gathered in one run.
+
+Runs on the host with the inventory's `python:` (stdlib only: the host may lack the harness, even
+torch) and prints one JSON answer after the marker given as argv[1]; argv[2] is its JSON config:
+import_torch (authoritative NCCL version and torch's own GPU count, at the price of importing
+torch), workdir, entrypoint ({"module": ...} or {"script": ...} or null), master_address.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+MISSING = "missing"
+NONE = "none"
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return MISSING
+
+
+def _find_spec(name: str) -> Any:
+    """find_spec that reports any failure (also one raised by a parent package) as not found."""
+    try:
+        return importlib.util.find_spec(name)
+    except Exception:  # noqa: BLE001 - importing a parent package can raise anything
+        return None
+
+
+def _torch_files() -> dict[str, str]:
+    """torch's version.py read without importing torch (seconds saved on every fast preflight)."""
+    spec = _find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return {"torch": MISSING, "torch_git": MISSING, "cuda": MISSING}
+    namespace: dict[str, Any] = {}
+    version_file = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+    exec(compile(version_file.read_text(), str(version_file), "exec"), namespace)  # noqa: S102 - torch's own file
+    return {"torch": str(namespace.get("__version__")), "torch_git": str(namespace.get("git_version")),
+            "cuda": str(namespace.get("cuda") or NONE)}
+
+
+def _nccl_from_library(cuda: str) -> str:
+    """ncclGetVersion from the libnccl a pip torch loads (nvidia/nccl/lib), without importing torch."""
+    if cuda in (NONE, MISSING):
+        return NONE
+    spec = _find_spec("nvidia.nccl")
+    if spec is None or not spec.submodule_search_locations:
+        return "unknown"
+    library = Path(list(spec.submodule_search_locations)[0]) / "lib" / "libnccl.so.2"
+    try:
+        version = ctypes.c_int()
+        ctypes.CDLL(str(library)).ncclGetVersion(ctypes.byref(version))
+    except OSError:
+        return "unknown"
+    code = version.value
+    major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
+    minor, patch = divmod(rest, 100)
+    return f"{major}.{minor}.{patch}"
+
+
+def _torch_imported() -> dict[str, Any]:
+    try:
+        import torch  # noqa: PLC0415 - only in the full probe
+    except Exception as exc:  # noqa: BLE001 - a broken torch install is a finding, not a crash
+        return {"torch_import_error": f"{type(exc).__name__}: {exc}"}
+    try:
+        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001 - CPU builds have no NCCL
+        nccl = NONE
+    return {"nccl": nccl, "torch_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
+def _harness_version() -> str:
+    """The version of the harness that `python -m` in the workdir would import (checkout or install)."""
+    spec = _find_spec("harness")
+    if spec is None or not spec.origin:
+        return MISSING
+    match = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", Path(spec.origin).read_text())
+    return match.group(1) if match else "unknown"
+
+
+def _nvidia_smi(*query: str) -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True,
+                         text=True, timeout=20, check=True).stdout
+    return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def _gpus() -> dict[str, Any]:
+    if shutil.which("nvidia-smi") is None:
+        return {"gpus": 0, "driver": NONE, "gpu_names": [], "gpu_processes": []}
+    try:
+        rows = _nvidia_smi("--query-gpu=index,name,uuid,driver_version")
+        apps = _nvidia_smi("--query-compute-apps=pid,process_name,used_memory,gpu_uuid")
+    except (subprocess.SubprocessError, OSError) as exc:
+        return {"gpus": 0, "driver": "unknown", "gpu_names": [], "gpu_processes": [],
+                "gpu_error": f"nvidia-smi failed: {exc}"}
+    index_of = {row[2]: row[0] for row in rows}
+    return {
+        "gpus": len(rows),
+        "driver": rows[0][3] if rows else NONE,
+        "gpu_names": [row[1] for row in rows],
+        "gpu_processes": [{"pid": int(a[0]), "name": a[1], "used_mib": a[2], "gpu": index_of.get(a[3], a[3])}
+                          for a in apps if len(a) >= 4],
+    }
+
+
+def _addresses(name: str) -> list[str] | str:
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        return f"does not resolve ({exc})"
+    return list(dict.fromkeys(info[4][0] for info in infos))  # resolver order: connections use the first
+
+
+def _payload(entrypoint: dict[str, str] | None, workdir: str) -> dict[str, str] | None:
+    """sha256 of the job's script, or of the module's source file as `python -m` in workdir finds it."""
+    if not entrypoint:
+        return None
+    if entrypoint.get("script"):
+        target = entrypoint["script"]
+        path = Path(workdir, os.path.expanduser(target))
+    else:
+        target = entrypoint["module"]
+        spec = _find_spec(target)
+        if spec is not None and spec.submodule_search_locations:
+            spec = _find_spec(f"{target}.__main__")
+        if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+            return {"target": target, "error": f"module {target} is not importable from {workdir}"}
+        path = Path(spec.origin)
+    if not path.is_file():
+        return {"target": target, "error": f"{path} does not exist"}
+    return {"target": target, "path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def _space(path: str) -> int | None:
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def probe(config: dict[str, Any]) -> dict[str, Any]:
+    workdir = os.path.expanduser(config.get("workdir") or "~")
+    workdir_ok = os.path.isdir(workdir)
+    if workdir_ok:
+        os.chdir(workdir)
+        sys.path.insert(0, workdir)  # what `python -m` started in the workdir sees
+    facts: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        **_torch_files(),
+        "torchvision": _dist_version("torchvision"),
+        "harness": _harness_version(),
+        **_gpus(),
+        "workdir": workdir,
+        "workdir_exists": workdir_ok,
+        "disk_free_bytes": _space(workdir) if workdir_ok else None,
+        "shm_bytes": None,
+        "payload": _payload(config.get("entrypoint"), workdir) if workdir_ok else None,
+        "master_resolves": _addresses(config["master_address"]),
+        "self_resolves": _addresses(socket.gethostname()),
+    }
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        stat = os.statvfs(shm)
+        facts["shm_bytes"] = stat.f_blocks * stat.f_frsize
+    facts["nccl"] = _nccl_from_library(facts["cuda"])
+    if config.get("import_torch") and facts["torch"] != MISSING:
+        facts.update(_torch_imported())
+    return facts
+
+
+if __name__ == "__main__":
+    print(sys.argv[1] + json.dumps(probe(json.loads(sys.argv[2]))), flush=True)

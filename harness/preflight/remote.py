@@ -1,0 +1,96 @@
+"""Run this package's self-contained scripts (probe, netcheck) on a host and read their JSON answer.
+
+The script's source travels in the command line (`python -c`), so the host needs no harness install
+and its stdin stays free (netcheck's listener serves until stdin closes). The answer is the one
+stdout line after a marker, so whatever else the host prints (warnings, banners) does not matter.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import ModuleType
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from harness.errors import HarnessError
+from harness.ssh import CommandResult, Connection, RemoteProcess, RemoteTimeout
+
+MARKER = "HARNESS_PREFLIGHT_ANSWER="
+TORCH_TIMEOUT_FACTOR = 6  # steps that import torch (full probe, collective) get this many `timeout`s
+T = TypeVar("T")
+
+
+class ScriptError(HarnessError):
+    """A remote script did not answer: the host's python is missing, crashed, or ran out of time."""
+
+
+def _command(connection: Connection, script: ModuleType, args: list[str]) -> str:
+    source = Path(script.__file__ or "").read_text(encoding="utf-8")
+    return connection.python_command(source, [MARKER, *args])
+
+
+def answer_in(text: str) -> dict[str, Any] | None:
+    """The JSON answer in a script's output, if it printed one (torchrun may prefix the line)."""
+    for line in text.splitlines():
+        start = line.find(MARKER)
+        if start >= 0:
+            return json.loads(line[start + len(MARKER):])
+    return None
+
+
+def on_hosts(work: Callable[[str], T], names: Iterable[str]) -> dict[str, T | Exception]:
+    """work(name) for every host at once; a host's exception becomes its result, not everyone's."""
+    names = list(names)
+
+    def guarded(name: str) -> T | Exception:
+        try:
+            return work(name)
+        except Exception as exc:  # noqa: BLE001 - reported per host by the caller
+            return exc
+
+    if not names:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(len(names), 64)) as pool:
+        return dict(zip(names, pool.map(guarded, names)))
+
+
+def failure(connection: Connection, result: CommandResult) -> ScriptError:
+    """Why a script gave no answer, in one line: the last thing it said on stderr and its exit status."""
+    lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+    said = lines[-1] if lines else "no output"
+    hint = " (is `python:` in the inventory right?)" if result.status in (126, 127) else ""
+    return ScriptError(f"{connection.host.python} on {connection.host.name} exited {result.status}: {said}{hint}")
+
+
+def run_script(connection: Connection, script: ModuleType, args: list[str], *, timeout: float) -> dict[str, Any]:
+    """Run script to completion and return its answer, or raise ScriptError saying why there is none."""
+    try:
+        result = connection.run(_command(connection, script, args), timeout=timeout)
+    except RemoteTimeout as exc:
+        raise ScriptError(f"{connection.host.name}: {script.__name__} gave no answer within {timeout:g}s") from exc
+    answer = answer_in(result.stdout)
+    if answer is None:
+        raise failure(connection, result)
+    return answer
+
+
+def start_script(connection: Connection, script: ModuleType, args: list[str], *, timeout: float) -> RemoteProcess:
+    """Start a script that answers and then keeps running (until its stdin closes)."""
+    return connection.start(_command(connection, script, args), timeout=timeout)
+
+
+def first_answer(process: RemoteProcess, *, timeout: float) -> dict[str, Any]:
+    """Read a started script's answer line, or raise ScriptError with what it said instead."""
+    connection = process.connection
+    deadline = time.monotonic() + timeout
+    try:
+        while (line := process.read_line(max(0.0, deadline - time.monotonic()))) is not None:
+            answer = answer_in(line)
+            if answer is not None:
+                return answer
+    except RemoteTimeout as exc:
+        raise ScriptError(f"{connection.host.name}: no answer within {timeout:g}s") from exc
+    raise failure(connection, process.wait(timeout))

@@ -1,0 +1,141 @@
+"""run_preflight: connect to every host at once, probe, compare, test the network, optionally all_reduce.
+
+One SSH connection per host serves every check on it. Phases run on all hosts in parallel and
+each has a deadline: connect and network steps `timeout`, the probe `timeout` (fast) or
+6 x `timeout` (full: it imports torch), the collective 6 x `timeout`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.errors import UsageError
+from harness.inventory import Host, Inventory
+from harness.preflight import probe
+from harness.preflight.checks import fingerprint_checks, job_backend, resource_checks, resolve_checks
+from harness.preflight.collective import collective_checks
+from harness.preflight.ports import network_checks
+from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, on_hosts, run_script
+from harness.preflight.report import Check, Report, Status
+from harness.spec import JobSpec
+from harness.ssh import Connection, SSHConnectError, connect
+
+DEFAULT_MASTER_PORT: int = JobSpec.model_fields["master_port"].default
+
+
+def hosts_for(inventory: Inventory, spec: JobSpec | None) -> list[Host]:
+    """The hosts the job runs on (master first), or every host when there is no job."""
+    hosts = inventory.ordered_hosts()
+    if spec is None:
+        return hosts
+    if len(hosts) < spec.nnodes:
+        raise UsageError(f"{inventory.path}: the job needs nnodes={spec.nnodes} hosts but the inventory lists "
+                         f"{len(hosts)}; add hosts or lower nnodes")
+    return hosts[: spec.nnodes]
+
+
+def _ssh_row(host: Host, result: Connection | Exception, seconds: float) -> Check:
+    if isinstance(result, SSHConnectError):
+        return Check(host.name, "ssh", Status.FAIL, result.reason, result.fix, {"kind": result.kind})
+    if isinstance(result, Exception):
+        return Check(host.name, "ssh", Status.FAIL, f"{type(result).__name__}: {result}", None, {"kind": "error"})
+    key = (f"new host key {result.new_host_key} added to known_hosts" if result.new_host_key
+           else "host key verified")
+    user = host.user or result.transport.get_username()
+    return Check(host.name, "ssh", Status.PASS, f"{user}@{host.address}:{host.port} in {seconds:.2f}s, {key}")
+
+
+def _probe(connection: Connection, master: Host, spec: JobSpec | None, fast: bool, timeout: float) -> dict[str, Any]:
+    entry = spec.entrypoint if spec else None
+    config = {
+        "import_torch": not fast,
+        "workdir": connection.host.workdir,
+        "entrypoint": ({"module": entry.module} if entry.module else {"script": entry.script}) if entry else None,
+        "master_address": master.address,
+    }
+    limit = timeout if fast else timeout * TORCH_TIMEOUT_FACTOR
+    return run_script(connection, probe, [json.dumps(config)], timeout=limit)
+
+
+def run_preflight(inventory: Inventory, spec: JobSpec | None = None, *, known_hosts: Path | str | None = None,
+                  accept_new_host_keys: bool = False, collective: bool = False, fast: bool = False,
+                  timeout: float = 10.0) -> Report:
+    """Check that the hosts can run the job. fast: only what is cheap before every launch (no torch
+    import, no collective). The Report says per host and check: pass, warn, fail or skip, and why."""
+    started = time.monotonic()
+    hosts = hosts_for(inventory, spec)
+    unused = [h.name for h in inventory.hosts if h not in hosts]
+    by_name = {h.name: h for h in hosts}
+    master = inventory.master_host()
+    report = Report(
+        hosts=[{"name": h.name, "address": h.address, "master": h.name == master.name} for h in hosts],
+        job=({"name": spec.name, "backend": spec.backend, "nnodes": spec.nnodes, "master_port": spec.master_port}
+             if spec else None),
+    )
+
+    def attempt(name: str) -> tuple[Connection | Exception, float]:
+        begun = time.monotonic()
+        try:
+            result: Connection | Exception = connect(by_name[name], known_hosts=known_hosts,
+                                                     accept_new_host_keys=accept_new_host_keys, timeout=timeout)
+        except SSHConnectError as exc:
+            result = exc
+        return result, time.monotonic() - begun
+
+    if unused:
+        report.notes.append(f"not checked: {', '.join(unused)} (the job runs on {len(hosts)} hosts)")
+    if collective and fast:
+        report.notes.append("collective not run: fast mode")
+    attempts = on_hosts(attempt, by_name)
+    connections = {n: a[0] for n, a in attempts.items() if isinstance(a, tuple) and isinstance(a[0], Connection)}
+    try:
+        for name, outcome in attempts.items():
+            result, seconds = outcome if isinstance(outcome, tuple) else (outcome, 0.0)
+            report.checks.append(_ssh_row(by_name[name], result, seconds))
+        _checks(report, connections, inventory, master, spec, collective=collective and not fast, fast=fast,
+                timeout=timeout)
+    finally:
+        for connection in connections.values():
+            connection.close()
+    order = {h.name: i for i, h in enumerate(hosts)}
+    report.checks.sort(key=lambda c: order[c.host])  # stable: checks keep their phase order per host
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _checks(report: Report, connections: dict[str, Connection], inventory: Inventory, master: Host,
+            spec: JobSpec | None, *, collective: bool, fast: bool, timeout: float) -> None:
+    probed = on_hosts(lambda name: _probe(connections[name], master, spec, fast, timeout), connections)
+    facts = {name: answer for name, answer in probed.items() if isinstance(answer, dict)}
+    for name, answer in probed.items():
+        if not isinstance(answer, dict):
+            report.checks.append(Check(name, "fingerprint", Status.FAIL, f"probe failed: {answer}",
+                                       "set `python:` in the inventory to an interpreter that runs on the host"))
+    report.facts = facts
+    rows, report.fingerprint, report.mismatched = fingerprint_checks(facts, master.name)
+    report.checks += rows
+    backend = job_backend(spec, facts)
+    hosts = {h.name: h for h in inventory.hosts}
+    for name, found in facts.items():
+        report.checks += resource_checks(hosts[name], found, spec, backend)
+    addresses = {name: connection.peer_ip for name, connection in connections.items()}
+    report.checks += resolve_checks(facts, master, addresses, spec, backend)
+    if spec is None:
+        report.notes.append("no job given: payload, GPU needs and the backend are not checked")
+    report.notes.append("dataset not checked: the job spec has no dataset key")
+    master_port = spec.master_port if spec else DEFAULT_MASTER_PORT
+    reachable = {name: connections[name] for name in facts}
+    if master.name in reachable:
+        report.checks += network_checks(reachable, master.name, master_port, timeout=timeout)
+    else:
+        report.checks += [Check(name, "master_port", Status.SKIP, f"not tested: no probe of the master {master.name}")
+                          for name in reachable]
+    if collective:
+        if report.failures or len(reachable) < len(report.hosts):
+            report.checks += [Check(h["name"], "collective", Status.SKIP, "not run: fix the failures above first")
+                              for h in report.hosts]
+        else:
+            report.checks += collective_checks(connections, inventory, spec, addresses[master.name], timeout=timeout)

@@ -1,0 +1,88 @@
+"""SSH launch on real hosts: sshd in network namespaces, torchrun + gloo across them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from cluster import Cluster
+from conftest import assert_nothing_left, ddp_job, leftover
+
+
+def ssh_args(cluster: Cluster, tmp_path: Path, *extra: str) -> list[str]:
+    hosts = cluster.write_inventory(tmp_path / "hosts.yaml")
+    return ["--hosts", str(hosts), "--known-hosts", str(cluster.known_hosts), *extra]
+
+
+def worker_pid(run_id: str, rank: int) -> int:
+    """The training process of a global rank (torchrun sets RANK only in its workers)."""
+    for pid in leftover(run_id):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} in run {run_id}")
+
+
+def test_two_hosts_train_over_gloo(cluster2, write_yaml, launch, tmp_path):
+    run = launch(ddp_job(write_yaml, STEPS="10"), *ssh_args(cluster2, tmp_path))
+    assert run.finish() == 0, run.output
+    assert re.search(r"\[node0\] \[rank0\]: rank 0/2 up on h1;", run.output), run.output
+    assert re.search(r"\[node1\] \[rank1\]: rank 1/2 up on h2;", run.output), run.output
+    weights = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", run.output)
+    assert sorted(r for r, _ in weights) == ["0", "1"] and len({w for _, w in weights}) == 1
+    plan = (run.runs_dir / run.run_id / "plan.json").read_text()
+    assert f'"MASTER_ADDR": "{cluster2.hosts[0].address}"' in plan
+    assert run.summary()["status"] == "succeeded"
+    assert_nothing_left(run.run_id)
+
+
+def test_sigkill_of_a_worker_stops_the_other_host_within_5_s(cluster2, write_yaml, launch, tmp_path):
+    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05", HANG_AT_STEP="150"),
+                 *ssh_args(cluster2, tmp_path))
+    run.wait_for(r"\[rank0\]: step 5 ")
+    os.kill(worker_pid(run.run_id, 1), signal.SIGKILL)
+    assert run.finish(timeout=30) == 1, run.output
+    summary = run.summary()
+    failure = summary["first_failure"]
+    assert (failure["host"], failure["node_rank"], failure["rank"], failure["rank_exit_code"]) == ("h2", 1, 1, -9)
+    first_end = summary["started_at"] + failure["after_s"]
+    last_end = max(summary["started_at"] + n["duration_s"] for n in summary["nodes"])
+    assert last_end - first_end < 5.0, summary
+    assert_nothing_left(run.run_id, within=2.0)
+
+
+def test_ctrl_c_leaves_no_process_on_any_host(cluster2, write_yaml, launch, tmp_path):
+    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
+    run.wait_for(r"\[rank1\]: ")
+    run.wait_for(r"\[rank0\]: step 5 ")
+    assert {p for p in leftover(run.run_id)} & set(cluster2.pids("h2"))  # really running on h2
+    run.proc.send_signal(signal.SIGINT)
+    assert run.finish(timeout=20) == 130, run.output
+    assert_nothing_left(run.run_id, within=2.0)
+
+
+def test_dead_controller_stops_the_remote_nodes(cluster2, write_yaml, launch, tmp_path):
+    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
+    run.wait_for(r"\[rank0\]: step 5 ")
+    os.killpg(run.proc.pid, signal.SIGKILL)
+    run.finish()
+    assert_nothing_left(run.run_id, within=10.0)
+
+
+def test_unreachable_host_fails_before_anything_starts(cluster2, write_yaml, launch, tmp_path):
+    hosts = tmp_path / "hosts.yaml"
+    cluster2.write_inventory(hosts, hosts=["h1"], extra=[{"name": "ghost", "address": cluster2.unused_address}])
+    started = time.monotonic()
+    run = launch(ddp_job(write_yaml), "--hosts", str(hosts), "--known-hosts", str(cluster2.known_hosts),
+                 "--skip-preflight")
+    assert run.finish(timeout=60) == 1, run.output
+    assert time.monotonic() - started < 30
+    assert "ghost" in run.output
+    if match := re.search(r"harness: run (\S+): ", run.output):
+        assert_nothing_left(match.group(1))

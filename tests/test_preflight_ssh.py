@@ -1,0 +1,128 @@
+"""harness.ssh against real sshd hosts: commands, deadlines, and every class of connection failure."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import Cluster
+from harness.render import remote_command
+from harness.ssh import RemoteTimeout, SSHConnectError, connect
+
+
+def _connect(cluster: Cluster, name: str = "h1", *, known_hosts: Path | None = None, timeout: float = 5.0,
+             accept: bool = False, **overrides: object):
+    return connect(cluster.inventory_host(name, **overrides), known_hosts=known_hosts or cluster.known_hosts,
+                   accept_new_host_keys=accept, timeout=timeout)
+
+
+def _failure(cluster: Cluster, name: str = "h1", **kwargs: object) -> SSHConnectError:
+    with pytest.raises(SSHConnectError) as caught:
+        _connect(cluster, name, **kwargs)
+    return caught.value
+
+
+def test_commands_python_and_env_on_one_connection(cluster2: Cluster) -> None:
+    with _connect(cluster2, "h2") as conn:
+        assert conn.run("hostname", timeout=10) == (0, "h2\n", "")
+        assert conn.run("cat; echo done >&2", stdin="piped", timeout=10) == (0, "piped", "done\n")
+        assert conn.run_python("import sys; print(sys.argv[1]); sys.exit(3)", ["arg"], timeout=10) == (3, "arg\n", "")
+        line = remote_command(["sh", "-c", 'echo "$GREETING"; pwd'], env={"GREETING": "a 'b' c"}, workdir="/tmp")
+        assert conn.run(line, timeout=10) == (0, "a 'b' c\n/tmp\n", "")
+        assert conn.peer_ip == cluster2.host("h2").address
+
+
+def test_overrun_command_is_stopped_with_its_whole_tree(cluster2: Cluster) -> None:
+    def sleepers() -> list[int]:
+        found = []
+        for pid in cluster2.pids("h1"):
+            try:
+                if b"31.4" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    with _connect(cluster2) as conn:
+        started = time.monotonic()
+        with pytest.raises(RemoteTimeout, match="did not finish within 1s") as caught:
+            conn.run("echo started; sleep 31.41 & sleep 31.42", timeout=1)
+        assert time.monotonic() - started < 6
+        assert caught.value.stdout == "started\n"
+    deadline = time.monotonic() + 5
+    while sleepers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sleepers() == []
+
+
+def test_refused(cluster2: Cluster) -> None:
+    error = _failure(cluster2, port=2223)
+    assert error.kind == "refused"
+    assert f"{cluster2.host('h1').address}:2223 refused the connection" in str(error)
+
+
+def test_timeout_when_a_firewall_drops_ssh(cluster2: Cluster) -> None:
+    with cluster2.firewall("h2", "-p", "tcp", "--dport", "22", "-j", "DROP"):
+        started = time.monotonic()
+        error = _failure(cluster2, "h2", timeout=1.5)
+    assert time.monotonic() - started < 3
+    assert error.kind == "timeout"
+    assert f"no answer from {cluster2.host('h2').address}:22 within 1.5s (a firewall drops the packets" in str(error)
+
+
+def test_no_route_to_an_address_without_a_host(cluster2: Cluster) -> None:
+    error = _failure(cluster2, address=cluster2.unused_address)
+    assert error.kind == "no_route"
+    assert f"no route to {cluster2.unused_address} (No route to host)" in str(error)
+
+
+def test_dns_failure_is_told_apart(cluster2: Cluster) -> None:
+    script = (
+        "from harness.inventory import Host\nfrom harness.ssh import connect, SSHConnectError\n"
+        "try:\n    connect(Host(name='x', address='no-such-host.invalid'), known_hosts='/dev/null', timeout=3)\n"
+        "except SSHConnectError as e:\n    print(e.kind, e, sep='|')\n"
+    )
+    out = cluster2.exec("h1", [sys.executable, "-c", script]).stdout  # the host's resolver only asks loopback
+    kind, message = out.strip().split("|")
+    assert kind == "dns"
+    assert "cannot resolve 'no-such-host.invalid'" in message and "use an IP address" in message
+
+
+def test_rejected_and_missing_keys(cluster2: Cluster) -> None:
+    stranger = cluster2.new_client_key("stranger_key")
+    error = _failure(cluster2, identity_file=str(stranger))
+    assert error.kind == "auth"
+    assert f"root@{cluster2.host('h1').address}:22 rejected key {stranger}" in str(error)
+    error = _failure(cluster2, identity_file="/nonexistent/id_ed25519")
+    assert error.kind == "auth"
+    assert "identity file /nonexistent/id_ed25519 does not exist" in str(error)
+
+
+def test_changed_host_key_is_refused(cluster2: Cluster, tmp_path: Path) -> None:
+    wrong = tmp_path / "known_hosts"
+    wrong.write_text(f"{cluster2.host('h1').address} {cluster2.host('h2').host_key}\n")
+    error = _failure(cluster2, known_hosts=wrong)
+    assert error.kind == "hostkey_mismatch"
+    assert f"host key for {cluster2.host('h1').address} does not match {wrong}" in str(error)
+    assert f"ssh-keygen -f {wrong} -R '{cluster2.host('h1').address}'" in str(error)
+
+
+def test_unknown_host_key_is_refused_unless_accepting_new_keys(cluster2: Cluster, tmp_path: Path) -> None:
+    known = tmp_path / "ssh" / "known_hosts"
+    address = cluster2.host("h1").address
+    error = _failure(cluster2, known_hosts=known, port=2222)
+    assert error.kind == "hostkey_unknown"
+    assert f"ssh-keyscan -p 2222 {address} >> {known}` or pass --accept-new-host-keys" in str(error)
+    assert not known.exists()
+    with _connect(cluster2, known_hosts=known, accept=True, port=2222) as conn:
+        assert conn.new_host_key is not None and conn.new_host_key.startswith("SHA256:")
+    assert known.read_text() == f"[{address}]:2222 {cluster2.host('h1').host_key}\n"
+    assert oct(known.stat().st_mode & 0o777) == "0o600"
+    with _connect(cluster2, known_hosts=known, port=2222) as conn:
+        assert conn.new_host_key is None
+    assert _failure(cluster2, known_hosts=known).kind == "hostkey_unknown"  # port 22 is another entry
+    assert os.environ.get("HOME") is None or not Path("~/.ssh/known_hosts").expanduser().exists()
