@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from cluster import Cluster
-from conftest import assert_nothing_left, ddp_job, leftover
+from conftest import assert_nothing_left, ddp_job, harness, leftover
 
 
 def ssh_args(cluster: Cluster, tmp_path: Path, *extra: str) -> list[str]:
@@ -86,3 +86,30 @@ def test_unreachable_host_fails_before_anything_starts(cluster2, write_yaml, lau
     assert "ghost" in run.output
     if match := re.search(r"harness: run (\S+): ", run.output):
         assert_nothing_left(match.group(1))
+
+
+def test_dropped_connection_stops_the_run(cluster2, write_yaml, launch, tmp_path):
+    """Kill the sshd process serving h2's session: h1 is stopped, h2's agent ends its node itself."""
+    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
+    run.wait_for(r"\[rank0\]: step 5 ")
+    listener = cluster2.host("h2").sshd
+    assert listener is not None
+    sessions = [pid for pid in cluster2.pids("h2")
+                if pid != listener.pid and Path(f"/proc/{pid}/comm").read_text().strip().startswith("sshd")]
+    assert sessions, "no sshd session process found on h2"
+    for pid in sessions:
+        os.kill(pid, signal.SIGKILL)
+    assert run.finish(timeout=30) == 1, run.output
+    failure = run.summary()["first_failure"]
+    assert failure["host"] == "h2" and "connection to h2" in failure["description"], failure
+    assert_nothing_left(run.run_id, within=5.0)
+
+
+def test_stop_from_another_terminal_reaches_every_host(cluster2, write_yaml, launch, tmp_path):
+    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
+    run.wait_for(r"\[rank1\]: ")
+    stopped = harness("stop", run.run_id, "--runs-dir", str(run.runs_dir))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert run.finish(timeout=20) == 130
+    assert run.summary()["status"] == "stopped"
+    assert_nothing_left(run.run_id, within=2.0)
