@@ -10,7 +10,15 @@ APT_PACKAGES := openssh-server openssh-client iproute2 iptables
 JOB ?=
 HOSTS ?=
 
-.PHONY: setup system-packages test launch render k8s lock clean
+# The container image (docker/): REF = $(REGISTRY)/$(IMAGE):$(TAG); IMAGE_FLAGS go to the build.
+REGISTRY ?= ghcr.io/example
+IMAGE ?= harness
+TAG ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' harness/__init__.py)
+IMAGE_FLAGS ?=
+# The real image test builds and runs the image with buildah (no daemon) on a debootstrap base.
+IMAGE_TEST_PACKAGES := buildah debootstrap
+
+.PHONY: setup system-packages test launch render k8s image push image-test lock clean
 
 setup: system-packages $(STAMP)
 
@@ -39,9 +47,21 @@ render: setup
 k8s: setup
 	$(BIN)/harness render $(or $(JOB),jobs/cifar.yaml) --target k8s --out k8s
 
-# Re-pin the full dependency closure after changing a pin in pyproject.toml.
+image:
+	docker/image.sh build $(REGISTRY)/$(IMAGE):$(TAG) $(IMAGE_FLAGS)
+
+push: image
+	docker/image.sh push $(REGISTRY)/$(IMAGE):$(TAG)
+
+# Build docker/Dockerfile for real and run jobs/smoke.yaml inside the image (root; ~7 min cold,
+# ~30 s warm; cache in /var/tmp/harness-image-cache, `rm -rf` it to reset).
+image-test: setup
+	@$(MAKE) --no-print-directory system-packages APT_PACKAGES="$(IMAGE_TEST_PACKAGES)"
+	tests/image/run.sh
+
+# Re-pin the full dependency closure (pip and setuptools included) after changing a pin in pyproject.toml.
 lock: $(STAMP)
-	$(BIN)/pip freeze --exclude-editable --disable-pip-version-check | sort > requirements.lock
+	$(BIN)/pip freeze --all --exclude-editable --disable-pip-version-check | sort > requirements.lock
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

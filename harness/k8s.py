@@ -20,6 +20,7 @@ MAX_NAME = 63
 WORKDIR = "/workspace"
 SPEC_DIR = "/etc/harness"
 CONTAINER = "torchrun"
+IMAGE_UID = 1000  # docker/Dockerfile's user; fsGroup makes the shared volume writable for it
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 _RANK_SENTINEL = "\0node-rank\0"
 # Pod 0 serves the rendezvous store; the others wait for its port, then torchrun replaces the shell
@@ -148,6 +149,8 @@ def render_manifests(spec: JobSpec, spec_text: str) -> list[dict[str, Any]]:
                 "spec": {
                     "subdomain": names["service"],
                     "restartPolicy": "Never",
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID,
+                                        "fsGroup": IMAGE_UID},
                     "containers": [_container(spec, names, nproc)],
                     "volumes": [
                         {"name": "dshm", "emptyDir": shm},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from harness.container import container_argv, remove_argv
 from harness.errors import UsageError
 from harness.inventory import Host, Inventory
 from harness.spec import JobSpec
@@ -31,6 +32,7 @@ class NodePlan:
     env: dict[str, str]
     workdir: str | None = None
     ssh: Host | None = field(default=None, compare=False)
+    cleanup: tuple[str, ...] = ()  # run on the host after a forced stop (e.g. remove the node's container)
 
     @property
     def ranks(self) -> range:
@@ -67,7 +69,7 @@ class Plan:
             "world_size": self.world_size,
             "nodes": [
                 {"host": n.host, "address": n.address, "node_rank": n.node_rank, "ranks": list(n.ranks),
-                 "workdir": n.workdir, "argv": list(n.argv), "env": dict(n.env)}
+                 "workdir": n.workdir, "argv": list(n.argv), "env": dict(n.env), "cleanup": list(n.cleanup)}
                 for n in self.nodes
             ],
         }
@@ -137,6 +139,9 @@ def plan_local(spec: JobSpec, *, run_id: str, python: str, local_gpus: int, log_
 
     log_dir keeps torchrun's per-worker files inside the run directory instead of /tmp.
     """
+    if spec.container:
+        raise UsageError("container: true runs nodes in the image over SSH (--hosts); simulated nodes run "
+                         "here directly (or run harness itself in the image, see README)")
     nproc = resolve_nproc(spec, [local_gpus] * spec.nnodes, ["this machine"] * spec.nnodes)
     nodes = tuple(
         NodePlan(
@@ -165,14 +170,21 @@ def plan_hosts(spec: JobSpec, inventory: Inventory, *, run_id: str, master_ip: s
         )
     hosts = hosts[: spec.nnodes]
     nproc = resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
-    nodes = tuple(
-        NodePlan(
-            host=host.name, address=host.address, node_rank=rank, nproc=nproc,
-            argv=(host.python, "-m", TORCHRUN_MODULE,
-                  *torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank)),
-            env=node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank),
-            workdir=host.workdir, ssh=host,
-        )
-        for rank, host in enumerate(hosts)
-    )
-    return Plan(run_id, spec.name, master_ip, spec.master_port, spec.nnodes, nproc, nodes)
+    return Plan(run_id, spec.name, master_ip, spec.master_port, spec.nnodes, nproc, tuple(
+        _host_node(spec, host, rank, nproc, run_id, master_ip) for rank, host in enumerate(hosts)
+    ))
+
+
+def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, master_ip: str) -> NodePlan:
+    """torchrun with the host's Python, or with the image's inside `docker run` when spec.container."""
+    args = torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank)
+    env = node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank)
+    argv: list[str] = [host.python, "-m", TORCHRUN_MODULE, *args]
+    cleanup: tuple[str, ...] = ()
+    if spec.container:
+        assert spec.image is not None
+        argv = container_argv(spec.image, ["python", "-m", TORCHRUN_MODULE, *args], env, host.workdir, run_id,
+                              node_rank=rank, gpus=bool(host.gpus), shm_size=spec.resources.shm_size)
+        cleanup = tuple(remove_argv(run_id, rank))
+    return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc, argv=tuple(argv), env=env,
+                    workdir=host.workdir, ssh=host, cleanup=cleanup)

@@ -47,7 +47,7 @@ def kill_run_processes(run_id: str, node_rank: str | None = None, sig: int = sig
         try:
             os.kill(pid, sig)
             signalled.append(pid)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone, or another uid's (e.g. in a container)
             continue
     return signalled
 
@@ -73,12 +73,13 @@ def is_alive(pid: int, ticks: int | None) -> bool:
     return fields is not None and ticks is not None and int(fields[19]) == ticks and fields[0] != b"Z"
 
 
-def supervise_node(run_id: str, node_rank: str, grace: float, command: str) -> int:
+def supervise_node(run_id: str, node_rank: str, grace: float, command: str, cleanup: str = "") -> int:
     """Run one node's shell command in a session of its own, stopped by the controller's word.
 
     Reads the controller's commands on stdin: TERM (SIGTERM to the node's process group) and KILL
-    (SIGKILL, then a sweep by run id). End of stdin means the controller or its connection died:
-    the node is stopped the same way, so a lost controller never leaves a job running.
+    (SIGKILL, then a sweep by run id, then the cleanup command, e.g. removing the node's container,
+    which a SIGKILLed `docker run` leaves behind). End of stdin means the controller or its
+    connection died: the node is stopped the same way, so a lost controller never leaves a job running.
     """
     child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdin=subprocess.DEVNULL)
 
@@ -91,6 +92,9 @@ def supervise_node(run_id: str, node_rank: str, grace: float, command: str) -> i
     def kill() -> None:
         signal_group(signal.SIGKILL)
         kill_run_processes(run_id, node_rank)
+        if cleanup:
+            subprocess.run(["/bin/sh", "-c", cleanup], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=60, check=False)
 
     def obey_controller() -> None:
         for line in sys.stdin:
@@ -114,5 +118,5 @@ def supervise_node(run_id: str, node_rank: str, grace: float, command: str) -> i
 
 
 if __name__ == "__main__":
-    # On a host: python -c "$(cat procs.py)" RUN_ID NODE_RANK GRACE_SECONDS SHELL_COMMAND
-    sys.exit(supervise_node(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]))
+    # On a host: python -c "$(cat procs.py)" RUN_ID NODE_RANK GRACE_SECONDS SHELL_COMMAND [CLEANUP_COMMAND]
+    sys.exit(supervise_node(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], *sys.argv[5:6]))

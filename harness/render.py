@@ -39,6 +39,8 @@ def render_text(plan: Plan) -> str:
         ranks = f"{node.ranks.start}-{node.ranks.stop - 1}" if node.nproc > 1 else str(node.ranks.start)
         lines += ["", f"# {node.label} on {node.host} ({node.address}): node_rank {node.node_rank}, global ranks {ranks}",
                   shell_command(node)]
+        if node.cleanup:
+            lines.append(f"# after a forced stop: {shlex.join(node.cleanup)}")
     return "\n".join(lines) + "\n"
 
 

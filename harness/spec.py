@@ -125,7 +125,11 @@ class Timeouts(StrictModel):
 
 
 class JobSpec(StrictModel):
-    """A distributed job. Field names are a public contract: other tools and tests write them."""
+    """A distributed job. Field names are a public contract: other tools and tests write them.
+
+    container: over SSH, run every node's torchrun inside `image` (docker run), so that every host
+    runs identical software whatever it has installed.
+    """
 
     name: str
     nnodes: PositiveInt
@@ -139,6 +143,7 @@ class JobSpec(StrictModel):
     resources: Resources = Field(default_factory=Resources)
     max_restarts: Annotated[int, Field(ge=0, le=100)] = 0
     timeouts: Timeouts = Field(default_factory=Timeouts)
+    container: bool = False
 
     @field_validator("name")
     @classmethod
@@ -149,6 +154,12 @@ class JobSpec(StrictModel):
                 f"with a letter or digit, at most 63 characters), got {value!r}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _container_needs_image(self) -> JobSpec:
+        if self.container and self.image is None:
+            raise ValueError("container: true runs every node in `image:`; set image (e.g. registry/harness:0.1.0)")
+        return self
 
     @field_validator("image")
     @classmethod

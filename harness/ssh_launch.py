@@ -28,7 +28,7 @@ def agent_command(node: NodePlan, grace: float) -> str:
     """The remote command line: the agent runs the node's shell command and supervises it."""
     assert node.ssh is not None
     return shlex.join([node.ssh.python, "-c", AGENT_SOURCE, node.env["HARNESS_RUN_ID"], str(node.node_rank),
-                       str(grace), shell_command(node)])
+                       str(grace), shell_command(node), shlex.join(node.cleanup)])
 
 
 class SSHNode:

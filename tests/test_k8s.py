@@ -81,6 +81,7 @@ def test_objects_agree_with_each_other():
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
     assert pod["spec"]["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] == 0
+    assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"] == 1000
     assert {r["action"] for r in job["spec"]["podFailurePolicy"]["rules"]} == {"FailJob"}
     port = service["spec"]["ports"][0]["port"]
     assert port == container["ports"][0]["containerPort"] == int(env["MASTER_PORT"]["value"])

@@ -134,3 +134,27 @@ def test_render_text_and_json_agree(write_yaml):
     plan = make_plan(write_yaml, CASES["local-2"])
     text = render_text(plan)
     assert all(shell_command(node) in text for node in plan.nodes)
+
+
+def test_container_jobs_run_torchrun_in_the_image(write_yaml):
+    text = JOB.format(nnodes=2, nproc=1, rdzv="static") + "image: registry.example/harness:0.1.0\ncontainer: true\n"
+    spec = load_job(write_yaml(text))
+    plan = plan_hosts(spec, load_inventory(write_yaml(HOSTS, "hosts.yaml")), run_id="golden-run", master_ip="10.9.0.1")
+    node = plan.nodes[1]
+    image_at = node.argv.index("registry.example/harness:0.1.0")
+    assert node.argv[:3] == ("docker", "run", "--rm") and "--network=host" in node.argv
+    assert "--name=harness-golden-run-node1" in node.argv and "--gpus=all" in node.argv
+    assert "--entrypoint=python" in node.argv and node.argv[image_at + 1:image_at + 3] == ("-m", "torch.distributed.run")
+    assert "--env=NODE_RANK=1" in node.argv and "--env=MASTER_ADDR=10.9.0.1" in node.argv
+    assert node.cleanup == ("docker", "rm", "--force", "harness-golden-run-node1")
+    assert "# after a forced stop: docker rm --force harness-golden-run-node1" in render_text(plan)
+
+
+def test_container_needs_an_image_and_hosts(write_yaml):
+    from harness.errors import SpecError
+
+    with pytest.raises(SpecError, match="container: true runs every node in `image:`"):
+        load_job(write_yaml(JOB.format(nnodes=1, nproc=1, rdzv="static") + "container: true\n"))
+    spec = load_job(write_yaml(JOB.format(nnodes=1, nproc=1, rdzv="static") + "image: r/h:1\ncontainer: true\n"))
+    with pytest.raises(UsageError, match="over SSH"):
+        plan_local(spec, run_id="r", python="python3", local_gpus=0)

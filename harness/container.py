@@ -1,0 +1,135 @@
+"""`docker run` for a node whose host runs the job inside the image (an SSH cluster, `container: true`).
+
+Pure: the planner wraps a node's planned argv and env with `container_argv`; nothing runs here.
+Every node then runs the same image, so the same torch, CUDA and NCCL, whatever the host has.
+
+Stopping: the SSH agent's SIGTERM reaches `docker run`, which passes it to the container, where
+docker's init (`--init`) hands it to torchrun. A SIGKILLed `docker run` leaves its container
+running, so a stop also runs `remove_argv`: the container is named after the run id and node rank,
+and labelled with both (`docker ps --filter label=harness.run-id=RUN_ID` lists a run's containers).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
+
+from harness.errors import UsageError
+from harness.spec import QUANTITY
+
+RUN_ID_LABEL = "harness.run-id"
+NODE_RANK_LABEL = "harness.node-rank"
+# docker's rule for container names.
+CONTAINER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
+_SUFFIX = {
+    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+}
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host path bind-mounted into the container: a dataset (read_only), a checkpoint folder."""
+
+    source: str
+    target: str
+    read_only: bool = False
+
+
+def container_name(run_id: str, node_rank: int) -> str:
+    """One name per run and node, so that a stop removes exactly this node's container."""
+    name = f"harness-{run_id}-node{node_rank}"
+    if not CONTAINER_NAME.match(name):
+        raise ValueError(f"run id {run_id!r} does not make a valid container name")
+    return name
+
+
+def remove_argv(run_id: str, node_rank: int, engine: str = "docker") -> list[str]:
+    """Stops (SIGKILL) and removes the node's container; a no-op error if it is already gone."""
+    return [engine, "rm", "--force", container_name(run_id, node_rank)]
+
+
+def shm_bytes(quantity: str) -> int:
+    """A Kubernetes quantity (the spec's shm_size, e.g. 16Gi) in bytes, as docker's --shm-size takes.
+
+    docker reads `16G` as 16 GiB and `500m` as 500 MiB; bytes mean the same on both backends.
+    """
+    match = QUANTITY.match(quantity)
+    if match is None:
+        raise UsageError(f"shm_size: expected a quantity such as 16Gi or 512Mi, got {quantity!r}")
+    suffix = match.group(3) or ""
+    exponent = len(suffix) > 1 and suffix[0] in "eE" and suffix != "Ei"
+    value = Decimal(quantity) if exponent else Decimal(match.group(1)) * _SUFFIX[suffix]
+    size = int(value.to_integral_value(rounding=ROUND_CEILING))
+    if size < 1:
+        raise UsageError(f"shm_size: {quantity!r} is less than one byte")
+    return size
+
+
+def _mount_flag(mount: Mount) -> str:
+    """--mount is a CSV list (commas and quotes in a path are quoted, as docker's parser expects)."""
+    for path in (mount.source, mount.target):
+        if not path.startswith("/"):
+            raise UsageError(f"container mounts need absolute paths, got {path!r}")
+    fields = ["type=bind", f"source={mount.source}", f"target={mount.target}"]
+    if mount.read_only:
+        fields.append("readonly")
+    line = io.StringIO()
+    csv.writer(line, lineterminator="").writerow(fields)
+    return f"--mount={line.getvalue()}"
+
+
+def container_argv(
+    image: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    workdir: str | None,
+    run_id: str,
+    *,
+    node_rank: int,
+    gpus: bool,
+    shm_size: str | None = None,
+    mounts: Sequence[Mount] = (),
+    user: str | None = None,
+    engine: str = "docker",
+) -> list[str]:
+    """The `docker run` command line that runs argv (e.g. python -m torch.distributed.run ...) in image.
+
+    - host network: MASTER_ADDR, the ports preflight checked and NCCL_SOCKET_IFNAME name the
+      host's own addresses and interfaces, exactly as without a container;
+    - shm_size sets /dev/shm (the 64 MB default breaks DataLoader workers); without it the
+      container shares the host's IPC namespace and /dev/shm, as a bare-metal torchrun would;
+    - workdir (absolute) is mounted at the same path and is the working directory, so relative
+      paths in the job (data/, checkpoints/) land on the host; None keeps the image's /workspace,
+      whose files go with the container;
+    - every env entry is passed with --env, values verbatim (no shell is involved);
+    - user (e.g. "1001:1001") runs the job as the owner of workdir instead of the image's uid 1000.
+    """
+    if not argv:
+        raise ValueError("argv must name the program to run")
+    args = [
+        engine, "run", "--rm", "--init",
+        f"--name={container_name(run_id, node_rank)}",
+        f"--label={RUN_ID_LABEL}={run_id}", f"--label={NODE_RANK_LABEL}={node_rank}",
+        "--network=host",
+    ]
+    if gpus:
+        # NVIDIA's recommendation for NCCL: pinned (page-locked) memory without a size cap.
+        args += ["--gpus=all", "--ulimit=memlock=-1"]
+    args.append(f"--shm-size={shm_bytes(shm_size)}" if shm_size is not None else "--ipc=host")
+    all_mounts = list(mounts)
+    if workdir is not None:
+        all_mounts.insert(0, Mount(workdir, workdir))
+        args.append(f"--workdir={workdir}")
+    args += [_mount_flag(mount) for mount in all_mounts]
+    if user is not None:
+        args.append(f"--user={user}")
+    args += [f"--env={key}={value}" for key, value in sorted(env.items())]
+    return args + [f"--entrypoint={argv[0]}", image, *argv[1:]]
