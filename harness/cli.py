@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import socket
 import sys
 import time
@@ -52,7 +53,7 @@ def _local_gpus(spec: JobSpec) -> int:
 def build_plan(spec: JobSpec, hosts: str | None, run_id: str, log_dir: Path | None = None) -> Plan:
     if hosts is None:
         return plan_local(spec, run_id=run_id, python=sys.executable, local_gpus=_local_gpus(spec),
-                          log_dir=str(log_dir.resolve()) if log_dir else None)
+                          local_cpus=len(os.sched_getaffinity(0)), log_dir=str(log_dir.resolve()) if log_dir else None)
     inventory = load_inventory(hosts)
     return plan_hosts(spec, inventory, run_id=run_id, master_ip=resolve_master_ip(inventory))
 

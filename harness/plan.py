@@ -134,10 +134,14 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
     return defaults | dict(spec.env) | contract | pet
 
 
-def plan_local(spec: JobSpec, *, run_id: str, python: str, local_gpus: int, log_dir: str | None = None) -> Plan:
+def plan_local(
+    spec: JobSpec, *, run_id: str, python: str, local_gpus: int, local_cpus: int = 1, log_dir: str | None = None
+) -> Plan:
     """nnodes torchrun agents on this machine, rendezvousing on 127.0.0.1 like a real cluster.
 
-    log_dir keeps torchrun's per-worker files inside the run directory instead of /tmp.
+    The simulated nodes share this machine's cores, so each worker gets its share of OMP threads
+    (torchrun sets 1 only for nodes with several workers; a job's env still wins). log_dir keeps
+    torchrun's per-worker files inside the run directory instead of /tmp.
     """
     if spec.container:
         raise UsageError("container: true runs nodes in the image over SSH (--hosts); simulated nodes run "
@@ -149,7 +153,8 @@ def plan_local(spec: JobSpec, *, run_id: str, python: str, local_gpus: int, log_
             argv=(python, "-m", TORCHRUN_MODULE,
                   *torchrun_args(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank,
                                 log_dir=log_dir)),
-            env=node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank),
+            env={"OMP_NUM_THREADS": str(max(1, local_cpus // (spec.nnodes * nproc)))}
+            | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank),
         )
         for rank in range(spec.nnodes)
     )

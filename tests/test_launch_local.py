@@ -7,7 +7,7 @@ import re
 import signal
 
 from conftest import ddp_job as job
-from conftest import assert_nothing_left, harness, leftover
+from conftest import REPO, assert_nothing_left, harness, leftover
 
 def test_two_nodes_train_over_gloo(write_yaml, launch):
     run = launch(job(write_yaml, nproc=2, STEPS="12"))
@@ -82,3 +82,12 @@ def test_missing_script_is_a_usage_error(write_yaml, tmp_path):
     assert result.returncode == 2
     assert "entrypoint.script 'nope.py' not found" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_smoke_job_runs_the_payload_as_two_nodes(launch, tmp_path):
+    """jobs/smoke.yaml as shipped: the real payload on synthetic data, 2 simulated nodes, offline."""
+    run = launch(REPO / "jobs" / "smoke.yaml")
+    assert run.finish(timeout=120) == 0, run.output
+    assert re.search(r"\[node0\] \[rank0\]: done: test_acc=\S+ global_step=8 world_size=2", run.output), run.output
+    assert not re.search(r"\[node1\] \[rank1\]: (train|epoch|done)", run.output), "only rank 0 prints progress"
+    assert_nothing_left(run.run_id)

@@ -1,0 +1,75 @@
+"""Checkpoint files: a writer killed mid-write never damages the newest checkpoint; unreadable ones are skipped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from harness.payload import checkpoint
+
+
+def state(value: float) -> dict:
+    return {
+        "model": {"w": torch.full((256, 256), value)}, "optimizer": {}, "scheduler": {},
+        "epoch": 0, "step": int(value), "global_step": int(value), "config": {},
+    }
+
+
+def test_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """A real process writes checkpoint 1, then is SIGKILLed halfway through writing checkpoint 2."""
+    child = textwrap.dedent(
+        f"""
+        import torch
+        from harness.payload import checkpoint
+        state = lambda v: {{"model": {{"w": torch.full((256, 256), v)}}, "optimizer": {{}}, "scheduler": {{}},
+                           "epoch": 0, "step": int(v), "global_step": int(v), "config": {{}}}}
+        checkpoint.save(state(1.0), {str(tmp_path)!r}, 1, keep=3)
+        checkpoint.save(state(2.0), {str(tmp_path)!r}, 2, keep=3)
+        """
+    )
+    env = os.environ | {checkpoint.STALL_ENV: checkpoint.path_for(tmp_path, 2).name}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child], env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert "stalling in the middle of writing" in proc.stderr.readline()
+        partial = list(tmp_path.glob(".ckpt-*.tmp-*"))
+        assert len(partial) == 1 and partial[0].stat().st_size > 0
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert checkpoint.newest_first(tmp_path) == [checkpoint.path_for(tmp_path, 1)]
+    path, loaded = checkpoint.load_newest(tmp_path, torch.device("cpu"), warn=no_warning)
+    assert loaded["step"] == 1 and torch.equal(loaded["model"]["w"], torch.full((256, 256), 1.0))
+    checkpoint.remove_partial_writes(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt"]
+
+
+def no_warning(message: str) -> None:
+    raise AssertionError(f"unexpected warning: {message}")
+
+
+def test_unreadable_newest_is_skipped_with_one_line(tmp_path: Path) -> None:
+    checkpoint.save(state(3.0), tmp_path, 3, keep=5)
+    good = checkpoint.path_for(tmp_path, 3).read_bytes()
+    checkpoint.path_for(tmp_path, 4).write_bytes(good[: len(good) // 2])
+    checkpoint.path_for(tmp_path, 5).write_bytes(b"")
+    torch.save({"model": {}}, checkpoint.path_for(tmp_path, 6))
+    warnings: list[str] = []
+    path, loaded = checkpoint.load_newest(tmp_path, torch.device("cpu"), warn=warnings.append)
+    assert path == checkpoint.path_for(tmp_path, 3) and loaded["step"] == 3
+    assert len(warnings) == 3 and all("\n" not in w and "skipping unreadable checkpoint" in w for w in warnings)
+    assert "ckpt-00000006.pt" in warnings[0] and "missing optimizer" in warnings[0]
+
+
+def test_only_the_newest_are_kept(tmp_path: Path) -> None:
+    for step in (10, 2, 30, 4):
+        checkpoint.save(state(float(step)), tmp_path, step, keep=2)
+    assert [p.name for p in checkpoint.newest_first(tmp_path)] == ["ckpt-00000030.pt", "ckpt-00000010.pt"]
+    assert checkpoint.load_newest(tmp_path / "absent", torch.device("cpu"), warn=no_warning) is None

@@ -1,0 +1,326 @@
+"""The payload as users run it: real torchrun processes, gloo on CPU, real SIGKILLs.
+
+Every process a test starts is in a session of its own; torchrun's workers get sessions of their
+own too, so each job records its descendants and the cleanup kills them by (pid, start time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from harness.payload import checkpoint
+from harness.payload.model import build
+
+PY = sys.executable
+TORCHRUN_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"
+)
+# 1024 CIFAR-shaped images, 2 ranks x 16: 32 steps per epoch, 64 in all, a few seconds on 2 cores.
+SMALL = ["--data", "synthetic", "--model", "small", "--subset", "1024", "--batch-size", "16", "--epochs", "2",
+         "--log-every", "1", "--ckpt-every", "4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("PET_")}
+    return env | {"PYTHONUNBUFFERED": "1", "HARNESS_BACKEND": "gloo"} | extra
+
+
+def torchrun(nproc: int = 2, nnodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
+    return [
+        PY, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port or free_port()}",
+        "-m", "harness.payload.train",
+    ]
+
+
+def single() -> list[str]:
+    return [PY, "-m", "harness.payload.train"]
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, start ticks) from /proc, or None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def _alive(pid: int, ticks: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[2] == ticks and stat[0] != "Z"
+
+
+class Job:
+    """One started process (a torchrun agent or a plain run): its output lines and its descendants."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.descendants: dict[int, int] = {}
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no line matching {pattern!r} within {timeout}s:\n{self.output}")
+            if line is None:
+                pytest.fail(f"exited ({self.proc.wait()}) before a line matching {pattern!r}:\n{self.output}")
+            self.lines.append(line)
+            if match := re.search(pattern, line):
+                return match
+
+    def finish(self, timeout: float) -> int:
+        """Wait for the end of the output and the exit status."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"still running after {timeout}s:\n{self.output}")
+            if line is None:
+                return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            self.lines.append(line)
+
+    def track(self) -> dict[int, int]:
+        """Record every live descendant (torchrun's workers live in sessions of their own)."""
+        seen, frontier = {self.proc.pid}, {self.proc.pid}
+        while frontier:
+            children = {}
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and (stat := _stat(int(entry))) and stat[1] in frontier:
+                    children[int(entry)] = stat[2]
+            self.descendants |= children
+            frontier = set(children) - seen
+            seen |= frontier
+        return dict(self.descendants)
+
+    def kill_group(self) -> None:
+        """SIGKILL the process group we started (the torchrun agent), as a crash or `kill -9` would."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.track()
+            self.kill_group()
+        for pid, ticks in self.descendants.items():
+            if _alive(pid, ticks):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+@contextmanager
+def job(argv: list[str], env: dict[str, str] | None = None) -> Iterator[Job]:
+    started = Job(argv, env or clean_env())
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+def run(argv: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> Job:
+    with job(argv, env) as started:
+        code = started.finish(timeout)
+    assert code == 0, f"exit {code}:\n{started.output}"
+    return started
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def records(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """An uninterrupted 2-rank run; --resume with an empty --ckpt-dir must be a no-op."""
+    root = tmp_path_factory.mktemp("reference")
+    started = run(torchrun() + SMALL + ["--ckpt-dir", str(root / "ckpt"), "--resume", "--out-dir", str(root / "out"),
+                                        "--save-final", str(root / "final.pt")])
+    assert "resume: no checkpoint in" in started.output
+    return weights(root / "final.pt"), records(root / "out")
+
+
+def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == actual.keys()
+    different = [k for k in expected if not torch.equal(expected[k], actual[k])]
+    assert not different, f"not bitwise equal: {different}"
+
+
+def test_two_ranks_equal_one_process_on_the_same_samples(tmp_path: Path) -> None:
+    """DDP's guarantee: 2 ranks x batch B step exactly like 1 process x batch 2B on the same samples.
+
+    Rank r takes perm[r::2] of the epoch's permutation, so step s of the two ranks covers perm[32s:32(s+1)],
+    the one process's step-s batch. BatchNorm would break the equivalence: it normalises with each rank's
+    own batch statistics, so --norm group (GroupNorm, per-sample statistics) is used. Augmentation stays
+    on: crop and flip depend only on (seed, epoch, sample index), not on which rank sees the sample.
+    """
+    common = ["--data", "synthetic", "--model", "small", "--norm", "group", "--subset", "512", "--epochs", "1",
+              "--max-steps", "8", "--lr", "0.1", "--log-every", "4"]
+    run(torchrun() + common + ["--batch-size", "16", "--save-final", str(tmp_path / "ddp.pt")])
+    run(single() + common + ["--batch-size", "32", "--save-final", str(tmp_path / "one.pt")])
+    ddp, one = weights(tmp_path / "ddp.pt"), weights(tmp_path / "one.pt")
+    torch.manual_seed(0)
+    init = build("small", 3, 10, "group").state_dict()
+    assert ddp.keys() == one.keys() == init.keys()
+    gap = max((ddp[k] - one[k]).abs().max().item() for k in ddp)
+    moved = max((ddp[k] - init[k]).abs().max().item() for k in ddp)
+    for k in ddp:
+        torch.testing.assert_close(ddp[k], one[k], rtol=1e-3, atol=1e-4)  # float32 summation order differs
+    assert moved > 1000 * gap, f"training moved the weights by {moved}, the runs differ by {gap}"
+
+
+def test_sigkill_mid_epoch_then_resume_is_bitwise(reference, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = SMALL + ["--ckpt-dir", str(ckpt), "--resume", "--out-dir", str(tmp_path / "out"),
+                    "--save-final", str(tmp_path / "final.pt")]
+    with job(torchrun() + args) as killed:
+        killed.wait_for(r"^epoch 1/2 step 11/32 ", 120)
+        workers = killed.track()
+        killed.kill_group()
+        deadline = time.monotonic() + 15
+        while any(_alive(pid, ticks) for pid, ticks in workers.items()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid, ticks) for pid, ticks in workers.items()), "workers outlived their torchrun agent"
+    assert len(workers) >= 2 and "done:" not in killed.output
+    saved = checkpoint.newest_first(ckpt)
+    assert saved and not (tmp_path / "final.pt").exists()
+
+    resumed = run(torchrun() + args)
+    step = int(re.search(r"^resume: epoch 1 step (\d+) ", resumed.output, re.M).group(1))
+    assert 8 <= step < 32 and checkpoint.path_for(ckpt, step) == saved[0]
+    assert_same_weights(reference[0], weights(tmp_path / "final.pt"))
+    def curve(history: list[dict]) -> list[tuple[float, float]]:
+        return [(r["loss"], r["accuracy"]) for r in history]
+
+    assert curve(records(tmp_path / "out")) == curve(reference[1])
+
+
+def test_kill_during_checkpoint_write_then_resume_is_bitwise(reference, tmp_path: Path) -> None:
+    """Rank 0 is SIGKILLed halfway through writing checkpoint 12 (test hook in checkpoint.py).
+
+    Checkpoint 8 must still be the newest, the half-written temporary file must never be taken for a
+    checkpoint, and a corrupt newer file (as a non-atomic writer would leave) is skipped with one line.
+    """
+    ckpt = tmp_path / "ckpt"
+    args = SMALL + ["--ckpt-dir", str(ckpt), "--resume", "--save-final", str(tmp_path / "final.pt")]
+    stalled = checkpoint.path_for(ckpt, 12)
+    with job(torchrun() + args, clean_env(**{checkpoint.STALL_ENV: stalled.name})) as killed:
+        killed.wait_for(r"stalling in the middle of writing", 120)
+        killed.track()
+        killed.kill_group()
+    assert not stalled.exists()
+    partial = list(ckpt.glob(f".{stalled.name}.tmp-*"))
+    assert len(partial) == 1 and partial[0].stat().st_size > 0
+    assert checkpoint.newest_first(ckpt)[0] == checkpoint.path_for(ckpt, 8)
+    corrupt = checkpoint.path_for(ckpt, 99)
+    corrupt.write_bytes(checkpoint.path_for(ckpt, 8).read_bytes()[:5000])
+
+    resumed = run(torchrun() + args)
+    skipped = [line for line in resumed.lines if "skipping unreadable checkpoint" in line]
+    assert len(skipped) == 1 and str(corrupt) in skipped[0]
+    assert "resume: epoch 1 step 8 (global step 8)" in resumed.output
+    assert not partial[0].exists()
+    assert_same_weights(reference[0], weights(tmp_path / "final.pt"))
+
+
+def test_digits_reach_90_percent_as_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    started = run(torchrun() + ["--data", "digits", "--model", "small", "--epochs", "4", "--batch-size", "32",
+                                "--lr", "0.1", "--log-every", "10", "--out-dir", str(out)])
+    accuracy = float(re.search(r"^done: test_acc=([\d.]+) ", started.output, re.M).group(1))
+    assert accuracy >= 0.9, started.output
+    history = records(out)
+    assert [r["epoch"] for r in history] == [1, 2, 3, 4] and {r["world_size"] for r in history} == {2}
+    assert history[-1]["loss"] < history[0]["loss"] / 4
+    assert history[-1]["accuracy"] == pytest.approx(accuracy, abs=1e-4)
+
+
+SMOKE = ["--data", "synthetic", "--model", "small", "--subset", "2048", "--batch-size", "64", "--epochs", "1",
+         "--log-every", "8"]
+
+
+def test_smoke_run_as_two_nodes_writes_metrics_and_plot(tmp_path: Path) -> None:
+    """The jobs/smoke.yaml shape: 2 torchrun agents (nodes) x 1 worker, static rendezvous on loopback.
+
+    torchrun sets OMP_NUM_THREADS=1 only for several workers per node; two 1-worker "nodes" on one
+    2-core machine would each start 2 threads and run ~10x slower, so the env sets it here.
+    """
+    port, out, env = free_port(), tmp_path / "out", clean_env(OMP_NUM_THREADS="1")
+    started = time.monotonic()
+    with job(torchrun(1, 2, 0, port) + SMOKE + ["--out-dir", str(out)], env) as node0, \
+            job(torchrun(1, 2, 1, port) + SMOKE + ["--out-dir", str(tmp_path / "out1")], env) as node1:
+        assert node0.finish(60) == 0, node0.output
+        assert node1.finish(60) == 0, node1.output
+    elapsed = time.monotonic() - started
+    assert elapsed < 30, f"smoke run took {elapsed:.1f}s"
+    assert re.search(r"^done: test_acc=[\d.]+ global_step=16 world_size=2 ", node0.output, re.M)
+    assert not re.search(r"^(epoch|done|train)", node1.output, re.M), "only rank 0 prints progress"
+    (record,) = records(out)
+    assert record["epoch"] == 1 and record["world_size"] == 2 and record["images_per_s"] > 0
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "out1").exists()
+
+
+def test_missing_cifar_is_one_clear_error(tmp_path: Path) -> None:
+    with job(single() + ["--data", "cifar10", "--data-dir", str(tmp_path / "empty"), "--model", "small"]) as started:
+        code = started.finish(60)
+    assert code == 2
+    assert started.lines == [
+        f"error: CIFAR-10 not found in {tmp_path / 'empty'}: expected {tmp_path / 'empty' / 'cifar-10-batches-py'}/"
+        f"{{data_batch_1..5,test_batch}}; run `harness prepare --data-dir {tmp_path / 'empty'}` "
+        f"(or `python -m harness.payload.prepare --data-dir {tmp_path / 'empty'}`)"
+    ]
+
+
+def test_prepare_cli_reports_a_failed_download(tmp_path: Path) -> None:
+    with job([PY, "-m", "harness.payload.prepare", "--data-dir", str(tmp_path), "--url",
+              (tmp_path / "nothing.tar.gz").as_uri()]) as started:
+        code = started.finish(60)
+    assert code == 2 and len(started.lines) == 2, started.output
+    assert started.lines[1].startswith(f"error: could not download {(tmp_path / 'nothing.tar.gz').as_uri()}")
