@@ -31,6 +31,7 @@ system-packages:
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock pip setuptools
 	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[test]' --no-build-isolation
 	touch $(STAMP)
 
