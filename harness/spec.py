@@ -128,7 +128,8 @@ class JobSpec(StrictModel):
     """A distributed job. Field names are a public contract: other tools and tests write them.
 
     container: over SSH, run every node's torchrun inside `image` (docker run), so that every host
-    runs identical software whatever it has installed.
+    runs identical software whatever it has installed. data_paths: files or directories (relative
+    to each node's workdir) that every node needs; preflight checks they exist and are identical.
     """
 
     name: str
@@ -144,6 +145,15 @@ class JobSpec(StrictModel):
     max_restarts: Annotated[int, Field(ge=0, le=100)] = 0
     timeouts: Timeouts = Field(default_factory=Timeouts)
     container: bool = False
+    data_paths: list[str] = Field(default_factory=list)
+
+    @field_validator("data_paths")
+    @classmethod
+    def _relative_or_absolute_paths(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if not path.strip():
+                raise ValueError("data_paths entries must be non-empty paths")
+        return paths
 
     @field_validator("name")
     @classmethod

@@ -79,7 +79,7 @@ def test_healthy_two_hosts_full_with_collective_and_json(cluster2: Cluster, tmp_
     assert data["fingerprint"]["hosts"]["h1"] == data["fingerprint"]["hosts"]["h2"]
     assert data["facts"]["h2"]["hostname"] == "h2" and data["facts"]["h2"]["torch"] == torch.__version__
     assert data["facts"]["h1"]["payload"]["path"].endswith("harness/preflight/allreduce.py")
-    assert "dataset not checked: the job spec has no dataset key" in data["notes"]
+    assert data["notes"] == []
     table = report.render_table()
     assert table.splitlines()[1].split() == ["HOST", "CHECK", "STATUS", "DETAIL"]
     assert table.splitlines()[-1].startswith("PASSED: 18 checks")
@@ -312,3 +312,32 @@ def test_collective_timeout_stops_every_process(cluster2: Cluster, tmp_path: Pat
     hard = 2 * TORCH_TIMEOUT_FACTOR
     assert reason == f"all_reduce did not finish within {hard}s; stopped" or reason.startswith("node 0 exited")
     _only_sshd_left(cluster2)
+
+
+def test_data_paths_must_exist_and_match_on_every_host(cluster2: Cluster, tmp_path: Path) -> None:
+    """Each host gets its own workdir; the job's data path is present on both, then differs, then missing."""
+    workdirs = {name: tmp_path / name for name in ("h1", "h2")}
+    for workdir in workdirs.values():
+        (workdir / "data" / "set").mkdir(parents=True)
+        (workdir / "data" / "set" / "batch_1").write_bytes(b"\x01" * 4096)
+    job = tmp_path / "job.yaml"
+    job.write_text(_job(tmp_path, 2).read_text() + "data_paths: [data/set]\n")
+    hosts = cluster2.write_inventory(tmp_path / "hosts.yaml",
+                                     overrides={n: {"workdir": str(w)} for n, w in workdirs.items()})
+
+    def run(fast: bool) -> Report:
+        return run_preflight(load_inventory(hosts), load_job(job), known_hosts=cluster2.known_hosts, fast=fast)
+
+    same = run(fast=False)
+    assert _row(same, "h2", "data").status == Status.PASS, same.render_table()
+    assert _row(same, "h2", "data").reason == "data/set: 1 files, 0 MiB, same on all hosts (compared contents)"
+    (workdirs["h2"] / "data" / "set" / "batch_1").write_bytes(b"\x02" * 4096)
+    assert _row(run(fast=True), "h2", "data").status == Status.PASS  # fast: names and sizes only
+    differs = run(fast=False)
+    assert not differs.ok and _row(differs, "h2", "data").status == Status.FAIL, differs.render_table()
+    assert _row(differs, "h2", "data").reason.startswith("data/set differs from h1")
+    shutil.rmtree(workdirs["h1"] / "data")
+    missing = run(fast=True)
+    row = _row(missing, "h1", "data")
+    assert (row.status, row.reason) == (Status.FAIL, f"data/set is missing in {workdirs['h1']}")
+    assert "harness prepare --data-dir data/set" in row.fix

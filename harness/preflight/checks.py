@@ -137,6 +137,34 @@ def resource_checks(host: Host, facts: Facts, spec: JobSpec | None, backend: str
     return [_gpus(host, facts, spec, backend), _shm(host.name, facts), _disk(host.name, facts)]
 
 
+def data_checks(facts: dict[str, Facts], paths: list[str], master: str) -> list[Check]:
+    """Every data path of the job present on every host, and the same there as on most hosts."""
+    checks = []
+    for path in paths:
+        found = {host: f["data"].get(path, {"exists": False}) for host, f in facts.items()}
+        present = {host: d for host, d in found.items() if d["exists"]}
+        reference = _reference([d["digest"] for d in present.values()], present.get(master, {}).get("digest")) \
+            if present else None
+        for host, data in found.items():
+            if not data["exists"]:
+                checks.append(Check(host, "data", Status.FAIL, f"{path} is missing in {facts[host]['workdir']}",
+                                    f"copy it there (or onto storage every host mounts), e.g. `harness prepare "
+                                    f"--data-dir {path}` for CIFAR-10"))
+            elif data["digest"] != reference:
+                same = sorted(h for h, d in present.items() if d["digest"] == reference)
+                checks.append(Check(host, "data", Status.FAIL,
+                                    f"{path} differs from {', '.join(same)} ({data['files']} files, "
+                                    f"{size(data['bytes'])} vs {present[same[0]]['files']} files, "
+                                    f"{size(present[same[0]]['bytes'])}; compared {data['compared']})",
+                                    f"sync {path} from {same[0]} (e.g. rsync -a --delete)"))
+            else:
+                checks.append(Check(host, "data", Status.PASS,
+                                    f"{path}: {data['files']} files, {size(data['bytes'])}, same on all hosts "
+                                    f"(compared {data['compared']})" if len(present) == len(found) else
+                                    f"{path}: {data['files']} files, {size(data['bytes'])}"))
+    return checks
+
+
 def _loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address.split("%")[0]).is_loopback

@@ -155,6 +155,28 @@ def _space(path: str) -> int | None:
     return stat.f_bavail * stat.f_frsize
 
 
+CONTENT_HASH_LIMIT = 1 << 30  # above this, compare names and sizes only: hashing would take minutes
+
+
+def _dataset(path: str, full: bool) -> dict[str, Any]:
+    """Files, bytes and a digest of a data path; the digest covers contents when full and small enough."""
+    root = Path(os.path.expanduser(path))
+    if not root.exists():
+        return {"exists": False}
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    sizes = [(str(p.relative_to(root)) if root.is_dir() else p.name, p.stat().st_size) for p in files]
+    total = sum(size for _, size in sizes)
+    contents = full and total <= CONTENT_HASH_LIMIT
+    digest = hashlib.sha256(json.dumps(sizes).encode())
+    if contents:
+        for file in files:
+            with open(file, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+    return {"exists": True, "files": len(files), "bytes": total, "digest": digest.hexdigest(),
+            "compared": "contents" if contents else "names and sizes"}
+
+
 def probe(config: dict[str, Any]) -> dict[str, Any]:
     workdir = os.path.expanduser(config.get("workdir") or "~")
     workdir_ok = os.path.isdir(workdir)
@@ -174,6 +196,8 @@ def probe(config: dict[str, Any]) -> dict[str, Any]:
         "disk_free_bytes": _space(workdir) if workdir_ok else None,
         "shm_bytes": None,
         "payload": _payload(config.get("entrypoint"), workdir) if workdir_ok else None,
+        "data": {path: _dataset(path, config.get("import_torch", False)) for path in config.get("data_paths", [])}
+        if workdir_ok else {},
         "master_resolves": _addresses(config["master_address"]),
         "self_resolves": _addresses(socket.gethostname()),
     }

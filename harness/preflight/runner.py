@@ -15,7 +15,7 @@ from typing import Any
 from harness.errors import UsageError
 from harness.inventory import Host, Inventory
 from harness.preflight import probe
-from harness.preflight.checks import fingerprint_checks, job_backend, resource_checks, resolve_checks
+from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resource_checks, resolve_checks
 from harness.preflight.collective import collective_checks
 from harness.preflight.ports import network_checks
 from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, on_hosts, run_script
@@ -55,6 +55,7 @@ def _probe(connection: Connection, master: Host, spec: JobSpec | None, fast: boo
         "workdir": connection.host.workdir,
         "entrypoint": ({"module": entry.module} if entry.module else {"script": entry.script}) if entry else None,
         "master_address": master.address,
+        "data_paths": spec.data_paths if spec else [],
     }
     limit = timeout if fast else timeout * TORCH_TIMEOUT_FACTOR
     return run_script(connection, probe, [json.dumps(config)], timeout=limit)
@@ -125,7 +126,8 @@ def _checks(report: Report, connections: dict[str, Connection], inventory: Inven
     report.checks += resolve_checks(facts, master, addresses, spec, backend)
     if spec is None:
         report.notes.append("no job given: payload, GPU needs and the backend are not checked")
-    report.notes.append("dataset not checked: the job spec has no dataset key")
+    if spec is not None:
+        report.checks += data_checks(facts, spec.data_paths, master.name)
     master_port = spec.master_port if spec else DEFAULT_MASTER_PORT
     reachable = {name: connections[name] for name in facts}
     if master.name in reachable:
