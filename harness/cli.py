@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from harness.launch import check_local_entrypoint, run_plan
 from harness.local import start_local_nodes
 from harness.plan import Plan, plan_hosts, plan_local
 from harness.render import render_json, render_text
-from harness.runs import find_run, list_runs, new_run_id, runs_root, write_text_atomic
+from harness.runs import CONTROLLER_LOG, find_run, list_runs, new_run_id, runs_root, write_text_atomic
 from harness.spec import JobSpec, load_job
 from harness.stop import stop_run
 
@@ -79,13 +80,41 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     spec = load_job(args.job)
-    run_id = new_run_id(spec.name)
     root = runs_root(args.runs_dir)
+    if args.detach:
+        return launch_detached(args, new_run_id(spec.name), root)
+    run_id = args.run_id or new_run_id(spec.name)
     if args.hosts is None:
         check_local_entrypoint(spec, Path.cwd())
         plan = build_plan(spec, None, run_id, log_dir=root / run_id / "torchrun")
         return run_plan(plan, spec, Path(args.job), root, lambda p: list(start_local_nodes(p.nodes)), mode="local")
     return launch_over_ssh(spec, Path(args.job), load_inventory(args.hosts), run_id, root, args)
+
+
+def launch_detached(args: argparse.Namespace, run_id: str, root: Path, startup_timeout: float = 300) -> int:
+    """Run the controller in a session of its own, so the run outlives this terminal; report once it started."""
+    log_path = root / run_id / CONTROLLER_LOG
+    log_path.parent.mkdir(parents=True)
+    argv = [sys.executable, "-m", "harness.cli", "launch", args.job, "--runs-dir", str(root), "--run-id", run_id]
+    argv += ["--hosts", args.hosts] if args.hosts else []
+    argv += ["--known-hosts", args.known_hosts] if args.known_hosts else []
+    argv += [flag for flag, on in (("--skip-preflight", args.skip_preflight),
+                                   ("--accept-new-host-keys", args.accept_new_host_keys)) if on]
+    with open(log_path, "w") as log:
+        controller = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+    state = root / run_id / "state.json"
+    deadline = time.monotonic() + startup_timeout
+    while not state.exists() and controller.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not state.exists():
+        sys.stderr.write(log_path.read_text())
+        if controller.poll() is None:
+            controller.kill()
+        return controller.wait()
+    print(f"run {run_id} started in the background (controller pid {controller.pid})\n"
+          f"  follow: tail -f {log_path}\n  status: harness status {run_id}\n  stop:   harness stop {run_id}")
+    return 0
 
 
 def launch_over_ssh(spec: JobSpec, job_path: Path, inventory: Inventory, run_id: str, root: Path,
@@ -211,6 +240,9 @@ def parser() -> argparse.ArgumentParser:
     launch = verbs.add_parser("launch", parents=[runs_dir], help="run the job and supervise every node")
     launch.add_argument("job")
     launch.add_argument("--hosts", help="host inventory; default: nnodes simulated nodes on this machine")
+    launch.add_argument("--detach", action="store_true",
+                        help="run in the background: the run outlives this terminal; see status/stop")
+    launch.add_argument("--run-id", help=argparse.SUPPRESS)
     launch.add_argument("--skip-preflight", action="store_true", help="with --hosts: start without the fast checks")
     launch.add_argument("--known-hosts", help="known_hosts file for host keys (default ~/.ssh/known_hosts)")
     launch.add_argument("--accept-new-host-keys", action="store_true",

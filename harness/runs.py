@@ -14,6 +14,7 @@ from typing import Any
 from harness.errors import UsageError
 
 DEFAULT_RUNS_DIR = "runs"
+CONTROLLER_LOG = "controller.log"  # a detached controller's own output stream
 
 
 def runs_root(explicit: str | None = None) -> Path:
@@ -77,9 +78,12 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def create_run_dir(root: Path, run_id: str) -> RunDir:
-    path = root / run_id
-    path.mkdir(parents=True, exist_ok=False)
-    return RunDir(path)
+    """The run's directory; a detached launch made it already (for the controller's log), never a run."""
+    run = RunDir(root / run_id)
+    run.path.mkdir(parents=True, exist_ok=True)
+    if run.state_file.exists():
+        raise UsageError(f"run id {run_id!r} is already taken in {root}/")
+    return run
 
 
 def find_run(root: Path, run_id: str) -> RunDir:

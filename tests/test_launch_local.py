@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 from conftest import ddp_job as job
 from conftest import REPO, assert_nothing_left, harness, leftover
@@ -91,3 +92,27 @@ def test_smoke_job_runs_the_payload_as_two_nodes(launch, tmp_path):
     assert re.search(r"\[node0\] \[rank0\]: done: test_acc=\S+ global_step=8 world_size=2", run.output), run.output
     assert not re.search(r"\[node1\] \[rank1\]: (train|epoch|done)", run.output), "only rank 0 prints progress"
     assert_nothing_left(run.run_id)
+
+
+def test_detached_run_outlives_the_launch_and_obeys_stop(write_yaml, tmp_path):
+    runs = ["--runs-dir", str(tmp_path / "runs")]
+    done = harness("launch", str(job(write_yaml, STEPS="6")), "--detach", *runs)
+    assert done.returncode == 0, done.stderr
+    run_id = re.search(r"run (\S+) started in the background", done.stdout).group(1)
+    summary = tmp_path / "runs" / run_id / "summary.json"
+    deadline = time.monotonic() + 90
+    while not summary.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert harness("status", run_id, *runs).stdout.startswith(f"run {run_id}: succeeded")
+    assert "[node1] [rank1]: rank 1 final loss" in (tmp_path / "runs" / run_id / "controller.log").read_text()
+
+    started = harness("launch", str(job(write_yaml, STEPS="100000", STEP_SECONDS="0.05")), "--detach", *runs)
+    run_id = re.search(r"run (\S+) started in the background", started.stdout).group(1)
+    try:
+        assert re.search(rf"{run_id}\s+running", harness("status", *runs).stdout)
+        assert harness("stop", run_id, *runs).returncode == 0
+        assert harness("status", run_id, *runs).stdout.startswith(f"run {run_id}: stopped")
+        assert_nothing_left(run_id)
+    finally:
+        for pid in leftover(run_id):
+            os.kill(pid, signal.SIGKILL)
