@@ -73,15 +73,12 @@ def write_yaml(tmp_path: Path):
     return write
 
 
-class Launch:
-    """`harness launch` as a user starts it, with its output collected as it arrives."""
+class Streamed:
+    """A process started in a session of its own, its output lines collected as they arrive."""
 
-    def __init__(self, job_path: Path, runs_dir: Path, *extra: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.cli", "launch", str(job_path), "--runs-dir", str(runs_dir), *extra],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        self.runs_dir = runs_dir
+    def __init__(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO) -> None:
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -96,31 +93,50 @@ class Launch:
         return "\n".join(self.lines)
 
     def wait_for(self, pattern: str, timeout: float = 90) -> re.Match[str]:
+        """The first line so far (or to come) that matches pattern."""
         deadline = time.monotonic() + timeout
+        seen = 0
         while time.monotonic() < deadline:
-            if match := re.search(pattern, self.output):
-                return match
-            if self.proc.poll() is not None and not self._reader.is_alive():
+            ended = self.proc.poll() is not None and not self._reader.is_alive()
+            lines = self.lines[seen:]
+            for line in lines:
+                if match := re.search(pattern, line):
+                    return match
+            seen += len(lines)
+            if ended:
                 break
-            time.sleep(0.1)
-        raise AssertionError(f"{pattern!r} not seen; output:\n{self.output}")
-
-    @property
-    def run_id(self) -> str:
-        return self.wait_for(r"harness: run (\S+): ").group(1)
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not seen (exit {self.proc.poll()}); output:\n{self.output}")
 
     def finish(self, timeout: float = 120) -> int:
         code = self.proc.wait(timeout=timeout)
         self._reader.join(timeout=5)
         return code
 
+    def kill_group(self) -> None:
+        """SIGKILL the process group we started, as a crash or `kill -9` would."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+class Launch(Streamed):
+    """`harness launch` as a user starts it."""
+
+    def __init__(self, job_path: Path, runs_dir: Path, *extra: str) -> None:
+        super().__init__([sys.executable, "-m", "harness.cli", "launch", str(job_path), "--runs-dir", str(runs_dir),
+                          *extra])
+        self.runs_dir = runs_dir
+
+    @property
+    def run_id(self) -> str:
+        return self.wait_for(r"harness: run (\S+): ").group(1)
+
     def summary(self) -> dict:
         return json.loads((self.runs_dir / self.run_id / "summary.json").read_text())
 
     def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        self.kill_group()
         if match := re.search(r"harness: run (\S+): ", self.output):
             for pid in leftover(match.group(1)):
                 os.kill(pid, signal.SIGKILL)

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,8 +19,10 @@ from typing import Iterator
 import pytest
 import torch
 
+from conftest import Streamed, free_port
 from harness.payload import checkpoint
 from harness.payload.model import build
+from harness.procs import is_alive
 
 PY = sys.executable
 TORCHRUN_VARS = (
@@ -33,12 +31,6 @@ TORCHRUN_VARS = (
 # 1024 CIFAR-shaped images, 2 ranks x 16: 32 steps per epoch, 64 in all, a few seconds on 2 cores.
 SMALL = ["--data", "synthetic", "--model", "small", "--subset", "1024", "--batch-size", "16", "--epochs", "2",
          "--log-every", "1", "--ckpt-every", "4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -68,58 +60,12 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
     return fields[0], int(fields[1]), int(fields[19])
 
 
-def _alive(pid: int, ticks: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[2] == ticks and stat[0] != "Z"
-
-
-class Job:
+class Job(Streamed):
     """One started process (a torchrun agent or a plain run): its output lines and its descendants."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
-        )
-        self.lines: list[str] = []
+        super().__init__(argv, env=env)
         self.descendants: dict[int, int] = {}
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no line matching {pattern!r} within {timeout}s:\n{self.output}")
-            if line is None:
-                pytest.fail(f"exited ({self.proc.wait()}) before a line matching {pattern!r}:\n{self.output}")
-            self.lines.append(line)
-            if match := re.search(pattern, line):
-                return match
-
-    def finish(self, timeout: float) -> int:
-        """Wait for the end of the output and the exit status."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"still running after {timeout}s:\n{self.output}")
-            if line is None:
-                return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            self.lines.append(line)
 
     def track(self) -> dict[int, int]:
         """Record every live descendant (torchrun's workers live in sessions of their own)."""
@@ -134,18 +80,12 @@ class Job:
             seen |= frontier
         return dict(self.descendants)
 
-    def kill_group(self) -> None:
-        """SIGKILL the process group we started (the torchrun agent), as a crash or `kill -9` would."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
     def close(self) -> None:
         if self.proc.poll() is None:
             self.track()
             self.kill_group()
         for pid, ticks in self.descendants.items():
-            if _alive(pid, ticks):
+            if is_alive(pid, ticks):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -224,9 +164,9 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise(reference, tmp_path: Path) -> 
         workers = killed.track()
         killed.kill_group()
         deadline = time.monotonic() + 15
-        while any(_alive(pid, ticks) for pid, ticks in workers.items()) and time.monotonic() < deadline:
+        while any(is_alive(pid, ticks) for pid, ticks in workers.items()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(pid, ticks) for pid, ticks in workers.items()), "workers outlived their torchrun agent"
+        assert not any(is_alive(pid, ticks) for pid, ticks in workers.items()), "workers outlived their torchrun agent"
     assert len(workers) >= 2 and "done:" not in killed.output
     saved = checkpoint.newest_first(ckpt)
     assert saved and not (tmp_path / "final.pt").exists()
