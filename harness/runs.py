@@ -95,8 +95,8 @@ def find_run(root: Path, run_id: str) -> RunDir:
 
 
 def list_runs(root: Path) -> list[RunDir]:
-    """Oldest first (run ids sort by start time within a job name; sort by directory mtime overall)."""
+    """Every run with a record, oldest start first."""
     if not root.is_dir():
         return []
     runs = [RunDir(p) for p in root.iterdir() if (p / "state.json").exists()]
-    return sorted(runs, key=lambda r: r.state_file.stat().st_mtime)
+    return sorted(runs, key=lambda r: float(r.read_state()["started_at"]))
