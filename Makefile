@@ -18,7 +18,7 @@ IMAGE_FLAGS ?=
 # The real image test builds and runs the image with buildah (no daemon) on a debootstrap base.
 IMAGE_TEST_PACKAGES := buildah debootstrap
 
-.PHONY: setup system-packages test launch render k8s image push image-test lock clean
+.PHONY: setup system-packages test launch render k8s image push image-test bench bench-quick lock clean
 
 setup: system-packages $(STAMP)
 
@@ -59,6 +59,14 @@ push: image
 image-test: setup
 	@$(MAKE) --no-print-directory system-packages APT_PACKAGES="$(IMAGE_TEST_PACKAGES)"
 	tests/image/run.sh
+
+# Benchmarks (bench/): payload vs the seed recipe, DDP, launch overhead, preflight fan-out, failure
+# propagation; JSON under bench/results/, tables in docs/benchmarks.md. Root for the namespace hosts.
+bench: setup
+	$(BIN)/python -m bench --full
+
+bench-quick: setup
+	$(BIN)/python -m bench --quick
 
 # Re-pin the full dependency closure (pip and setuptools included) after changing a pin in pyproject.toml.
 lock: $(STAMP)

@@ -50,7 +50,9 @@ def augment(x: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: in
     return padded.gather(3, cols[:, None, None, :].expand(b, c, h, w))
 
 
-def normalize(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """uint8 images to normalised float; mean and std are (1, C, 1, 1) in 0..255 units."""
-    x = (x.float() - mean) / std
-    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+def normalize(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 images to normalised float in channels_last, the convolutions' fast layout on GPU and CPU.
+
+    mean and std are (1, C, 1, 1) in 0..255 units.
+    """
+    return ((x.float() - mean) / std).contiguous(memory_format=torch.channels_last)

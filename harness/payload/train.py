@@ -152,7 +152,7 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     model = models.build(args.model, ds.channels, ds.num_classes, args.norm)
-    model = model.to(rt.device, memory_format=torch.channels_last if cuda else torch.preserve_format)
+    model = model.to(rt.device, memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay
     )
@@ -187,7 +187,7 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
     std = torch.tensor(ds.std, device=rt.device).view(1, -1, 1, 1) * 255
 
     def norm(x: torch.Tensor) -> torch.Tensor:
-        return batches.normalize(x, mean, std, channels_last=cuda)
+        return batches.normalize(x, mean, std)
 
     log(
         f"train: data={args.data} ({len(ds.train_y)} train / {len(ds.test_y)} test) model={args.model} "

@@ -1,0 +1,244 @@
+"""Results -> goals, a one-screen summary, and docs/benchmarks.md (generated; never edited by hand)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SEED_GOAL = 3.0  # payload (fast settings) / seed recipe, images/s, on an H100-class GPU
+H100_GOAL = 60_000  # ResNet-18-CIFAR bf16 images/s on one H100
+FAILURE_GOAL = 5.0  # seconds from a node's death to the last process of the job gone
+LINEAR_GOAL = 0.25  # preflight over the most hosts: t(k) / (k * t(1)) at most this
+
+
+def _ok(bench: dict[str, Any] | None) -> bool:
+    return bool(bench) and "error" not in bench and "skipped" not in bench
+
+
+def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's goals, each met (True), missed (False) or open (None: not measurable on this machine)."""
+    b = result["benchmarks"]
+    found: list[dict[str, Any]] = []
+    tp = b.get("throughput")
+    if _ok(tp):
+        fast = next(r for r in tp["rows"] if r.get("fast"))
+        gpu = tp["device"] != "cpu"
+        found.append({"goal": f"payload >= {SEED_GOAL:g}x the seed recipe's img/s on an H100-class GPU",
+                      "value": f"{fast['vs_seed']}x on {tp['device']} ({tp['model']}, batch {tp['batch_size']})",
+                      "met": fast["vs_seed"] >= SEED_GOAL if gpu else None})
+        h100 = gpu and ("H100" in tp["device"] or "H200" in tp["device"]) and tp["model"] == "resnet18"
+        found.append({"goal": f">= {H100_GOAL:,} img/s ResNet-18-CIFAR bf16 on one H100",
+                      "value": f"{fast['images_per_s']:,.0f} img/s ({tp['model']}, {fast['precision']}, {tp['device']})",
+                      "met": fast["images_per_s"] >= H100_GOAL if h100 else None})
+    pf = b.get("preflight")
+    if _ok(pf) and len(pf["rows"]) > 1:
+        last = pf["rows"][-1]
+        met = last["full_vs_linear"] <= LINEAR_GOAL and last["fast_vs_linear"] <= LINEAR_GOAL
+        found.append({
+            "goal": f"preflight over k hosts grows far slower than linearly (t(k) <= {LINEAR_GOAL:g} x k x t(1))",
+            "value": f"{last['hosts']} hosts: `harness preflight` {last['full_vs_linear']} of linear "
+                     f"({_floor_ratio(last, 'full', pf['cores'])} x the CPU floor), fast checks "
+                     f"{last['fast_vs_linear']} ({_floor_ratio(last, 'fast', pf['cores'])} x)",
+            "met": met,
+            "note": None if met else f"the {last['hosts']} simulated hosts share {pf['cores']} cores, so their own "
+                                     "work is CPU-bound; a wall time near the CPU floor means no serialisation",
+        })
+    fp = b.get("failure")
+    if _ok(fp):
+        row = next(r for r in fp["rows"] if r["launcher"] == "harness launch" and r["block"] == "sleep")
+        gone = row["all_gone_s"]
+        found.append({"goal": f"every process of the job gone < {FAILURE_GOAL:g} s after a node dies",
+                      "value": f"{gone} s" if gone is not None else "processes left",
+                      "met": gone is not None and gone < FAILURE_GOAL})
+    return found
+
+
+def _floor_ratio(row: dict[str, Any], mode: str, cores: int) -> float:
+    """Wall time / (CPU seconds the whole machine spent / cores): 1.0 = as parallel as the CPU allows."""
+    floor = row[f"{mode}_machine_cpu_s"] / cores
+    return round(row[f"{mode}_s"] / floor, 2) if floor else float("nan")
+
+
+def _mark(goal: dict[str, Any]) -> str:
+    mark = {True: "met", False: "**missed**", None: "open (needs a GPU)"}[goal["met"]]
+    return f"{mark}: {goal['note']}" if goal.get("note") else mark
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _machine(result: dict[str, Any]) -> list[str]:
+    m = result["machine"]
+    v = m["versions"]
+    commit = (m["git"]["commit"] or "unknown")[:12] + (" (uncommitted changes)" if m["git"]["dirty"] else "")
+    return _table(["", ""], [
+        ["date (UTC)", m["date"]],
+        ["host", m["host"]],
+        ["CPU", f"{m['cpu']}, {m['cores']} cores"],
+        ["memory", f"{m['memory_gib']} GiB"],
+        ["GPU", ", ".join(m["gpus"]) or "none"],
+        ["load average at start", " / ".join(str(x) for x in m["load_average_at_start"])],
+        ["versions", f"python {v['python']}, torch {v['torch']}, torchvision {v['torchvision']}, "
+                     f"harness {v['harness']}"],
+        ["commit", commit],
+        ["run time", f"{result['duration_s']} s"],
+    ])
+
+
+def _failed(bench: dict[str, Any] | None) -> list[str] | None:
+    if bench is None:
+        return ["not run", ""]
+    if "error" in bench:
+        return [f"failed: `{bench['error'].splitlines()[0]}` (the result file has the rest)", ""]
+    if "skipped" in bench:
+        return [f"skipped: {bench['skipped']}", ""]
+    return None
+
+
+def _throughput(tp: dict[str, Any]) -> list[str]:
+    peak = tp["peak"]
+    lines = [f"{tp['model']} on {tp['device']}, batch {tp['batch_size']}, {tp['flops_per_image'] / 1e9:.3g} GFLOP "
+             f"per image (forward + backward, FlopCounterMode); {tp['steps_timed']} steps timed after "
+             f"{tp['warmup_steps']} warm-up, best of {tp['repeats']}. MFU against "
+             f"{_num(peak['flops'] / 1e9 if peak['flops'] else None)} GFLOP/s: {peak['source']}"
+             + ("".join(f"; {k} {v / 1e9:,.0f}" for k, v in peak.get("measured", {}).items()) + " GFLOP/s measured"
+                if peak.get("measured") else "") + ".", ""]
+    lines += _table(
+        ["path", "precision", "compile", "channels_last", "input", "img/s", "vs seed", "GFLOP/s", "MFU"],
+        [[r["name"], r["precision"], r["compile"], r["channels_last"], r["input"], _num(r["images_per_s"]),
+          "-" if r.get("no_model") else f"{r['vs_seed']}x", _num(r.get("achieved_gflop_s"), 1),
+          "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"] for r in tp["rows"]])
+    lines += ["Time to accuracy, digits job (small model, global batch 64, from process start):", ""]
+    lines += _table(
+        ["ranks", "test acc >= target", "epoch", "s from start", "s of training", "final acc", "process s"],
+        [[a["ranks"], a["target"], a["epoch"], a["seconds_from_start"], a["training_seconds"], a["final_test_acc"],
+          a["process_seconds"]] if "skipped" not in a else [a["ranks"], a["skipped"], "", "", "", "", ""]
+         for a in tp["time_to_accuracy"]])
+    return lines
+
+
+def _ddp(d: dict[str, Any]) -> list[str]:
+    threads = f", {d['threads_per_rank']} thread per rank" if d["threads_per_rank"] else ""
+    lines = [f"The payload, {d['model']}, batch {d['batch_size_per_rank']} per rank, {d['precision']}, "
+             f"{d['backend']} on {d['device']}{threads}; {d['steps_timed']} steps timed, best of {d['repeats']}.", ""]
+    return lines + _table(
+        ["run", "ranks", "img/s (all ranks)", "img/s per rank", "efficiency"],
+        [[r["name"], r["ranks"], _num(r.get("images_per_s")), _num(r.get("per_rank")),
+          f"{r['efficiency']:.0%}" if r.get("efficiency") else r.get("skipped", "-")] for r in d["rows"]])
+
+
+def _first_step(f: dict[str, Any]) -> list[str]:
+    lines = [f"{f['job']}; from starting the command to rank 0's first progress line; median of "
+             f"{f['repeats']}. `harness render` of the same job (CLI start + plan): {f['harness_render_s']} s.", ""]
+    return lines + _table(
+        ["launcher", "first step s", "vs torchrun by hand", "job end s", "attempts"],
+        [[r["name"], r["first_step_s"], f"{r['vs_torchrun_by_hand_s']:+.2f} s", r["job_end_s"],
+          ", ".join(str(a) for a in r["attempts_first_step_s"])] for r in f["rows"]])
+
+
+def _preflight(p: dict[str, Any]) -> list[str]:
+    cores = p["cores"]
+    lines = [f"Real sshd hosts in network namespaces (cluster built in {p['cluster_build_s']} s), all sharing this "
+             f"machine's {cores} cores; median of {p['repeats']}. `preflight`: `harness preflight HOSTS --job JOB` "
+             "as typed (it imports torch on every host); `fast checks`: what `harness launch --hosts` runs before "
+             "starting (no torch import). Vs linear: t(k) / (k x t(1)), 1.0 for a tool that visits hosts one by "
+             "one. CPU floor: CPU seconds the whole machine spent during the run / cores, the least wall time the "
+             "shared cores allow (it counts anything else running, too). Controller CPU: the harness process.", ""]
+    lines += _table(
+        ["hosts", "preflight s", "vs linear", "CPU floor s", "controller CPU s",
+         "fast checks s", "vs linear", "CPU floor s", "controller CPU s"],
+        [[r["hosts"]] + [v for mode in ("full", "fast") for v in (
+            r[f"{mode}_s"], r[f"{mode}_vs_linear"], round(r[f"{mode}_machine_cpu_s"] / cores, 2),
+            r[f"{mode}_controller_cpu_s"])] for r in p["rows"]])
+    return lines + [f"Note: {n}" for n in p.get("notes", [])] + ([""] if p.get("notes") else [])
+
+
+def _failure(f: dict[str, Any]) -> list[str]:
+    lines = [f"{f['script']}; survivors either sleep (`sleep`: nothing but a supervisor ends them) or wait in an "
+             f"all-reduce (`collective`: gloo notices the closed connection by itself; NCCL would wait for its "
+             f"timeout). Seconds after the death; harness rows: median of {f.get('repeats', 1)}.", ""]
+    rows = []
+    for r in f["rows"]:
+        if r["launcher"] == "harness launch":
+            attempts = ", ".join(_num(a, 2) for a in r.get("attempts_all_gone_s", []))
+            rows.append([r["launcher"], r["block"], r["detected_s"], f"{_num(r['all_gone_s'], 2)} ({attempts})",
+                         r["launcher_exit_s"], r["alive_at_end"]])
+        else:
+            gone = _num(r["all_gone_s"], 2) if r["all_gone_s"] is not None else f"not within {r['bounded_wait_s']} s"
+            rows.append([r["launcher"], r["block"], "-", gone, "-",
+                         f"{r['alive_at_end']} after {r['bounded_wait_s']} s (then killed)"])
+    return lines + _table(["launcher", "survivors", "failure seen", "all processes gone (attempts)",
+                           "launcher exit", "processes still alive"], rows)
+
+
+SECTIONS = (
+    ("throughput", "1. Payload throughput vs the seed recipe", _throughput),
+    ("ddp", "2. DDP overhead", _ddp),
+    ("first_step", "3. Harness overhead: launch to first step", _first_step),
+    ("preflight", "4. Preflight fan-out", _preflight),
+    ("failure", "5. Failure propagation", _failure),
+)
+
+
+def _run(name: str, result: dict[str, Any]) -> list[str]:
+    lines = [f"## The {name} run", ""] + _machine(result)
+    found = goals(result)  # from the measurements, so that a result file always shows today's goals
+    if found:
+        lines += ["### Goals", ""]
+        lines += _table(["goal", "measured", ""], [[g["goal"], g["value"], _mark(g)] for g in found])
+    for key, title, render in SECTIONS:
+        bench = result["benchmarks"].get(key)
+        lines += [f"### {title}", ""]
+        lines += _failed(bench) or render(bench)
+    return lines
+
+
+def markdown(latest: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by `python -m bench` (make bench / make bench-quick) from bench/results/latest-*.json; "
+        "do not edit by hand. -->",
+        "",
+        "Measured side by side in one run: the payload against the seed recipe (bench/seed.py: fp32, PIL "
+        "transforms through a DataLoader with a DistributedSampler), DDP against no DDP, `harness launch` against "
+        "plain torchrun, preflight over 1 to 16 hosts, and failure propagation against torchrun alone. "
+        "`make bench` is the full run (ResNet-18, repeats, 16 hosts); `make bench-quick` takes about a minute on "
+        "2 cores (the small model, few steps, 1 and 4 hosts). Each run writes "
+        "`bench/results/<time>-<host>-<profile>.json`; the tables below come from the latest of each. Shared or "
+        "busy machines give noisy figures: check the load average below.",
+        "",
+    ]
+    if not latest:
+        return "\n".join(lines + ["No results yet: run `make bench`.", ""])
+    gpu_runs = [r for r in latest.values() if r["machine"]["gpus"]]
+    if not gpu_runs:
+        lines += [
+            "**Open: every GPU figure.** These runs had no GPU, so benchmarks 1 and 2 ran on the CPU. Still to "
+            f"measure on an H100-class GPU (`make bench` there runs them on the GPU by itself): the payload at "
+            f">= {SEED_GOAL:g}x the seed recipe's img/s, >= {H100_GOAL:,} img/s for ResNet-18-CIFAR bf16 on one "
+            "H100, MFU against 989 TFLOP/s dense bf16, the seed recipe's DataLoader ceiling with the GPU machine's "
+            "CPU workers, `--compile` on the GPU, and DDP over NCCL (2 ranks need 2 GPUs).",
+            "",
+        ]
+    for name in ("full", "quick"):
+        if name in latest:
+            lines += _run(name, latest[name])
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def summary(result: dict[str, Any]) -> str:
+    """A few lines for the terminal."""
+    out = [f"{result['profile']} run: {result['duration_s']} s"]
+    for g in result.get("goals", []):
+        out.append(f"  {_mark(g)}\n      {g['goal']}: {g['value']}")
+    for name, bench in result["benchmarks"].items():
+        if "error" in bench:
+            out.append(f"  FAILED {name}: {bench['error']}")
+    return "\n".join(out)

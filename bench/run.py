@@ -1,0 +1,156 @@
+"""Run the benchmarks side by side and record them: `python -m bench [--quick | --full]`.
+
+Writes bench/results/<UTC time>-<host>-<profile>.json and bench/results/latest-<profile>.json, then
+regenerates docs/benchmarks.md from the latest quick and full results. A benchmark that fails is
+recorded with its error and the others still run (exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from bench import machine, procs, report
+
+RESULTS = procs.REPO / "bench" / "results"
+DOCS = procs.REPO / "docs" / "benchmarks.md"
+NAMES = ("throughput", "ddp", "first_step", "preflight", "failure")
+
+
+def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
+    """Every knob of a run. quick: about a minute on a 2-core CPU; full: the real model, repeats."""
+    quick = name == "quick"
+    cuda = device == "cuda"
+    if cuda:  # one H100-class GPU: ResNet-18 at a batch that fills it; compile only in the full run
+        throughput = {"model": "resnet18", "batch_size": 512, "log_every": 20, "intervals": 5,
+                      "repeats": 1 if quick else 2, "compile": not quick}
+        ddp = {"model": "resnet18", "batch_size": 256, "log_every": 20, "intervals": 5, "precision": "bf16",
+               "repeats": 1 if quick else 2}
+    elif quick:  # ResNet-18 trains at ~80 img/s on 2 cores: the small model, few steps
+        throughput = {"model": "small", "batch_size": 128, "log_every": 3, "intervals": 4, "repeats": 2,
+                      "compile": False}
+        ddp = {"model": "small", "batch_size": 64, "log_every": 3, "intervals": 3, "precision": "fp32", "repeats": 1}
+    else:
+        throughput = {"model": "resnet18", "batch_size": 32, "log_every": 2, "intervals": 4, "repeats": 2,
+                      "compile": True}
+        ddp = {"model": "resnet18", "batch_size": 32, "log_every": 2, "intervals": 3, "precision": "fp32",
+               "repeats": 2}
+    throughput |= {"device": device, "accuracy": {"epochs": 8, "ranks": [1] if quick else [1, 2], "device": device}}
+    return {
+        "throughput": throughput,
+        "ddp": ddp | {"device": device},
+        "first_step": {"repeats": 1 if quick else 3, "quick": quick},
+        "preflight": {"hosts": [1, 4] if quick else [1, 4, 16], "repeats": 1 if quick else 2},
+        "failure": {"blocks": ["sleep"] if quick else ["sleep", "collective"], "torchrun_wait": 3 if quick else 20,
+                    "repeats": 1 if quick else 3},
+    }
+
+
+def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+    from bench import ddp, launch, preflight, throughput
+
+    return {"throughput": throughput.run, "ddp": ddp.run, "first_step": launch.time_to_first_step,
+            "preflight": preflight.run, "failure": launch.failure_propagation}
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def run(name: str, device: str, only: list[str]) -> dict[str, Any]:
+    started = time.monotonic()
+    device = resolve_device(device)
+    settings = profile(name, device)
+    result: dict[str, Any] = {"schema": 1, "profile": name, "partial": only != list(NAMES),
+                              "machine": machine.describe(), "settings": settings, "benchmarks": {}}
+    for bench_name, work in benchmarks().items():
+        if bench_name not in only:
+            continue
+        print(f"bench: {bench_name} ...", flush=True)
+        begun = time.monotonic()
+        try:
+            outcome = work(settings[bench_name])
+        except Exception as exc:  # noqa: BLE001 - recorded, the other benchmarks still run
+            traceback.print_exc()
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+        outcome["seconds"] = round(time.monotonic() - begun, 1)
+        result["benchmarks"][bench_name] = outcome
+        print(f"bench: {bench_name} done in {outcome['seconds']} s", flush=True)
+    result["goals"] = report.goals(result)
+    result["duration_s"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def write(result: dict[str, Any], results: Path = RESULTS) -> Path:
+    results.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    suffix = "-partial" if result["partial"] else ""
+    path = results / f"{stamp}-{socket.gethostname()}-{result['profile']}{suffix}.json"
+    text = json.dumps(result, indent=1) + "\n"
+    targets = [path] if result["partial"] else [path, results / f"latest-{result['profile']}.json"]
+    for target in targets:
+        tmp = target.with_suffix(".json.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, target)
+    return path
+
+
+def write_docs(results: Path = RESULTS, docs: Path = DOCS) -> None:
+    latest = {}
+    for name in ("full", "quick"):
+        path = results / f"latest-{name}.json"
+        if path.exists():
+            latest[name] = json.loads(path.read_text())
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(report.markdown(latest))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--quick", dest="profile", action="store_const", const="quick",
+                       help="the small model, few steps, 1 and 4 hosts: about a minute on 2 cores")
+    which.add_argument("--full", dest="profile", action="store_const", const="full",
+                       help="ResNet-18, repeats, 16 hosts (default)")
+    which.add_argument("--docs-only", dest="profile", action="store_const", const="docs",
+                       help="only regenerate docs/benchmarks.md from bench/results/latest-*.json")
+    p.add_argument("--only", help=f"comma-separated subset of {','.join(NAMES)} (result marked partial)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="for benchmarks 1 and 2 (3-5 always run on CPU with gloo)")
+    args = p.parse_args(argv)
+    # SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C, so namespaces and child processes are cleaned up.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.profile == "docs":
+        write_docs()
+        print(f"wrote {DOCS}")
+        return 0
+    only = args.only.split(",") if args.only else list(NAMES)
+    unknown = set(only) - set(NAMES)
+    if unknown:
+        p.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}: expected some of {', '.join(NAMES)}")
+    with procs.scratch():
+        result = run(args.profile or "full", args.device, only)
+    path = write(result)
+    print(f"wrote {path.relative_to(procs.REPO)}")
+    if not result["partial"]:
+        write_docs()
+        print(f"wrote {DOCS.relative_to(procs.REPO)}")
+    print(report.summary(result))
+    return 1 if any("error" in b for b in result["benchmarks"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
