@@ -18,6 +18,7 @@ from harness.k8s import manifests_yaml
 from harness.launch import check_local_entrypoint, run_plan
 from harness.local import start_local_nodes
 from harness.plan import Plan, plan_hosts, plan_local
+from harness.procs import is_alive
 from harness.render import render_json, render_text
 from harness.runs import CONTROLLER_LOG, find_run, list_runs, new_run_id, runs_root, write_text_atomic
 from harness.spec import JobSpec, load_job
@@ -172,7 +173,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{'RUN ID':<44} {'STATUS':<12} {'NODES':>5} {'STARTED':>8} {'DURATION':>9}")
         for run in runs:
             state, summary = run.read_state(), run.read_summary()
-            status = _live_status(run.read_state())
+            status = _live_status(state)
             duration = summary["duration_s"] if summary else time.time() - state["started_at"]
             print(f"{run.run_id:<44} {status:<12} {state['nnodes']:>5} "
                   f"{_age(time.time() - state['started_at']) + ' ago':>8} {duration:>8.1f}s")
@@ -196,8 +197,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _live_status(state: dict[str, object]) -> str:
-    from harness.procs import is_alive
-
     controller = state["controller"]
     assert isinstance(controller, dict)
     if state["status"] == "running" and not is_alive(controller["pid"], controller["start_ticks"]):
