@@ -52,11 +52,11 @@ def _local_gpus(spec: JobSpec) -> int:
     return torch.cuda.device_count()
 
 
-def build_plan(spec: JobSpec, hosts: str | None, run_id: str, log_dir: Path | None = None) -> Plan:
-    if hosts is None:
+def build_plan(spec: JobSpec, inventory: Inventory | None, run_id: str, log_dir: Path | None = None) -> Plan:
+    """Simulated nodes here without an inventory; otherwise one node per host, MASTER_ADDR an IP."""
+    if inventory is None:
         return plan_local(spec, run_id=run_id, python=sys.executable, local_gpus=_local_gpus(spec),
                           local_cpus=len(os.sched_getaffinity(0)), log_dir=str(log_dir.resolve()) if log_dir else None)
-    inventory = load_inventory(hosts)
     return plan_hosts(spec, inventory, run_id=run_id, master_ip=resolve_master_ip(inventory))
 
 
@@ -74,7 +74,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         return 0
     if args.out is not None:
         raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan")
-    plan = build_plan(spec, args.hosts, args.run_id or spec.name)
+    inventory = load_inventory(args.hosts) if args.hosts else None
+    plan = build_plan(spec, inventory, args.run_id or spec.name)
     sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
     return 0
 
@@ -124,7 +125,7 @@ def launch_over_ssh(spec: JobSpec, job_path: Path, inventory: Inventory, run_id:
     from harness.ssh import connect
     from harness.ssh_launch import SSHNode, start_ssh_nodes
 
-    plan = plan_hosts(spec, inventory, run_id=run_id, master_ip=resolve_master_ip(inventory))
+    plan = build_plan(spec, inventory, run_id)
     hosts = inventory.ordered_hosts()[: spec.nnodes]
     if not args.skip_preflight:
         from harness.preflight import run_preflight

@@ -149,7 +149,7 @@ class JobSpec(StrictModel):
 
     @field_validator("data_paths")
     @classmethod
-    def _relative_or_absolute_paths(cls, paths: list[str]) -> list[str]:
+    def _non_empty_paths(cls, paths: list[str]) -> list[str]:
         for path in paths:
             if not path.strip():
                 raise ValueError("data_paths entries must be non-empty paths")

@@ -82,6 +82,7 @@ class SSHConnectError(HarnessError):
     """A host could not be reached or authenticated: `kind` (one of CONNECT_KINDS), a reason, the fix."""
 
     def __init__(self, host: Host, kind: str, reason: str, fix: str | None = None) -> None:
+        assert kind in CONNECT_KINDS, kind
         self.host = host
         self.kind = kind
         self.reason = reason
@@ -281,11 +282,6 @@ class Connection:
     def python_command(self, source: str, args: Sequence[str] = (), *, workdir: str | None = None) -> str:
         """The shell line that runs a Python snippet with this host's interpreter (stdin stays free)."""
         return remote_command([self.host.python, "-c", source, *args], workdir=workdir)
-
-    def run_python(self, source: str, args: Sequence[str] = (), *, timeout: float, stdin: bytes | str = b"",
-                   workdir: str | None = None) -> CommandResult:
-        """Run a self-contained Python snippet remotely with the inventory's `python:` for this host."""
-        return self.run(self.python_command(source, args, workdir=workdir), stdin=stdin, timeout=timeout)
 
     def close(self) -> None:
         self.client.close()

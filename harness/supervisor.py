@@ -104,10 +104,6 @@ class NodeRecord:
         }
 
 
-class StopRequested(Exception):
-    """Raised inside the supervisor's wait when SIGINT/SIGTERM reached the harness."""
-
-
 @dataclass
 class Supervisor:
     plan: Plan

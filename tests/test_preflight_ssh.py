@@ -30,7 +30,8 @@ def test_commands_python_and_env_on_one_connection(cluster2: Cluster) -> None:
     with _connect(cluster2, "h2") as conn:
         assert conn.run("hostname", timeout=10) == (0, "h2\n", "")
         assert conn.run("cat; echo done >&2", stdin="piped", timeout=10) == (0, "piped", "done\n")
-        assert conn.run_python("import sys; print(sys.argv[1]); sys.exit(3)", ["arg"], timeout=10) == (3, "arg\n", "")
+        snippet = conn.python_command("import sys; print(sys.argv[1]); sys.exit(3)", ["arg"])
+        assert conn.run(snippet, timeout=10) == (3, "arg\n", "")
         line = remote_command(["sh", "-c", 'echo "$GREETING"; pwd'], env={"GREETING": "a 'b' c"}, workdir="/tmp")
         assert conn.run(line, timeout=10) == (0, "a 'b' c\n/tmp\n", "")
         assert conn.peer_ip == cluster2.host("h2").address

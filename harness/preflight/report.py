@@ -51,10 +51,6 @@ class Report:
     def failures(self) -> list[Check]:
         return [c for c in self.checks if c.status is Status.FAIL]
 
-    def status_of(self, host: str, name: str) -> Status | None:
-        found = [c.status for c in self.checks if c.host == host and c.name == name]
-        return found[0] if found else None
-
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
