@@ -3,66 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from harness import __version__
+from harness.backends.base import Backend
 from harness.errors import HarnessError, UsageError
-from harness.inventory import Inventory, load_inventory
-from harness.k8s import manifests_yaml
-from harness.launch import check_local_entrypoint, run_plan
-from harness.local import start_local_nodes
-from harness.plan import Plan, plan_hosts, plan_local
-from harness.procs import is_alive
-from harness.render import render_json, render_text
-from harness.runs import CONTROLLER_LOG, find_run, list_runs, new_run_id, runs_root, write_text_atomic
-from harness.spec import JobSpec, load_job
-from harness.stop import stop_run
+from harness.runs import RunDir, find_run, new_run_id, runs_root, write_text_atomic
+from harness.spec import load_job
 
 
-def resolve_master_ip(inventory: Inventory) -> str:
-    """MASTER_ADDR must be an IP: hostnames resolve differently per node (127.0.1.1, IPv6-only)."""
-    address = inventory.master_host().address
-    try:
-        return str(ipaddress.ip_address(address))
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise UsageError(f"{inventory.path}: master address {address!r} does not resolve ({exc.strerror}); "
-                         f"write the master's IP address in the inventory") from None
-    ips = sorted({str(info[4][0]) for info in infos}, key=lambda ip: ":" in ip)
-    if ipaddress.ip_address(ips[0]).is_loopback:
-        raise UsageError(f"{inventory.path}: master address {address!r} resolves to loopback {ips[0]} here; "
-                         f"other nodes cannot reach that, write the master's routable IP")
-    return ips[0]
+def backend_for(args: argparse.Namespace) -> Backend:
+    """Simulated nodes on this machine without an inventory; SSH hosts with one."""
+    if args.hosts is None:
+        from harness.backends.local import LocalBackend
 
+        return LocalBackend()
+    from harness.backends.ssh import SSHBackend, SSHOptions
+    from harness.inventory import load_inventory
 
-def _local_gpus(spec: JobSpec) -> int:
-    if spec.nproc_per_node != "auto":
-        return 0
-    import torch  # only when needed: importing torch costs seconds
-
-    return torch.cuda.device_count()
-
-
-def build_plan(spec: JobSpec, inventory: Inventory | None, run_id: str, log_dir: Path | None = None) -> Plan:
-    """Simulated nodes here without an inventory; otherwise one node per host, MASTER_ADDR an IP."""
-    if inventory is None:
-        return plan_local(spec, run_id=run_id, python=sys.executable, local_gpus=_local_gpus(spec),
-                          local_cpus=len(os.sched_getaffinity(0)), log_dir=str(log_dir.resolve()) if log_dir else None)
-    return plan_hosts(spec, inventory, run_id=run_id, master_ip=resolve_master_ip(inventory))
+    options = SSHOptions(known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys,
+                         preflight=not args.skip_preflight)
+    return SSHBackend(load_inventory(args.hosts), options)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
     spec = load_job(args.job)
     if args.target == "k8s":
+        from harness.k8s import manifests_yaml
+
         text = manifests_yaml(spec, Path(args.job).read_text(), args.job)
         if args.out is None:
             sys.stdout.write(text)
@@ -74,135 +43,41 @@ def cmd_render(args: argparse.Namespace) -> int:
         return 0
     if args.out is not None:
         raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan")
-    inventory = load_inventory(args.hosts) if args.hosts else None
-    plan = build_plan(spec, inventory, args.run_id or spec.name)
+    from harness.render import render_json, render_text
+
+    plan = backend_for(args).plan(spec, args.run_id or spec.name)
     sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
     return 0
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from harness import controller
+
     spec = load_job(args.job)
     root = runs_root(args.runs_dir)
     if args.detach:
-        return launch_detached(args, new_run_id(spec.name), root)
-    run_id = args.run_id or new_run_id(spec.name)
-    if args.hosts is None:
-        check_local_entrypoint(spec, Path.cwd())
-        plan = build_plan(spec, None, run_id, log_dir=root / run_id / "torchrun")
-        return run_plan(plan, spec, Path(args.job), root, lambda p: list(start_local_nodes(p.nodes)), mode="local")
-    return launch_over_ssh(spec, Path(args.job), load_inventory(args.hosts), run_id, root, args)
-
-
-def launch_detached(args: argparse.Namespace, run_id: str, root: Path, startup_timeout: float = 300) -> int:
-    """Run the controller in a session of its own, so the run outlives this terminal; report once it started."""
-    log_path = root / run_id / CONTROLLER_LOG
-    log_path.parent.mkdir(parents=True)
-    argv = [sys.executable, "-m", "harness.cli", "launch", args.job, "--runs-dir", str(root), "--run-id", run_id]
-    argv += ["--hosts", args.hosts] if args.hosts else []
-    argv += ["--known-hosts", args.known_hosts] if args.known_hosts else []
-    argv += [flag for flag, on in (("--skip-preflight", args.skip_preflight),
-                                   ("--accept-new-host-keys", args.accept_new_host_keys)) if on]
-    with open(log_path, "w") as log:
-        controller = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-    state = root / run_id / "state.json"
-    deadline = time.monotonic() + startup_timeout
-    while not state.exists() and controller.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if not state.exists():
-        sys.stderr.write(log_path.read_text())
-        if controller.poll() is None:
-            controller.kill()
-        return controller.wait()
-    print(f"run {run_id} started in the background (controller pid {controller.pid})\n"
-          f"  follow: tail -f {log_path}\n  status: harness status {run_id}\n  stop:   harness stop {run_id}")
-    return 0
-
-
-def launch_over_ssh(spec: JobSpec, job_path: Path, inventory: Inventory, run_id: str, root: Path,
-                    args: argparse.Namespace) -> int:
-    """Preflight's fast checks, then one supervised SSH channel per node; connections closed at the end."""
-    from harness.ssh import connect
-    from harness.ssh_launch import SSHNode, start_ssh_nodes
-
-    plan = build_plan(spec, inventory, run_id)
-    hosts = inventory.ordered_hosts()[: spec.nnodes]
-    if not args.skip_preflight:
-        from harness.preflight import run_preflight
-
-        report = run_preflight(inventory.model_copy(update={"hosts": hosts}), spec, known_hosts=args.known_hosts,
-                               accept_new_host_keys=args.accept_new_host_keys, fast=True,
-                               timeout=spec.timeouts.connect)
-        if not report.ok:
-            print(report.render_table(), file=sys.stderr)
-            print("harness: preflight failed, nothing was started (use --skip-preflight to launch anyway)",
-                  file=sys.stderr)
-            return 1
-    started: list[SSHNode] = []
-
-    def start(plan: Plan) -> list[SSHNode]:
-        started.extend(start_ssh_nodes(
-            plan.nodes,
-            lambda host: connect(host, known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys,
-                                 timeout=spec.timeouts.connect),
-            spec.timeouts.stop_grace,
-        ))
-        return started
-
-    try:
-        return run_plan(plan, spec, job_path, root, start, mode="ssh")
-    finally:
-        for node in started:
-            node.close()
+        run = RunDir(root / new_run_id(spec.name))
+        argv = [sys.executable, "-m", "harness.cli", "launch", args.job, "--runs-dir", str(root), "--run-id",
+                run.run_id]
+        argv += ["--hosts", args.hosts] if args.hosts else []
+        argv += ["--known-hosts", args.known_hosts] if args.known_hosts else []
+        argv += [flag for flag, on in (("--skip-preflight", args.skip_preflight),
+                                       ("--accept-new-host-keys", args.accept_new_host_keys)) if on]
+        return controller.start_detached(argv, run)
+    return controller.launch(backend_for(args), spec, Path(args.job), root, args.run_id or new_run_id(spec.name))
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from harness.controller import stop_run
+
     return stop_run(find_run(runs_root(args.runs_dir), args.run_id), timeout=args.timeout)
 
 
-def _age(seconds: float) -> str:
-    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.0f}h"
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    root = runs_root(args.runs_dir)
-    if args.run_id is None:
-        runs = list_runs(root)
-        if not runs:
-            print(f"no runs in {root}/")
-            return 0
-        print(f"{'RUN ID':<44} {'STATUS':<12} {'NODES':>5} {'STARTED':>8} {'DURATION':>9}")
-        for run in runs:
-            state, summary = run.read_state(), run.read_summary()
-            status = _live_status(state)
-            duration = summary["duration_s"] if summary else time.time() - state["started_at"]
-            print(f"{run.run_id:<44} {status:<12} {state['nnodes']:>5} "
-                  f"{_age(time.time() - state['started_at']) + ' ago':>8} {duration:>8.1f}s")
-        return 0
-    run = find_run(root, args.run_id)
-    state, summary = run.read_state(), run.read_summary()
-    print(f"run {run.run_id}: {_live_status(state)} ({state['mode']}, {state['nnodes']} node(s), "
-          f"world size {state['world_size']})")
-    if summary is None:
-        for node_rank, host in enumerate(state["hosts"]):
-            print(f"  node{node_rank} on {host}: running; log {run.log_file(node_rank)}")
-        return 0
-    for node in summary["nodes"]:
-        ended = node["error"] or (f"signal {node['signal']}" if node["signal"] else f"exit {node['exit_code']}")
-        print(f"  node{node['node_rank']} on {node['host']}: {ended} after {node['duration_s']} s; log {node['log']}")
-    failure = summary["first_failure"]
-    if failure:
-        print(f"  first failure: node{failure['node_rank']} ({failure['host']}), "
-              f"rank {failure['rank']}, {failure['description']}")
+    from harness.status import status_text
+
+    sys.stdout.write(status_text(runs_root(args.runs_dir), args.run_id))
     return 0
-
-
-def _live_status(state: dict[str, object]) -> str:
-    controller = state["controller"]
-    assert isinstance(controller, dict)
-    if state["status"] == "running" and not is_alive(controller["pid"], controller["start_ticks"]):
-        return "lost"
-    return str(state["status"])
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
@@ -232,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--target", choices=("torchrun", "k8s"), default="torchrun",
                         help="torchrun: per-node commands (default); k8s: Kubernetes manifests")
     render.add_argument("--out", help="with --target k8s: write DIR/<job>.yaml instead of printing")
+    render.set_defaults(known_hosts=None, accept_new_host_keys=False, skip_preflight=True)  # nothing connects
     render.set_defaults(func=cmd_render)
 
     runs_dir = argparse.ArgumentParser(add_help=False)

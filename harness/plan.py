@@ -9,7 +9,6 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from harness.container import container_argv, remove_argv
 from harness.errors import UsageError
 from harness.inventory import Host, Inventory
 from harness.spec import JobSpec
@@ -78,7 +77,7 @@ class Plan:
 def resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> int:
     if spec.nproc_per_node != "auto":
         return spec.nproc_per_node
-    unknown = [w for w, g in zip(where, gpus) if g is None]
+    unknown = [w for w, g in zip(where, gpus, strict=True) if g is None]
     if unknown:
         raise UsageError(
             f"nproc_per_node is 'auto' but the GPU count of {', '.join(unknown)} is unknown; "
@@ -86,7 +85,7 @@ def resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> in
         )
     counts = {max(g or 0, 1) for g in gpus}
     if len(counts) > 1:
-        detail = ", ".join(f"{w}={g}" for w, g in zip(where, gpus))
+        detail = ", ".join(f"{w}={g}" for w, g in zip(where, gpus, strict=True))
         raise UsageError(
             f"nproc_per_node 'auto' needs the same GPU count on every node, got {detail}; "
             f"set nproc_per_node to a number that every node can run"
@@ -113,7 +112,7 @@ def torchrun_args(
     if log_dir is not None:
         args.append(f"--log-dir={log_dir}/node{node_rank}")
     entry = spec.entrypoint
-    target = ["-m", entry.module] if entry.module is not None else [entry.script]  # type: ignore[list-item]
+    target = ["-m", entry.module] if entry.module is not None else [str(entry.script)]
     # torchrun runs script args through string.Template (its ${local_rank} macro): `$$` keeps a `$`.
     return args + target + [arg.replace("$", "$$") for arg in entry.args]
 
@@ -181,15 +180,8 @@ def plan_hosts(spec: JobSpec, inventory: Inventory, *, run_id: str, master_ip: s
 
 
 def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, master_ip: str) -> NodePlan:
-    """torchrun with the host's Python, or with the image's inside `docker run` when spec.container."""
+    """torchrun with the host's Python (argv[0]); the SSH backend may wrap it in a container."""
     args = torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank)
     env = node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank)
-    argv: list[str] = [host.python, "-m", TORCHRUN_MODULE, *args]
-    cleanup: tuple[str, ...] = ()
-    if spec.container:
-        assert spec.image is not None
-        argv = container_argv(spec.image, ["python", "-m", TORCHRUN_MODULE, *args], env, host.workdir, run_id,
-                              node_rank=rank, gpus=bool(host.gpus), shm_size=spec.resources.shm_size)
-        cleanup = tuple(remove_argv(run_id, rank))
-    return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc, argv=tuple(argv), env=env,
-                    workdir=host.workdir, ssh=host, cleanup=cleanup)
+    return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc,
+                    argv=(host.python, "-m", TORCHRUN_MODULE, *args), env=env, workdir=host.workdir, ssh=host)

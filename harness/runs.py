@@ -1,20 +1,112 @@
-"""runs/<run-id>/: what a run leaves behind (spec, plan, logs, summary) and how other terminals find it."""
+"""runs/<run-id>/: what a run leaves behind and how other terminals find it.
+
+RunDir owns every path of a run; RunState (written at the start, updated at the end) and
+RunSummary (written at the end) are typed records, validated when read back, so one damaged file
+is reported as that run's problem instead of breaking every command that lists runs.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 import tempfile
 import time
 from dataclasses import dataclass
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
 
 from harness.errors import UsageError
 
 DEFAULT_RUNS_DIR = "runs"
-CONTROLLER_LOG = "controller.log"  # a detached controller's own output stream
+T = TypeVar("T")
+
+
+class RunStatus(StrEnum):
+    """A run's status. The controller writes the first six; `lost` and `unreadable` are only shown."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # by `harness stop`
+    INTERRUPTED = "interrupted"  # by Ctrl-C or a SIGTERM to the controller
+    ERROR = "error"  # the controller itself failed
+    LOST = "lost"  # recorded as running, but its controller is gone
+    UNREADABLE = "unreadable"  # the record cannot be read
+
+
+@dataclass(frozen=True)
+class ControllerId:
+    """The controller's pid with its kernel start time: still identifies it after pid reuse."""
+
+    pid: int
+    start_ticks: int | None
+
+
+@dataclass(frozen=True)
+class RunState:
+    run_id: str
+    name: str
+    mode: str  # the backend: local, ssh
+    status: RunStatus
+    started_at: float
+    nnodes: int
+    world_size: int
+    controller: ControllerId
+    hosts: list[str]
+    ended_at: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    node_rank: int
+    host: str
+    ranks: list[int]
+    exit_code: int | None
+    signal: str | None  # SIGKILL, ...
+    error: str | None  # a lost connection or agent
+    duration_s: float
+    log: str
+
+    def describe(self) -> str:
+        return self.error or (f"signal {self.signal}" if self.signal else f"exit {self.exit_code}")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first node that failed, and within it the rank that failed first (from torchrun's report)."""
+
+    node_rank: int
+    host: str
+    ranks: list[int]
+    rank: int | None
+    rank_exit_code: int | None
+    exit_code: int | None
+    description: str
+    after_s: float
+    last_lines: list[str]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    name: str
+    status: RunStatus
+    exit_code: int
+    started_at: float
+    ended_at: float
+    duration_s: float
+    nodes: list[NodeResult]
+    first_failure: Failure | None
+
+
+class RecordError(UsageError):
+    """A run record that cannot be read or does not have the expected shape."""
 
 
 def runs_root(explicit: str | None = None) -> Path:
@@ -40,12 +132,32 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+def write_record(path: Path, record: Any) -> None:
+    write_text_atomic(path, json.dumps(dataclasses.asdict(record), indent=2, default=_enum_value) + "\n")
+
+
+def _enum_value(value: object) -> object:
+    if isinstance(value, Enum):
+        return value.value
+    raise TypeError(f"not JSON-serializable: {value!r}")
+
+
+def read_record(path: Path, kind: type[T]) -> T:
+    try:
+        return TypeAdapter(kind).validate_json(path.read_bytes())
+    except OSError as exc:
+        raise RecordError(f"{path}: cannot read run record: {exc.strerror}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the file"
+        raise RecordError(f"{path}: not a valid run record ({where}: {first['msg']}); "
+                          f"it was damaged or written by another version") from None
 
 
 @dataclass(frozen=True)
 class RunDir:
+    """Every path of one run."""
+
     path: Path
 
     @property
@@ -60,21 +172,56 @@ class RunDir:
     def summary_file(self) -> Path:
         return self.path / "summary.json"
 
+    @property
+    def stop_marker(self) -> Path:
+        """Written by `harness stop` before it signals the controller: a stop, not an interrupt."""
+        return self.path / "stop-requested"
+
+    @property
+    def controller_log(self) -> Path:
+        """A detached controller's own output stream."""
+        return self.path / "controller.log"
+
+    @property
+    def spec_copy(self) -> Path:
+        return self.path / "spec.yaml"
+
+    @property
+    def plan_json(self) -> Path:
+        return self.path / "plan.json"
+
+    @property
+    def plan_text(self) -> Path:
+        return self.path / "plan.txt"
+
+    @property
+    def backend_logs(self) -> Path:
+        """Logs a backend keeps of its own (torchrun's per-worker files on local nodes)."""
+        return self.path / "torchrun"
+
     def log_file(self, node_rank: int) -> Path:
         return self.path / f"node{node_rank}.log"
 
-    def read_state(self) -> dict[str, Any]:
-        return _read_json(self.state_file)
+    def read_state(self) -> RunState:
+        return read_record(self.state_file, RunState)
 
-    def read_summary(self) -> dict[str, Any] | None:
-        return _read_json(self.summary_file) if self.summary_file.exists() else None
+    def read_summary(self) -> RunSummary | None:
+        return read_record(self.summary_file, RunSummary) if self.summary_file.exists() else None
+
+    def write_state(self, state: RunState) -> None:
+        write_record(self.state_file, state)
+
+    def write_summary(self, summary: RunSummary) -> None:
+        write_record(self.summary_file, summary)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"{path}: cannot read run record: {exc}") from None
+@dataclass(frozen=True)
+class RunEntry:
+    """One run as `harness status` lists it: its state, or why that cannot be read."""
+
+    run: RunDir
+    state: RunState | None
+    problem: str | None = None
 
 
 def create_run_dir(root: Path, run_id: str) -> RunDir:
@@ -86,17 +233,29 @@ def create_run_dir(root: Path, run_id: str) -> RunDir:
     return run
 
 
+def list_runs(root: Path) -> list[RunEntry]:
+    """Every run with a record, oldest start first; unreadable records sort by their file's time."""
+    if not root.is_dir():
+        return []
+    entries = []
+    for path in root.iterdir():
+        run = RunDir(path)
+        if not run.state_file.exists():
+            continue
+        try:
+            entries.append(RunEntry(run, run.read_state()))
+        except RecordError as exc:
+            entries.append(RunEntry(run, None, str(exc)))
+
+    def started(entry: RunEntry) -> float:
+        return entry.state.started_at if entry.state else entry.run.state_file.stat().st_mtime
+
+    return sorted(entries, key=started)
+
+
 def find_run(root: Path, run_id: str) -> RunDir:
     run = RunDir(root / run_id)
     if not run.state_file.exists():
-        known = ", ".join(r.run_id for r in list_runs(root)[-5:]) or "none"
+        known = ", ".join(e.run.run_id for e in list_runs(root)[-5:]) or "none"
         raise UsageError(f"no run {run_id!r} in {root}/ (recent runs: {known}); see `harness status`")
     return run
-
-
-def list_runs(root: Path) -> list[RunDir]:
-    """Every run with a record, oldest start first."""
-    if not root.is_dir():
-        return []
-    runs = [RunDir(p) for p in root.iterdir() if (p / "state.json").exists()]
-    return sorted(runs, key=lambda r: float(r.read_state()["started_at"]))

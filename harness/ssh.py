@@ -26,7 +26,7 @@ import paramiko
 
 from harness.errors import HarnessError
 from harness.inventory import Host
-from harness.render import remote_command
+from harness.shell import remote_command
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 CONNECT_KINDS = (
@@ -325,8 +325,8 @@ class RemoteProcess:
                 del self._out[:end + 1]
 
     def _finished(self) -> bool:
-        return (self.channel.exit_status_ready() and (self.channel.eof_received or self.channel.closed)
-                and not self.channel.recv_ready() and not self.channel.recv_stderr_ready())
+        return bool(self.channel.exit_status_ready() and (self.channel.eof_received or self.channel.closed)
+                    and not self.channel.recv_ready() and not self.channel.recv_stderr_ready())
 
     def _pump(self, deadline: float) -> None:
         """Collect output, blocking until something arrives, the command ends, or the deadline passes."""

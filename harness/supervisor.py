@@ -6,61 +6,25 @@ first failure stops every other node (SIGTERM, then SIGKILL after the grace peri
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
-import signal
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Iterator, Protocol
+from pathlib import Path
+from typing import IO, Any
 
-from harness.plan import NodePlan, Plan
-from harness.runs import RunDir
+from harness.backends.base import NodeProcess, Outcome
+from harness.plan import NodePlan
 
 TAIL_LINES = 20
 # torchrun's ChildFailedError report names the root-cause rank; use it when present.
 ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)")
 ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a node ended: an exit code, or the signal that killed it, or a lost connection."""
-
-    exit_code: int | None
-    signal: int | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
-
-    def describe(self) -> str:
-        if self.error:
-            return self.error
-        if self.signal is not None:
-            return f"killed by {signal.Signals(self.signal).name}"
-        return f"exit code {self.exit_code}"
-
-
-class NodeProcess(Protocol):
-    """A started torchrun agent on some backend (local process, SSH channel)."""
-
-    node: NodePlan
-
-    def output(self) -> Iterator[str]:
-        """Lines of combined stdout/stderr until the node's output ends."""
-
-    def wait(self) -> Outcome:
-        """Block until the node has ended."""
-
-    def terminate(self) -> None:
-        """Ask the node's processes to stop (SIGTERM to its process group)."""
-
-    def kill(self) -> None:
-        """Force every process of the node to end (SIGKILL, then a sweep by run id)."""
 
 
 @dataclass
@@ -90,26 +54,14 @@ class NodeRecord:
         own = [line for line in self.tail if rank is not None and line.startswith(f"[rank{rank}]:")]
         return (own or list(self.tail))[-count:]
 
-    def to_json(self, run: RunDir) -> dict[str, object]:
-        outcome = self.outcome
-        return {
-            "node_rank": self.node.node_rank,
-            "host": self.node.host,
-            "ranks": list(self.node.ranks),
-            "exit_code": outcome.exit_code if outcome else None,
-            "signal": signal.Signals(outcome.signal).name if outcome and outcome.signal else None,
-            "error": outcome.error if outcome else None,
-            "duration_s": round((self.ended or time.time()) - self.started, 3),
-            "log": str(run.log_file(self.node.node_rank)),
-        }
-
 
 @dataclass
 class Supervisor:
-    plan: Plan
-    run: RunDir
+    """grace: SIGTERM-to-SIGKILL seconds; log_file: where each node's lines go (None: nowhere)."""
+
     grace: float
     out: IO[str] = sys.stdout
+    log_file: Callable[[NodePlan], Path] | None = None
     records: list[NodeRecord] = field(default_factory=list)
     first_failure: NodeRecord | None = None
     _print_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -125,17 +77,21 @@ class Supervisor:
             self._spawn(self._reap, process, record)
         self._processes = list(processes)
 
-    def _spawn(self, target: object, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
+    def _spawn(self, target: Callable[..., Any], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
         self._threads.append(thread)
 
     def _pump(self, process: NodeProcess, record: NodeRecord) -> None:
         prefix = f"[{record.node.label}] "
-        with open(self.run.log_file(record.node.node_rank), "a", encoding="utf-8") as log:
+        with contextlib.ExitStack() as stack:
+            log = None
+            if self.log_file is not None:
+                log = stack.enter_context(open(self.log_file(record.node), "a", encoding="utf-8"))
             for line in process.output():
-                log.write(line + "\n")
-                log.flush()
+                if log is not None:
+                    log.write(line + "\n")
+                    log.flush()
                 record.tail.append(line)
                 with self._print_lock:
                     self.out.write(prefix + line + "\n")
@@ -176,7 +132,7 @@ class Supervisor:
 
     def stop_all(self) -> None:
         """SIGTERM every node now; SIGKILL whatever is left after the grace period (in background)."""
-        for process, record in zip(self._processes, self.records):
+        for process, record in zip(self._processes, self.records, strict=True):
             if record.outcome is None:
                 process.terminate()
         self._spawn(self._kill_after_grace)
@@ -187,7 +143,7 @@ class Supervisor:
             if all(r.outcome is not None for r in self.records):
                 return
             time.sleep(0.05)
-        for process, record in zip(self._processes, self.records):
+        for process, record in zip(self._processes, self.records, strict=True):
             if record.outcome is None:
                 process.kill()
 

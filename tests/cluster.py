@@ -7,9 +7,9 @@ controller. Tests get an ordinary hosts.yaml and known_hosts for it, so SSH, pre
 run against real TCP, real firewalls and a real sshd. Names carry the pid, so two runs coexist;
 everything is torn down on exit, also when setup or a test fails.
 
-Use from a test module (fixtures must be imported to be visible):
+Use from a test module (conftest.py loads this module as a plugin, so its fixtures are everywhere):
 
-    from cluster import Cluster, cluster2, cluster3  # noqa: F401
+    from cluster import Cluster
 
     def test_x(cluster2: Cluster, tmp_path):
         hosts = cluster2.write_inventory(tmp_path / "hosts.yaml")
@@ -289,6 +289,15 @@ class Cluster:
     def pids(self, host: NsHost | str) -> list[int]:
         """Every process in a host's namespace (its sshd included)."""
         return self._netns_pids(host.netns if isinstance(host, NsHost) else self.host(host).netns)
+
+    def assert_only_sshd_left(self, within: float = 5.0) -> None:
+        """Nothing left running on any host (sessions end asynchronously): only sshd in every namespace."""
+        deadline = time.monotonic() + within
+        for host in self.hosts:
+            assert host.sshd is not None
+            while self.pids(host) != [host.sshd.pid] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert self.pids(host) == [host.sshd.pid], f"{host.name} still runs {self.pids(host)}"
 
     @contextlib.contextmanager
     def firewall(self, host: NsHost | str, *rule: str, chain: str = "INPUT") -> Iterator[None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -16,17 +17,38 @@ from pathlib import Path
 
 import pytest
 
-from harness.procs import run_processes
+from harness.backends.node_agent import run_processes
 
 pytest_plugins = ("cluster",)  # the namespace-cluster fixtures (cluster2, cluster3) for every module
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _ephemeral_start() -> int:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+        return int(handle.read().split()[0])
+
+
+# Ports for the jobs' rendezvous come from below the kernel's ephemeral range, so that no socket of
+# any process (gloo's, sshd's, another test's) can be handed one between our check and torchrun's
+# bind; each is given out once per session, from a block chosen by pid so that concurrent sessions
+# rarely meet, and is checked free before it is given.
+_PORT_FLOOR = 20000
+_ports = itertools.count(_PORT_FLOOR + (os.getpid() * 97) % (_ephemeral_start() - _PORT_FLOOR))
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free TCP port that nothing else on the machine will be handed meanwhile (see above)."""
+    ceiling = _ephemeral_start()
+    for _ in range(ceiling - _PORT_FLOOR):
+        port = _PORT_FLOOR + (next(_ports) - _PORT_FLOOR) % (ceiling - _PORT_FLOOR)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {_PORT_FLOOR}-{ceiling - 1}")
 
 
 def harness(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -48,6 +70,7 @@ env:
 {env}
 """
 SCRIPT = REPO / "tests" / "scripts" / "ddp_sum.py"
+STOP_GRACE = 3.0  # the spec's default timeouts.stop_grace, which ddp_job keeps
 
 
 def ddp_job(write_yaml, nproc: int = 1, **env: str) -> Path:
@@ -156,6 +179,7 @@ def launch(tmp_path):
 
 
 def assert_nothing_left(run_id: str, within: float = 5.0) -> None:
+    """No process of the run within `within` seconds (nodes are reaped asynchronously, even when done)."""
     deadline = time.monotonic() + within
     while leftover(run_id) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.container import Mount, container_argv, container_name, remove_argv, shm_bytes
+from harness.backends.container import Mount, container_argv, container_name, remove_argv, shm_bytes
 from harness.errors import UsageError
 from harness.plan import plan_local
 from harness.spec import load_job

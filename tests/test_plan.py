@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import harness
+from harness.backends.ssh import SSHBackend
 from harness.errors import UsageError
 from harness.inventory import load_inventory
 from harness.plan import NodePlan, plan_hosts, plan_local
-from harness.render import render_json, render_text, shell_command
+from harness.render import render_json, render_text
+from harness.shell import shell_command
 from harness.spec import load_job
+
+from conftest import harness
 
 GOLDEN = Path(__file__).parent / "golden"
 JOB = """
@@ -139,7 +142,7 @@ def test_render_text_and_json_agree(write_yaml):
 def test_container_jobs_run_torchrun_in_the_image(write_yaml):
     text = JOB.format(nnodes=2, nproc=1, rdzv="static") + "image: registry.example/harness:0.1.0\ncontainer: true\n"
     spec = load_job(write_yaml(text))
-    plan = plan_hosts(spec, load_inventory(write_yaml(HOSTS, "hosts.yaml")), run_id="golden-run", master_ip="10.9.0.1")
+    plan = SSHBackend(load_inventory(write_yaml(HOSTS, "hosts.yaml"))).plan(spec, "golden-run")
     node = plan.nodes[1]
     image_at = node.argv.index("registry.example/harness:0.1.0")
     assert node.argv[:3] == ("docker", "run", "--rm") and "--network=host" in node.argv

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from cluster import Cluster
-from harness.render import remote_command
+from harness.shell import remote_command
 from harness.ssh import RemoteTimeout, SSHConnectError, connect
+
+from cluster import Cluster
 
 
 def _connect(cluster: Cluster, name: str = "h1", *, known_hosts: Path | None = None, timeout: float = 5.0,
@@ -70,7 +70,7 @@ def test_timeout_when_a_firewall_drops_ssh(cluster2: Cluster) -> None:
     with cluster2.firewall("h2", "-p", "tcp", "--dport", "22", "-j", "DROP"):
         started = time.monotonic()
         error = _failure(cluster2, "h2", timeout=1.5)
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 6  # the 1.5 s timeout, not the 10 s default
     assert error.kind == "timeout"
     assert f"no answer from {cluster2.host('h2').address}:22 within 1.5s (a firewall drops the packets" in str(error)
 
@@ -113,6 +113,8 @@ def test_changed_host_key_is_refused(cluster2: Cluster, tmp_path: Path) -> None:
 
 
 def test_unknown_host_key_is_refused_unless_accepting_new_keys(cluster2: Cluster, tmp_path: Path) -> None:
+    users_file = Path("~/.ssh/known_hosts").expanduser()
+    users_before = users_file.read_bytes() if users_file.exists() else None
     known = tmp_path / "ssh" / "known_hosts"
     address = cluster2.host("h1").address
     error = _failure(cluster2, known_hosts=known, port=2222)
@@ -126,4 +128,4 @@ def test_unknown_host_key_is_refused_unless_accepting_new_keys(cluster2: Cluster
     with _connect(cluster2, known_hosts=known, port=2222) as conn:
         assert conn.new_host_key is None
     assert _failure(cluster2, known_hosts=known).kind == "hostkey_unknown"  # port 22 is another entry
-    assert os.environ.get("HOME") is None or not Path("~/.ssh/known_hosts").expanduser().exists()
+    assert (users_file.read_bytes() if users_file.exists() else None) == users_before  # the user's file untouched

@@ -1,92 +1,84 @@
 """`--collective`: a short all_reduce with the job's backend, through torchrun on every host.
 
-The argv and env come from plan_hosts, exactly as a launch would build them, with the entrypoint
-swapped for harness.preflight.allreduce; the agents run over the hosts' existing SSH connections.
-A hard deadline bounds it; on timeout or on the first failing node every node's process tree is
-stopped, so nothing is left running.
+It is launched exactly as the job would be: the SSH backend plans it from the job (its entrypoint
+swapped for harness.preflight.allreduce), starts every node under the node agent over preflight's
+own connections, and the supervisor stops every node at the first failure or at the deadline, so
+nothing is left running.
 """
 
 from __future__ import annotations
 
-import time
+import io
+import threading
 import uuid
 
+from harness.backends.ssh import SSHBackend
 from harness.inventory import Inventory
-from harness.plan import Plan, plan_hosts
-from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, answer_in, on_hosts
+from harness.plan import Plan
+from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, answer_in
 from harness.preflight.report import Check, Status
 from harness.spec import Entrypoint, JobSpec
-from harness.render import remote_command
-from harness.ssh import Connection, RemoteProcess
+from harness.ssh import Connection
+from harness.supervisor import Supervisor
 
 MODULE = "harness.preflight.allreduce"
-STOP_GRACE = 3.0
 
 
-def collective_plan(spec: JobSpec | None, inventory: Inventory, master_ip: str, seconds: float) -> Plan:
-    """The launch plan of the job (or a 1-process-per-host gloo/nccl default) running the all_reduce."""
+def collective_job(spec: JobSpec | None, inventory: Inventory, seconds: float) -> JobSpec:
+    """The job (or a 1-process-per-host default) with the all_reduce as its entrypoint."""
     base = spec or JobSpec.model_validate({"name": "preflight", "nnodes": len(inventory.hosts),
                                            "entrypoint": {"module": MODULE}})
     entrypoint = Entrypoint(module=MODULE, args=[f"--marker={MARKER}", f"--timeout={seconds:g}"])
-    job = base.model_copy(update={"entrypoint": entrypoint, "max_restarts": 0})
-    return plan_hosts(job, inventory, run_id=f"preflight-{uuid.uuid4().hex[:8]}", master_ip=master_ip)
+    return base.model_copy(update={"entrypoint": entrypoint, "max_restarts": 0})
 
 
-def _last_error(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+def _last_error(lines: list[str]) -> str:
+    lines = [line.strip() for line in lines if line.strip()]
     errors = [line for line in lines if "Error" in line or "error:" in line]
     return (errors or lines or ["no output"])[-1][:300]
 
 
-def _stop(process: RemoteProcess) -> None:
-    if process.poll() is None:
-        process.terminate(STOP_GRACE)
-    process.close()
-
-
-def _run(processes: dict[str, RemoteProcess], deadline: float) -> tuple[dict[str, int], str | None]:
-    """Exit statuses of the nodes that ended; stops everyone at the first failure or at the deadline."""
-    statuses: dict[str, int] = {}
-    while len(statuses) < len(processes) and time.monotonic() < deadline:
-        for host, process in processes.items():
-            if host not in statuses and (status := process.poll()) is not None:
-                statuses[host] = status
-        if any(statuses.values()):
-            break
-        time.sleep(0.1)
-    first_failure = next((h for h, s in statuses.items() if s), None)
-    return statuses, first_failure
+def _supervise(backend: SSHBackend, plan: Plan, job: JobSpec, seconds: float) -> tuple[Supervisor, bool]:
+    """Run the plan's nodes to their end, as a launch does; stop them all at the deadline.
+    Returns the supervisor (records, first failure) and whether the deadline was reached."""
+    deadline = threading.Event()
+    timer = threading.Timer(seconds, deadline.set)
+    sup = Supervisor(grace=job.timeouts.stop_grace, out=io.StringIO())
+    timer.start()
+    try:
+        sup.start(backend.start(plan, job))
+        sup.wait(deadline)
+    finally:
+        timer.cancel()
+        sup.finish()
+        backend.close()
+    return sup, deadline.is_set()
 
 
 def collective_checks(connections: dict[str, Connection], inventory: Inventory, spec: JobSpec | None,
-                      master_ip: str, *, timeout: float) -> list[Check]:
+                      *, timeout: float) -> list[Check]:
+    """The all_reduce on every host, under the node agent and the supervisor like every launch."""
     hard = timeout * TORCH_TIMEOUT_FACTOR
-    plan = collective_plan(spec, inventory, master_ip, hard - 5)
-    processes: dict[str, RemoteProcess] = {}
-    try:
-        for node in plan.nodes:
-            command = remote_command(node.argv, env=node.env, workdir=node.workdir)
-            processes[node.host] = connections[node.host].start(command, timeout=timeout)
-            processes[node.host].close_stdin()
-        statuses, culprit = _run(processes, time.monotonic() + hard)
-        outputs = {host: process.take_output() for host, process in processes.items()}
-    finally:
-        on_hosts(lambda host: _stop(processes[host]), list(processes))
-    master = plan.nodes[0].host
-    answer = answer_in(outputs[master][0] + outputs[master][1]) if master in outputs else None
+    job = collective_job(spec, inventory, hard - 5)
+    backend = SSHBackend(inventory, connections=connections)
+    plan = backend.plan(job, f"preflight-{uuid.uuid4().hex[:8]}")
+    sup, timed_out = _supervise(backend, plan, job, hard)
+    culprit = sup.first_failure
+    master = next(r for r in sup.records if r.node.node_rank == 0)
+    answer = next((a for line in master.tail if (a := answer_in(line)) is not None), None)
     checks = []
-    for node in plan.nodes:
-        host = node.host
-        stdout, stderr = outputs.get(host, ("", ""))
-        if host not in statuses:
-            why = (f"stopped after {culprit} failed" if culprit
-                   else f"all_reduce did not finish within {hard:g}s; stopped")
-            checks.append(Check(host, "collective", Status.SKIP if culprit else Status.FAIL, why,
-                                None if culprit else "check the data_plane rows and the job's backend settings",
-                                {"output_tail": (stdout + stderr).splitlines()[-5:]}))
-        elif statuses[host]:
+    for record in sup.records:
+        host, outcome = record.node.host, record.outcome
+        if culprit is not None and record is not culprit and not (outcome and outcome.ok):
+            checks.append(Check(host, "collective", Status.SKIP, f"stopped after {culprit.node.host} failed"))
+        elif timed_out and culprit is None and not (outcome and outcome.ok):
+            checks.append(Check(host, "collective", Status.FAIL, f"all_reduce did not finish within {hard:g}s; stopped",
+                                "check the data_plane rows and the job's backend settings",
+                                {"output_tail": list(record.tail)[-5:]}))
+        elif outcome is None or not outcome.ok:
+            what = outcome.describe() if outcome else "no end"
             checks.append(Check(host, "collective", Status.FAIL,
-                                f"node {node.node_rank} exited {statuses[host]}: {_last_error(stderr + stdout)}",
+                                f"node {record.node.node_rank} {what}: {_last_error(list(record.tail))}",
                                 "fix the error above; NCCL_DEBUG=INFO in the job's env tells more for nccl"))
         elif answer is None or not answer["verified"]:
             checks.append(Check(host, "collective", Status.FAIL,

@@ -15,7 +15,7 @@ from typing import Any
 from harness.errors import UsageError
 from harness.inventory import Host, Inventory
 from harness.preflight import probe
-from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resource_checks, resolve_checks
+from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
 from harness.preflight.collective import collective_checks
 from harness.preflight.ports import network_checks
 from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, on_hosts, run_script
@@ -140,4 +140,4 @@ def _checks(report: Report, connections: dict[str, Connection], inventory: Inven
             report.checks += [Check(h["name"], "collective", Status.SKIP, "not run: fix the failures above first")
                               for h in report.hosts]
         else:
-            report.checks += collective_checks(connections, inventory, spec, addresses[master.name], timeout=timeout)
+            report.checks += collective_checks(connections, inventory, spec, timeout=timeout)

@@ -12,17 +12,18 @@ import re
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 
-from conftest import Streamed, free_port
+from harness.backends.node_agent import is_alive
 from harness.payload import checkpoint
 from harness.payload.model import build
-from harness.procs import is_alive
+
+from conftest import Streamed, free_port
 
 PY = sys.executable
 TORCHRUN_VARS = (
@@ -86,10 +87,8 @@ class Job(Streamed):
             self.kill_group()
         for pid, ticks in self.descendants.items():
             if is_alive(pid, ticks):
-                try:
+                with suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
 
 @contextmanager
@@ -157,8 +156,7 @@ def test_two_ranks_equal_one_process_on_the_same_samples(tmp_path: Path) -> None
 
 def test_sigkill_mid_epoch_then_resume_is_bitwise(reference, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    args = SMALL + ["--ckpt-dir", str(ckpt), "--resume", "--out-dir", str(tmp_path / "out"),
-                    "--save-final", str(tmp_path / "final.pt")]
+    args = [*SMALL, "--ckpt-dir", str(ckpt), "--resume", "--out-dir", str(tmp_path / "out"), "--save-final", str(tmp_path / "final.pt")]
     with job(torchrun() + args) as killed:
         killed.wait_for(r"^epoch 1/2 step 11/32 ", 120)
         workers = killed.track()
@@ -188,7 +186,7 @@ def test_kill_during_checkpoint_write_then_resume_is_bitwise(reference, tmp_path
     checkpoint, and a corrupt newer file (as a non-atomic writer would leave) is skipped with one line.
     """
     ckpt = tmp_path / "ckpt"
-    args = SMALL + ["--ckpt-dir", str(ckpt), "--resume", "--save-final", str(tmp_path / "final.pt")]
+    args = [*SMALL, "--ckpt-dir", str(ckpt), "--resume", "--save-final", str(tmp_path / "final.pt")]
     stalled = checkpoint.path_for(ckpt, 12)
     with job(torchrun() + args, clean_env(**{checkpoint.STALL_ENV: stalled.name})) as killed:
         killed.wait_for(r"stalling in the middle of writing", 120)
@@ -211,8 +209,7 @@ def test_kill_during_checkpoint_write_then_resume_is_bitwise(reference, tmp_path
 
 def test_digits_reach_90_percent_as_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    started = run(torchrun() + ["--data", "digits", "--model", "small", "--epochs", "4", "--batch-size", "32",
-                                "--lr", "0.1", "--log-every", "10", "--out-dir", str(out)])
+    started = run([*torchrun(), "--data", "digits", "--model", "small", "--epochs", "4", "--batch-size", "32", "--lr", "0.1", "--log-every", "10", "--out-dir", str(out)])
     accuracy = float(re.search(r"^done: test_acc=([\d.]+) ", started.output, re.M).group(1))
     assert accuracy >= 0.9, started.output
     history = records(out)
@@ -248,7 +245,7 @@ def test_smoke_run_as_two_nodes_writes_metrics_and_plot(tmp_path: Path) -> None:
 
 
 def test_missing_cifar_is_one_clear_error(tmp_path: Path) -> None:
-    with job(single() + ["--data", "cifar10", "--data-dir", str(tmp_path / "empty"), "--model", "small"]) as started:
+    with job([*single(), "--data", "cifar10", "--data-dir", str(tmp_path / "empty"), "--model", "small"]) as started:
         code = started.finish(60)
     assert code == 2
     assert started.lines == [

@@ -1,6 +1,6 @@
 """`docker run` for a node whose host runs the job inside the image (an SSH cluster, `container: true`).
 
-Pure: the planner wraps a node's planned argv and env with `container_argv`; nothing runs here.
+Pure: the SSH backend wraps every planned node with `in_containers`; nothing runs here.
 Every node then runs the same image, so the same torch, CUDA and NCCL, whatever the host has.
 
 Stopping: the SSH agent's SIGTERM reaches `docker run`, which passes it to the container, where
@@ -15,11 +15,12 @@ import csv
 import io
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
 
 from harness.errors import UsageError
-from harness.spec import QUANTITY
+from harness.plan import Plan
+from harness.spec import QUANTITY, JobSpec
 
 RUN_ID_LABEL = "harness.run-id"
 NODE_RANK_LABEL = "harness.node-rank"
@@ -132,4 +133,17 @@ def container_argv(
     if user is not None:
         args.append(f"--user={user}")
     args += [f"--env={key}={value}" for key, value in sorted(env.items())]
-    return args + [f"--entrypoint={argv[0]}", image, *argv[1:]]
+    return [*args, f"--entrypoint={argv[0]}", image, *argv[1:]]
+
+
+def in_containers(plan: Plan, spec: JobSpec) -> Plan:
+    """Every node of a host plan run inside spec.image: the image's interpreter in place of the host's,
+    the same torchrun arguments and env, and the container's removal as the node's cleanup."""
+    assert spec.image is not None
+    nodes = []
+    for node in plan.nodes:
+        assert node.ssh is not None
+        argv = container_argv(spec.image, ["python", *node.argv[1:]], node.env, node.ssh.workdir, plan.run_id,
+                              node_rank=node.node_rank, gpus=bool(node.ssh.gpus), shm_size=spec.resources.shm_size)
+        nodes.append(replace(node, argv=tuple(argv), cleanup=tuple(remove_argv(plan.run_id, node.node_rank))))
+    return replace(plan, nodes=tuple(nodes))

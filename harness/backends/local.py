@@ -1,0 +1,88 @@
+"""Local backend: simulated nodes, each a torchrun agent on this machine under the node agent.
+
+The nodes rendezvous on 127.0.0.1 exactly as a real cluster does. Each agent is a child of the
+controller with a pipe on its stdin: when the controller dies, even by SIGKILL, the kernel closes
+that pipe and the agent stops its node, as an SSH host's agent does when its connection drops.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from harness.backends.agent_link import AgentNode, agent_argv, agent_env, start_all
+from harness.backends.base import NodeProcess, Outcome
+from harness.backends.node_agent import kill_run_processes
+from harness.errors import UsageError
+from harness.plan import NodePlan, Plan, plan_local
+from harness.spec import JobSpec
+
+
+def _local_gpus(spec: JobSpec) -> int:
+    if spec.nproc_per_node != "auto":
+        return 0
+    import torch  # only when needed: importing torch costs seconds
+
+    return torch.cuda.device_count()
+
+
+def check_local_entrypoint(spec: JobSpec, workdir: Path) -> None:
+    """A missing script should fail before any node starts, not as N identical tracebacks."""
+    script = spec.entrypoint.script
+    if script is not None and not (workdir / script).is_file():
+        raise UsageError(f"entrypoint.script {script!r} not found in {workdir} (paths are relative to the "
+                         f"directory harness is run from)")
+
+
+class LocalAgentNode(AgentNode):
+    """The agent as a child process in a session of its own (a Ctrl-C in the terminal reaches only the
+    controller, which then stops the nodes in order)."""
+
+    def __init__(self, node: NodePlan, grace: float, python: str) -> None:
+        super().__init__(node)
+        self._proc = subprocess.Popen(
+            agent_argv(python, node, grace), env=os.environ | agent_env(node), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def _lines(self) -> Iterable[bytes]:
+        assert self._proc.stdout is not None
+        return self._proc.stdout
+
+    def _send(self, data: bytes) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
+
+    def _wait_agent(self) -> str:
+        code = self._proc.wait()
+        # An agent that died without reporting (killed by hand, OOM) could not stop its node: do it here.
+        kill_run_processes(self.node.env["HARNESS_RUN_ID"], self.node.env["NODE_RANK"])
+        how = Outcome.from_returncode(code).describe()
+        return f"node agent (pid {self._proc.pid}) ended with {how} without reporting the node's end"
+
+
+class LocalBackend:
+    """nnodes simulated nodes on this machine; the job's script paths are relative to the cwd."""
+
+    name = "local"
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+
+    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None) -> Plan:
+        return plan_local(spec, run_id=run_id, python=self.python, local_gpus=_local_gpus(spec),
+                          local_cpus=len(os.sched_getaffinity(0)),
+                          log_dir=str(log_dir.resolve()) if log_dir is not None else None)
+
+    def check(self, plan: Plan, spec: JobSpec) -> None:
+        check_local_entrypoint(spec, Path.cwd())
+
+    def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        return start_all(plan.nodes, lambda node: LocalAgentNode(node, spec.timeouts.stop_grace, self.python))
+
+    def close(self) -> None:
+        """Nothing to release: each agent's pipes close when it ends."""

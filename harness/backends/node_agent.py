@@ -1,0 +1,152 @@
+"""The node agent: runs one node's command and owns its whole process tree, on every backend.
+
+Every node of every controller-supervised backend runs under this agent: a local process of the
+controller, or a process on an SSH host. It is started as
+
+    python -I -S -c "<this file>" RUN_ID NODE_RANK GRACE COMMAND [CLEANUP]
+
+so it imports nothing but the standard library (not even site-packages): hosts need Python, not
+the harness. The protocol, on the agent's own stdin and stdout:
+- `TERM` from the controller: SIGTERM to the node's process group;
+- `KILL`: SIGKILL to the group, then a sweep of every process whose environment carries this
+  run's HARNESS_RUN_ID and NODE_RANK (torchrun starts its workers in sessions of their own, out of
+  the group's reach), repeated until none is left, then CLEANUP once (e.g. removing the node's
+  container, which a SIGKILLed `docker run` leaves behind);
+- end of stdin: the controller or its connection is gone. TERM, GRACE seconds, then KILL: a lost
+  controller never leaves a job running;
+- stdout carries the node's combined output, then one line `EXIT_MARKER CODE` once the node has
+  ended (a negative CODE is the signal that ended it).
+
+The helpers that find a run's processes by its run id (never by a name pattern) live here too, so
+the controller's `harness stop` and the agent sweep the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+EXIT_MARKER = "\x1eharness-node-exit"
+SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
+
+
+def run_processes(run_id: str, node_rank: str | None = None) -> list[int]:
+    """PIDs whose environment says they belong to run_id (and node_rank, when given)."""
+    wanted = {f"HARNESS_RUN_ID={run_id}".encode()}
+    if node_rank is not None:
+        wanted.add(f"NODE_RANK={node_rank}".encode())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = set(handle.read().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= environ:
+            found.append(int(entry))
+    return found
+
+
+def kill_run_processes(run_id: str, node_rank: str | None = None, sig: int = signal.SIGKILL) -> list[int]:
+    """Signal every process of the run; returns the PIDs signalled."""
+    signalled = []
+    for pid in run_processes(run_id, node_rank):
+        try:
+            os.kill(pid, sig)
+            signalled.append(pid)
+        except (ProcessLookupError, PermissionError):  # gone, or another uid's (e.g. in a container)
+            continue
+    return signalled
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """Fields of /proc/PID/stat after the command name (state is [0], start time is [19])."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """The kernel's start time of pid: with the pid it identifies a process even after pid reuse."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def is_alive(pid: int, ticks: int | None) -> bool:
+    """The same process (not a reused pid) and still running (an exited, unreaped zombie is not)."""
+    fields = _stat(pid)
+    return fields is not None and ticks is not None and int(fields[19]) == ticks and fields[0] != b"Z"
+
+
+class Agent:
+    """One node's command in a session of its own, and the means to end all of it."""
+
+    def __init__(self, run_id: str, node_rank: str, grace: float, command: str, cleanup: str) -> None:
+        self.run_id = run_id
+        self.node_rank = node_rank
+        self.grace = grace
+        self.cleanup = cleanup
+        self.ended = threading.Event()
+        self._cleaned = False
+        self._kill_lock = threading.Lock()
+        self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdin=subprocess.DEVNULL)
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.child.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the group and sweep until no process of this node is left; then the cleanup, once."""
+        with self._kill_lock:
+            deadline = time.monotonic() + SWEEP_SECONDS
+            self.signal_group(signal.SIGKILL)
+            while kill_run_processes(self.run_id, self.node_rank) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if self.cleanup and not self._cleaned:
+                self._cleaned = True
+                subprocess.run(["/bin/sh", "-c", self.cleanup], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=60, check=False)
+
+    def obey_controller(self) -> None:
+        """Follow the controller's words until its end of stdin closes, then stop the node."""
+        for line in sys.stdin:
+            word = line.strip()
+            if word == "TERM":
+                self.signal_group(signal.SIGTERM)
+            elif word == "KILL":
+                self.kill()
+        self.signal_group(signal.SIGTERM)
+        self.ended.wait(self.grace)
+        self.kill()
+
+    def run(self) -> int:
+        threading.Thread(target=self.obey_controller, daemon=True).start()
+        code = self.child.wait()
+        self.ended.set()
+        with self._kill_lock:  # not while a KILL runs the cleanup, whose processes carry our environment
+            kill_run_processes(self.run_id, self.node_rank)  # workers that outlived their torchrun
+        return code
+
+
+def main(argv: list[str]) -> None:
+    run_id, node_rank, grace, command = argv[:4]
+    code = Agent(run_id, node_rank, float(grace), command, argv[4] if len(argv) > 4 else "").run()
+    try:
+        sys.stdout.write(f"{EXIT_MARKER} {code}\n")
+        sys.stdout.flush()
+    except OSError:  # the controller is gone; there is nobody to tell
+        pass
+    os._exit(code if code >= 0 else 128 - code)  # no exit-time flush into a closed pipe
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,150 @@
+"""SSH backend: one node per inventory host, each under the node agent on its host.
+
+The agent is sent as source and run with the host's own Python, so hosts need no harness install.
+One SSH session channel per node carries the node's output back, the controller's TERM/KILL words
+there, and the node's exit code back again; a dropped connection closes the agent's stdin, and the
+agent stops its node. `container: true` wraps every node in `docker run` (container.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from harness.backends.agent_link import AgentNode, agent_argv, agent_env, start_all
+from harness.backends.base import CheckFailed, NodeProcess
+from harness.backends.container import in_containers
+from harness.errors import UsageError
+from harness.inventory import Inventory
+from harness.plan import NodePlan, Plan, plan_hosts
+from harness.shell import remote_command
+from harness.spec import JobSpec
+from harness.ssh import Connection, connect
+
+
+def resolve_master_ip(inventory: Inventory) -> str:
+    """MASTER_ADDR must be an IP: hostnames resolve differently per node (127.0.1.1, IPv6-only)."""
+    address = inventory.master_host().address
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UsageError(f"{inventory.path}: master address {address!r} does not resolve ({exc.strerror}); "
+                         f"write the master's IP address in the inventory") from None
+    ips = sorted({str(info[4][0]) for info in infos}, key=lambda ip: ":" in ip)
+    if ipaddress.ip_address(ips[0]).is_loopback:
+        raise UsageError(f"{inventory.path}: master address {address!r} resolves to loopback {ips[0]} here; "
+                         f"other nodes cannot reach that, write the master's routable IP")
+    return ips[0]
+
+
+class SSHAgentNode(AgentNode):
+    """The agent on a remote host, reached through one SSH session channel."""
+
+    def __init__(self, node: NodePlan, connection: Connection, grace: float) -> None:
+        super().__init__(node)
+        assert node.ssh is not None
+        self._channel = connection.transport.open_session()
+        self._channel.set_combine_stderr(True)
+        self._channel.exec_command(remote_command(agent_argv(node.ssh.python, node, grace), env=agent_env(node)))
+
+    def _lines(self) -> Iterator[bytes]:
+        try:
+            yield from self._channel.makefile("rb")
+        except paramiko.SSHException as exc:
+            raise EOFError(str(exc)) from exc
+
+    def _send(self, data: bytes) -> None:
+        if self._channel.closed:
+            raise EOFError("channel closed")
+        try:
+            self._channel.sendall(data)
+        except paramiko.SSHException as exc:
+            raise EOFError(str(exc)) from exc
+
+    def _wait_agent(self) -> str:
+        status = self._channel.recv_exit_status()
+        return f"connection to {self.node.host} ({self.node.address}) lost (ssh status {status})"
+
+
+@dataclass(frozen=True)
+class SSHOptions:
+    """How to reach the hosts: host keys (never trusted silently) and whether to preflight first."""
+
+    known_hosts: str | Path | None = None
+    accept_new_host_keys: bool = False
+    preflight: bool = True
+
+
+class SSHBackend:
+    """Nodes on the inventory's hosts, master first. Connections may be lent by the caller (preflight's
+    collective reuses its own); lent ones are left open at close."""
+
+    name = "ssh"
+
+    def __init__(self, inventory: Inventory, options: SSHOptions = SSHOptions(),
+                 connections: dict[str, Connection] | None = None) -> None:
+        self.inventory = inventory
+        self.options = options
+        self._lent = dict(connections or {})
+        self._opened: dict[str, Connection] = {}
+
+    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None) -> Plan:
+        plan = plan_hosts(spec, self.inventory, run_id=run_id, master_ip=resolve_master_ip(self.inventory))
+        return in_containers(plan, spec) if spec.container else plan
+
+    def check(self, plan: Plan, spec: JobSpec) -> None:
+        """Preflight's fast checks on the plan's hosts (no torch import, no collective)."""
+        if not self.options.preflight:
+            return
+        from harness.preflight.runner import run_preflight  # preflight's collective imports this module
+
+        hosts = [node.ssh for node in plan.nodes if node.ssh is not None]
+        report = run_preflight(self.inventory.model_copy(update={"hosts": hosts}), spec,
+                               known_hosts=self.options.known_hosts,
+                               accept_new_host_keys=self.options.accept_new_host_keys, fast=True,
+                               timeout=spec.timeouts.connect)
+        if not report.ok:
+            raise CheckFailed("preflight failed, nothing was started (use --skip-preflight to launch anyway):\n"
+                              + report.render_table())
+
+    def _connect_all(self, nodes: tuple[NodePlan, ...], timeout: float) -> dict[str, Connection]:
+        """A connection per host, opened in parallel; the first error once every attempt has ended."""
+        errors: list[BaseException] = []
+
+        def open_one(node: NodePlan) -> None:
+            assert node.ssh is not None
+            try:
+                self._opened[node.host] = connect(node.ssh, known_hosts=self.options.known_hosts,
+                                                  accept_new_host_keys=self.options.accept_new_host_keys,
+                                                  timeout=timeout)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after every attempt ended
+                errors.append(exc)
+
+        missing = [node for node in nodes if node.host not in self._lent]
+        threads = [threading.Thread(target=open_one, args=(node,)) for node in missing]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return self._lent | self._opened
+
+    def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        connections = self._connect_all(plan.nodes, spec.timeouts.connect)
+        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host], spec.timeouts.stop_grace))
+
+    def close(self) -> None:
+        for connection in self._opened.values():
+            connection.close()
+        self._opened.clear()

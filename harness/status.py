@@ -1,0 +1,66 @@
+"""`harness status`: the table of runs, or one run's nodes, from the run records."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from harness.controller import controller_alive
+from harness.runs import RecordError, RunDir, RunState, RunStatus, find_run, list_runs
+
+
+def live_status(state: RunState) -> RunStatus:
+    """What the record says, except that a running run whose controller is gone is lost."""
+    if state.status is RunStatus.RUNNING and not controller_alive(state):
+        return RunStatus.LOST
+    return state.status
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    return f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.0f}h"
+
+
+def runs_table(root: Path) -> str:
+    """One line per run, oldest first; a run whose record cannot be read is listed with the reason."""
+    entries = list_runs(root)
+    if not entries:
+        return f"no runs in {root}/\n"
+    lines = [f"{'RUN ID':<44} {'STATUS':<12} {'NODES':>5} {'STARTED':>8} {'DURATION':>9}"]
+    now = time.time()
+    for entry in entries:
+        state = entry.state
+        if state is None:
+            lines.append(f"{entry.run.run_id:<44} {RunStatus.UNREADABLE.value:<12} {'-':>5} {'-':>8} {'-':>9}  "
+                         f"{entry.problem}")
+            continue
+        try:
+            summary = entry.run.read_summary()
+        except RecordError:  # a damaged summary: the state still says enough for the table
+            summary = None
+        duration = summary.duration_s if summary else now - state.started_at
+        lines.append(f"{entry.run.run_id:<44} {live_status(state).value:<12} {state.nnodes:>5} "
+                     f"{_age(now - state.started_at) + ' ago':>8} {duration:>8.1f}s")
+    return "\n".join(lines) + "\n"
+
+
+def run_details(run: RunDir) -> str:
+    """The run's status, then per node how it ended and where its log is, then the first failure."""
+    state, summary = run.read_state(), run.read_summary()
+    lines = [f"run {run.run_id}: {live_status(state).value} ({state.mode}, {state.nnodes} node(s), "
+             f"world size {state.world_size})"]
+    if summary is None:
+        lines += [f"  node{rank} on {host}: running; log {run.log_file(rank)}" for rank, host in enumerate(state.hosts)]
+        return "\n".join(lines) + "\n"
+    lines += [f"  node{node.node_rank} on {node.host}: {node.describe()} after {node.duration_s} s; log {node.log}"
+              for node in summary.nodes]
+    failure = summary.first_failure
+    if failure:
+        lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), rank {failure.rank}, "
+                     f"{failure.description}")
+    return "\n".join(lines) + "\n"
+
+
+def status_text(root: Path, run_id: str | None) -> str:
+    return runs_table(root) if run_id is None else run_details(find_run(root, run_id))

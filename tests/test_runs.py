@@ -1,0 +1,98 @@
+"""Run records: typed, validated on reading, and one damaged record never hides the other runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.backends.node_agent import start_ticks
+from harness.runs import (
+    ControllerId,
+    Failure,
+    NodeResult,
+    RecordError,
+    RunDir,
+    RunState,
+    RunStatus,
+    RunSummary,
+    create_run_dir,
+    list_runs,
+)
+
+from conftest import harness
+
+
+def _state(run_id: str, status: RunStatus, started_at: float, controller: ControllerId) -> RunState:
+    return RunState(run_id=run_id, name="job", mode="local", status=status, started_at=started_at, nnodes=2,
+                    world_size=4, controller=controller, hosts=["localhost", "localhost"])
+
+
+def _ended_process() -> ControllerId:
+    """The identity of a process that has exited: a controller that is gone."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    identity = ControllerId(process.pid, start_ticks(process.pid))
+    process.kill()
+    process.wait()
+    return identity
+
+
+def _summary(state: RunState, run: RunDir) -> RunSummary:
+    node = NodeResult(node_rank=1, host="localhost", ranks=[2, 3], exit_code=1, signal=None, error=None,
+                      duration_s=4.5, log=str(run.log_file(1)))
+    failure = Failure(node_rank=1, host="localhost", ranks=[2, 3], rank=3, rank_exit_code=1, exit_code=1,
+                      description="exit code 1", after_s=4.5, last_lines=["[rank3]: boom"])
+    return RunSummary(run_id=state.run_id, name=state.name, status=RunStatus.FAILED, exit_code=1,
+                      started_at=state.started_at, ended_at=state.started_at + 5, duration_s=5.0, nodes=[node],
+                      first_failure=failure)
+
+
+def test_records_round_trip_and_keep_their_json_shape(tmp_path: Path) -> None:
+    run = create_run_dir(tmp_path, "job-1")
+    state = _state("job-1", RunStatus.FAILED, 1000.0, ControllerId(4242, 17))
+    summary = _summary(state, run)
+    run.write_state(state)
+    run.write_summary(summary)
+    assert run.read_state() == state and run.read_summary() == summary
+    raw = json.loads(run.summary_file.read_text())
+    assert raw["status"] == "failed" and raw["first_failure"]["rank"] == 3 and raw["nodes"][0]["ranks"] == [2, 3]
+    assert json.loads(run.state_file.read_text())["controller"] == {"pid": 4242, "start_ticks": 17}
+    with pytest.raises(Exception, match="already taken"):
+        create_run_dir(tmp_path, "job-1")
+
+
+def test_status_lists_every_run_when_one_record_is_damaged(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    good = create_run_dir(root, "job-good")
+    good.write_state(_state("job-good", RunStatus.SUCCEEDED, 1000.0, ControllerId(1, 1)))
+    lost = create_run_dir(root, "job-lost")
+    lost.write_state(_state("job-lost", RunStatus.RUNNING, 1001.0, _ended_process()))
+    (root / "job-torn").mkdir()
+    (root / "job-torn" / "state.json").write_text('{"run_id": "job-torn", "status": "runn')
+    (root / "job-old").mkdir()
+    (root / "job-old" / "state.json").write_text(json.dumps({"run_id": "job-old", "status": "running"}))
+
+    listing = harness("status", "--runs-dir", str(root))
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}
+    assert set(rows) == {"job-good", "job-lost", "job-torn", "job-old"}
+    assert rows["job-good"].split()[1] == "succeeded" and rows["job-lost"].split()[1] == "lost"
+    assert "unreadable" in rows["job-torn"] and f"{root}/job-torn/state.json: not a valid run record" in rows["job-torn"]
+    assert "(name: Field required)" in rows["job-old"]
+    assert [e.run.run_id for e in list_runs(root)][:2] == ["job-good", "job-lost"]  # readable ones by start time
+
+    detail = harness("status", "job-torn", "--runs-dir", str(root))
+    assert detail.returncode == 2
+    assert detail.stderr.startswith(f"harness: error: {root}/job-torn/state.json: not a valid run record")
+    assert harness("stop", "job-old", "--runs-dir", str(root)).returncode == 2
+
+
+def test_a_record_with_a_wrong_status_is_refused(tmp_path: Path) -> None:
+    run = create_run_dir(tmp_path, "job-x")
+    run.write_state(_state("job-x", RunStatus.SUCCEEDED, 1.0, ControllerId(1, 1)))
+    run.state_file.write_text(run.state_file.read_text().replace('"succeeded"', '"exploded"'))
+    with pytest.raises(RecordError, match=r"status: Input should be 'running', 'succeeded'"):
+        run.read_state()
