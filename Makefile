@@ -18,7 +18,7 @@ IMAGE_FLAGS ?=
 # The real image test builds and runs the image with buildah (no daemon) on a debootstrap base.
 IMAGE_TEST_PACKAGES := buildah debootstrap
 
-.PHONY: setup system-packages test launch render k8s image push image-test bench bench-quick lock clean
+.PHONY: setup system-packages lint test launch render k8s image push image-test bench bench-quick lock clean
 
 setup: system-packages $(STAMP)
 
@@ -35,7 +35,12 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[test]' --no-build-isolation
 	touch $(STAMP)
 
-test: setup
+# Lint and types first (seconds), then the suite: real hosts, daemons and jobs (minutes).
+lint: setup
+	$(BIN)/ruff check harness tests bench docker
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest
 
 launch: setup

@@ -99,7 +99,7 @@ def time_to_first_step(cfg: dict[str, Any]) -> dict[str, Any]:
             begun = time.monotonic()
             procs.run_lines([procs.PY, "-m", "harness.cli", "render", str(job)])
             render.append(time.monotonic() - begun)
-    rows = [{"name": name, "first_step_s": round(statistics.median(r[0] for r in runs), 2),
+    rows: list[dict[str, Any]] = [{"name": name, "first_step_s": round(statistics.median(r[0] for r in runs), 2),
              "job_end_s": round(statistics.median(r[1] for r in runs), 2),
              "attempts_first_step_s": [round(r[0], 2) for r in runs]} for name, runs in attempts.items()]
     for row in rows:

@@ -82,7 +82,7 @@ def describe() -> dict[str, Any]:
     status = git("status", "--porcelain", "--untracked-files=no")
     load = os.getloadavg()
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)),

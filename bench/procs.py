@@ -19,9 +19,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -36,7 +35,7 @@ _scratch: Path | None = None
 def scratch() -> Iterator[Path]:
     """A TMPDIR for every process started meanwhile (plain torchrun leaves /tmp/torchelastic_* behind),
     removed at the end."""
-    global _scratch
+    global _scratch  # noqa: PLW0603 - every Proc started meanwhile reads it
     path = _scratch = Path(tempfile.mkdtemp(prefix="bench-tmp-"))
     try:
         yield path
@@ -91,9 +90,10 @@ class Proc:
     def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, tag: str | None = None,
                  cwd: Path = REPO) -> None:
         self.tag = tag or uuid.uuid4().hex
+        self.argv = list(argv)
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            list(argv), cwd=cwd, env=(env if env is not None else clean_env()) | {"BENCH_TAG": self.tag},
+            self.argv, cwd=cwd, env=(env if env is not None else clean_env()) | {"BENCH_TAG": self.tag},
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             errors="replace", start_new_session=True,
         )
@@ -128,7 +128,7 @@ class Proc:
             seen = len(self.lines)
             if time.monotonic() > deadline or (self.proc.poll() is not None and not self._reader.is_alive()):
                 tail = "\n".join(line for _, line in self.lines[-15:])
-                raise RuntimeError(f"{pattern!r} not seen from {self.proc.args[:4]}...; last lines:\n{tail}")
+                raise RuntimeError(f"{pattern!r} not seen from {self.argv[:4]}...; last lines:\n{tail}")
             time.sleep(0.01)
 
     def wait(self, timeout: float) -> int:
@@ -141,19 +141,15 @@ class Proc:
     def kill(self) -> None:
         """SIGKILL the session and every process carrying this tag; reap."""
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         for _ in range(3):
             pids = tagged(self.tag)
             if not pids:
                 break
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.1)
         self.proc.wait()
         self._reader.join(timeout=5)

@@ -11,7 +11,7 @@ LINEAR_GOAL = 0.25  # preflight over the most hosts: t(k) / (k * t(1)) at most t
 
 
 def _ok(bench: dict[str, Any] | None) -> bool:
-    return bool(bench) and "error" not in bench and "skipped" not in bench
+    return bench is not None and bool(bench) and "error" not in bench and "skipped" not in bench
 
 
 def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -27,7 +27,8 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                       "met": fast["vs_seed"] >= SEED_GOAL if gpu else None})
         h100 = gpu and ("H100" in tp["device"] or "H200" in tp["device"]) and tp["model"] == "resnet18"
         found.append({"goal": f">= {H100_GOAL:,} img/s ResNet-18-CIFAR bf16 on one H100",
-                      "value": f"{fast['images_per_s']:,.0f} img/s ({tp['model']}, {fast['precision']}, {tp['device']})",
+                      "value": f"{fast['images_per_s']:,.0f} img/s "
+                               f"({tp['model']}, {fast['precision']}, {tp['device']})",
                       "met": fast["images_per_s"] >= H100_GOAL if h100 else None})
     pf = b.get("preflight")
     if _ok(pf) and len(pf["rows"]) > 1:
@@ -66,7 +67,7 @@ def _mark(goal: dict[str, Any]) -> str:
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -187,7 +188,7 @@ SECTIONS = (
 
 
 def _run(name: str, result: dict[str, Any]) -> list[str]:
-    lines = [f"## The {name} run", ""] + _machine(result)
+    lines = [f"## The {name} run", "", *_machine(result)]
     found = goals(result)  # from the measurements, so that a result file always shows today's goals
     if found:
         lines += ["### Goals", ""]
@@ -216,7 +217,7 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
         "",
     ]
     if not latest:
-        return "\n".join(lines + ["No results yet: run `make bench`.", ""])
+        return "\n".join([*lines, "No results yet: run `make bench`.", ""])
     gpu_runs = [r for r in latest.values() if r["machine"]["gpus"]]
     if not gpu_runs:
         lines += [

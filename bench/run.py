@@ -16,8 +16,9 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench import machine, procs, report
 
@@ -96,7 +97,7 @@ def run(name: str, device: str, only: list[str]) -> dict[str, Any]:
 
 def write(result: dict[str, Any], results: Path = RESULTS) -> Path:
     results.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     suffix = "-partial" if result["partial"] else ""
     path = results / f"{stamp}-{socket.gethostname()}-{result['profile']}{suffix}.json"
     text = json.dumps(result, indent=1) + "\n"

@@ -11,6 +11,7 @@ PIL images, exactly as torchvision's CIFAR10 dataset does.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -19,13 +20,15 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from bench import procs
-from harness.payload import data, model as models
+from harness.payload import data
+from harness.payload import model as models
 
 
 class PILImages(Dataset):
     """torchvision.datasets.CIFAR10 without the download: HWC uint8 arrays -> PIL -> transform."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, transform) -> None:
+    def __init__(self, images: np.ndarray, labels: np.ndarray,
+                 transform: Callable[[Image.Image], torch.Tensor]) -> None:
         self.images, self.labels, self.transform = images, labels, transform
 
     def __len__(self) -> int:
@@ -36,7 +39,7 @@ class PILImages(Dataset):
 
 
 def loader(n_images: int, batch_size: int, *, seed: int = 0, workers: int | None = None,
-           pin_memory: bool = False) -> DataLoader:
+           pin_memory: bool = False) -> DataLoader[tuple[torch.Tensor, int]]:
     """The seed recipe's input pipeline over n_images synthetic CIFAR-shaped images (one process, rank 0)."""
     from torchvision import transforms
 
@@ -48,7 +51,8 @@ def loader(n_images: int, batch_size: int, *, seed: int = 0, workers: int | None
         transforms.Normalize(ds.mean, ds.std),
     ])
     images = PILImages(ds.train_x.permute(0, 2, 3, 1).contiguous().numpy(), ds.train_y.numpy(), transform)
-    sampler = DistributedSampler(images, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+    sampler: DistributedSampler[tuple[torch.Tensor, int]] = DistributedSampler(
+        images, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
     workers = procs.cpu_count() if workers is None else workers
     return DataLoader(images, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=True,
                       pin_memory=pin_memory, persistent_workers=workers > 0)
@@ -65,17 +69,18 @@ def images_per_second(model_name: str, batch_size: int, warmup: int, steps: int,
     net = models.build(model_name, 3, 10).to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     batches = loader(batch_size * (warmup + steps), batch_size, workers=workers, pin_memory=cuda)
+    assert isinstance(batches.sampler, DistributedSampler)
     batches.sampler.set_epoch(0)
     running_loss = 0.0
     started = None
-    for i, (x, y) in enumerate(batches):
+    for i, (images, labels) in enumerate(batches):
         if i == warmup:
             if cuda:
                 torch.cuda.synchronize()
             started = time.perf_counter()
         if not train:
             continue
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         loss = F.cross_entropy(net(x), y)
         optimizer.zero_grad()
         loss.backward()

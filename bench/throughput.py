@@ -16,6 +16,7 @@ import contextlib
 import io
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ def flops_per_image(model_name: str, channels: int = 3, size: int = 32) -> float
     return counter.get_total_flops() / 2
 
 
-def _rate(work, flops: float, repeat: int = 5) -> float:
+def _rate(work: Callable[[], object], flops: float, repeat: int = 5) -> float:
     work()
     best = 0.0
     for _ in range(repeat):
@@ -136,7 +137,9 @@ def time_to_accuracy(cfg: dict[str, Any], nproc: int, target: float = 0.9) -> di
         train_start = next(t for t, line in p.lines if "train: data=digits" in line)
         reached = next(((t, int(m.group(1)), float(m.group(2))) for t, line in p.lines
                         if (m := epoch_line.search(line)) and float(m.group(2)) >= target), None)
-        final = float(re.search(r"done: test_acc=([0-9.]+)", p.output).group(1))
+        done = re.search(r"done: test_acc=([0-9.]+)", p.output)
+        assert done is not None and p.ended is not None, p.output[-2000:]
+        final = float(done.group(1))
         total = p.ended - p.started
     row = {"ranks": nproc, "global_batch": batch * nproc, "epochs": cfg["epochs"], "target": target,
            "final_test_acc": final, "process_seconds": round(total, 2)}

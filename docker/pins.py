@@ -38,8 +38,8 @@ def normalize(name: str) -> str:
 def read_lock(path: Path) -> dict[str, str]:
     """requirements.lock (`pip freeze`): normalized name -> exact version."""
     pins = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
         if line and not line.startswith("#"):
             match = PIN.match(line)
             if match is None:
@@ -91,7 +91,7 @@ def lock_problems(dependencies: list[str], lock: Mapping[str, str], labels: Mapp
 
 def installed_versions() -> dict[str, str]:
     """What the image really carries, as preflight reports it on a host (torch's own view)."""
-    import torch  # noqa: PLC0415 - seconds to import; only in the image, after installing
+    import torch  # imported here: seconds to import; only in the image, after installing
 
     return {
         "PYTHON_VERSION": f"{sys.version_info.major}.{sys.version_info.minor}",
@@ -112,7 +112,8 @@ def unlocked(installed: Mapping[str, str], lock: Mapping[str, str]) -> tuple[lis
 
     An unlocked build tool is only a warning: a lock made without `pip freeze --all` cannot pin it.
     """
-    problems, warnings = [], []
+    problems: list[str] = []
+    warnings: list[str] = []
     for name, version in sorted(installed.items()):
         if name == "pip":
             continue

@@ -13,7 +13,6 @@ from harness.validation import StrictModel, validate
 from harness.yamlsource import Document, load_document
 
 
-
 class HostDefaults(StrictModel):
     """Values every host inherits unless it sets its own."""
 

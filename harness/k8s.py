@@ -111,7 +111,9 @@ def render_manifests(spec: JobSpec, spec_text: str) -> list[dict[str, Any]]:
     if spec.backend == "nccl" and not spec.resources.gpus:
         raise UsageError("backend nccl needs GPUs: set resources.gpus (GPUs per pod) for Kubernetes")
     labels = _labels(names)
-    shm: dict[str, Any] = {"medium": "Memory"} | ({"sizeLimit": spec.resources.shm_size} if spec.resources.shm_size else {})
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.resources.shm_size:
+        shm["sizeLimit"] = spec.resources.shm_size
     configmap = {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": names["configmap"], "labels": labels},
@@ -129,7 +131,8 @@ def render_manifests(spec: JobSpec, spec_text: str) -> list[dict[str, Any]]:
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": _selector(names),
-            "ports": [{"name": "rendezvous", "port": spec.master_port, "targetPort": spec.master_port, "protocol": "TCP"}],
+            "ports": [{"name": "rendezvous", "port": spec.master_port, "targetPort": spec.master_port,
+                       "protocol": "TCP"}],
         },
     }
     job = {
@@ -173,5 +176,6 @@ class _PlainDumper(yaml.SafeDumper):
 
 def manifests_yaml(spec: JobSpec, spec_text: str, source: str) -> str:
     header = f"# Rendered by `harness render {source} --target k8s`; do not edit, re-render.\n"
-    docs = [yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120) for doc in render_manifests(spec, spec_text)]
+    docs = [yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120)
+            for doc in render_manifests(spec, spec_text)]
     return header + "---\n".join(docs)

@@ -6,6 +6,7 @@ import difflib
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import ErrorDetails
 
 from harness.errors import Problem, SpecError
 from harness.yamlsource import Document, KeyPath
@@ -46,7 +47,7 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _message(model: type[BaseModel], error: dict[str, Any], loc: KeyPath) -> str:
+def _message(model: type[BaseModel], error: ErrorDetails, loc: KeyPath) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         known = _known_keys(model, loc)

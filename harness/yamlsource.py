@@ -71,12 +71,12 @@ class _Builder:
                 if not isinstance(key, (str, int)) or isinstance(key, bool):
                     raise SpecError([self._problem(key_node, path, "mapping keys must be strings")])
                 if key in result:
-                    raise SpecError([self._problem(key_node, path + (key,), f"duplicate key {key!r}")])
-                self.marks[path + (key,)] = _mark(key_node)
-                result[key] = self.build(value_node, path + (key,))
+                    raise SpecError([self._problem(key_node, (*path, key), f"duplicate key {key!r}")])
+                self.marks[(*path, key)] = _mark(key_node)
+                result[key] = self.build(value_node, (*path, key))
             return result
         if isinstance(node, yaml.SequenceNode):
-            return [self.build(item, path + (index,)) for index, item in enumerate(node.value)]
+            return [self.build(item, (*path, index)) for index, item in enumerate(node.value)]
         return self._scalars.construct_object(node, deep=True)
 
     def _problem(self, node: yaml.Node, key_path: KeyPath, message: str) -> Problem:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, harness
 from harness.errors import SpecError, UsageError
 from harness.inventory import load_inventory
 from harness.plan import plan_hosts
 from harness.spec import load_job
+
+from conftest import REPO, harness
 
 HOSTS = """
 defaults:

@@ -12,10 +12,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import REPO, free_port, harness
 from harness.errors import SpecError, UsageError
 from harness.k8s import COMPLETION_INDEX, manifests_yaml, object_names, render_manifests
 from harness.spec import DNS1123_LABEL, load_job
+
+from conftest import REPO, free_port, harness
 
 K8S_VERSION = "1.37.0"
 SMALL = """
@@ -73,7 +74,7 @@ def test_objects_agree_with_each_other():
     container = pod["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     names = [o["metadata"]["name"] for o in objects]
-    assert len(set(zip([o["kind"] for o in objects], names))) == len(objects)
+    assert len(set(zip([o["kind"] for o in objects], names, strict=True))) == len(objects)
     assert all(DNS1123_LABEL.match(n) and len(n) <= 63 for n in names)
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, harness
 from harness.errors import SpecError
 from harness.spec import load_job
+
+from conftest import REPO, harness
 
 GOOD = """
 name: demo

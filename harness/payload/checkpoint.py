@@ -14,8 +14,9 @@ import io
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -102,7 +103,7 @@ def load_newest(
     for path in newest_first(ckpt_dir):
         try:
             return path, load(path, device)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever makes a checkpoint unloadable, resume skips it
             reason = (str(e).splitlines() or [""])[0]
             warn(f"resume: skipping unreadable checkpoint {path} ({type(e).__name__}: {reason})")
     return None

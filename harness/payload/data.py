@@ -17,6 +17,7 @@ import tempfile
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -99,13 +100,13 @@ def load_cifar10(data_dir: Path) -> Dataset:
 class _ArrayUnpickler(pickle.Unpickler):
     """Unpickling runs code named by the file; allow only what a CIFAR batch needs (numpy arrays)."""
 
-    ALLOWED = {
+    ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset({
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
         ("_codecs", "encode"),
-    }
+    })
 
     def find_class(self, module: str, name: str) -> object:
         if (module, name) not in self.ALLOWED:
@@ -126,7 +127,7 @@ def _read_batches(folder: Path, names: tuple[str, ...], data_dir: Path) -> tuple
                 raise ValueError(f"data is {tuple(x.shape)} {x.dtype}, expected N x 3072 uint8")
             if y.shape != (x.shape[0],) or (y.numel() and (y.min() < 0 or y.max() > 9)):
                 raise ValueError("labels do not match the images or fall outside 0..9")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a malformed pickle can raise anything; said in one error
             raise PayloadError(
                 f"{path} is not a valid CIFAR-10 batch ({type(e).__name__}: {e}); "
                 f"delete {folder} and {_prepare_hint(data_dir)}"

@@ -6,7 +6,7 @@ without it computes exactly the same function under DDP as in one process on the
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 

@@ -23,15 +23,17 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.payload import PayloadError, batches, checkpoint, data, metrics, model as models, runtime
+from harness.payload import PayloadError, batches, checkpoint, data, metrics, runtime
+from harness.payload import model as models
 from harness.payload.runtime import Runtime
 
 Log = Callable[[str], None]
@@ -109,6 +111,7 @@ def find_checkpoint(ckpt_dir: Path, rt: Runtime, log: Log) -> tuple[str, dict[st
         checkpoint.remove_partial_writes(ckpt_dir)
         found = checkpoint.load_newest(ckpt_dir, rt.device, warn=log)
     path = runtime.broadcast(rt, str(found[0]) if found else None)
+    assert path is None or isinstance(path, str)
     if path is None:
         log(f"resume: no checkpoint in {ckpt_dir}, starting from scratch")
         return None
@@ -116,7 +119,7 @@ def find_checkpoint(ckpt_dir: Path, rt: Runtime, log: Log) -> tuple[str, dict[st
         return path, found[1]
     try:
         return path, checkpoint.load(Path(path), rt.device)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any failure here means the directory is not shared
         raise PayloadError(
             f"rank {rt.rank} cannot read {path}, chosen by rank 0 ({e}); --ckpt-dir must be shared by all nodes"
         ) from None
@@ -152,7 +155,7 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     model = models.build(args.model, ds.channels, ds.num_classes, args.norm)
-    model = model.to(rt.device, memory_format=torch.channels_last)
+    model = model.to(rt.device).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay
     )

@@ -17,7 +17,7 @@ _EXPORTS = {
     "Check": "harness.preflight.report",
     "Status": "harness.preflight.report",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["Check", "Report", "Status", "preflight_command", "run_preflight"]
 
 
 def __getattr__(name: str) -> Any:

@@ -90,7 +90,12 @@ def listen(config: dict[str, Any], marker: str) -> None:
         ephemeral = None
     print(marker + json.dumps({"ports": answers, "ephemeral_range": ephemeral}), flush=True)
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+
+    def until_stdin_closes() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=until_stdin_closes, daemon=True).start()
     stop.wait(config["lifetime"])
 
 

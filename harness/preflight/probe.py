@@ -48,7 +48,7 @@ def _torch_files() -> dict[str, str]:
     if spec is None or not spec.submodule_search_locations:
         return {"torch": MISSING, "torch_git": MISSING, "cuda": MISSING}
     namespace: dict[str, Any] = {}
-    version_file = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+    version_file = Path(next(iter(spec.submodule_search_locations))) / "version.py"
     exec(compile(version_file.read_text(), str(version_file), "exec"), namespace)  # noqa: S102 - torch's own file
     return {"torch": str(namespace.get("__version__")), "torch_git": str(namespace.get("git_version")),
             "cuda": str(namespace.get("cuda") or NONE)}
@@ -61,7 +61,7 @@ def _nccl_from_library(cuda: str) -> str:
     spec = _find_spec("nvidia.nccl")
     if spec is None or not spec.submodule_search_locations:
         return "unknown"
-    library = Path(list(spec.submodule_search_locations)[0]) / "lib" / "libnccl.so.2"
+    library = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libnccl.so.2"
     try:
         version = ctypes.c_int()
         ctypes.CDLL(str(library)).ncclGetVersion(ctypes.byref(version))
@@ -75,7 +75,7 @@ def _nccl_from_library(cuda: str) -> str:
 
 def _torch_imported() -> dict[str, Any]:
     try:
-        import torch  # noqa: PLC0415 - only in the full probe
+        import torch  # imported here: only in the full probe
     except Exception as exc:  # noqa: BLE001 - a broken torch install is a finding, not a crash
         return {"torch_import_error": f"{type(exc).__name__}: {exc}"}
     try:
@@ -124,7 +124,7 @@ def _addresses(name: str) -> list[str] | str:
         infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
     except OSError as exc:
         return f"does not resolve ({exc})"
-    return list(dict.fromkeys(info[4][0] for info in infos))  # resolver order: connections use the first
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))  # resolver order: connections use the first
 
 
 def _payload(entrypoint: dict[str, str] | None, workdir: str) -> dict[str, str] | None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-from types import ModuleType
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 from harness.errors import HarnessError
@@ -54,7 +54,7 @@ def on_hosts(work: Callable[[str], T], names: Iterable[str]) -> dict[str, T | Ex
     if not names:
         return {}
     with ThreadPoolExecutor(max_workers=min(len(names), 64)) as pool:
-        return dict(zip(names, pool.map(guarded, names)))
+        return dict(zip(names, pool.map(guarded, names), strict=True))
 
 
 def failure(connection: Connection, result: CommandResult) -> ScriptError:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     PASS = "pass"
     WARN = "warn"
     FAIL = "fail"
@@ -91,6 +92,7 @@ def _summary(check: Check) -> str:
     return f"{check.host} {check.name}: {check.reason}" + (f" -> fix: {check.fix}" if check.fix else "")
 
 
-def _columns(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
+def _columns(rows: Sequence[tuple[str, ...]], indent: str = "") -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+            for row in rows]

@@ -45,7 +45,7 @@ def test_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) 
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert checkpoint.newest_first(tmp_path) == [checkpoint.path_for(tmp_path, 1)]
-    path, loaded = checkpoint.load_newest(tmp_path, torch.device("cpu"), warn=no_warning)
+    _path, loaded = checkpoint.load_newest(tmp_path, torch.device("cpu"), warn=no_warning)
     assert loaded["step"] == 1 and torch.equal(loaded["model"]["w"], torch.full((256, 256), 1.0))
     checkpoint.remove_partial_writes(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt"]
