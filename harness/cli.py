@@ -9,7 +9,7 @@ from pathlib import Path
 from harness import __version__
 from harness.backends.base import Backend
 from harness.errors import HarnessError, UsageError
-from harness.runs import RunDir, find_run, new_run_id, runs_root, write_text_atomic
+from harness.runs import check_run_id, find_run, new_run_id, run_dir, runs_root, write_text_atomic
 from harness.spec import load_job
 
 
@@ -37,15 +37,20 @@ def cmd_render(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
             return 0
         out = Path(args.out) / f"{spec.name}.yaml"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out, text)
+        if out.parent.exists() and not out.parent.is_dir():
+            raise UsageError(f"--out {args.out} is a file; give the directory to write {out.name} into")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(out, text)
+        except OSError as exc:
+            raise HarnessError(f"cannot write {out}: {exc.strerror}") from None
         print(f"wrote {out}; apply with: kubectl apply -f {args.out}/")
         return 0
     if args.out is not None:
         raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan")
     from harness.render import render_json, render_text
 
-    plan = backend_for(args).plan(spec, args.run_id or spec.name)
+    plan = backend_for(args).plan(spec, check_run_id(args.run_id or spec.name))
     sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
     return 0
 
@@ -56,7 +61,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     spec = load_job(args.job)
     root = runs_root(args.runs_dir)
     if args.detach:
-        run = RunDir(root / new_run_id(spec.name))
+        run = run_dir(root, new_run_id(spec.name))
         argv = [sys.executable, "-m", "harness.cli", "launch", args.job, "--runs-dir", str(root), "--run-id",
                 run.run_id]
         argv += ["--hosts", args.hosts] if args.hosts else []
@@ -64,7 +69,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         argv += [flag for flag, on in (("--skip-preflight", args.skip_preflight),
                                        ("--accept-new-host-keys", args.accept_new_host_keys)) if on]
         return controller.start_detached(argv, run)
-    return controller.launch(backend_for(args), spec, Path(args.job), root, args.run_id or new_run_id(spec.name))
+    run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
+    return controller.launch(backend_for(args), spec, Path(args.job), root, run_id)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -92,6 +98,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from harness.payload import prepare
 
     return prepare.main(args.passthrough)
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds, or argparse's usage error (exit 2) naming the option."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < 86400:
+        raise argparse.ArgumentTypeError(f"expected seconds between 0 and 86400, got {text}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -127,7 +144,7 @@ def parser() -> argparse.ArgumentParser:
 
     stop = verbs.add_parser("stop", parents=[runs_dir], help="stop a running run (from any terminal)")
     stop.add_argument("run_id")
-    stop.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the run to end")
+    stop.add_argument("--timeout", type=_seconds, default=15.0, help="seconds to wait for the run to end")
     stop.set_defaults(func=cmd_stop)
 
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
@@ -142,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
     preflight.add_argument("--known-hosts", help="known_hosts file for host keys (default ~/.ssh/known_hosts)")
     preflight.add_argument("--accept-new-host-keys", action="store_true",
                            help="trust and record keys of hosts not yet in known_hosts")
-    preflight.add_argument("--timeout", type=float, default=10.0, help="seconds per step")
+    preflight.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per step")
     preflight.set_defaults(func=cmd_preflight)
 
     prepare = verbs.add_parser("prepare", add_help=False, help="download and verify CIFAR-10 once, before training "
@@ -158,10 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         top.error(f"unrecognized arguments: {' '.join(passthrough)}")
     args.passthrough = passthrough
     try:
-        return args.func(args)
+        return int(args.func(args))
     except HarnessError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # while reading a file or connecting: nothing was started yet
+        print("harness: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
-from harness.backends.base import Backend
+from harness.backends.base import Backend, Outcome
 from harness.backends.node_agent import is_alive, kill_run_processes, start_ticks
+from harness.errors import HarnessError
 from harness.plan import Plan
 from harness.render import render_json, render_text
 from harness.runs import (
@@ -34,6 +35,7 @@ from harness.runs import (
     RunStatus,
     RunSummary,
     create_run_dir,
+    run_dir,
     write_text_atomic,
 )
 from harness.spec import JobSpec
@@ -59,10 +61,13 @@ def _failure(record: NodeRecord | None, started_at: float, now: float) -> Failur
     if record is None or record.outcome is None:
         return None
     rank, rank_code = record.root_cause()
+    # The failing rank's own exit code says more than torchrun's (always 1 when a worker failed).
+    description = Outcome.from_returncode(rank_code).describe() if rank_code is not None \
+        else record.outcome.describe()
     return Failure(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks),
         rank=rank, rank_exit_code=rank_code, exit_code=record.outcome.exit_code,
-        description=record.outcome.describe(), after_s=round((record.ended or now) - started_at, 3),
+        description=description, after_s=round((record.ended or now) - started_at, 3),
         last_lines=record.last_lines(rank),
     )
 
@@ -88,7 +93,7 @@ def launch(backend: Backend, spec: JobSpec, spec_path: Path, runs_root: Path, ru
            out: IO[str] = sys.stdout) -> int:
     """Run the job on backend to its end; returns the harness exit status. The backend is closed."""
     try:
-        plan = backend.plan(spec, run_id, RunDir(runs_root / run_id).backend_logs)
+        plan = backend.plan(spec, run_id, run_dir(runs_root, run_id).backend_logs)
         backend.check(plan, spec)
         run = create_run_dir(runs_root, run_id)
         shutil.copyfile(spec_path, run.spec_copy)
@@ -111,7 +116,11 @@ def _supervise(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, state: 
     try:
         sup.say(f"run {plan.run_id}: {plan.nnodes} node(s) x {plan.nproc_per_node} process(es), "
                 f"master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
-        sup.start(backend.start(plan, spec))
+        try:
+            nodes = backend.start(plan, spec)
+        except OSError as exc:  # e.g. an argument list too long for the OS: only the OS can refuse it
+            raise HarnessError(f"could not start the nodes: {exc.strerror or exc}") from None
+        sup.start(nodes)
         sup.wait(stop)
     except BaseException as exc:
         run.write_state(replace(state, status=RunStatus.ERROR, error=str(exc), ended_at=time.time()))
@@ -154,7 +163,9 @@ def start_detached(argv: Sequence[str], run: RunDir, timeout: float = DETACH_STA
         sys.stderr.write(run.controller_log.read_text())
         if controller.poll() is None:
             controller.kill()
-        return controller.wait()
+        code = controller.wait()
+        shutil.rmtree(run.path, ignore_errors=True)  # no run started: leave no directory `status` cannot list
+        return code
     print(f"run {run.run_id} started in the background (controller pid {controller.pid})\n"
           f"  follow: tail -f {run.controller_log}\n  status: harness status {run.run_id}\n"
           f"  stop:   harness stop {run.run_id}")

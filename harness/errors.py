@@ -23,6 +23,12 @@ class Problem:
         return f"{where}: {key}: {self.message}" if key else f"{where}: {self.message}"
 
 
+def short_repr(value: object, limit: int = 60) -> str:
+    """repr for a message, cut so that a hostile megabyte is never echoed back whole."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def format_key_path(key_path: tuple[str | int, ...]) -> str:
     """`hosts[1].address` style, the way users read YAML."""
     text = ""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from harness.errors import SpecError
+from harness.errors import SpecError, short_repr
 from harness.spec import DNS1123_LABEL
 from harness.validation import StrictModel, validate
 from harness.yamlsource import Document, load_document
@@ -32,11 +33,22 @@ class Host(HostDefaults):
 
     @model_validator(mode="after")
     def _valid_name(self) -> Host:
-        if not DNS1123_LABEL.match(self.name) or len(self.name) > 63:
-            raise ValueError(f"host name must be a DNS-1123 label (e.g. gpu-01), got {self.name!r}")
-        if not self.address.strip() or any(c.isspace() for c in self.address):
-            raise ValueError(f"address must be an IP or hostname without spaces, got {self.address!r}")
+        if not DNS1123_LABEL.fullmatch(self.name) or len(self.name) > 63:
+            raise ValueError(f"host name must be a DNS-1123 label (e.g. gpu-01), got {short_repr(self.name)}")
+        if not self.address.strip() or any(c.isspace() or c == "\0" for c in self.address):
+            raise ValueError(f"address must be an IP or hostname without spaces, got {short_repr(self.address)}")
+        if self.address.startswith("["):
+            raise ValueError(f"write the IPv6 address without brackets (as {self.address.strip('[]')!r}); "
+                             f"the port goes in `port:`")
         return self
+
+    @property
+    def address_key(self) -> str:
+        """One spelling per address, so that ::1 and 0:0:0:0:0:0:0:1 are the same host."""
+        try:
+            return str(ipaddress.ip_address(self.address))
+        except ValueError:
+            return self.address.lower().rstrip(".")
 
 
 class _InventoryFile(StrictModel):
@@ -55,6 +67,10 @@ class Inventory(StrictModel):
     def master_host(self) -> Host:
         return next(h for h in self.hosts if h.name == self.master)
 
+    def key_path(self, host: Host, field: str) -> tuple[str | int, ...]:
+        """Where a host's field is written in the file, for errors found after validation."""
+        return ("hosts", self.hosts.index(host), field)
+
     def ordered_hosts(self) -> list[Host]:
         """Master first, then the others in file order: node_rank 0 must live on the master."""
         return [self.master_host()] + [h for h in self.hosts if h.name != self.master]
@@ -70,20 +86,21 @@ def load_inventory(path: str | Path) -> Inventory:
     parsed = validate(_InventoryFile, doc)
     hosts = [_merge_host(doc, i, raw, parsed.defaults) for i, raw in enumerate(parsed.hosts)]
     problems = []
-    for field in ("name", "address"):
+    for field, key in (("name", "name"), ("address", "address_key")):
         seen: dict[str, int] = {}
         for index, host in enumerate(hosts):
-            value = getattr(host, field)
+            value = getattr(host, key)
             if value in seen:
                 problems.append(doc.problem(
                     ("hosts", index, field),
-                    f"duplicate {field} {value!r} (also hosts[{seen[value]}]); every host must be distinct",
+                    f"duplicate {field} {short_repr(getattr(host, field))} (also hosts[{seen[value]}]); every host "
+                    f"must be distinct",
                 ))
             seen.setdefault(value, index)
     master = parsed.master if parsed.master is not None else hosts[0].name
     if master not in {h.name for h in hosts}:
         problems.append(doc.problem(
-            ("master",), f"master {master!r} is not a host in this inventory; expected one of: "
+            ("master",), f"master {short_repr(master)} is not a host in this inventory; expected one of: "
             + ", ".join(h.name for h in hosts),
         ))
     if problems:

@@ -12,9 +12,9 @@ from typing import Any
 import yaml
 
 from harness import __version__
-from harness.errors import UsageError
 from harness.plan import TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
 from harness.spec import JobSpec
+from harness.yamlsource import located
 
 MAX_NAME = 63
 WORKDIR = "/workspace"
@@ -105,11 +105,13 @@ def _container(spec: JobSpec, names: dict[str, str], nproc: int) -> dict[str, An
 def render_manifests(spec: JobSpec, spec_text: str) -> list[dict[str, Any]]:
     """ConfigMap (the spec), PVC (data + checkpoints, so a re-applied Job resumes), Service, Job."""
     if spec.image is None:
-        raise UsageError("the job needs `image:` (the container image every pod runs) to render for Kubernetes")
+        raise located(spec.source, ("image",), "required to render for Kubernetes: the container image every pod "
+                                               "runs (e.g. registry/harness:0.1.0)")
     names = object_names(spec)
     nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each pod (resources.gpus)"] * spec.nnodes)
     if spec.backend == "nccl" and not spec.resources.gpus:
-        raise UsageError("backend nccl needs GPUs: set resources.gpus (GPUs per pod) for Kubernetes")
+        raise located(spec.source, ("resources", "gpus"), "backend nccl needs GPUs: set resources.gpus (GPUs per "
+                                                          "pod) to render for Kubernetes")
     labels = _labels(names)
     shm: dict[str, Any] = {"medium": "Memory"}
     if spec.resources.shm_size:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from harness.errors import UsageError
 from harness.inventory import Host, Inventory
 from harness.spec import JobSpec
+from harness.yamlsource import located
 
 LOCAL_MASTER = "127.0.0.1"
 TORCHRUN_MODULE = "torch.distributed.run"
@@ -160,19 +161,22 @@ def plan_local(
     return Plan(run_id, spec.name, LOCAL_MASTER, spec.master_port, spec.nnodes, nproc, nodes)
 
 
+def job_hosts(spec: JobSpec, inventory: Inventory) -> list[Host]:
+    """The first nnodes hosts, master first; an inventory with too few is an error at its `hosts:` key."""
+    hosts = inventory.ordered_hosts()
+    if len(hosts) < spec.nnodes:
+        raise located(inventory.path, ("hosts",), f"the job needs nnodes={spec.nnodes} hosts but the inventory "
+                                                  f"lists {len(hosts)}; add hosts or lower nnodes")
+    return hosts[: spec.nnodes]
+
+
 def plan_hosts(spec: JobSpec, inventory: Inventory, *, run_id: str, master_ip: str) -> Plan:
     """One node per host, master first. master_ip is the master's address already resolved to an IP."""
     try:
         ipaddress.ip_address(master_ip)
     except ValueError:
         raise UsageError(f"master address must be an IP address, got {master_ip!r}") from None
-    hosts = inventory.ordered_hosts()
-    if len(hosts) < spec.nnodes:
-        raise UsageError(
-            f"{inventory.path}: the job needs nnodes={spec.nnodes} hosts but the inventory lists {len(hosts)}; "
-            f"add hosts or lower nnodes"
-        )
-    hosts = hosts[: spec.nnodes]
+    hosts = job_hosts(spec, inventory)
     nproc = resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
     return Plan(run_id, spec.name, master_ip, spec.master_port, spec.nnodes, nproc, tuple(
         _host_node(spec, host, rank, nproc, run_id, master_ip) for rank, host in enumerate(hosts)

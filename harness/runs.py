@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import secrets
 import tempfile
 import time
@@ -20,9 +21,11 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from harness.errors import UsageError
+from harness.errors import UsageError, short_repr
 
 DEFAULT_RUNS_DIR = "runs"
+_UMASK = os.umask(0o022)  # read once (os.umask can only be read by setting it), then put back
+os.umask(_UMASK)
 T = TypeVar("T")
 
 
@@ -109,8 +112,23 @@ class RecordError(UsageError):
     """A run record that cannot be read or does not have the expected shape."""
 
 
+# What new_run_id makes (a job name, a time, a random suffix) and nothing that could leave the runs
+# directory: no `/`, no `..`, no leading `-` or `.`.
+RUN_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,126}[a-z0-9])?")
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.fullmatch(run_id):
+        raise UsageError(f"run id {short_repr(run_id)} is not a run id: expected lower-case letters, digits and "
+                         f"'-' (as `harness status` lists them)")
+    return run_id
+
+
 def runs_root(explicit: str | None = None) -> Path:
-    return Path(explicit or os.environ.get("HARNESS_RUNS_DIR") or DEFAULT_RUNS_DIR)
+    root = Path(explicit or os.environ.get("HARNESS_RUNS_DIR") or DEFAULT_RUNS_DIR)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"runs directory {root} is not a directory; give --runs-dir a directory")
+    return root
 
 
 def new_run_id(name: str) -> str:
@@ -122,6 +140,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Readers (another terminal, kubectl) never see a half-written file, and a failure loses nothing."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep others from reading manifests and records
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()
@@ -224,12 +243,17 @@ class RunEntry:
     problem: str | None = None
 
 
+def run_dir(root: Path, run_id: str) -> RunDir:
+    """The directory of run_id under root; the one way a run id from outside becomes a path."""
+    return RunDir(root / check_run_id(run_id))
+
+
 def create_run_dir(root: Path, run_id: str) -> RunDir:
     """The run's directory; a detached launch made it already (for the controller's log), never a run."""
-    run = RunDir(root / run_id)
+    run = run_dir(root, run_id)
     run.path.mkdir(parents=True, exist_ok=True)
     if run.state_file.exists():
-        raise UsageError(f"run id {run_id!r} is already taken in {root}/")
+        raise UsageError(f"run id {run_id} is already taken in {root}/")
     return run
 
 
@@ -254,8 +278,8 @@ def list_runs(root: Path) -> list[RunEntry]:
 
 
 def find_run(root: Path, run_id: str) -> RunDir:
-    run = RunDir(root / run_id)
+    run = run_dir(root, run_id)
     if not run.state_file.exists():
         known = ", ".join(e.run.run_id for e in list_runs(root)[-5:]) or "none"
-        raise UsageError(f"no run {run_id!r} in {root}/ (recent runs: {known}); see `harness status`")
+        raise UsageError(f"no run {run_id} in {root}/ (recent runs: {known}); see `harness status`")
     return run

@@ -3,24 +3,37 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PlainValidator, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    PlainValidator,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from harness.errors import short_repr
 from harness.validation import StrictModel, validate
-from harness.yamlsource import load_document
+from harness.yamlsource import YamlInt, as_written, load_document, source_text
 
-DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Patterns are used with fullmatch: `$` would also match before a trailing newline ("x\n").
+DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 # Kubernetes resource.Quantity: a decimal number with an optional binary/decimal suffix or exponent.
-QUANTITY = re.compile(r"^(\d+(\.\d+)?|\.\d+)([eE][+-]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)([eE][+-]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?", re.ASCII)
 # Docker image reference: [registry[:port]/]path[:tag][@digest], lower-case path components.
 IMAGE_REF = re.compile(
-    r"^(?:[A-Za-z0-9.-]+(?::\d+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+    r"(?:[A-Za-z0-9.-]+(?::\d+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
     r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
-    r"(?:@sha256:[a-f0-9]{64})?$"
+    r"(?:@sha256:[a-f0-9]{64})?",
+    re.ASCII,
 )
 
 # The rendezvous contract belongs to the harness; a user override would split the job's view of it.
@@ -31,51 +44,100 @@ RESERVED_ENV = frozenset(
 RESERVED_PREFIXES = ("PET_", "HARNESS_", "TORCHELASTIC_")
 
 
-def _positive_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"expected an integer >= 1, got {value!r}")
+MAX_NNODES = 4096
+MAX_NPROC = 1024
+
+
+def exact_int(value: Any) -> Any:
+    """A number written with a leading zero is refused: YAML 1.1 tools read 070000 as octal 28672."""
+    if isinstance(value, YamlInt) and value.leading_zero:
+        raise ValueError(f"{value.text} has a leading zero, which other YAML tools read as an octal number; "
+                         f"write {int(value)} (or quote it if you mean the text)")
     return value
+
+
+def _bounded_int(value: Any, low: int, high: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"expected {what}, got {as_written(value)}")
+    return int(exact_int(value))
+
+
+def _positive_int(value: Any) -> int:
+    return _bounded_int(value, 1, MAX_NNODES, f"an integer from 1 to {MAX_NNODES}")
 
 
 def _nproc(value: Any) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"expected an integer >= 1 or 'auto' (one process per GPU), got {value!r}")
-    return value
+    return _bounded_int(value, 1, MAX_NPROC, f"an integer from 1 to {MAX_NPROC}, or 'auto' (one process per GPU)")
 
 
 def _quantity(value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or not QUANTITY.match(str(value)):
-        raise ValueError(
-            f"expected a Kubernetes quantity such as 4, 500m, 16Gi or 512Mi, got {value!r}"
-        )
-    return str(value)
+    text = source_text(value)
+    if isinstance(value, bool) or text is None or not QUANTITY.fullmatch(text):
+        raise ValueError(f"expected a Kubernetes quantity such as 4, 500m, 16Gi or 512Mi, got {short_repr(value)}")
+    return text
+
+
+def _no_nul(text: str) -> str:
+    if "\0" in text:
+        raise ValueError("contains a NUL byte, which no command-line argument or environment value can hold")
+    return text
 
 
 def _argument(value: Any) -> str:
-    """Numbers in args are written unquoted in YAML all the time; booleans and nulls are ambiguous."""
-    if isinstance(value, bool) or value is None or not isinstance(value, (str, int, float)):
-        written = json.dumps(value) if isinstance(value, (bool, type(None))) else repr(value)
+    """An argument reaches the script exactly as written: an unquoted 1.10 stays `1.10`, 0123 stays `0123`.
+    Booleans and nulls have several spellings, so those must be quoted."""
+    text = source_text(value)
+    if text is None:
+        written = json.dumps(value) if isinstance(value, (bool, type(None))) else short_repr(value)
         raise ValueError(f"expected a string or number, got {written}; quote it if you mean the text: '{written}'")
-    return str(value)
+    return _no_nul(text)
+
+
+def _env_value(value: Any) -> str:
+    if not isinstance(value, str):
+        written = json.dumps(value) if isinstance(value, (bool, type(None))) else as_written(value)
+        raise ValueError(f"expected a string, got {written}; quote it if you mean the text: '{written}'")
+    return _no_nul(value)
 
 
 def _env_name(key: Any) -> str:
-    if not isinstance(key, str) or not ENV_NAME.match(key):
-        raise ValueError(f"{key!r} is not a valid environment variable name")
-    if key in RESERVED_ENV or key.startswith(RESERVED_PREFIXES):
+    if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
+        raise ValueError(f"{short_repr(key)} is not a valid environment variable name")
+    upper = key.upper()
+    if upper in RESERVED_ENV or upper.startswith(RESERVED_PREFIXES):
+        same = "is" if upper == key else f"differs only in case from {upper}, which is"
         raise ValueError(
-            f"{key} is set by the harness/torchrun for every node and cannot be overridden; "
+            f"{key} {same} set by the harness/torchrun for every node and cannot be overridden; "
             f"use master_port, nnodes or nproc_per_node instead"
         )
     return key
 
 
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number of seconds, got {as_written(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number of seconds, got {as_written(value)}")
+    return float(value)
+
+
+def _whole_seconds(value: Any) -> int:
+    seconds = _seconds(value)
+    if not seconds.is_integer():
+        raise ValueError(f"expected whole seconds (torchrun's join timeout is an integer), got {as_written(value)}")
+    return int(exact_int(value))
+
+
 PositiveInt = Annotated[int, PlainValidator(_positive_int)]
+Port = Annotated[int, BeforeValidator(exact_int), Field(ge=1024, le=65535)]
+Count = Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=MAX_NPROC)]
 Quantity = Annotated[str, PlainValidator(_quantity)]
 Argument = Annotated[str, PlainValidator(_argument)]
 EnvName = Annotated[str, PlainValidator(_env_name)]
+EnvValue = Annotated[str, PlainValidator(_env_value)]
+Seconds = Annotated[float, BeforeValidator(_seconds)]
 
 
 class Entrypoint(StrictModel):
@@ -89,10 +151,15 @@ class Entrypoint(StrictModel):
     def _exactly_one(self) -> Entrypoint:
         if (self.module is None) == (self.script is None):
             raise ValueError("set exactly one of 'module' (e.g. harness.payload.train) or 'script' (e.g. train.py)")
-        if self.module is not None and not re.match(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$", self.module):
-            raise ValueError(f"module must be a dotted Python module name, got {self.module!r}")
-        if self.script is not None and not self.script.strip():
-            raise ValueError("script must be a non-empty path")
+        if self.module is not None and not MODULE.fullmatch(self.module):
+            raise ValueError(f"module must be a dotted Python module name, got {short_repr(self.module)}")
+        if self.script is not None:
+            if not self.script.strip():
+                raise ValueError("script must be a non-empty path")
+            if self.script.startswith("-"):
+                raise ValueError(f"script {short_repr(self.script)} starts with '-', which torchrun would take for "
+                                 f"one of its own options; write ./{self.script}")
+            _no_nul(self.script)
         return self
 
 
@@ -102,7 +169,7 @@ class Resources(StrictModel):
     storage sizes the shared volume that holds data and checkpoints on Kubernetes.
     """
 
-    gpus: Annotated[int, Field(ge=0)] = 0
+    gpus: Count = 0
     cpu: Quantity | None = None
     memory: Quantity | None = None
     shm_size: Quantity | None = None
@@ -112,16 +179,9 @@ class Resources(StrictModel):
 class Timeouts(StrictModel):
     """Seconds. stop_grace is the SIGTERM-to-SIGKILL wait when a run is stopped."""
 
-    rendezvous: Annotated[float, Field(gt=0, le=86400)] = 900
-    stop_grace: Annotated[float, Field(gt=0, le=4)] = 3
-    connect: Annotated[float, Field(gt=0, le=600)] = 10
-
-    @field_validator("rendezvous", "stop_grace", "connect", mode="before")
-    @classmethod
-    def _number(cls, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"expected a number of seconds, got {value!r}")
-        return float(value)
+    rendezvous: Annotated[int, BeforeValidator(_whole_seconds), Field(gt=0, le=86400)] = 900
+    stop_grace: Annotated[Seconds, Field(gt=0, le=4)] = 3
+    connect: Annotated[Seconds, Field(gt=0, le=600)] = 10
 
 
 class JobSpec(StrictModel):
@@ -136,16 +196,17 @@ class JobSpec(StrictModel):
     nnodes: PositiveInt
     nproc_per_node: Annotated[int | Literal["auto"], PlainValidator(_nproc)] = 1
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    master_port: Annotated[int, Field(ge=1024, le=65535)] = 29500
+    master_port: Port = 29500
     rdzv: Literal["static", "c10d"] = "static"
     entrypoint: Entrypoint
-    env: dict[EnvName, str] = Field(default_factory=dict)
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict)
     image: str | None = None
     resources: Resources = Field(default_factory=Resources)
-    max_restarts: Annotated[int, Field(ge=0, le=100)] = 0
+    max_restarts: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
     timeouts: Timeouts = Field(default_factory=Timeouts)
     container: bool = False
     data_paths: list[str] = Field(default_factory=list)
+    _source: str | None = PrivateAttr(default=None)
 
     @field_validator("data_paths")
     @classmethod
@@ -153,32 +214,41 @@ class JobSpec(StrictModel):
         for path in paths:
             if not path.strip():
                 raise ValueError("data_paths entries must be non-empty paths")
+            _no_nul(path)
         return paths
 
     @field_validator("name")
     @classmethod
     def _dns_label(cls, value: str) -> str:
-        if len(value) > 63 or not DNS1123_LABEL.match(value):
+        if len(value) > 63 or not DNS1123_LABEL.fullmatch(value):
             raise ValueError(
                 f"expected a DNS-1123 label (lower-case letters, digits and '-', starting and ending "
-                f"with a letter or digit, at most 63 characters), got {value!r}"
+                f"with a letter or digit, at most 63 characters), got {short_repr(value)}"
             )
         return value
 
-    @model_validator(mode="after")
-    def _container_needs_image(self) -> JobSpec:
-        if self.container and self.image is None:
+    @field_validator("container")
+    @classmethod
+    def _container_needs_image(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("image") is None:
             raise ValueError("container: true runs every node in `image:`; set image (e.g. registry/harness:0.1.0)")
-        return self
+        return value
+
+    @property
+    def source(self) -> str | None:
+        """The file the spec was read from (None for a spec made in code): where errors point."""
+        return self._source
 
     @field_validator("image")
     @classmethod
     def _image_ref(cls, value: str | None) -> str | None:
-        if value is not None and not IMAGE_REF.match(value):
-            raise ValueError(f"expected an image reference such as registry/name:tag, got {value!r}")
+        if value is not None and not IMAGE_REF.fullmatch(value):
+            raise ValueError(f"expected an image reference such as registry/name:tag, got {short_repr(value)}")
         return value
 
 
 def load_job(path: str | Path) -> JobSpec:
     """Read and validate a job spec; problems are raised as SpecError with file:line:col."""
-    return validate(JobSpec, load_document(path))
+    spec = validate(JobSpec, load_document(path))
+    spec._source = str(path)
+    return spec

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import ErrorDetails
 
 from harness.errors import Problem, SpecError
-from harness.yamlsource import Document, KeyPath
+from harness.yamlsource import Document, KeyPath, YamlFloat, YamlInt, as_written
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -62,7 +62,9 @@ def _message(model: type[BaseModel], error: ErrorDetails, loc: KeyPath) -> str:
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
     if kind in {"string_type", "int_type", "float_type", "bool_type", "list_type", "dict_type"}:
-        message += f", got {type(error.get('input')).__name__} {error.get('input')!r}"
+        value = error.get("input")
+        kind = {YamlInt: "int", YamlFloat: "float"}.get(type(value), type(value).__name__)
+        message += f", got {kind} {as_written(value)}"
     return message
 
 

@@ -6,13 +6,14 @@ map from key path to source position alongside the plain Python data.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from harness.errors import Problem, SpecError
+from harness.errors import Problem, SpecError, short_repr
 
 KeyPath = tuple[str | int, ...]
 
@@ -50,6 +51,81 @@ class Document:
         )
 
 
+MAX_BYTES = 1 << 20  # a job spec or inventory is a few KB; a bound keeps hostile input bounded
+MAX_VALUES = 100_000  # after aliases are expanded: an alias bomb stops here, not at the memory limit
+MAX_DEPTH = 32
+_NULL = {"", "~", "null", "Null", "NULL"}
+_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+# YAML 1.2 core schema numbers. YAML 1.1's octal 0123, base-60 12:30, 1_000 and dates are not
+# numbers here: they stay the text the user wrote.
+_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+_STR_TAG = "tag:yaml.org,2002:str"
+# With no implicit resolvers, an untagged node has its kind's default tag; anything else was written.
+_UNTAGGED = {yaml.ScalarNode: _STR_TAG, yaml.SequenceNode: "tag:yaml.org,2002:seq",
+             yaml.MappingNode: "tag:yaml.org,2002:map"}
+
+
+class YamlInt(int):
+    """An integer that remembers how it was written: `0123` is text where a string is expected, and a
+    leading zero is refused where a number is (YAML 1.1 readers take it for octal)."""
+
+    text: str
+
+    def __new__(cls, text: str) -> YamlInt:
+        value = int(text, 0) if text[:2] in ("0o", "0x") else int(text)
+        number = super().__new__(cls, value)
+        number.text = text
+        return number
+
+    @property
+    def leading_zero(self) -> bool:
+        digits = self.text.lstrip("+-")
+        return len(digits) > 1 and digits[0] == "0" and digits[1].isdigit()
+
+
+class YamlFloat(float):
+    """A float that remembers how it was written (`1.10` stays `1.10` where a string is expected)."""
+
+    text: str
+
+    def __new__(cls, text: str) -> YamlFloat:
+        number = super().__new__(cls, float(text.replace(".inf", "inf").replace(".Inf", "inf").replace(".INF", "inf")
+                                            .lower().replace(".nan", "nan")))
+        number.text = text
+        return number
+
+
+def source_text(value: object) -> str | None:
+    """What the user wrote for a scalar: the exact text of a number, the string itself; else None."""
+    if isinstance(value, (YamlInt, YamlFloat)):
+        return value.text
+    return value if isinstance(value, str) else None
+
+
+def as_written(value: object) -> str:
+    """A value for a message: numbers exactly as typed, anything else as a repr cut to size."""
+    return value.text if isinstance(value, (YamlInt, YamlFloat)) else short_repr(value)
+
+
+def _plain_scalar(text: str) -> Any:
+    if text in _NULL:
+        return None
+    if text in _BOOL:
+        return _BOOL[text]
+    if _INT.fullmatch(text):
+        return YamlInt(text)
+    if _FLOAT.fullmatch(text):
+        return YamlFloat(text)
+    return text
+
+
+class _Loader(yaml.SafeLoader):
+    """Composes nodes without resolving any scalar: every untagged scalar is text until _Builder types it."""
+
+    yaml_implicit_resolvers: dict[Any, Any] = {}  # noqa: RUF012 - PyYAML's own class-level table, replaced
+
+
 def _mark(node: yaml.Node) -> Mark:
     return Mark(node.start_mark.line + 1, node.start_mark.column + 1)
 
@@ -60,45 +136,96 @@ class _Builder:
     def __init__(self, doc_path: Path) -> None:
         self.doc_path = doc_path
         self.marks: dict[KeyPath, Mark] = {}
-        self._scalars = yaml.SafeLoader("")
+        self.values = 0
 
     def build(self, node: yaml.Node, path: KeyPath) -> Any:
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise SpecError([self._problem(node, path, f"more than {MAX_VALUES} values once anchors and aliases "
+                                                       f"are expanded; write the values out")])
+        if len(path) > MAX_DEPTH:
+            raise SpecError([self._problem(node, path, f"nested more than {MAX_DEPTH} levels deep")])
         self.marks.setdefault(path, _mark(node))
+        if node.tag != _UNTAGGED[type(node)]:
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise SpecError([self._problem(node, path, f"YAML tag {short_repr(tag)} is not supported; "
+                                                       f"write a plain value (quote it for a string)")])
         if isinstance(node, yaml.MappingNode):
-            result: dict[str | int, Any] = {}
-            for key_node, value_node in node.value:
-                key = self._scalars.construct_object(key_node, deep=True)
-                if not isinstance(key, (str, int)) or isinstance(key, bool):
-                    raise SpecError([self._problem(key_node, path, "mapping keys must be strings")])
-                if key in result:
-                    raise SpecError([self._problem(key_node, (*path, key), f"duplicate key {key!r}")])
-                self.marks[(*path, key)] = _mark(key_node)
-                result[key] = self.build(value_node, (*path, key))
-            return result
+            return self._mapping(node, path)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*path, index)) for index, item in enumerate(node.value)]
-        return self._scalars.construct_object(node, deep=True)
+        assert isinstance(node, yaml.ScalarNode)
+        return _plain_scalar(node.value) if node.style is None else node.value
+
+    def _mapping(self, node: yaml.MappingNode, path: KeyPath) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != _STR_TAG:
+                raise SpecError([self._problem(key_node, path, "mapping keys must be plain strings")])
+            key = key_node.value
+            if key == "<<" and key_node.style is None:
+                raise SpecError([self._problem(key_node, path, "YAML merge keys (<<) are not supported; "
+                                                               "write the keys out")])
+            if key in result:
+                raise SpecError([self._problem(key_node, (*path, key), f"duplicate key {short_repr(key)}")])
+            self.marks[(*path, key)] = _mark(key_node)
+            result[key] = self.build(value_node, (*path, key))
+        return result
 
     def _problem(self, node: yaml.Node, key_path: KeyPath, message: str) -> Problem:
         mark = _mark(node)
         return Problem(str(self.doc_path), mark.line, mark.column, key_path, message)
 
 
+def _decode(doc_path: Path, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise SpecError([Problem(str(doc_path), line, column, (),
+                                 f"not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8")]) from None
+
+
+def located(path: str | Path | None, key_path: KeyPath, message: str) -> SpecError:
+    """An error about a value of a file that was already validated, at the value's line and column."""
+    if path is None:
+        return SpecError([Problem("<job>", None, None, key_path, message)])
+    try:
+        return SpecError([load_document(path).problem(key_path, message)])
+    except SpecError:  # the file changed meanwhile: the key path still says where
+        return SpecError([Problem(str(path), None, None, key_path, message)])
+
+
 def load_document(path: str | Path) -> Document:
     """Read one YAML document; syntax errors become SpecError with the parser's position."""
     doc_path = Path(path)
     try:
-        text = doc_path.read_text(encoding="utf-8")
+        with doc_path.open("rb") as handle:
+            raw = handle.read(MAX_BYTES + 1)
     except FileNotFoundError:
         raise SpecError([Problem(str(doc_path), None, None, (), "file not found")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError([Problem(str(doc_path), None, None, (), f"cannot read: {exc}")]) from None
+    except OSError as exc:
+        raise SpecError([Problem(str(doc_path), None, None, (), f"cannot read: {exc.strerror}")]) from None
+    if len(raw) > MAX_BYTES:
+        raise SpecError([Problem(str(doc_path), None, None, (), f"larger than {MAX_BYTES} bytes; a job spec or "
+                                                                f"inventory is a few kilobytes")])
+    text = _decode(doc_path, raw)
+    if "\0" in text:
+        nul_line = text.count("\n", 0, text.index("\0")) + 1
+        raise SpecError([Problem(str(doc_path), nul_line, None, (), "contains a NUL byte; this is not a text file")])
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_Loader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
-        line, column = (mark.line + 1, mark.column + 1) if mark else (None, None)
+        line: int | None = mark.line + 1 if mark else None
+        column: int | None = mark.column + 1 if mark else None
         raise SpecError([Problem(str(doc_path), line, column, (), f"invalid YAML: {exc.problem}")]) from None
+    except yaml.YAMLError as exc:
+        raise SpecError([Problem(str(doc_path), None, None, (), f"invalid YAML: {exc}")]) from None
+    except RecursionError:
+        raise SpecError([Problem(str(doc_path), None, None, (), f"nested too deeply (more than {MAX_DEPTH} "
+                                                                f"levels are never needed)")]) from None
     if root is None:
         raise SpecError([Problem(str(doc_path), None, None, (), "the file is empty; expected a mapping")])
     builder = _Builder(doc_path)

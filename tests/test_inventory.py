@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.errors import SpecError, UsageError
+from harness.errors import SpecError
 from harness.inventory import load_inventory
 from harness.plan import plan_hosts
 from harness.spec import load_job
@@ -68,7 +68,7 @@ def test_bad_inventory_is_located(write_yaml, text, expected):
 def test_fewer_hosts_than_nnodes(write_yaml):
     spec = load_job(write_yaml("name: big\nnnodes: 4\nentrypoint: {module: m}\n"))
     inventory = load_inventory(write_yaml(HOSTS, "hosts.yaml"))
-    with pytest.raises(UsageError, match="needs nnodes=4 hosts but the inventory lists 3"):
+    with pytest.raises(SpecError, match=r"hosts.yaml:\d+:1: hosts: the job needs nnodes=4 hosts but the inventory lists 3"):
         plan_hosts(spec, inventory, run_id="r", master_ip="10.1.0.2")
 
 

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from harness.errors import SpecError, UsageError
+from harness.errors import SpecError
 from harness.k8s import COMPLETION_INDEX, manifests_yaml, object_names, render_manifests
 from harness.spec import DNS1123_LABEL, load_job
 
@@ -75,7 +75,7 @@ def test_objects_agree_with_each_other():
     env = {e["name"]: e for e in container["env"]}
     names = [o["metadata"]["name"] for o in objects]
     assert len(set(zip([o["kind"] for o in objects], names, strict=True))) == len(objects)
-    assert all(DNS1123_LABEL.match(n) and len(n) <= 63 for n in names)
+    assert all(DNS1123_LABEL.fullmatch(n) and len(n) <= 63 for n in names)
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert pod["spec"]["subdomain"] == service["metadata"]["name"]
@@ -107,7 +107,7 @@ def test_long_names_are_shortened_deterministically_and_stay_unique(write_yaml):
     second = load_job(write_yaml(SMALL.format(name=base + "-x2", port=29500, script="t.py").replace("nnodes: 2", "nnodes: 100")))
     a, b = object_names(first), object_names(second)
     assert a == object_names(first) and a["job"] != b["job"]
-    assert len(a["job"]) + len("-99") <= 63 and DNS1123_LABEL.match(a["job"])
+    assert len(a["job"]) + len("-99") <= 63 and DNS1123_LABEL.fullmatch(a["job"])
 
 
 def test_service_name_starts_with_a_letter(write_yaml):
@@ -118,8 +118,9 @@ def test_service_name_starts_with_a_letter(write_yaml):
 @pytest.mark.parametrize(
     "edit, error, message",
     [
-        (("image: registry.example/harness:0.1.0\n", ""), UsageError, "the job needs `image:`"),
-        (("backend: gloo", "backend: nccl"), UsageError, "backend nccl needs GPUs"),
+        (("image: registry.example/harness:0.1.0\n", ""), SpecError, "job.yaml:1:1: image: required to render for "
+                                                                     "Kubernetes"),
+        (("backend: gloo", "backend: nccl"), SpecError, "resources.gpus: backend nccl needs GPUs"),
         (("env:\n", "resources: {memory: 4GB}\nenv:\n"), SpecError, "expected a Kubernetes quantity"),
         (("name: small", "name: Small_Job"), SpecError, "expected a DNS-1123 label"),
     ],

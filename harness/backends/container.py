@@ -62,7 +62,7 @@ def shm_bytes(quantity: str) -> int:
 
     docker reads `16G` as 16 GiB and `500m` as 500 MiB; bytes mean the same on both backends.
     """
-    match = QUANTITY.match(quantity)
+    match = QUANTITY.fullmatch(quantity)
     if match is None:
         raise UsageError(f"shm_size: expected a quantity such as 16Gi or 512Mi, got {quantity!r}")
     suffix = match.group(3) or ""

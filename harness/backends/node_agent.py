@@ -24,6 +24,7 @@ the controller's `harness stop` and the agent sweep the same way.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ import threading
 import time
 
 EXIT_MARKER = "\x1eharness-node-exit"
+PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
 
 
@@ -56,8 +58,33 @@ def run_processes(run_id: str, node_rank: str | None = None) -> list[int]:
 
 def kill_run_processes(run_id: str, node_rank: str | None = None, sig: int = signal.SIGKILL) -> list[int]:
     """Signal every process of the run; returns the PIDs signalled."""
+    return _signal_all(run_processes(run_id, node_rank), sig)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below pid in the process tree (zombies are already dead)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(int(entry))) and fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _adopted_zombies(own_child: int) -> list[int]:
+    """Dead children of this process other than own_child: orphans it adopted as a subreaper."""
+    me = os.getpid()
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != own_child
+            and (fields := _stat(int(entry))) and fields[0] == b"Z" and int(fields[1]) == me]
+
+
+def _signal_all(pids: list[int], sig: int) -> list[int]:
     signalled = []
-    for pid in run_processes(run_id, node_rank):
+    for pid in pids:
         try:
             os.kill(pid, sig)
             signalled.append(pid)
@@ -98,19 +125,29 @@ class Agent:
         self.ended = threading.Event()
         self._cleaned = False
         self._kill_lock = threading.Lock()
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
         self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdin=subprocess.DEVNULL)
 
     def signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.child.pid, sig)
 
+    def _sweep(self) -> None:
+        """SIGKILL, until none is left, every process of this node: by run id, and every descendant of the
+        agent, which as a subreaper adopts the orphans of double forks that also dropped the run id."""
+        deadline = time.monotonic() + SWEEP_SECONDS
+        while (kill_run_processes(self.run_id, self.node_rank) + _signal_all(descendants(os.getpid()), signal.SIGKILL)
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        for pid in _adopted_zombies(self.child.pid):  # not waitpid(-1): the node's own status is Popen's
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+
     def kill(self) -> None:
         """SIGKILL the group and sweep until no process of this node is left; then the cleanup, once."""
         with self._kill_lock:
-            deadline = time.monotonic() + SWEEP_SECONDS
             self.signal_group(signal.SIGKILL)
-            while kill_run_processes(self.run_id, self.node_rank) and time.monotonic() < deadline:
-                time.sleep(0.02)
+            self._sweep()
             if self.cleanup and not self._cleaned:
                 self._cleaned = True
                 subprocess.run(["/bin/sh", "-c", self.cleanup], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -132,8 +169,8 @@ class Agent:
         threading.Thread(target=self.obey_controller, daemon=True).start()
         code = self.child.wait()
         self.ended.set()
-        with self._kill_lock:  # not while a KILL runs the cleanup, whose processes carry our environment
-            kill_run_processes(self.run_id, self.node_rank)  # workers that outlived their torchrun
+        with self._kill_lock:  # not while a KILL runs the cleanup, a child of ours with our environment
+            self._sweep()  # workers that outlived their torchrun, daemons the job left behind
         return code
 
 

@@ -20,30 +20,39 @@ import paramiko
 from harness.backends.agent_link import AgentNode, agent_argv, agent_env, start_all
 from harness.backends.base import CheckFailed, NodeProcess
 from harness.backends.container import in_containers
-from harness.errors import UsageError
+from harness.errors import short_repr
 from harness.inventory import Inventory
 from harness.plan import NodePlan, Plan, plan_hosts
 from harness.shell import remote_command
 from harness.spec import JobSpec
 from harness.ssh import Connection, connect
+from harness.yamlsource import located
 
 
 def resolve_master_ip(inventory: Inventory) -> str:
     """MASTER_ADDR must be an IP: hostnames resolve differently per node (127.0.1.1, IPv6-only)."""
-    address = inventory.master_host().address
+    master = inventory.master_host()
+    where = inventory.key_path(master, "address")
     try:
-        return str(ipaddress.ip_address(address))
+        ip = ipaddress.ip_address(master.address)
     except ValueError:
         pass
+    else:
+        if ip.is_loopback and len(inventory.hosts) > 1:
+            raise located(inventory.path, where, f"the master's address {ip} is loopback; the other hosts cannot "
+                                                 f"reach it there, write the master's routable IP")
+        return str(ip)
     try:
-        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise UsageError(f"{inventory.path}: master address {address!r} does not resolve ({exc.strerror}); "
-                         f"write the master's IP address in the inventory") from None
+        infos = socket.getaddrinfo(master.address, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise located(inventory.path, where, f"master address {short_repr(master.address)} does not resolve "
+                                             f"({reason}); write its IP address") from None
     ips = sorted({str(info[4][0]) for info in infos}, key=lambda ip: ":" in ip)
     if ipaddress.ip_address(ips[0]).is_loopback:
-        raise UsageError(f"{inventory.path}: master address {address!r} resolves to loopback {ips[0]} here; "
-                         f"other nodes cannot reach that, write the master's routable IP")
+        raise located(inventory.path, where, f"master address {short_repr(master.address)} resolves to loopback "
+                                             f"{ips[0]} here; the other hosts cannot reach that, write the master's "
+                                             f"routable IP")
     return ips[0]
 
 

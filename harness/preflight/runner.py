@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.errors import UsageError
 from harness.inventory import Host, Inventory
+from harness.plan import job_hosts
 from harness.preflight import probe
 from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
 from harness.preflight.collective import collective_checks
@@ -28,13 +28,7 @@ DEFAULT_MASTER_PORT: int = JobSpec.model_fields["master_port"].default
 
 def hosts_for(inventory: Inventory, spec: JobSpec | None) -> list[Host]:
     """The hosts the job runs on (master first), or every host when there is no job."""
-    hosts = inventory.ordered_hosts()
-    if spec is None:
-        return hosts
-    if len(hosts) < spec.nnodes:
-        raise UsageError(f"{inventory.path}: the job needs nnodes={spec.nnodes} hosts but the inventory lists "
-                         f"{len(hosts)}; add hosts or lower nnodes")
-    return hosts[: spec.nnodes]
+    return inventory.ordered_hosts() if spec is None else job_hosts(spec, inventory)
 
 
 def _ssh_row(host: Host, result: Connection | Exception, seconds: float) -> Check:

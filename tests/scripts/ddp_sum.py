@@ -1,6 +1,6 @@
 """A small torchrun-able gloo DDP job for harness tests: trains a linear model, optionally fails.
 
-FAIL_RANK / FAIL_AT_STEP make one rank exit 1 mid-run, and HANG_AT_STEP makes every other rank block
+FAIL_RANK / FAIL_AT_STEP make one rank exit FAIL_CODE (default 1) mid-run, and HANG_AT_STEP makes every other rank block
 there (like a long step or a stuck read) so that only the supervisor can end them. STEPS and
 STEP_SECONDS set the pace.
 """
@@ -30,7 +30,7 @@ def main() -> None:
     for step in range(steps):
         if rank == fail_rank and step == fail_at:
             print(f"rank {rank} failing on purpose at step {step}", flush=True)
-            sys.exit(1)
+            sys.exit(int(os.environ.get("FAIL_CODE", "1")))
         if rank != fail_rank and step == hang_at:
             time.sleep(3600)
         g = torch.Generator().manual_seed(step * world + rank)
