@@ -90,8 +90,8 @@ class YamlFloat(float):
     text: str
 
     def __new__(cls, text: str) -> YamlFloat:
-        number = super().__new__(cls, float(text.replace(".inf", "inf").replace(".Inf", "inf").replace(".INF", "inf")
-                                            .lower().replace(".nan", "nan")))
+        special = text.lstrip("+-").lower() in (".inf", ".nan")  # float() reads them without the dot
+        number = super().__new__(cls, float(text.replace(".", "", 1) if special else text))
         number.text = text
         return number
 

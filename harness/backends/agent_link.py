@@ -67,6 +67,10 @@ class AgentNode(ABC):
     def _wait_agent(self) -> str:
         """Block until the agent has ended; say how it ended, for when it reported no exit code."""
 
+    @abstractmethod
+    def _agent_lost(self) -> None:
+        """The agent ended without reporting, so it may not have stopped its node: what the backend can do."""
+
     def output(self) -> Iterator[str]:
         try:
             for raw in self._lines():
@@ -84,6 +88,7 @@ class AgentNode(ABC):
         lost = self._wait_agent()
         self._output_done.wait(timeout=OUTPUT_DRAIN_SECONDS)
         if self._exit_code is None:
+            self._agent_lost()
             return Outcome(exit_code=None, error=lost)
         return Outcome.from_returncode(self._exit_code)
 

@@ -58,11 +58,12 @@ class LocalAgentNode(AgentNode):
         self._proc.stdin.flush()
 
     def _wait_agent(self) -> str:
-        code = self._proc.wait()
-        # An agent that died without reporting (killed by hand, OOM) could not stop its node: do it here.
-        kill_run_processes(self.node.env["HARNESS_RUN_ID"], self.node.env["NODE_RANK"])
-        how = Outcome.from_returncode(code).describe()
+        how = Outcome.from_returncode(self._proc.wait()).describe()
         return f"node agent (pid {self._proc.pid}) ended with {how} without reporting the node's end"
+
+    def _agent_lost(self) -> None:
+        """Killed by hand or by the OOM killer, the agent could not stop its node: sweep it from here."""
+        kill_run_processes(self.node.env["HARNESS_RUN_ID"], self.node.env["NODE_RANK"])
 
 
 class LocalBackend:

@@ -61,25 +61,22 @@ def kill_run_processes(run_id: str, node_rank: str | None = None, sig: int = sig
     return _signal_all(run_processes(run_id, node_rank), sig)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every living process below pid in the process tree (zombies are already dead)."""
+def _process_tree(pid: int) -> tuple[list[int], list[int]]:
+    """(every living process below pid, pid's dead children), from one reading of the process table."""
     children: dict[int, list[int]] = {}
+    zombies = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(int(entry))) and fields[0] != b"Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
+        if entry.isdigit() and (fields := _stat(int(entry))):
+            if fields[0] != b"Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+            elif int(fields[1]) == pid:
+                zombies.append(int(entry))
     found, stack = [], [pid]
     while stack:
         for child in children.get(stack.pop(), []):
             found.append(child)
             stack.append(child)
-    return found
-
-
-def _adopted_zombies(own_child: int) -> list[int]:
-    """Dead children of this process other than own_child: orphans it adopted as a subreaper."""
-    me = os.getpid()
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != own_child
-            and (fields := _stat(int(entry))) and fields[0] == b"Z" and int(fields[1]) == me]
+    return found, zombies
 
 
 def _signal_all(pids: list[int], sig: int) -> list[int]:
@@ -136,12 +133,16 @@ class Agent:
         """SIGKILL, until none is left, every process of this node: by run id, and every descendant of the
         agent, which as a subreaper adopts the orphans of double forks that also dropped the run id."""
         deadline = time.monotonic() + SWEEP_SECONDS
-        while (kill_run_processes(self.run_id, self.node_rank) + _signal_all(descendants(os.getpid()), signal.SIGKILL)
-               and time.monotonic() < deadline):
+        while True:
+            below, dead = _process_tree(os.getpid())
+            killed = kill_run_processes(self.run_id, self.node_rank) + _signal_all(below, signal.SIGKILL)
+            if not killed or time.monotonic() >= deadline:
+                break
             time.sleep(0.02)
-        for pid in _adopted_zombies(self.child.pid):  # not waitpid(-1): the node's own status is Popen's
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
+        for pid in dead:  # reap adopted orphans; not waitpid(-1): the node's own status is Popen's
+            if pid != self.child.pid:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
 
     def kill(self) -> None:
         """SIGKILL the group and sweep until no process of this node is left; then the cleanup, once."""

@@ -80,6 +80,9 @@ class SSHAgentNode(AgentNode):
         except paramiko.SSHException as exc:
             raise EOFError(str(exc)) from exc
 
+    def _agent_lost(self) -> None:
+        """Nothing to do from here: the connection is gone with the agent (host-loss recovery is #12's)."""
+
     def _wait_agent(self) -> str:
         status = self._channel.recv_exit_status()
         return f"connection to {self.node.host} ({self.node.address}) lost (ssh status {status})"
