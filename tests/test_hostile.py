@@ -141,13 +141,23 @@ def test_an_argument_list_too_long_for_the_os_is_one_line_exit_1(write_yaml, tmp
     assert "Traceback" not in result.stderr
 
 
+FIFO_OPEN_WAITS = {"fifo_open", "wait_for_partner"}  # where the kernel waits in open() for a FIFO's writer
+
+
 def test_ctrl_c_while_reading_a_file_is_exit_130(tmp_path):
     fifo = tmp_path / "job.yaml"
     os.mkfifo(fifo)  # opening it blocks until a writer comes: the user presses Ctrl-C meanwhile
-    reader = subprocess.Popen([sys.executable, "-m", "harness.cli", "render", str(fifo)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while Path(f"/proc/{reader.pid}/wchan").read_text() != "fifo_open" and time.monotonic() < deadline:
+    # Ctrl-C as at a terminal: a handled SIGINT is reset to its default by exec, an ignored one (as in a
+    # background job) would stay ignored, so the test handles it while it starts the harness.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        reader = subprocess.Popen([sys.executable, "-m", "harness.cli", "render", str(fifo)], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    deadline = time.monotonic() + 120
+    while Path(f"/proc/{reader.pid}/wchan").read_text() not in FIFO_OPEN_WAITS:
+        assert time.monotonic() < deadline and reader.poll() is None, "never blocked opening the FIFO"
         time.sleep(0.05)
     reader.send_signal(signal.SIGINT)
     _, err = reader.communicate(timeout=30)
