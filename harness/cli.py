@@ -28,11 +28,13 @@ def backend_for(args: argparse.Namespace) -> Backend:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    if args.flavor is not None and args.target != "k8s":
+        raise UsageError("--flavor is for --target k8s")
     spec = load_job(args.job)
     if args.target == "k8s":
         from harness.k8s import manifests_yaml
 
-        text = manifests_yaml(spec, Path(args.job).read_text(), args.job)
+        text = manifests_yaml(spec, Path(args.job).read_text(), args.job, args.flavor or "core")
         if args.out is None:
             sys.stdout.write(text)
             return 0
@@ -124,6 +126,9 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--target", choices=("torchrun", "k8s"), default="torchrun",
                         help="torchrun: per-node commands (default); k8s: Kubernetes manifests")
     render.add_argument("--out", help="with --target k8s: write DIR/<job>.yaml instead of printing")
+    render.add_argument("--flavor", choices=("core", "jobset"),
+                        help="with --target k8s: core (default): Service + Indexed Job, no CRDs; jobset: a JobSet "
+                             "that restarts the whole job up to restarts.max times (needs the JobSet controller)")
     render.set_defaults(known_hosts=None, accept_new_host_keys=False, skip_preflight=True)  # nothing connects
     render.set_defaults(func=cmd_render)
 

@@ -21,12 +21,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
-from harness.backends.base import Backend, Outcome
+from harness.backends.base import Backend, CheckFailed, Outcome
 from harness.backends.node_agent import is_alive, kill_run_processes, start_ticks
 from harness.errors import HarnessError
-from harness.plan import Plan
+from harness.plan import NoSpareHosts, Plan
+from harness.recovery import NodeFailure, attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
 from harness.render import render_json, render_text
 from harness.runs import (
+    Attempt,
     ControllerId,
     Failure,
     NodeResult,
@@ -45,7 +47,7 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 DETACH_STARTUP_TIMEOUT = 300.0
 
 
-def _node_result(record: NodeRecord, run: RunDir) -> NodeResult:
+def _node_result(record: NodeRecord, run: RunDir, attempt: int) -> NodeResult:
     outcome = record.outcome
     return NodeResult(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks),
@@ -53,99 +55,213 @@ def _node_result(record: NodeRecord, run: RunDir) -> NodeResult:
         signal=signal.Signals(outcome.signal).name if outcome and outcome.signal else None,
         error=outcome.error if outcome else None,
         duration_s=round((record.ended or time.time()) - record.started, 3),
-        log=str(run.log_file(record.node.node_rank)),
+        log=str(run.log_file(record.node.node_rank, attempt)),
     )
 
 
-def _failure(record: NodeRecord | None, started_at: float, now: float) -> Failure | None:
-    if record is None or record.outcome is None:
-        return None
-    rank, rank_code = record.root_cause()
+def _failure(found: NodeFailure, started_at: float, now: float) -> Failure:
+    record = found.record
+    assert record.outcome is not None
     # The failing rank's own exit code says more than torchrun's (always 1 when a worker failed).
-    description = Outcome.from_returncode(rank_code).describe() if rank_code is not None \
+    description = Outcome.from_returncode(found.rank_exit_code).describe() if found.rank_exit_code is not None \
         else record.outcome.describe()
     return Failure(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks),
-        rank=rank, rank_exit_code=rank_code, exit_code=record.outcome.exit_code,
+        rank=found.rank, rank_exit_code=found.rank_exit_code, exit_code=record.outcome.exit_code,
         description=description, after_s=round((record.ended or now) - started_at, 3),
-        last_lines=record.last_lines(rank),
+        last_lines=record.last_lines(found.rank), kind=found.kind, evidence=found.evidence, host_down=found.host_down,
     )
 
 
-def _report(sup: Supervisor, summary: RunSummary, run: RunDir) -> None:
+def _say(out: IO[str], message: str) -> None:
+    out.write(f"harness: {message}\n")
+    out.flush()
+
+
+def _describe(failure: Failure) -> str:
+    """Where and how: `node 1 (h2, global rank 1): exit code 1 after 3.2 s`, then the class and the
+    evidence when they add to that."""
+    first, last = failure.ranks[0], failure.ranks[-1]
+    who = f"global rank {failure.rank}" if failure.rank is not None else \
+        f"global rank {first}" if first == last else f"global ranks {first}-{last}"
+    text = f"node {failure.node_rank} ({failure.host}, {who}): {failure.description} after {failure.after_s} s"
+    extra = "" if failure.evidence in (failure.description, f"rank {failure.rank} {failure.description}") \
+        else f": {failure.evidence}"
+    return f"{text} ({failure.kind.value}{extra})"
+
+
+def _report(out: IO[str], summary: RunSummary, run: RunDir) -> None:
+    if len(summary.attempts) > 1:
+        for attempt in summary.attempts:
+            recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
+            how = f"failed on {_describe(attempt.failures[0])}" if attempt.failures else attempt.status.value
+            _say(out, f"attempt {attempt.attempt} on {', '.join(attempt.hosts)}{recovered}: {how}")
     failure = summary.first_failure
     if summary.status is RunStatus.SUCCEEDED:
-        sup.say(f"run {summary.run_id} succeeded in {summary.duration_s} s; logs in {run.path}/")
+        _say(out, f"run {summary.run_id} succeeded in {summary.duration_s} s; logs in {run.path}/")
     elif failure is not None:
-        who = f"global rank {failure.rank}" if failure.rank is not None else \
-            f"ranks {failure.ranks[0]}-{failure.ranks[-1]}"
-        sup.say(f"run {summary.run_id} FAILED: first failure on node {failure.node_rank} "
-                f"({failure.host}, {who}): {failure.description} after {failure.after_s} s")
-        sup.say(f"last lines of node{failure.node_rank}:")
+        _say(out, f"run {summary.run_id} FAILED: first failure on {_describe(failure)}")
+        if summary.reason:
+            _say(out, f"not restarted: {summary.reason}")
+        _say(out, f"last lines of node{failure.node_rank}:")
         for line in failure.last_lines[-10:]:
-            sup.out.write(f"    {line}\n")
-        sup.say(f"full logs: {run.log_file(failure.node_rank)}; summary: {run.summary_file}")
+            out.write(f"    {line}\n")
+        last = summary.attempts[-1].attempt
+        _say(out, f"full logs: {run.log_file(failure.node_rank, last)}; summary: {run.summary_file}")
+    elif summary.reason:
+        _say(out, f"run {summary.run_id} FAILED: {summary.reason}")
     else:
-        sup.say(f"run {summary.run_id} {summary.status.value}: every node stopped; logs in {run.path}/")
+        _say(out, f"run {summary.run_id} {summary.status.value}: every node stopped; logs in {run.path}/")
+    out.flush()
+
+
+def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, attempt: int, down: set[str],
+                out: IO[str]) -> Plan:
+    """Plan on the hosts not down and check them; a host that fails the check is down too and a spare
+    takes its place, until the check passes or no spare is left (the check's report is then the error)."""
+    while True:
+        plan = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
+        try:
+            backend.check(plan, spec)
+            return plan
+        except CheckFailed as exc:
+            if not exc.hosts or exc.hosts <= down:
+                raise
+            down |= exc.hosts
+            try:
+                backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
+            except NoSpareHosts as none_left:
+                raise CheckFailed(f"{exc}\n{none_left}", exc.hosts) from None
+            _say(out, f"preflight failed on {', '.join(sorted(exc.hosts))}: a spare host takes its place")
 
 
 def launch(backend: Backend, spec: JobSpec, spec_path: Path, runs_root: Path, run_id: str,
            out: IO[str] = sys.stdout) -> int:
-    """Run the job on backend to its end; returns the harness exit status. The backend is closed."""
+    """Run the job on backend to its end, restarting it as spec.restarts allows; returns the harness
+    exit status. Nothing exists yet when the first plan or check fails. The backend is closed."""
     try:
-        plan = backend.plan(spec, run_id, run_dir(runs_root, run_id).backend_logs)
-        backend.check(plan, spec)
+        down: set[str] = set()
+        began = time.time()
+        log_dir = run_dir(runs_root, run_id).backend_logs
+        plan = _ready_plan(backend, spec, run_id, log_dir, 0, down, out)
         run = create_run_dir(runs_root, run_id)
         shutil.copyfile(spec_path, run.spec_copy)
-        write_text_atomic(run.plan_json, render_json(plan))
-        write_text_atomic(run.plan_text, render_text(plan))
         state = RunState(run_id=run_id, name=plan.name, mode=backend.name, status=RunStatus.RUNNING,
-                         started_at=time.time(), nnodes=plan.nnodes, world_size=plan.world_size,
+                         started_at=began, nnodes=plan.nnodes, world_size=plan.world_size,
                          controller=ControllerId(os.getpid(), start_ticks(os.getpid())),
                          hosts=[n.host for n in plan.nodes])
-        run.write_state(state)
-        return _supervise(backend, plan, spec, run, state, out)
+        return _run(backend, spec, run, state, plan, down, out)
     finally:
         backend.close()
 
 
-def _supervise(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, state: RunState, out: IO[str]) -> int:
+def _run(backend: Backend, spec: JobSpec, run: RunDir, state: RunState, plan: Plan, down: set[str],
+         out: IO[str]) -> int:
+    """Attempt after attempt until one succeeds, the program fails (restarts.on: infra), the restarts
+    or spares run out, or a stop is asked for (Ctrl-C, `harness stop`: no further attempt)."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    sup = Supervisor(grace=spec.timeouts.stop_grace, out=out, log_file=lambda node: run.log_file(node.node_rank))
+    attempts: list[Attempt] = []
+    reason: str | None = None
     try:
-        sup.say(f"run {plan.run_id}: {plan.nnodes} node(s) x {plan.nproc_per_node} process(es), "
-                f"master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
+        preflight_s = time.time() - state.started_at
+        while True:
+            write_text_atomic(run.plan_json(plan.attempt), render_json(plan))
+            write_text_atomic(run.plan_text(plan.attempt), render_text(plan))
+            state = replace(state, attempt=plan.attempt, hosts=[n.host for n in plan.nodes])
+            run.write_state(state)
+            attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out))
+            if attempts[-1].status is not RunStatus.FAILED or stop.is_set():
+                break
+            reason = no_restart_reason(spec.restarts, attempts)
+            if reason is not None:
+                break
+            down |= set(attempts[-1].down)
+            delay = backoff_seconds(spec.restarts, len(attempts) - 1)
+            cause = attempts[-1].failures[0]
+            _say(out, f"attempt {plan.attempt} failed at the {attempts[-1].kind} level on {cause.host} "
+                      f"({cause.evidence}); restart {len(attempts)} of {spec.restarts.max} in {delay:g} s"
+                      + (f", without {', '.join(sorted(down))}" if down else ""))
+            attempts[-1] = replace(attempts[-1], backoff_s=delay)
+            if stop.wait(delay):
+                break
+            began = time.time()
+            try:
+                plan = _ready_plan(backend, spec, run.run_id, run.backend_logs, plan.attempt + 1, down, out)
+            except (CheckFailed, NoSpareHosts) as exc:
+                reason = f"attempt {plan.attempt + 1} could not start: {exc}"
+                break
+            preflight_s = time.time() - began
+            if stop.is_set():
+                break
+    except BaseException as exc:
+        run.write_state(replace(state, status=RunStatus.ERROR, error=str(exc), ended_at=time.time()))
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return _finish(run, state, attempts, stop, reason, out)
+
+
+def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
+             before: list[Attempt], out: IO[str]) -> Attempt:
+    """Start every node of plan, supervise them to their end, and say how this attempt went."""
+    sup = Supervisor(grace=spec.timeouts.stop_grace, out=out,
+                     log_file=lambda node: run.log_file(node.node_rank, plan.attempt))
+    which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
+    hosts = ", ".join(n.host for n in plan.nodes)
+    sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "
+            f"master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
+    started = time.time()
+    try:
         try:
             nodes = backend.start(plan, spec)
         except OSError as exc:  # e.g. an argument list too long for the OS: only the OS can refuse it
             raise HarnessError(f"could not start the nodes: {exc.strerror or exc}") from None
         sup.start(nodes)
         sup.wait(stop)
-    except BaseException as exc:
-        run.write_state(replace(state, status=RunStatus.ERROR, error=str(exc), ended_at=time.time()))
-        raise
     finally:
         sup.finish()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        backend.close()
+    ended = time.time()
+    found = attempt_failures(sup.records, sup.stopping_since)
+    failures = [_failure(f, started, ended) for f in found]
     if stop.is_set():
         status = RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
-        code = EXIT_INTERRUPTED
-    elif sup.first_failure is not None:
-        status, code = RunStatus.FAILED, EXIT_FAILED
     else:
-        status, code = RunStatus.SUCCEEDED, EXIT_OK
+        status = RunStatus.FAILED if sup.first_failure is not None else RunStatus.SUCCEEDED
+    previous_failure = before[-1].failures[0] if before and before[-1].failures else None
+    return Attempt(
+        attempt=plan.attempt, hosts=[n.host for n in plan.nodes], status=status, started_at=started, ended_at=ended,
+        nodes=[_node_result(r, run, plan.attempt) for r in sup.records], failures=failures,
+        kind=attempt_kind(found) if status is RunStatus.FAILED else None,
+        down=sorted({f.host for f in failures if f.host_down}), preflight_s=round(preflight_s, 3),
+        teardown_s=round(ended - sup.stopping_since, 3) if sup.stopping_since else None,
+        recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)
+        if previous_failure else None,
+    )
+
+
+def _finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threading.Event, reason: str | None,
+            out: IO[str]) -> int:
+    last = attempts[-1] if attempts else None
+    if stop.is_set():
+        status = RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
+        code, reason = EXIT_INTERRUPTED, None
+    elif last is not None and last.status is RunStatus.SUCCEEDED:
+        status, code, reason = RunStatus.SUCCEEDED, EXIT_OK, None
+    else:
+        status, code = RunStatus.FAILED, EXIT_FAILED
     ended = time.time()
     summary = RunSummary(
         run_id=state.run_id, name=state.name, status=status, exit_code=code, started_at=state.started_at,
-        ended_at=ended, duration_s=round(ended - state.started_at, 3),
-        nodes=[_node_result(r, run) for r in sup.records],
-        first_failure=_failure(sup.first_failure, state.started_at, ended),
+        ended_at=ended, duration_s=round(ended - state.started_at, 3), nodes=last.nodes if last else [],
+        first_failure=last.failures[0] if last and last.failures and status is RunStatus.FAILED else None,
+        attempts=attempts, reason=reason,
     )
     run.write_summary(summary)
     run.write_state(replace(state, status=status, ended_at=ended))
-    _report(sup, summary, run)
+    _report(out, summary, run)
     return code
 
 

@@ -1,13 +1,18 @@
-"""Spec -> Kubernetes manifests: a headless Service and an Indexed Job, core objects only.
+"""Spec -> Kubernetes manifests, in one of two flavors around the same Indexed Job of nnodes pods.
+
+core: a headless Service and the Indexed Job, core objects only. jobset: the same Job as the one
+replicatedJob of a JobSet (jobset.x-k8s.io/v1alpha2), which restarts the whole group up to
+restarts.max times; it needs the JobSet controller installed in the cluster.
 
 The pods run the same torchrun arguments and env contract as every other backend (plan.torchrun_args
-and plan.node_env); only the node rank differs per pod, so it comes from the pod's completion index.
+and plan.node_env); values known only in the pod (node rank, restart attempt) come from the downward API.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -16,20 +21,42 @@ from harness.plan import TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
 from harness.spec import JobSpec
 from harness.yamlsource import located
 
+Flavor = Literal["core", "jobset"]
 MAX_NAME = 63
 WORKDIR = "/workspace"
 SPEC_DIR = "/etc/harness"
 CONTAINER = "torchrun"
 IMAGE_UID = 1000  # docker/Dockerfile's user; fsGroup makes the shared volume writable for it
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+REPLICATED_JOB = "node"  # pods are <jobset>-node-0-<index>: node <index> of the one Job
+# The JobSet controller labels and annotates every pod with how often it restarted the whole set
+# (jobset.status.restarts: 0, 1, ...), i.e. the 0-based attempt. Annotation, as for the completion index.
+RESTART_ATTEMPT = "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']"
+# How a pod's failure tells the infrastructure from the program (see POD_FAILURE_POLICY): torchrun is
+# the container's PID 1 and exits 1 when a worker fails; these exit codes can only mean something else.
+RDZV_WAIT_EXIT = 75  # EX_TEMPFAIL: a worker gave up waiting for the master's rendezvous port
+SIGNAL_EXITS = tuple(range(129, 193))  # 128 + N: torchrun killed by signal N (e.g. 137: OOM-killed, SIGKILL)
 _RANK_SENTINEL = "\0node-rank\0"
 # Pod 0 serves the rendezvous store; the others wait for its port, then torchrun replaces the shell
 # so that it is PID 1 and receives the kubelet's SIGTERM itself.
 START_SCRIPT = (
     'if [ "$NODE_RANK" != "0" ]; then '
-    'python -m harness.waitport "$MASTER_ADDR" "$MASTER_PORT" --timeout "$HARNESS_RDZV_TIMEOUT" || exit 1; '
+    'python -m harness.waitport "$MASTER_ADDR" "$MASTER_PORT" --timeout "$HARNESS_RDZV_TIMEOUT" '
+    f'|| exit {RDZV_WAIT_EXIT}; '
     'fi; exec "$@"'
 )
+# backoffLimit 0: any failed pod fails the whole Job (a static rendezvous cannot take one pod back).
+# The rules only decide the Job's failure reason, which is what a JobSet's failure policy can see:
+# the program exited non-zero -> reason PodFailurePolicy; the infrastructure failed the pod (evicted,
+# preempted, its node drained or lost: DisruptionTarget; torchrun killed by a signal; the master never
+# reachable) or it failed without an exit code -> counted -> reason BackoffLimitExceeded.
+POD_FAILURE_POLICY: dict[str, Any] = {"rules": [
+    {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget"}]},
+    {"action": "Count", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                        "values": [RDZV_WAIT_EXIT, *SIGNAL_EXITS]}},
+    {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
+]}
 
 
 def _short(name: str, limit: int) -> str:
@@ -41,10 +68,16 @@ def _short(name: str, limit: int) -> str:
 
 
 def object_names(spec: JobSpec) -> dict[str, str]:
-    """Pod hostnames are `<job>-<index>` and must stay DNS labels; Service names must start with a letter."""
-    job = _short(spec.name, MAX_NAME - 1 - len(str(spec.nnodes - 1)))
+    """Pod hostnames must stay DNS labels: `<job>-<index>` (core) and `<jobset>-node-0-<index>` (JobSet,
+    whose pod names add a 5-character suffix). Service names, and so JobSet names (the JobSet names
+    its Service, Jobs and pods after itself), must start with a letter."""
+    last = str(spec.nnodes - 1)
+    job = _short(spec.name, MAX_NAME - 1 - len(last))
     service = job if job[0].isalpha() else _short(f"svc-{job}", MAX_NAME)
-    return {"job": job, "service": service, "configmap": f"{job}-spec", "pvc": f"{job}-work"}
+    jobset = _short(spec.name if spec.name[0].isalpha() else f"js-{spec.name}",
+                    MAX_NAME - len(f"-{REPLICATED_JOB}-0-{last}-xxxxx"))
+    # One claim name for both flavors: switching flavor keeps the data and checkpoints.
+    return {"job": job, "service": service, "jobset": jobset, "configmap": f"{job}-spec", "pvc": f"{job}-work"}
 
 
 def _escape(value: str) -> str:
@@ -67,14 +100,15 @@ def _selector(names: dict[str, str]) -> dict[str, str]:
     return {"app.kubernetes.io/instance": names["job"], "app.kubernetes.io/component": CONTAINER}
 
 
-def _container(spec: JobSpec, names: dict[str, str], nproc: int) -> dict[str, Any]:
-    master = f"{names['job']}-0.{names['service']}"
+def _container(spec: JobSpec, run_id: str, master: str, nproc: int, downward: dict[str, str]) -> dict[str, Any]:
+    """downward: env name -> the pod field it comes from; first in the list, so later values can use $(NAME)."""
     argv = ["python", "-m", TORCHRUN_MODULE,
-            *torchrun_args(spec, run_id=names["job"], master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL)]
-    env = node_env(spec, run_id=names["job"], master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL)
+            *torchrun_args(spec, run_id=run_id, master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL)]
+    env = node_env(spec, run_id=run_id, master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL)
     env["HARNESS_RDZV_TIMEOUT"] = str(int(spec.timeouts.rendezvous))
-    env_list: list[dict[str, Any]] = [{"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}}]
-    env_list += [{"name": k, "value": _escape(v)} for k, v in env.items() if k != "NODE_RANK"]
+    env_list: list[dict[str, Any]] = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+                                      for k, path in downward.items()]
+    env_list += [{"name": k, "value": _escape(v)} for k, v in env.items() if k not in downward]
     limits: dict[str, str] = {}
     requests: dict[str, str] = {}
     for key, value in (("cpu", spec.resources.cpu), ("memory", spec.resources.memory)):
@@ -102,30 +136,40 @@ def _container(spec: JobSpec, names: dict[str, str], nproc: int) -> dict[str, An
     return container
 
 
-def render_manifests(spec: JobSpec, spec_text: str) -> list[dict[str, Any]]:
-    """ConfigMap (the spec), PVC (data + checkpoints, so a re-applied Job resumes), Service, Job."""
-    if spec.image is None:
-        raise located(spec.source, ("image",), "required to render for Kubernetes: the container image every pod "
-                                               "runs (e.g. registry/harness:0.1.0)")
-    names = object_names(spec)
-    nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each pod (resources.gpus)"] * spec.nnodes)
-    if spec.backend == "nccl" and not spec.resources.gpus:
-        raise located(spec.source, ("resources", "gpus"), "backend nccl needs GPUs: set resources.gpus (GPUs per "
-                                                          "pod) to render for Kubernetes")
-    labels = _labels(names)
+def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, *, master: str, subdomain: str,
+                      downward: dict[str, str]) -> dict[str, Any]:
+    """The Job of both flavors: nnodes pods at once, node rank = completion index, none ever retried alone."""
     shm: dict[str, Any] = {"medium": "Memory"}
     if spec.resources.shm_size:
         shm["sizeLimit"] = spec.resources.shm_size
-    configmap = {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": names["configmap"], "labels": labels},
-        "data": {"job.yaml": spec_text},
+    return {
+        "completionMode": "Indexed",
+        "completions": spec.nnodes,
+        "parallelism": spec.nnodes,
+        "backoffLimit": 0,
+        "podFailurePolicy": copy.deepcopy(POD_FAILURE_POLICY),
+        "template": {
+            "metadata": {"labels": _labels(names)},
+            "spec": {
+                "subdomain": subdomain,
+                # Explicit: a JobSet would default it to OnFailure, restarting one node's container alone.
+                "restartPolicy": "Never",
+                "securityContext": {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID,
+                                    "fsGroup": IMAGE_UID},
+                "containers": [_container(spec, names["job"], master, nproc, downward)],
+                "volumes": [
+                    {"name": "dshm", "emptyDir": shm},
+                    {"name": "spec", "configMap": {"name": names["configmap"]}},
+                    {"name": "work", "persistentVolumeClaim": {"claimName": names["pvc"]}},
+                ],
+            },
+        },
     }
-    pvc = {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": names["pvc"], "labels": labels},
-        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": spec.resources.storage}}},
-    }
+
+
+def _core(spec: JobSpec, names: dict[str, str], nproc: int) -> list[dict[str, Any]]:
+    """A headless Service for the pods' DNS names and the bare Job (no restarts: HARNESS_ATTEMPT is 0)."""
+    labels = _labels(names)
     service = {
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": names["service"], "labels": labels},
@@ -137,36 +181,85 @@ def render_manifests(spec: JobSpec, spec_text: str) -> list[dict[str, Any]]:
                        "protocol": "TCP"}],
         },
     }
+    master = f"{names['job']}-0.{names['service']}"
     job = {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": names["job"], "labels": labels},
+        "spec": _indexed_job_spec(spec, names, nproc, master=master, subdomain=names["service"],
+                                  downward={"NODE_RANK": COMPLETION_INDEX}),
+    }
+    return [service, job]
+
+
+def _failure_rules(spec: JobSpec) -> list[dict[str, Any]]:
+    """restarts.on as JobSet failure-policy rules, read from the Job's failure reason (POD_FAILURE_POLICY).
+
+    any: every failure restarts the set. infra: a program failure (PodFailurePolicy) fails the set,
+    anything else restarts it. Each restart counts against maxRestarts (= restarts.max).
+    """
+    restart = {"name": "restartOnFailure", "action": "RestartJobSet"}
+    if spec.restarts.on == "any":
+        return [restart]
+    return [{"name": "failOnProgramFailure", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]},
+            restart | {"name": "restartOnInfraFailure"}]
+
+
+def _jobset(spec: JobSpec, names: dict[str, str], nproc: int) -> dict[str, Any]:
+    """The core Job as the one replicatedJob of a JobSet that recreates it whole on failure.
+
+    No Service of ours: network.enableDNSHostnames makes the JobSet controller create the headless
+    Service `subdomain` (publishNotReadyAddresses) itself, owned by the JobSet, so it goes with it.
+    The c10d rendezvous id stays the same on every attempt: each attempt's store is new, on the new pod 0.
+    """
+    subdomain = names["jobset"]
+    master = f"{names['jobset']}-{REPLICATED_JOB}-0-0.{subdomain}"  # <jobset>-<replicatedJob>-<job>-<pod>
+    job_spec = _indexed_job_spec(spec, names, nproc, master=master, subdomain=subdomain,
+                                 downward={"NODE_RANK": COMPLETION_INDEX, "HARNESS_ATTEMPT": RESTART_ATTEMPT})
+    return {
+        "apiVersion": JOBSET_API, "kind": "JobSet",
+        "metadata": {"name": names["jobset"], "labels": _labels(names)},
         "spec": {
-            "completionMode": "Indexed",
-            "completions": spec.nnodes,
-            "parallelism": spec.nnodes,
-            "backoffLimit": 0,
-            "podFailurePolicy": {"rules": [
-                {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
-                {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]},
-            ]},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "subdomain": names["service"],
-                    "restartPolicy": "Never",
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID,
-                                        "fsGroup": IMAGE_UID},
-                    "containers": [_container(spec, names, nproc)],
-                    "volumes": [
-                        {"name": "dshm", "emptyDir": shm},
-                        {"name": "spec", "configMap": {"name": names["configmap"]}},
-                        {"name": "work", "persistentVolumeClaim": {"claimName": names["pvc"]}},
-                    ],
-                },
-            },
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": subdomain},
+            # Recreate (JobSet's default, explicit here): a restart deletes every Job with its pods and
+            # creates them anew, the next attempt in HARNESS_ATTEMPT; a resuming payload (--resume)
+            # goes on from the newest checkpoint on the shared volume. restarts.backoff has no JobSet
+            # equivalent: a restart starts as soon as the old pods are gone.
+            "failurePolicy": {"maxRestarts": spec.restarts.max, "restartStrategy": "Recreate",
+                              "rules": _failure_rules(spec)},
+            "replicatedJobs": [{
+                "name": REPLICATED_JOB,
+                "replicas": 1,
+                "template": {"metadata": {"labels": _labels(names)}, "spec": job_spec},
+            }],
         },
     }
-    return [configmap, pvc, service, job]
+
+
+def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core") -> list[dict[str, Any]]:
+    """ConfigMap (the spec), PVC (data + checkpoints, so a re-applied job resumes), then the flavor's
+    objects: Service + Job (core) or JobSet (jobset)."""
+    if spec.image is None:
+        raise located(spec.source, ("image",), "required to render for Kubernetes: the container image every pod "
+                                               "runs (e.g. registry/harness:0.1.0)")
+    names = object_names(spec)
+    nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each pod (resources.gpus)"] * spec.nnodes)
+    if spec.backend == "nccl" and not spec.resources.gpus:
+        raise located(spec.source, ("resources", "gpus"), "backend nccl needs GPUs: set resources.gpus (GPUs per "
+                                                          "pod) to render for Kubernetes")
+    labels = _labels(names)
+    configmap = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": names["configmap"], "labels": labels},
+        "data": {"job.yaml": spec_text},
+    }
+    pvc = {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": names["pvc"], "labels": labels},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": spec.resources.storage}}},
+    }
+    if flavor == "jobset":
+        return [configmap, pvc, _jobset(spec, names, nproc)]
+    return [configmap, pvc, *_core(spec, names, nproc)]
 
 
 class _PlainDumper(yaml.SafeDumper):
@@ -176,8 +269,18 @@ class _PlainDumper(yaml.SafeDumper):
         return True
 
 
-def manifests_yaml(spec: JobSpec, spec_text: str, source: str) -> str:
-    header = f"# Rendered by `harness render {source} --target k8s`; do not edit, re-render.\n"
+def _list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+    """Lists of numbers (exit codes) on one line, as [129, 130, ...]; everything else in block style."""
+    numbers = bool(data) and all(isinstance(item, int) for item in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=numbers)
+
+
+_PlainDumper.add_representer(list, _list)
+
+
+def manifests_yaml(spec: JobSpec, spec_text: str, source: str, flavor: Flavor = "core") -> str:
+    command = f"harness render {source} --target k8s" + (f" --flavor {flavor}" if flavor != "core" else "")
+    header = f"# Rendered by `{command}`; do not edit, re-render.\n"
     docs = [yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120)
-            for doc in render_manifests(spec, spec_text)]
+            for doc in render_manifests(spec, spec_text, flavor)]
     return header + "---\n".join(docs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from harness.errors import UsageError
+from harness.errors import HarnessError, UsageError
 from harness.inventory import Host, Inventory
 from harness.spec import JobSpec
 from harness.yamlsource import located
@@ -53,6 +53,7 @@ class Plan:
     nnodes: int
     nproc_per_node: int
     nodes: tuple[NodePlan, ...]
+    attempt: int = 0  # 0-based; a restart plans again with the next number (HARNESS_ATTEMPT)
 
     @property
     def world_size(self) -> int:
@@ -61,6 +62,7 @@ class Plan:
     def to_json(self) -> dict[str, object]:
         return {
             "run_id": self.run_id,
+            "attempt": self.attempt,
             "name": self.name,
             "master_addr": self.master_addr,
             "master_port": self.master_port,
@@ -95,21 +97,26 @@ def resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> in
 
 
 def torchrun_args(
-    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, log_dir: str | None = None
+    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, log_dir: str | None = None,
+    attempt: int = 0,
 ) -> list[str]:
     """torchrun's own flags for one node (without the interpreter or the entrypoint).
 
     `--tee=3` is what makes torchrun apply the rank prefix: it echoes each worker's tee'd log lines.
+    torchrun's own restarts stay off (`--max-restarts=0`): they restart one node's workers, which a
+    static rendezvous cannot take back; the harness restarts the whole job instead (spec `restarts`),
+    each attempt with a rendezvous id of its own.
     """
     args = [f"--nnodes={spec.nnodes}", f"--nproc-per-node={nproc}"]
     if spec.rdzv == "static":
         args += [f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={spec.master_port}"]
     else:
         args += [
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{spec.master_port}", f"--rdzv-id={run_id}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{spec.master_port}",
+            f"--rdzv-id={run_id}" + (f"-{attempt}" if attempt else ""),
             f"--rdzv-conf=join_timeout={int(spec.timeouts.rendezvous)}",
         ]
-    args += [f"--max-restarts={spec.max_restarts}", "--tee=3", f"--log-line-prefix-template={LOG_LINE_PREFIX}"]
+    args += ["--max-restarts=0", "--tee=3", f"--log-line-prefix-template={LOG_LINE_PREFIX}"]
     if log_dir is not None:
         args.append(f"--log-dir={log_dir}/node{node_rank}")
     entry = spec.entrypoint
@@ -118,7 +125,8 @@ def torchrun_args(
     return args + target + [arg.replace("$", "$$") for arg in entry.args]
 
 
-def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str) -> dict[str, str]:
+def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str,
+             attempt: int | str = 0) -> dict[str, str]:
     """The env contract of DESIGN.md: identical on every backend, user env first, ours last."""
     contract = {
         "MASTER_ADDR": master_addr,
@@ -127,6 +135,7 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
         "NODE_RANK": str(node_rank),
         "NPROC_PER_NODE": str(nproc),
         "HARNESS_RUN_ID": run_id,
+        "HARNESS_ATTEMPT": str(attempt),
         "HARNESS_BACKEND": spec.backend,
     }
     defaults = {"PYTHONUNBUFFERED": "1"}  # output reaches the supervisor as it happens, not at exit
@@ -135,7 +144,8 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
 
 
 def plan_local(
-    spec: JobSpec, *, run_id: str, python: str, local_gpus: int, local_cpus: int = 1, log_dir: str | None = None
+    spec: JobSpec, *, run_id: str, python: str, local_gpus: int, local_cpus: int = 1, log_dir: str | None = None,
+    attempt: int = 0,
 ) -> Plan:
     """nnodes torchrun agents on this machine, rendezvousing on 127.0.0.1 like a real cluster.
 
@@ -152,40 +162,53 @@ def plan_local(
             host="localhost", address=LOCAL_MASTER, node_rank=rank, nproc=nproc,
             argv=(python, "-m", TORCHRUN_MODULE,
                   *torchrun_args(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank,
-                                log_dir=log_dir)),
+                                log_dir=log_dir, attempt=attempt)),
             env={"OMP_NUM_THREADS": str(max(1, local_cpus // (spec.nnodes * nproc)))}
-            | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank),
+            | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank, attempt=attempt),
         )
         for rank in range(spec.nnodes)
     )
-    return Plan(run_id, spec.name, LOCAL_MASTER, spec.master_port, spec.nnodes, nproc, nodes)
+    return Plan(run_id, spec.name, LOCAL_MASTER, spec.master_port, spec.nnodes, nproc, nodes, attempt)
 
 
-def job_hosts(spec: JobSpec, inventory: Inventory) -> list[Host]:
-    """The first nnodes hosts, master first; an inventory with too few is an error at its `hosts:` key."""
+class NoSpareHosts(HarnessError):
+    """Hosts are down and the inventory has no healthy spare left to take their place."""
+
+
+def job_hosts(spec: JobSpec, inventory: Inventory, down: frozenset[str] = frozenset()) -> list[Host]:
+    """The first nnodes hosts that are not down, master first: hosts past nnodes are spares, taken in
+    file order when a host is down. An inventory with too few hosts is an error at its `hosts:` key."""
     hosts = inventory.ordered_hosts()
     if len(hosts) < spec.nnodes:
         raise located(inventory.path, ("hosts",), f"the job needs nnodes={spec.nnodes} hosts but the inventory "
                                                   f"lists {len(hosts)}; add hosts or lower nnodes")
-    return hosts[: spec.nnodes]
+    healthy = [h for h in hosts if h.name not in down]
+    if len(healthy) < spec.nnodes:
+        names = ", ".join(h.name for h in healthy) or "none"
+        raise NoSpareHosts(
+            f"host(s) down: {', '.join(sorted(down))}, and no spare left: the job needs nnodes={spec.nnodes} "
+            f"hosts, {len(healthy)} of the inventory's {len(hosts)} are healthy ({names}); "
+            f"add hosts to {inventory.path} or lower nnodes"
+        )
+    return healthy[: spec.nnodes]
 
 
-def plan_hosts(spec: JobSpec, inventory: Inventory, *, run_id: str, master_ip: str) -> Plan:
-    """One node per host, master first. master_ip is the master's address already resolved to an IP."""
+def plan_hosts(spec: JobSpec, hosts: list[Host], *, run_id: str, master_ip: str, attempt: int = 0) -> Plan:
+    """One node per host, hosts[0] the master. master_ip is its address already resolved to an IP."""
     try:
         ipaddress.ip_address(master_ip)
     except ValueError:
         raise UsageError(f"master address must be an IP address, got {master_ip!r}") from None
-    hosts = job_hosts(spec, inventory)
     nproc = resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
     return Plan(run_id, spec.name, master_ip, spec.master_port, spec.nnodes, nproc, tuple(
-        _host_node(spec, host, rank, nproc, run_id, master_ip) for rank, host in enumerate(hosts)
-    ))
+        _host_node(spec, host, rank, nproc, run_id, master_ip, attempt) for rank, host in enumerate(hosts)
+    ), attempt)
 
 
-def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, master_ip: str) -> NodePlan:
+def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, master_ip: str,
+               attempt: int) -> NodePlan:
     """torchrun with the host's Python (argv[0]); the SSH backend may wrap it in a container."""
-    args = torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank)
-    env = node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank)
+    args = torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt)
+    env = node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt)
     return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc,
                     argv=(host.python, "-m", TORCHRUN_MODULE, *args), env=env, workdir=host.workdir, ssh=host)

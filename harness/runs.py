@@ -42,6 +42,14 @@ class RunStatus(StrEnum):
     UNREADABLE = "unreadable"  # the record cannot be read
 
 
+class FailureKind(StrEnum):
+    """infra: the machines failed the program (a lost host or connection, a signal, a rendezvous that
+    timed out); program: the program itself exited non-zero. `restarts.on: infra` retries only infra."""
+
+    INFRA = "infra"
+    PROGRAM = "program"
+
+
 @dataclass(frozen=True)
 class ControllerId:
     """The controller's pid with its kernel start time: still identifies it after pid reuse."""
@@ -60,9 +68,10 @@ class RunState:
     nnodes: int
     world_size: int
     controller: ControllerId
-    hosts: list[str]
+    hosts: list[str]  # of the current attempt
     ended_at: float | None = None
     error: str | None = None
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,10 @@ class NodeResult:
 
 @dataclass(frozen=True)
 class Failure:
-    """The first node that failed, and within it the rank that failed first (from torchrun's report)."""
+    """A node that failed on its own, and within it the rank that failed first (from torchrun's report).
+
+    kind and evidence say why it counts as infra or program; host_down: the host itself is lost (its
+    connection or node agent), so a spare takes its place in the next attempt."""
 
     node_rank: int
     host: str
@@ -93,6 +105,31 @@ class Failure:
     description: str
     after_s: float
     last_lines: list[str]
+    kind: FailureKind
+    evidence: str
+    host_down: bool = False
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One start of every node. failures: cause first (a node's own failure before the consequences
+    on its peers). Timings in seconds: teardown from the first failure to the last node's end,
+    backoff the wait before the next attempt, preflight the planning and checks before this one
+    started, recover_s from the previous attempt's first failure to this one's nodes running."""
+
+    attempt: int
+    hosts: list[str]
+    status: RunStatus
+    started_at: float
+    ended_at: float
+    nodes: list[NodeResult]
+    failures: list[Failure]
+    kind: FailureKind | None  # infra if any node failed at the infra level (see recovery.attempt_kind)
+    down: list[str]  # hosts found lost in this attempt
+    preflight_s: float
+    teardown_s: float | None = None
+    backoff_s: float | None = None
+    recover_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -104,8 +141,10 @@ class RunSummary:
     started_at: float
     ended_at: float
     duration_s: float
-    nodes: list[NodeResult]
-    first_failure: Failure | None
+    nodes: list[NodeResult]  # of the last attempt
+    first_failure: Failure | None  # the cause that ended the run (the last attempt's)
+    attempts: list[Attempt]
+    reason: str | None = None  # why the run ended without another attempt, when it failed
 
 
 class RecordError(UsageError):
@@ -205,21 +244,20 @@ class RunDir:
     def spec_copy(self) -> Path:
         return self.path / "spec.yaml"
 
-    @property
-    def plan_json(self) -> Path:
-        return self.path / "plan.json"
+    def plan_json(self, attempt: int = 0) -> Path:
+        return self.path / f"plan{_attempt_suffix(attempt)}.json"
 
-    @property
-    def plan_text(self) -> Path:
-        return self.path / "plan.txt"
+    def plan_text(self, attempt: int = 0) -> Path:
+        return self.path / f"plan{_attempt_suffix(attempt)}.txt"
 
     @property
     def backend_logs(self) -> Path:
         """Logs a backend keeps of its own (torchrun's per-worker files on local nodes)."""
         return self.path / "torchrun"
 
-    def log_file(self, node_rank: int) -> Path:
-        return self.path / f"node{node_rank}.log"
+    def log_file(self, node_rank: int, attempt: int = 0) -> Path:
+        """Each attempt's own file (never overwritten): node1.log, then node1.attempt1.log, ..."""
+        return self.path / f"node{node_rank}{_attempt_suffix(attempt)}.log"
 
     def read_state(self) -> RunState:
         return read_record(self.state_file, RunState)
@@ -232,6 +270,10 @@ class RunDir:
 
     def write_summary(self, summary: RunSummary) -> None:
         write_record(self.summary_file, summary)
+
+
+def _attempt_suffix(attempt: int) -> str:
+    return f".attempt{attempt}" if attempt else ""
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ RESERVED_PREFIXES = ("PET_", "HARNESS_", "TORCHELASTIC_")
 
 MAX_NNODES = 4096
 MAX_NPROC = 1024
+MAX_BACKOFF = 300.0  # seconds: the doubling backoff between attempts stops growing here
 
 
 def exact_int(value: Any) -> Any:
@@ -184,6 +185,25 @@ class Timeouts(StrictModel):
     connect: Annotated[Seconds, Field(gt=0, le=600)] = 10
 
 
+def _removed_max_restarts(value: Any) -> None:
+    raise ValueError(
+        "max_restarts (torchrun's per-node restarts) is not used: with a static rendezvous it restarts one "
+        "node's workers and leaves the other nodes waiting. Write `restarts: {max: N}` instead: the harness "
+        "stops every node and restarts the whole job, which resumes from its newest checkpoint"
+    )
+
+
+class Restarts(StrictModel):
+    """Whole-job restarts by the harness: every node stops, then a new attempt starts (same run id,
+    HARNESS_ATTEMPT + 1, a fresh rendezvous) after backoff x 2^(restarts so far) seconds, at most
+    MAX_BACKOFF. on: infra retries only failures of the machines (a lost host or connection, a
+    process killed by a signal, a rendezvous timeout); any also retries a program that exits non-zero."""
+
+    max: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
+    on: Literal["infra", "any"] = "infra"
+    backoff: Annotated[Seconds, Field(ge=0, le=MAX_BACKOFF)] = 5
+
+
 class JobSpec(StrictModel):
     """A distributed job. Field names are a public contract: other tools and tests write them.
 
@@ -202,7 +222,9 @@ class JobSpec(StrictModel):
     env: dict[EnvName, EnvValue] = Field(default_factory=dict)
     image: str | None = None
     resources: Resources = Field(default_factory=Resources)
-    max_restarts: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
+    restarts: Restarts = Field(default_factory=Restarts)
+    # Kept only to point a spec that still uses it at `restarts` (see _removed_max_restarts).
+    max_restarts: Annotated[None, PlainValidator(_removed_max_restarts)] = None
     timeouts: Timeouts = Field(default_factory=Timeouts)
     container: bool = False
     data_paths: list[str] = Field(default_factory=list)

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from harness.controller import controller_alive
-from harness.runs import RecordError, RunDir, RunState, RunStatus, find_run, list_runs
+from harness.runs import Attempt, RecordError, RunDir, RunState, RunStatus, find_run, list_runs
 
 
 def live_status(state: RunState) -> RunStatus:
@@ -51,15 +51,35 @@ def run_details(run: RunDir) -> str:
     lines = [f"run {run.run_id}: {live_status(state).value} ({state.mode}, {state.nnodes} node(s), "
              f"world size {state.world_size})"]
     if summary is None:
-        lines += [f"  node{rank} on {host}: running; log {run.log_file(rank)}" for rank, host in enumerate(state.hosts)]
+        if state.attempt:
+            lines.append(f"  attempt {state.attempt} (restarted {state.attempt} time(s); `harness status` shows the "
+                         f"earlier attempts once the run has ended)")
+        lines += [f"  node{rank} on {host}: running; log {run.log_file(rank, state.attempt)}"
+                  for rank, host in enumerate(state.hosts)]
         return "\n".join(lines) + "\n"
+    if len(summary.attempts) > 1:
+        lines += [_attempt_line(attempt) for attempt in summary.attempts]
     lines += [f"  node{node.node_rank} on {node.host}: {node.describe()} after {node.duration_s} s; log {node.log}"
               for node in summary.nodes]
     failure = summary.first_failure
     if failure:
         lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), rank {failure.rank}, "
-                     f"{failure.description}")
+                     f"{failure.description} ({failure.kind.value}: {failure.evidence})")
+    if summary.reason:
+        lines.append(f"  not restarted: {summary.reason}")
     return "\n".join(lines) + "\n"
+
+
+def _attempt_line(attempt: Attempt) -> str:
+    text = f"  attempt {attempt.attempt} on {', '.join(attempt.hosts)}: {attempt.status.value}"
+    if attempt.failures and attempt.kind is not None:
+        cause = attempt.failures[0]
+        text += f" ({attempt.kind.value}: node{cause.node_rank} on {cause.host}, {cause.evidence})"
+    if attempt.down:
+        text += f"; lost {', '.join(attempt.down)}"
+    if attempt.recover_s is not None:
+        text += f"; recovered {attempt.recover_s} s after the previous failure"
+    return text
 
 
 def status_text(root: Path, run_id: str | None) -> str:

@@ -64,6 +64,7 @@ class Supervisor:
     log_file: Callable[[NodePlan], Path] | None = None
     records: list[NodeRecord] = field(default_factory=list)
     first_failure: NodeRecord | None = None
+    stopping_since: float | None = None  # when the supervisor began stopping the nodes (failure or request)
     _print_lock: threading.Lock = field(default_factory=threading.Lock)
     _events: queue.Queue[NodeRecord] = field(default_factory=queue.Queue)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -132,6 +133,8 @@ class Supervisor:
 
     def stop_all(self) -> None:
         """SIGTERM every node now; SIGKILL whatever is left after the grace period (in background)."""
+        if self.stopping_since is None:
+            self.stopping_since = time.time()
         for process, record in zip(self._processes, self.records, strict=True):
             if record.outcome is None:
                 process.terminate()

@@ -373,3 +373,9 @@ def cluster2() -> Iterator[Cluster]:
 def cluster3() -> Iterator[Cluster]:
     """Three hosts (h1 master, h2, h3), shared by the whole session."""
     yield from _cluster_fixture(3)
+
+
+@pytest.fixture
+def doomed_cluster3() -> Iterator[Cluster]:
+    """Three hosts of one test's own, for tests that kill hosts (sshd included): torn down after it."""
+    yield from _cluster_fixture(3)

@@ -84,6 +84,18 @@ def leftover(run_id: str) -> list[int]:
     return run_processes(run_id)
 
 
+def worker_pid(run_id: str, rank: int) -> int:
+    """The training process of a global rank (torchrun sets RANK only in its workers)."""
+    for pid in leftover(run_id):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} in run {run_id}")
+
+
 @pytest.fixture
 def write_yaml(tmp_path: Path):
     """Write dedented YAML to a file under tmp_path and return its path."""

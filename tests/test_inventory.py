@@ -6,7 +6,7 @@ import pytest
 
 from harness.errors import SpecError
 from harness.inventory import load_inventory
-from harness.plan import plan_hosts
+from harness.plan import job_hosts
 from harness.spec import load_job
 
 from conftest import REPO, harness
@@ -69,7 +69,7 @@ def test_fewer_hosts_than_nnodes(write_yaml):
     spec = load_job(write_yaml("name: big\nnnodes: 4\nentrypoint: {module: m}\n"))
     inventory = load_inventory(write_yaml(HOSTS, "hosts.yaml"))
     with pytest.raises(SpecError, match=r"hosts.yaml:\d+:1: hosts: the job needs nnodes=4 hosts but the inventory lists 3"):
-        plan_hosts(spec, inventory, run_id="r", master_ip="10.1.0.2")
+        job_hosts(spec, inventory)
 
 
 def test_cli_reports_inventory_errors_with_exit_2(write_yaml):

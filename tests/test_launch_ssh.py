@@ -9,24 +9,12 @@ import time
 from pathlib import Path
 
 from cluster import Cluster
-from conftest import STOP_GRACE, assert_nothing_left, ddp_job, harness, leftover
+from conftest import STOP_GRACE, assert_nothing_left, ddp_job, harness, leftover, worker_pid
 
 
 def ssh_args(cluster: Cluster, tmp_path: Path, *extra: str) -> list[str]:
     hosts = cluster.write_inventory(tmp_path / "hosts.yaml")
     return ["--hosts", str(hosts), "--known-hosts", str(cluster.known_hosts), *extra]
-
-
-def worker_pid(run_id: str, rank: int) -> int:
-    """The training process of a global rank (torchrun sets RANK only in its workers)."""
-    for pid in leftover(run_id):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ:
-            return pid
-    raise AssertionError(f"no worker with RANK={rank} in run {run_id}")
 
 
 def test_two_hosts_train_over_gloo(cluster2, write_yaml, launch, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from harness.backends.ssh import SSHBackend
 from harness.errors import UsageError
 from harness.inventory import load_inventory
-from harness.plan import NodePlan, plan_hosts, plan_local
+from harness.plan import NodePlan, job_hosts, plan_hosts, plan_local
 from harness.render import render_json, render_text
 from harness.shell import shell_command
 from harness.spec import load_job
@@ -53,7 +53,7 @@ CASES = {
 def make_plan(write_yaml, case: dict):
     spec = load_job(write_yaml(JOB.format(**case)))
     if case["hosts"]:
-        return plan_hosts(spec, load_inventory(write_yaml(HOSTS, "hosts.yaml")), run_id="golden-run",
+        return plan_hosts(spec, job_hosts(spec, load_inventory(write_yaml(HOSTS, "hosts.yaml"))), run_id="golden-run",
                           master_ip="10.9.0.1")
     return plan_local(spec, run_id="golden-run", python="python3", local_gpus=0)
 
@@ -94,14 +94,14 @@ def test_auto_nproc_with_unknown_gpus_is_an_error(write_yaml):
     spec = load_job(write_yaml(JOB.format(nnodes=1, nproc="auto", rdzv="static")))
     inventory = load_inventory(write_yaml("hosts:\n  - {name: a, address: 10.0.0.1}\n", "h.yaml"))
     with pytest.raises(UsageError, match="GPU count of a is unknown"):
-        plan_hosts(spec, inventory, run_id="r", master_ip="10.0.0.1")
+        plan_hosts(spec, job_hosts(spec, inventory), run_id="r", master_ip="10.0.0.1")
 
 
 def test_master_must_be_an_ip(write_yaml):
     spec = load_job(write_yaml(JOB.format(nnodes=1, nproc=1, rdzv="static")))
     inventory = load_inventory(write_yaml(HOSTS, "hosts.yaml"))
     with pytest.raises(UsageError, match="must be an IP address"):
-        plan_hosts(spec, inventory, run_id="r", master_ip="gpu-01.example")
+        plan_hosts(spec, job_hosts(spec, inventory), run_id="r", master_ip="gpu-01.example")
 
 
 HOSTILE = ["a b", "it's", '"quoted"', "$(touch /tmp/pwned)", "`id`", "x;y", "*", "back\\slash", "new\nline", "", "--flag=$HOME"]

@@ -11,8 +11,10 @@ import pytest
 
 from harness.backends.node_agent import start_ticks
 from harness.runs import (
+    Attempt,
     ControllerId,
     Failure,
+    FailureKind,
     NodeResult,
     RecordError,
     RunDir,
@@ -44,10 +46,14 @@ def _summary(state: RunState, run: RunDir) -> RunSummary:
     node = NodeResult(node_rank=1, host="localhost", ranks=[2, 3], exit_code=1, signal=None, error=None,
                       duration_s=4.5, log=str(run.log_file(1)))
     failure = Failure(node_rank=1, host="localhost", ranks=[2, 3], rank=3, rank_exit_code=1, exit_code=1,
-                      description="exit code 1", after_s=4.5, last_lines=["[rank3]: boom"])
+                      description="exit code 1", after_s=4.5, last_lines=["[rank3]: boom"],
+                      kind=FailureKind.PROGRAM, evidence="rank 3 exit code 1")
+    attempt = Attempt(attempt=0, hosts=["localhost", "localhost"], status=RunStatus.FAILED,
+                      started_at=state.started_at, ended_at=state.started_at + 5, nodes=[node], failures=[failure],
+                      kind=FailureKind.PROGRAM, down=[], preflight_s=0.01, teardown_s=0.5)
     return RunSummary(run_id=state.run_id, name=state.name, status=RunStatus.FAILED, exit_code=1,
                       started_at=state.started_at, ended_at=state.started_at + 5, duration_s=5.0, nodes=[node],
-                      first_failure=failure)
+                      first_failure=failure, attempts=[attempt], reason="restarts are off (restarts.max: 0)")
 
 
 def test_records_round_trip_and_keep_their_json_shape(tmp_path: Path) -> None:
@@ -59,6 +65,7 @@ def test_records_round_trip_and_keep_their_json_shape(tmp_path: Path) -> None:
     assert run.read_state() == state and run.read_summary() == summary
     raw = json.loads(run.summary_file.read_text())
     assert raw["status"] == "failed" and raw["first_failure"]["rank"] == 3 and raw["nodes"][0]["ranks"] == [2, 3]
+    assert raw["attempts"][0]["kind"] == raw["first_failure"]["kind"] == "program"
     assert json.loads(run.state_file.read_text())["controller"] == {"pid": 4242, "start_ticks": 17}
     with pytest.raises(Exception, match="already taken"):
         create_run_dir(tmp_path, "job-1")

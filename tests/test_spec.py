@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.errors import SpecError
-from harness.spec import load_job
+from harness.spec import Restarts, load_job
 
 from conftest import REPO, harness
 
@@ -26,7 +26,7 @@ def problems(path) -> list[str]:
 
 def test_minimal_spec_gets_documented_defaults(write_yaml):
     spec = load_job(write_yaml(GOOD))
-    assert (spec.nproc_per_node, spec.backend, spec.master_port, spec.rdzv, spec.max_restarts) == (1, "auto", 29500, "static", 0)
+    assert (spec.nproc_per_node, spec.backend, spec.master_port, spec.rdzv, spec.restarts) == (1, "auto", 29500, "static", Restarts(max=0, on="infra", backoff=5))
     assert spec.entrypoint.args == ["--epochs", "3", "--lr", "0.1"]
 
 
@@ -67,7 +67,7 @@ def test_shipped_jobs_are_valid():
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nimage: 'Not An Image'\n", "job.yaml:4:1: image: expected an image reference"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\ntimeouts: {stop_grace: 30}\n",
          "timeouts.stop_grace: Input should be less than or equal to 4"),
-        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nmax_restarts: -1\n", "max_restarts: Input should be greater than or equal to 0"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nrestarts: {max: -1}\n", "restarts.max: Input should be greater than or equal to 0"),
         ("name: demo\nentrypoint: {module: m}\n", "job.yaml:1:1: nnodes: required key is missing"),
         ("name: demo\nnnodes: 1\nnnodes: 2\nentrypoint: {module: m}\n", "job.yaml:3:1: nnodes: duplicate key 'nnodes'"),
         ("name: demo\nnnodes: [1\n", "job.yaml:3:1: invalid YAML"),

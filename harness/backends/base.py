@@ -66,7 +66,12 @@ class NodeProcess(Protocol):
 
 
 class CheckFailed(HarnessError):
-    """The backend's pre-start check found a problem: nothing was started (exit status 1)."""
+    """The backend's pre-start check found a problem: nothing was started (exit status 1).
+    hosts: the hosts the problem is on, which a spare may replace (none: the job itself is at fault)."""
+
+    def __init__(self, message: str, hosts: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.hosts = hosts
 
 
 class Backend(Protocol):
@@ -75,8 +80,11 @@ class Backend(Protocol):
 
     name: str  # recorded as the run's mode: "local", "ssh"
 
-    def plan(self, spec: JobSpec, run_id: str, run_dir: Path | None = None) -> Plan:
-        """The exact per-node commands on this backend (pure apart from facts read once: GPUs, DNS)."""
+    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
+             down: frozenset[str] = frozenset()) -> Plan:
+        """The exact per-node commands on this backend (pure apart from facts read once: GPUs, DNS), for
+        attempt number `attempt`, on hosts other than `down` (spares take their place; NoSpareHosts
+        when too few are left). A backend with one machine has no hosts to avoid."""
 
     def check(self, plan: Plan, spec: JobSpec) -> None:
         """Prove what is cheap to prove before anything starts; raise CheckFailed or UsageError."""
@@ -85,4 +93,5 @@ class Backend(Protocol):
         """Start every node, or none: if one cannot start, the ones already started are killed."""
 
     def close(self) -> None:
-        """Release what start opened (connections); the nodes have ended by then."""
+        """Release what start opened (connections); the nodes have ended by then. Called after every
+        attempt: the next attempt starts afresh."""

@@ -74,10 +74,12 @@ class LocalBackend:
     def __init__(self, python: str = sys.executable) -> None:
         self.python = python
 
-    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None) -> Plan:
+    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
+             down: frozenset[str] = frozenset()) -> Plan:
+        """down is ignored: every simulated node runs on this one machine, so it has no spare."""
         return plan_local(spec, run_id=run_id, python=self.python, local_gpus=_local_gpus(spec),
                           local_cpus=len(os.sched_getaffinity(0)),
-                          log_dir=str(log_dir.resolve()) if log_dir is not None else None)
+                          log_dir=str(log_dir.resolve()) if log_dir is not None else None, attempt=attempt)
 
     def check(self, plan: Plan, spec: JobSpec) -> None:
         check_local_entrypoint(spec, Path.cwd())

@@ -21,17 +21,16 @@ from harness.backends.agent_link import AgentNode, agent_argv, agent_env, start_
 from harness.backends.base import CheckFailed, NodeProcess
 from harness.backends.container import in_containers
 from harness.errors import short_repr
-from harness.inventory import Inventory
-from harness.plan import NodePlan, Plan, plan_hosts
+from harness.inventory import Host, Inventory
+from harness.plan import NodePlan, Plan, job_hosts, plan_hosts
 from harness.shell import remote_command
 from harness.spec import JobSpec
 from harness.ssh import Connection, connect
 from harness.yamlsource import located
 
 
-def resolve_master_ip(inventory: Inventory) -> str:
+def resolve_master_ip(inventory: Inventory, master: Host) -> str:
     """MASTER_ADDR must be an IP: hostnames resolve differently per node (127.0.1.1, IPv6-only)."""
-    master = inventory.master_host()
     where = inventory.key_path(master, "address")
     try:
         ip = ipaddress.ip_address(master.address)
@@ -81,7 +80,8 @@ class SSHAgentNode(AgentNode):
             raise EOFError(str(exc)) from exc
 
     def _agent_lost(self) -> None:
-        """Nothing to do from here: the connection is gone with the agent (host-loss recovery is #12's)."""
+        """Nothing to reach the host with: if it is alive, its agent saw its stdin close and stopped the node
+        itself. The run counts the host as down, so a restart uses a spare in its place."""
 
     def _wait_agent(self) -> str:
         status = self._channel.recv_exit_status()
@@ -110,8 +110,11 @@ class SSHBackend:
         self._lent = dict(connections or {})
         self._opened: dict[str, Connection] = {}
 
-    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None) -> Plan:
-        plan = plan_hosts(spec, self.inventory, run_id=run_id, master_ip=resolve_master_ip(self.inventory))
+    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
+             down: frozenset[str] = frozenset()) -> Plan:
+        hosts = job_hosts(spec, self.inventory, down)
+        plan = plan_hosts(spec, hosts, run_id=run_id, master_ip=resolve_master_ip(self.inventory, hosts[0]),
+                          attempt=attempt)
         return in_containers(plan, spec) if spec.container else plan
 
     def check(self, plan: Plan, spec: JobSpec) -> None:
@@ -121,13 +124,13 @@ class SSHBackend:
         from harness.preflight.runner import run_preflight  # preflight's collective imports this module
 
         hosts = [node.ssh for node in plan.nodes if node.ssh is not None]
-        report = run_preflight(self.inventory.model_copy(update={"hosts": hosts}), spec,
+        report = run_preflight(self.inventory.model_copy(update={"hosts": hosts, "master": hosts[0].name}), spec,
                                known_hosts=self.options.known_hosts,
                                accept_new_host_keys=self.options.accept_new_host_keys, fast=True,
                                timeout=spec.timeouts.connect)
         if not report.ok:
             raise CheckFailed("preflight failed, nothing was started (use --skip-preflight to launch anyway):\n"
-                              + report.render_table())
+                              + report.render_table(), hosts=frozenset(c.host for c in report.failures))
 
     def _connect_all(self, nodes: tuple[NodePlan, ...], timeout: float) -> dict[str, Connection]:
         """A connection per host, opened in parallel; the first error once every attempt has ended."""

@@ -29,7 +29,7 @@ def collective_job(spec: JobSpec | None, inventory: Inventory, seconds: float) -
     base = spec or JobSpec.model_validate({"name": "preflight", "nnodes": len(inventory.hosts),
                                            "entrypoint": {"module": MODULE}})
     entrypoint = Entrypoint(module=MODULE, args=[f"--marker={MARKER}", f"--timeout={seconds:g}"])
-    return base.model_copy(update={"entrypoint": entrypoint, "max_restarts": 0})
+    return base.model_copy(update={"entrypoint": entrypoint})
 
 
 def _last_error(lines: list[str]) -> str:

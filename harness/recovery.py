@@ -1,0 +1,109 @@
+"""Why an attempt failed, and whether the run goes on with another one. Pure: records in, verdicts out.
+
+A failure on one node shows up on its peers too (gloo's "Connection closed by peer", NCCL's remote
+errors), often first. So every node that failed on its own is classified, the peers' errors are
+recognised as consequences, and the attempt is infra if any node failed at the infra level.
+Nodes that ended because the supervisor stopped them are not failures.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+
+from harness.runs import Attempt, FailureKind
+from harness.spec import MAX_BACKOFF, Restarts
+from harness.supervisor import NodeRecord
+
+# A worker's error when a peer (process, host or link) went away: a consequence, not a cause.
+PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|"
+    r"ncclRemoteError|NCCL communicator was aborted|DistNetworkError",
+    re.IGNORECASE,
+)
+# The rendezvous did not complete: a node never came, or the store stopped answering.
+RDZV_TIMEOUT = re.compile(r"RendezvousTimeoutError|DistStoreError|Socket Timeout|timed out after \d+")
+
+
+@dataclass(frozen=True)
+class NodeFailure:
+    """One node that failed on its own. consequence: its error says a peer went away, so the cause is
+    elsewhere (it counts as infra only when no node shows a cause)."""
+
+    record: NodeRecord
+    rank: int | None
+    rank_exit_code: int | None
+    kind: FailureKind
+    evidence: str
+    host_down: bool = False
+    consequence: bool = False
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def node_failure(record: NodeRecord, stopping_since: float | None) -> NodeFailure | None:
+    """How record's node failed, or None when it succeeded or ended because the supervisor stopped it."""
+    outcome = record.outcome
+    if outcome is None or outcome.ok:
+        return None
+    rank, code = record.root_cause()
+    if outcome.error is not None:
+        return NodeFailure(record, rank, code, FailureKind.INFRA, outcome.error, host_down=True)
+    stopped = stopping_since is not None and (record.ended or stopping_since) >= stopping_since
+    if stopped and rank is None:
+        # torchrun reports a root cause only for a worker that failed by itself; on the supervisor's
+        # TERM it ends with a SignalException instead, and on KILL with nothing at all.
+        return None
+    if outcome.signal is not None:
+        return NodeFailure(record, rank, code, FailureKind.INFRA, f"torchrun killed by {_signal_name(outcome.signal)}")
+    who = f"rank {rank}" if rank is not None else "a worker"
+    if code is not None and code < 0:
+        return NodeFailure(record, rank, code, FailureKind.INFRA, f"{who} killed by {_signal_name(-code)}")
+    own = record.last_lines(rank)
+    if timeout := next((line for line in reversed(own) if RDZV_TIMEOUT.search(line)), None):
+        return NodeFailure(record, rank, code, FailureKind.INFRA, f"rendezvous timed out: {timeout.strip()[:200]}")
+    exit_text = f"exit code {code}" if code is not None else outcome.describe()
+    if lost := next((line for line in reversed(own) if PEER_LOST.search(line)), None):
+        return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text} after losing a peer: "
+                           f"{lost.strip()[:200]}", consequence=True)
+    return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text}")
+
+
+def attempt_failures(records: list[NodeRecord], stopping_since: float | None) -> list[NodeFailure]:
+    """Every node that failed on its own: causes first, then consequences, each in the order they ended."""
+    found = [f for r in records if (f := node_failure(r, stopping_since)) is not None]
+    return sorted(found, key=lambda f: (f.consequence, f.record.ended or 0.0))
+
+
+def attempt_kind(failures: list[NodeFailure]) -> FailureKind | None:
+    """infra if any node failed at the infra level, or if every failure is a lost peer (the cause left no
+    trace: a host whose traffic vanished); program otherwise."""
+    if not failures:
+        return None
+    if any(f.kind is FailureKind.INFRA for f in failures) or all(f.consequence for f in failures):
+        return FailureKind.INFRA
+    return FailureKind.PROGRAM
+
+
+def no_restart_reason(restarts: Restarts, attempts: list[Attempt]) -> str | None:
+    """Why the last failed attempt is the run's last, or None when the run goes on."""
+    last = attempts[-1]
+    done = len(attempts) - 1
+    if restarts.max == 0:
+        return "restarts are off (restarts.max: 0)"
+    if last.kind is FailureKind.PROGRAM and restarts.on == "infra":
+        return "the program failed (not the infrastructure), and restarts.on is infra"
+    if done >= restarts.max:
+        return f"every restart is used up (restarts.max: {restarts.max})"
+    return None
+
+
+def backoff_seconds(restarts: Restarts, restarts_done: int) -> float:
+    """backoff before the first restart, doubling for each one after it, at most MAX_BACKOFF."""
+    return float(min(restarts.backoff * 2 ** restarts_done, MAX_BACKOFF))

@@ -1,0 +1,334 @@
+"""Runs that survive failures: classification, restart decisions, real restarts on simulated nodes,
+and lost hosts replaced by spares on a namespace cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.backends.base import Outcome
+from harness.errors import SpecError
+from harness.inventory import load_inventory
+from harness.plan import NodePlan, NoSpareHosts, job_hosts
+from harness.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
+from harness.runs import Attempt, FailureKind, RunStatus
+from harness.spec import MAX_BACKOFF, Restarts, load_job
+from harness.supervisor import NodeRecord
+
+from cluster import Cluster
+from conftest import SCRIPT, assert_nothing_left, free_port, harness, worker_pid
+
+# --- what a failure is -------------------------------------------------------------------------------
+
+# torchrun's own report for a worker that failed by itself (rank 1 here), as it prints it.
+ROOT_CAUSE = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_16:38:57
+  host      : localhost
+  rank      : {rank} (local_rank: 0)
+  exitcode  : {code} (pid: 5990)
+  error_file: <N/A>"""
+GLOO_PEER = ("[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:23772: "
+             "Connection reset by peer.")
+
+
+def record(node_rank: int, outcome: Outcome, ended: float, lines: list[str] = (), *, rank: int | None = None,
+           code: int | None = None) -> NodeRecord:
+    node = NodePlan(host=f"h{node_rank + 1}", address="10.0.0.1", node_rank=node_rank, nproc=1, argv=("x",), env={})
+    tail = list(lines) + (ROOT_CAUSE.format(rank=rank, code=code).splitlines() if rank is not None else [])
+    return NodeRecord(node, started=0.0, ended=ended, outcome=outcome, tail=deque(tail))
+
+
+def test_a_killed_worker_is_infra_and_the_peer_error_it_caused_is_a_consequence():
+    """The peer's gloo error often arrives first; the cause is still the rank killed by SIGKILL."""
+    peer = record(0, Outcome(1), ended=1.0, lines=[GLOO_PEER], rank=0, code=1)
+    killed = record(1, Outcome(1), ended=1.2, rank=1, code=-9)
+    failures = attempt_failures([peer, killed], stopping_since=1.0)
+    assert [(f.record.node.node_rank, f.kind, f.consequence) for f in failures] == [
+        (1, FailureKind.INFRA, False), (0, FailureKind.PROGRAM, True)]
+    assert failures[0].evidence == "rank 1 killed by SIGKILL"
+    assert attempt_kind(failures) is FailureKind.INFRA
+
+
+def test_a_lost_host_is_infra_and_marks_the_host_down():
+    lost = record(1, Outcome(None, error="connection to h2 (10.0.0.2) lost (ssh status -1)"), ended=2.0)
+    [failure] = attempt_failures([lost], stopping_since=None)
+    assert (failure.kind, failure.host_down, failure.evidence) == (FailureKind.INFRA, True, lost.outcome.error)
+
+
+def test_an_exception_is_a_program_failure():
+    raised = record(1, Outcome(1), ended=1.0, lines=["[rank1]: ValueError: bad batch"], rank=1, code=1)
+    [failure] = attempt_failures([raised], stopping_since=None)
+    assert (failure.kind, failure.evidence) == (FailureKind.PROGRAM, "rank 1 exit code 1")
+    assert attempt_kind([failure]) is FailureKind.PROGRAM
+
+
+def test_nodes_the_supervisor_stopped_are_not_failures():
+    """After the stop began, a node without a worker failure of its own only obeyed the stop (torchrun
+    ends with a SignalException on TERM; a KILL after the grace leaves no report at all)."""
+    cause = record(1, Outcome(1), ended=1.0, lines=["[rank1]: ValueError: x"], rank=1, code=1)
+    stopped = record(0, Outcome(1), ended=1.5, lines=[
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 5960 got signal: 15"])
+    killed = record(2, Outcome(None, signal=signal.SIGKILL), ended=4.0)
+    failures = attempt_failures([stopped, cause, killed], stopping_since=1.0)
+    assert [f.record.node.node_rank for f in failures] == [1]
+
+
+def test_a_signal_before_the_stop_and_a_rendezvous_timeout_are_infra():
+    killed = record(0, Outcome(None, signal=signal.SIGKILL), ended=0.5)
+    timeout = record(1, Outcome(1), ended=0.6, rank=1, code=1, lines=[
+        "[rank1]: torch.distributed.DistStoreError: Timed out after 901 seconds waiting for clients. 1/2 clients joined."])
+    failures = attempt_failures([killed, timeout], stopping_since=None)
+    assert [(f.kind, f.evidence.split(":")[0]) for f in failures] == [
+        (FailureKind.INFRA, "torchrun killed by SIGKILL"), (FailureKind.INFRA, "rendezvous timed out")]
+
+
+def test_only_lost_peers_means_a_peer_vanished():
+    """Every node reports a lost peer and none a cause: the cause left no trace (a host cut off)."""
+    failures = attempt_failures([record(0, Outcome(1), ended=1.0, lines=[GLOO_PEER], rank=0, code=1)], None)
+    assert attempt_kind(failures) is FailureKind.INFRA
+
+
+def _attempt(kind: FailureKind) -> Attempt:
+    return Attempt(attempt=0, hosts=["h1"], status=RunStatus.FAILED, started_at=0, ended_at=1, nodes=[], failures=[],
+                   kind=kind, down=[], preflight_s=0)
+
+
+@pytest.mark.parametrize(("restarts", "kinds", "expected"), [
+    (Restarts(), [FailureKind.INFRA], "restarts are off"),
+    (Restarts(max=2), [FailureKind.INFRA], None),
+    (Restarts(max=2), [FailureKind.PROGRAM], "the program failed"),
+    (Restarts(max=2, on="any"), [FailureKind.PROGRAM], None),
+    (Restarts(max=2), [FailureKind.INFRA, FailureKind.INFRA], None),
+    (Restarts(max=2), [FailureKind.INFRA] * 3, "every restart is used up (restarts.max: 2)"),
+])
+def test_restart_decision(restarts, kinds, expected):
+    reason = no_restart_reason(restarts, [_attempt(k) for k in kinds])
+    assert reason == expected or (expected is not None and reason is not None and reason.startswith(expected))
+
+
+def test_backoff_doubles_up_to_the_cap():
+    assert [backoff_seconds(Restarts(backoff=5), n) for n in range(3)] == [5, 10, 20]
+    assert backoff_seconds(Restarts(backoff=200), 3) == MAX_BACKOFF
+
+
+# --- the spec and the spares -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("max_restarts: 2\n", "job.yaml:4:1: max_restarts: max_restarts (torchrun's per-node restarts) is not used"),
+    ("restarts: {max: -1}\n", "restarts.max: Input should be greater than or equal to 0"),
+    ("restarts: {on: crash}\n", "restarts.on: Input should be 'infra' or 'any'"),
+    ("restarts: {backoff: .inf}\n", "restarts.backoff: expected a finite number of seconds"),
+    ("restarts: {max: 1, retries: 2}\n", "restarts.retries: unknown key 'retries'"),
+])
+def test_bad_restarts_are_located(write_yaml, text, expected):
+    with pytest.raises(SpecError) as caught:
+        load_job(write_yaml("name: a\nnnodes: 2\nentrypoint: {module: m}\n" + text))
+    assert expected in str(caught.value)
+
+
+HOSTS = "hosts:\n" + "".join(f"  - {{name: h{i}, address: 10.0.0.{i}}}\n" for i in range(1, 5))
+
+
+def test_spares_take_the_place_of_down_hosts_in_file_order(write_yaml):
+    spec = load_job(write_yaml("name: a\nnnodes: 2\nentrypoint: {module: m}\n"))
+    inventory = load_inventory(write_yaml(HOSTS, "hosts.yaml"))
+    assert [h.name for h in job_hosts(spec, inventory)] == ["h1", "h2"]
+    assert [h.name for h in job_hosts(spec, inventory, frozenset({"h2"}))] == ["h1", "h3"]
+    assert [h.name for h in job_hosts(spec, inventory, frozenset({"h1", "h3"}))] == ["h2", "h4"]  # a new master
+    with pytest.raises(NoSpareHosts, match=r"host\(s\) down: h1, h2, h3, and no spare left: .* 1 of the "
+                                           r"inventory's 4 are healthy \(h4\)"):
+        job_hosts(spec, inventory, frozenset({"h1", "h2", "h3"}))
+
+
+# --- real restarts on simulated nodes ----------------------------------------------------------------
+
+# The payload on 1024 synthetic images, 2 nodes x 16: 32 steps per epoch, 64 in all; a checkpoint
+# every 4 steps on a directory every node sees. One thread per process: the same arithmetic on every
+# backend, so that runs compare bitwise.
+PAYLOAD_JOB = """
+name: resume
+nnodes: 2
+backend: gloo
+master_port: {port}
+entrypoint:
+  module: harness.payload.train
+  args: [--data, synthetic, --model, small, --subset, "1024", --batch-size, "16", --epochs, "2", --log-every, "1",
+         --ckpt-every, "4", --ckpt-dir, {root}/ckpt, --resume, --save-final, {root}/final.pt]
+env: {{OMP_NUM_THREADS: "1"}}
+restarts: {{max: 2, on: infra, backoff: 1}}
+"""
+KILL_AT = r"\[rank0\]: epoch 1/2 step 11/32 "
+
+
+def payload_job(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "job.yaml"
+    path.write_text(PAYLOAD_JOB.format(port=free_port(), root=root))
+    return path
+
+
+def final_weights(root: Path) -> dict[str, torch.Tensor]:
+    return torch.load(root / "final.pt", map_location="cpu", weights_only=True)
+
+
+def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == actual.keys()
+    different = [k for k in expected if not torch.equal(expected[k], actual[k])]
+    assert not different, f"not bitwise equal: {different}"
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final weights of the payload job run once without a failure (shared with the SSH tests)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = harness("launch", str(payload_job(root)), "--runs-dir", str(root / "runs"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resume: no checkpoint in" in result.stdout
+    return final_weights(root)
+
+
+def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted, launch, tmp_path):
+    run = launch(payload_job(tmp_path / "job"))
+    run.wait_for(KILL_AT, timeout=180)
+    os.kill(worker_pid(run.run_id, 1), signal.SIGKILL)
+    assert run.finish(timeout=300) == 0, run.output
+    assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
+    summary = run.summary()
+    assert summary["status"] == "succeeded" and [a["status"] for a in summary["attempts"]] == ["failed", "succeeded"]
+    first, second = summary["attempts"]
+    assert first["kind"] == "infra" and first["failures"][0]["evidence"] == "rank 1 killed by SIGKILL"
+    assert first["failures"][0]["node_rank"] == 1 and second["recover_s"] > 0
+    resumed = int(re.search(r"\[rank0\]: resume: epoch 1 step (\d+) ", run.output).group(1))
+    assert resumed in range(8, 64, 4), "resumed from a checkpoint written after step 11, before the end"
+    assert re.search(rf"harness: run {run.run_id} attempt 1, 2 node\(s\)", run.output), run.output
+    run_path = run.runs_dir / run.run_id
+    plan = json.loads((run_path / "plan.attempt1.json").read_text())
+    assert plan["attempt"] == 1 and {n["env"]["HARNESS_ATTEMPT"] for n in plan["nodes"]} == {"1"}
+    first_log = (run_path / "node0.log").read_text()  # the first attempt's log is kept
+    assert "step 11/32" in first_log and "done:" not in first_log
+    assert "resume: epoch 1" in (run_path / "node0.attempt1.log").read_text()
+    status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir))
+    assert re.search(r"attempt 0 on localhost, localhost: failed \(infra: node1 on localhost, rank 1 killed by "
+                     r"SIGKILL\)", status.stdout), status.stdout
+    assert_nothing_left(run.run_id)
+
+
+def sum_job(write_yaml, restarts: str, **env: str) -> Path:
+    """tests/scripts/ddp_sum.py on 2 simulated nodes, with a restarts section."""
+    lines = "".join(f"  {k}: '{v}'\n" for k, v in env.items())
+    return write_yaml(f"name: sum\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\n"
+                      f"entrypoint: {{script: {SCRIPT}}}\nenv:\n{lines}restarts: {restarts}\n")
+
+
+def test_a_program_error_is_not_retried_under_on_infra(write_yaml, launch):
+    run = launch(sum_job(write_yaml, "{max: 2, on: infra, backoff: 0}", FAIL_RANK="1", FAIL_AT_STEP="3"))
+    assert run.finish(timeout=120) == 1, run.output
+    summary = run.summary()
+    assert len(summary["attempts"]) == 1 and summary["attempts"][0]["kind"] == "program"
+    assert (summary["first_failure"]["node_rank"], summary["first_failure"]["rank"]) == (1, 1)
+    assert "not restarted: the program failed (not the infrastructure), and restarts.on is infra" in run.output
+    assert "rank 1 failing on purpose at step 3" in run.output
+    assert_nothing_left(run.run_id)
+
+
+def test_on_any_retries_a_program_error_then_names_both_failures(write_yaml, launch):
+    run = launch(sum_job(write_yaml, "{max: 1, on: any, backoff: 0.2}", FAIL_RANK="1", FAIL_AT_STEP="3"))
+    assert run.finish(timeout=120) == 1, run.output
+    summary = run.summary()
+    assert [(a["attempt"], a["kind"], a["failures"][0]["rank"]) for a in summary["attempts"]] == [
+        (0, "program", 1), (1, "program", 1)]
+    for attempt in (0, 1):
+        assert re.search(rf"harness: attempt {attempt} on localhost, localhost.*: failed on node 1 "
+                         rf"\(localhost, global rank 1\): exit code 1 after \S+ s \(program\)", run.output), run.output
+    assert "not restarted: every restart is used up (restarts.max: 1)" in run.output
+    assert_nothing_left(run.run_id)
+
+
+def test_ctrl_c_ends_a_restartable_run_without_another_attempt(write_yaml, launch):
+    run = launch(sum_job(write_yaml, "{max: 2, on: any, backoff: 0}", STEPS="100000", STEP_SECONDS="0.05"))
+    run.wait_for(r"\[rank0\]: step 5 ")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.finish(timeout=30) == 130, run.output
+    summary = run.summary()
+    assert summary["status"] == "interrupted" and [a["status"] for a in summary["attempts"]] == ["interrupted"]
+    assert "attempt 1" not in run.output
+    assert_nothing_left(run.run_id)
+
+
+def test_stop_during_the_backoff_starts_nothing_more(write_yaml, launch):
+    run = launch(sum_job(write_yaml, "{max: 2, on: any, backoff: 300}", FAIL_RANK="1", FAIL_AT_STEP="3"))
+    run.wait_for(r"harness: attempt 0 failed at the program level .*; restart 1 of 2 in 300 s")
+    asked = time.monotonic()
+    stopped = harness("stop", run.run_id, "--runs-dir", str(run.runs_dir))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert run.finish(timeout=30) == 130 and time.monotonic() - asked < 20
+    summary = run.summary()
+    assert summary["status"] == "stopped" and len(summary["attempts"]) == 1
+    assert not (run.runs_dir / run.run_id / "node0.attempt1.log").exists()
+    assert_nothing_left(run.run_id)
+
+
+# --- lost hosts and spares on a real cluster ---------------------------------------------------------
+
+def kill_host(cluster: Cluster, name: str) -> None:
+    """Every process of the host, its sshd included: to the others it is a machine that died."""
+    for pid in cluster.pids(name):
+        os.kill(pid, signal.SIGKILL)
+
+
+def ssh_args(cluster: Cluster, tmp_path: Path) -> list[str]:
+    hosts = cluster.write_inventory(tmp_path / "hosts.yaml")
+    return ["--hosts", str(hosts), "--known-hosts", str(cluster.known_hosts)]
+
+
+def test_a_lost_host_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(uninterrupted, doomed_cluster3, launch,
+                                                                              tmp_path):
+    cluster = doomed_cluster3
+    run = launch(payload_job(tmp_path / "job"), *ssh_args(cluster, tmp_path))
+    run.wait_for(KILL_AT, timeout=180)
+    killed_at = time.time()
+    kill_host(cluster, "h2")
+    assert run.finish(timeout=300) == 0, run.output
+    assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
+    first, second = run.summary()["attempts"]
+    assert (first["hosts"], first["kind"], first["down"]) == (["h1", "h2"], "infra", ["h2"])
+    assert first["failures"][0]["host"] == "h2" and "connection to h2" in first["failures"][0]["evidence"]
+    assert first["started_at"] + first["failures"][0]["after_s"] - killed_at < 10, "the loss was noticed in seconds"
+    assert second["hosts"] == ["h1", "h3"] and second["status"] == "succeeded"
+    assert re.search(r"harness: attempt 0 failed at the infra level on h2 \(connection to h2 .*\); restart 1 of 2 "
+                     r"in 1 s, without h2", run.output), run.output
+    assert re.search(r"\[node1\] \[rank1\]: .*", run.output)
+    assert re.search(r"\[rank0\]: resume: epoch \d step \d+ ", run.output), run.output
+    assert_nothing_left(run.run_id)
+
+
+def test_a_lost_master_moves_the_master_and_no_spare_left_fails_naming_the_hosts(doomed_cluster3, write_yaml,
+                                                                                  launch, tmp_path):
+    cluster = doomed_cluster3
+    job = sum_job(write_yaml, "{max: 2, backoff: 0.5}", STEPS="100000", STEP_SECONDS="0.05")
+    run = launch(job, *ssh_args(cluster, tmp_path))
+    run.wait_for(r"\[node0\] \[rank0\]: step 5 ")
+    kill_host(cluster, "h1")
+    run.wait_for(r"\[node0\] \[rank0\]: rank 0/2 up on h2;")
+    run.wait_for(r"\[node1\] \[rank1\]: rank 1/2 up on h3;")
+    plan = json.loads((run.runs_dir / run.run_id / "plan.attempt1.json").read_text())
+    assert plan["master_addr"] == cluster.host("h2").address
+    assert {n["env"]["MASTER_ADDR"] for n in plan["nodes"]} == {cluster.host("h2").address}
+    kill_host(cluster, "h3")
+    assert run.finish(timeout=120) == 1, run.output
+    summary = run.summary()
+    assert [(a["hosts"], a["down"]) for a in summary["attempts"]] == [(["h1", "h2"], ["h1"]), (["h2", "h3"], ["h3"])]
+    assert "host(s) down: h1, h3, and no spare left" in summary["reason"]
+    assert re.search(r"harness: not restarted: attempt 2 could not start: host\(s\) down: h1, h3, and no spare left: "
+                     r"the job needs nnodes=2 hosts, 1 of the inventory's 3 are healthy \(h2\)", run.output), run.output
+    assert_nothing_left(run.run_id)
