@@ -258,6 +258,24 @@ class Connection:
         assert transport is not None
         self.transport: paramiko.Transport = transport
         self.peer_ip: str = transport.getpeername()[0]
+        self.lost: str | None = None  # why keep_alive gave the connection up
+        self._closed = threading.Event()
+
+    def keep_alive(self, interval: float, timeout: float) -> None:
+        """Ask the host for an answer every `interval` seconds; with none within `timeout`, close the
+        connection, so that every channel on it ends and the host counts as lost. A host that died
+        without a word, or whose traffic is dropped, otherwise leaves TCP silent for many minutes."""
+        threading.Thread(target=self._probe, args=(interval, timeout), daemon=True,
+                         name=f"keepalive-{self.host.name}").start()
+
+    def _probe(self, interval: float, timeout: float) -> None:
+        while not self._closed.wait(interval) and self.transport.is_active():
+            answered = threading.Event()
+            threading.Thread(target=self._ask, args=(answered,), daemon=True).start()
+            if not answered.wait(timeout) and not self._closed.is_set():
+                self.lost = f"no answer from {self.host.address} for {timeout:g} s"
+                self.transport.close()
+                return
 
     def start(self, command: str, *, pty: bool = False, timeout: float = 10.0) -> RemoteProcess:
         """Start command on a new channel and return at once; the caller streams, waits or stops it."""
@@ -283,7 +301,13 @@ class Connection:
         """The shell line that runs a Python snippet with this host's interpreter (stdin stays free)."""
         return remote_command([self.host.python, "-c", source, *args], workdir=workdir)
 
+    def _ask(self, answered: threading.Event) -> None:
+        """sshd answers every global request that wants a reply (this one with "unknown request")."""
+        self.transport.global_request("keepalive@openssh.com", wait=True)
+        answered.set()
+
     def close(self) -> None:
+        self._closed.set()
         self.client.close()
 
     def __enter__(self) -> Connection:

@@ -77,8 +77,8 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 def test_node_agent_runs_sealed(tmp_path: Path) -> None:
     """The agent exactly as backends start it: its output, then the exit marker, then its own exit."""
     node = NodePlan(host="h", address="127.0.0.1", node_rank=0, nproc=1, argv=("sh", "-c", "echo hello; exit 3"),
-                    env={"HARNESS_RUN_ID": "sealed-test", "NODE_RANK": "0"})
-    argv = agent_argv(sys.executable, node, grace=1)
+                    env={"HARNESS_RUN_ID": "sealed-test", "NODE_RANK": "0", "HARNESS_ATTEMPT": "0"})
+    argv = agent_argv(sys.executable, node, grace=1, silence=60)
     assert argv[1:3] == ["-I", "-S"]
     # stdin stays open, as the controller's end does: its end of file would mean "controller gone, stop"
     agent = subprocess.Popen(argv, cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -20,22 +20,35 @@ from harness.shell import shell_command
 
 AGENT_SOURCE = (Path(__file__).parent / "node_agent.py").read_text(encoding="utf-8")
 OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may take to be read
+PING_SECONDS = 2.0  # how often the controller tells each agent it is still there
 
 
-def agent_argv(python: str, node: NodePlan, grace: float) -> list[str]:
-    """The agent under `python -I -S`: no site-packages, so it can only ever use the standard library."""
-    return [python, "-I", "-S", "-c", AGENT_SOURCE, node.env["HARNESS_RUN_ID"], str(node.node_rank), f"{grace:g}",
+def agent_argv(python: str, node: NodePlan, grace: float, silence: float) -> list[str]:
+    """The agent under `python -I -S`: no site-packages, so it can only ever use the standard library.
+    silence: seconds without a word from the controller after which the agent stops its node."""
+    return [python, "-I", "-S", "-c", AGENT_SOURCE, *_identity(node).values(), f"{grace:g}", f"{silence:g}",
             shell_command(node), shlex.join(node.cleanup)]
 
 
+def agent_silence(connect_timeout: float) -> float:
+    """How long an agent waits for a word before it takes the controller for gone: several pings and
+    a connection timeout's worth of margin, so that a busy controller is never mistaken for a lost one."""
+    return max(5 * PING_SECONDS, 3 * connect_timeout)
+
+
+def _identity(node: NodePlan) -> dict[str, str]:
+    """What the node's processes carry in their environment: run, node and attempt (node_agent sweeps)."""
+    return {key: node.env[key] for key in ("HARNESS_RUN_ID", "NODE_RANK", "HARNESS_ATTEMPT")}
+
+
 def agent_env(node: NodePlan) -> dict[str, str]:
-    """The agent carries its run's identity too, so that a sweep by run id also finds a stuck agent."""
-    return {"HARNESS_RUN_ID": node.env["HARNESS_RUN_ID"], "NODE_RANK": node.env["NODE_RANK"]}
+    """The agent carries its node's identity too, so that a sweep by run id also finds a stuck agent."""
+    return _identity(node)
 
 
 def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode]) -> list[NodeProcess]:
     """Every node or none: if one cannot start, the ones already started are killed."""
-    started: list[NodeProcess] = []
+    started: list[AgentNode] = []
     try:
         for node in nodes:
             started.append(start(node))
@@ -43,7 +56,9 @@ def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode])
         for process in started:
             process.kill()
         raise
-    return started
+    for process in started:
+        threading.Thread(target=process.keep_talking, daemon=True).start()
+    return list(started)
 
 
 class AgentNode(ABC):
@@ -95,6 +110,11 @@ class AgentNode(ABC):
     def _word(self, word: str) -> None:
         with self._send_lock, contextlib.suppress(OSError, EOFError):  # an ended agent needs no word
             self._send(f"{word}\n".encode())
+
+    def keep_talking(self) -> None:
+        """PING every PING_SECONDS until the node's output ends: the agent's proof that we are there."""
+        while not self._output_done.wait(PING_SECONDS):
+            self._word("PING")
 
     def terminate(self) -> None:
         self._word("TERM")

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from harness.backends.agent_link import AgentNode, agent_argv, agent_env, start_all
+from harness.backends.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
 from harness.backends.base import NodeProcess, Outcome
 from harness.backends.node_agent import kill_run_processes
 from harness.errors import UsageError
@@ -41,10 +41,10 @@ class LocalAgentNode(AgentNode):
     """The agent as a child process in a session of its own (a Ctrl-C in the terminal reaches only the
     controller, which then stops the nodes in order)."""
 
-    def __init__(self, node: NodePlan, grace: float, python: str) -> None:
+    def __init__(self, node: NodePlan, grace: float, silence: float, python: str) -> None:
         super().__init__(node)
         self._proc = subprocess.Popen(
-            agent_argv(python, node, grace), env=os.environ | agent_env(node), stdin=subprocess.PIPE,
+            agent_argv(python, node, grace, silence), env=os.environ | agent_env(node), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -63,7 +63,8 @@ class LocalAgentNode(AgentNode):
 
     def _agent_lost(self) -> None:
         """Killed by hand or by the OOM killer, the agent could not stop its node: sweep it from here."""
-        kill_run_processes(self.node.env["HARNESS_RUN_ID"], self.node.env["NODE_RANK"])
+        env = self.node.env
+        kill_run_processes(env["HARNESS_RUN_ID"], env["NODE_RANK"], env["HARNESS_ATTEMPT"])
 
 
 class LocalBackend:
@@ -85,7 +86,8 @@ class LocalBackend:
         check_local_entrypoint(spec, Path.cwd())
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
-        return start_all(plan.nodes, lambda node: LocalAgentNode(node, spec.timeouts.stop_grace, self.python))
+        silence = agent_silence(spec.timeouts.connect)
+        return start_all(plan.nodes, lambda node: LocalAgentNode(node, spec.timeouts.stop_grace, silence, self.python))
 
     def close(self) -> None:
         """Nothing to release: each agent's pipes close when it ends."""

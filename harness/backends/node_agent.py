@@ -3,17 +3,20 @@
 Every node of every controller-supervised backend runs under this agent: a local process of the
 controller, or a process on an SSH host. It is started as
 
-    python -I -S -c "<this file>" RUN_ID NODE_RANK GRACE COMMAND [CLEANUP]
+    python -I -S -c "<this file>" RUN_ID NODE_RANK ATTEMPT GRACE SILENCE COMMAND [CLEANUP]
 
 so it imports nothing but the standard library (not even site-packages): hosts need Python, not
 the harness. The protocol, on the agent's own stdin and stdout:
 - `TERM` from the controller: SIGTERM to the node's process group;
 - `KILL`: SIGKILL to the group, then a sweep of every process whose environment carries this
-  run's HARNESS_RUN_ID and NODE_RANK (torchrun starts its workers in sessions of their own, out of
-  the group's reach), repeated until none is left, then CLEANUP once (e.g. removing the node's
-  container, which a SIGKILLed `docker run` leaves behind);
-- end of stdin: the controller or its connection is gone. TERM, GRACE seconds, then KILL: a lost
-  controller never leaves a job running;
+  run's HARNESS_RUN_ID, NODE_RANK and HARNESS_ATTEMPT (torchrun starts its workers in sessions of
+  their own, out of the group's reach; an agent of an earlier attempt, cut off and late, must not
+  touch the next attempt's node on the same machine), repeated until none is left, then CLEANUP
+  once (e.g. removing the node's container, which a SIGKILLed `docker run` leaves behind);
+- `PING`: nothing to do; the controller says it every few seconds;
+- end of stdin, or SILENCE seconds without a word: the controller or its connection is gone (a
+  host cut off by a dropped network stays silent instead of closing). TERM, GRACE seconds, then
+  KILL: a lost controller never leaves a job running;
 - stdout carries the node's combined output, then one line `EXIT_MARKER CODE` once the node has
   ended (a negative CODE is the signal that ended it).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -37,11 +41,13 @@ PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
 
 
-def run_processes(run_id: str, node_rank: str | None = None) -> list[int]:
-    """PIDs whose environment says they belong to run_id (and node_rank, when given)."""
+def run_processes(run_id: str, node_rank: str | None = None, attempt: str | None = None) -> list[int]:
+    """PIDs whose environment says they belong to run_id (and node_rank and attempt, when given)."""
     wanted = {f"HARNESS_RUN_ID={run_id}".encode()}
     if node_rank is not None:
         wanted.add(f"NODE_RANK={node_rank}".encode())
+    if attempt is not None:
+        wanted.add(f"HARNESS_ATTEMPT={attempt}".encode())
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -56,9 +62,10 @@ def run_processes(run_id: str, node_rank: str | None = None) -> list[int]:
     return found
 
 
-def kill_run_processes(run_id: str, node_rank: str | None = None, sig: int = signal.SIGKILL) -> list[int]:
-    """Signal every process of the run; returns the PIDs signalled."""
-    return _signal_all(run_processes(run_id, node_rank), sig)
+def kill_run_processes(run_id: str, node_rank: str | None = None, attempt: str | None = None,
+                       sig: int = signal.SIGKILL) -> list[int]:
+    """Signal every process of the run (of one node of one attempt, when given); returns the PIDs signalled."""
+    return _signal_all(run_processes(run_id, node_rank, attempt), sig)
 
 
 def _process_tree(pid: int) -> tuple[list[int], list[int]]:
@@ -114,10 +121,13 @@ def is_alive(pid: int, ticks: int | None) -> bool:
 class Agent:
     """One node's command in a session of its own, and the means to end all of it."""
 
-    def __init__(self, run_id: str, node_rank: str, grace: float, command: str, cleanup: str) -> None:
+    def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, command: str,
+                 cleanup: str) -> None:
         self.run_id = run_id
         self.node_rank = node_rank
+        self.attempt = attempt
         self.grace = grace
+        self.silence = silence
         self.cleanup = cleanup
         self.ended = threading.Event()
         self._cleaned = False
@@ -135,7 +145,7 @@ class Agent:
         deadline = time.monotonic() + SWEEP_SECONDS
         while True:
             below, dead = _process_tree(os.getpid())
-            killed = kill_run_processes(self.run_id, self.node_rank) + _signal_all(below, signal.SIGKILL)
+            killed = kill_run_processes(self.run_id, self.node_rank, self.attempt) + _signal_all(below, signal.SIGKILL)
             if not killed or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
@@ -155,13 +165,24 @@ class Agent:
                                stderr=subprocess.DEVNULL, timeout=60, check=False)
 
     def obey_controller(self) -> None:
-        """Follow the controller's words until its end of stdin closes, then stop the node."""
-        for line in sys.stdin:
-            word = line.strip()
-            if word == "TERM":
-                self.signal_group(signal.SIGTERM)
-            elif word == "KILL":
-                self.kill()
+        """Follow the controller's words until its end of stdin, or its silence, then stop the node."""
+        pending = b""
+        while True:
+            readable, _, _ = select.select([0], [], [], self.silence)
+            chunk = os.read(0, 4096) if readable else b""
+            if not chunk:
+                break
+            *words, pending = (pending + chunk).split(b"\n")
+            for word in words:
+                if word.strip() == b"TERM":
+                    self.signal_group(signal.SIGTERM)
+                elif word.strip() == b"KILL":
+                    self.kill()
+        if not readable and not self.ended.is_set():
+            with contextlib.suppress(OSError):
+                sys.stdout.write(f"harness node agent: no word from the controller for {self.silence:g} s: "
+                                 f"stopping the node\n")
+                sys.stdout.flush()
         self.signal_group(signal.SIGTERM)
         self.ended.wait(self.grace)
         self.kill()
@@ -176,8 +197,9 @@ class Agent:
 
 
 def main(argv: list[str]) -> None:
-    run_id, node_rank, grace, command = argv[:4]
-    code = Agent(run_id, node_rank, float(grace), command, argv[4] if len(argv) > 4 else "").run()
+    run_id, node_rank, attempt, grace, silence, command = argv[:6]
+    cleanup = argv[6] if len(argv) > 6 else ""
+    code = Agent(run_id, node_rank, attempt, float(grace), float(silence), command, cleanup).run()
     try:
         sys.stdout.write(f"{EXIT_MARKER} {code}\n")
         sys.stdout.flush()

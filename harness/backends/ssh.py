@@ -17,7 +17,7 @@ from pathlib import Path
 
 import paramiko
 
-from harness.backends.agent_link import AgentNode, agent_argv, agent_env, start_all
+from harness.backends.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
 from harness.backends.base import CheckFailed, NodeProcess
 from harness.backends.container import in_containers
 from harness.errors import short_repr
@@ -27,6 +27,8 @@ from harness.shell import remote_command
 from harness.spec import JobSpec
 from harness.ssh import Connection, connect
 from harness.yamlsource import located
+
+KEEPALIVE_INTERVAL = 2.0  # seconds between liveness questions to each host; timeouts.connect is the answer limit
 
 
 def resolve_master_ip(inventory: Inventory, master: Host) -> str:
@@ -58,12 +60,14 @@ def resolve_master_ip(inventory: Inventory, master: Host) -> str:
 class SSHAgentNode(AgentNode):
     """The agent on a remote host, reached through one SSH session channel."""
 
-    def __init__(self, node: NodePlan, connection: Connection, grace: float) -> None:
+    def __init__(self, node: NodePlan, connection: Connection, grace: float, silence: float) -> None:
         super().__init__(node)
         assert node.ssh is not None
         self._channel = connection.transport.open_session()
         self._channel.set_combine_stderr(True)
-        self._channel.exec_command(remote_command(agent_argv(node.ssh.python, node, grace), env=agent_env(node)))
+        argv = agent_argv(node.ssh.python, node, grace, silence)
+        self._channel.exec_command(remote_command(argv, env=agent_env(node)))
+        self._connection = connection
 
     def _lines(self) -> Iterator[bytes]:
         try:
@@ -85,7 +89,8 @@ class SSHAgentNode(AgentNode):
 
     def _wait_agent(self) -> str:
         status = self._channel.recv_exit_status()
-        return f"connection to {self.node.host} ({self.node.address}) lost (ssh status {status})"
+        why = self._connection.lost or f"ssh status {status}"
+        return f"connection to {self.node.host} ({self.node.address}) lost ({why})"
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,11 @@ class SSHBackend:
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         connections = self._connect_all(plan.nodes, spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host], spec.timeouts.stop_grace))
+        for connection in self._opened.values():
+            connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
+        silence = agent_silence(spec.timeouts.connect)
+        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host], spec.timeouts.stop_grace,
+                                                               silence))
 
     def close(self) -> None:
         for connection in self._opened.values():
