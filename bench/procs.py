@@ -63,14 +63,19 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def tagged(tag: str) -> list[int]:
     """PIDs of live processes with BENCH_TAG=tag in their environment."""
-    wanted = f"BENCH_TAG={tag}".encode()
+    return with_env(f"BENCH_TAG={tag}")
+
+
+def with_env(*entries: str) -> list[int]:
+    """PIDs of live processes whose environment has every one of entries (`NAME=value`)."""
+    wanted = {entry.encode() for entry in entries}
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if wanted in f.read().split(b"\0"):
+                if wanted <= set(f.read().split(b"\0")):
                     state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
                     if state != "Z":
                         found.append(int(entry))
@@ -116,14 +121,14 @@ class Proc:
     def output(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
-    def wait_for(self, pattern: str, timeout: float) -> tuple[float, re.Match[str]]:
-        """(arrival time, match) of the first line matching pattern."""
+    def wait_for(self, pattern: str, timeout: float, after: float = 0.0) -> tuple[float, re.Match[str]]:
+        """(arrival time, match) of the first line matching pattern that arrived after `after`."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         seen = 0
         while True:
             for when, line in self.lines[seen:]:
-                if match := regex.search(line):
+                if when > after and (match := regex.search(line)):
                     return when, match
             seen = len(self.lines)
             if time.monotonic() > deadline or (self.proc.poll() is not None and not self._reader.is_alive()):

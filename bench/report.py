@@ -178,12 +178,26 @@ def _failure(f: dict[str, Any]) -> list[str]:
                            "launcher exit", "processes still alive"], rows)
 
 
+def _recovery(r: dict[str, Any]) -> list[str]:
+    lines = [f"{r['job']}; the node is killed when rank 0 reports step {r['kill_at_step']}. Seconds from the kill, "
+             f"median of {r['repeats']}; phases as in bench/recovery.py. Steps redone: the last step the failed "
+             f"attempt logged minus the step the next one resumed from (a checkpoint every `ckpt_every` steps).", ""]
+    rows = [[row["failure"], f"{_num(row['total_s'], 2)} ({', '.join(_num(a, 2) for a in row['attempts_total_s'])})",
+             *(_num(row[f"{phase}_s"], 2) for phase in ("detection", "teardown", "preflight", "start-up", "load",
+                                                         "first step")),
+             f"{row['steps_redone']} of {row['ckpt_every']}"] for row in r["rows"]]
+    lines += _table(["failure", "kill to next first step (attempts)", "detection", "teardown", "preflight",
+                     "start-up", "checkpoint load", "first step", "steps redone"], rows)
+    return lines + [f"Note: {n}" for n in r.get("notes", [])] + ([""] if r.get("notes") else [])
+
+
 SECTIONS = (
     ("throughput", "1. Payload throughput vs the seed recipe", _throughput),
     ("ddp", "2. DDP overhead", _ddp),
     ("first_step", "3. Harness overhead: launch to first step", _first_step),
     ("preflight", "4. Preflight fan-out", _preflight),
     ("failure", "5. Failure propagation", _failure),
+    ("recovery", "6. Time to recover", _recovery),
 )
 
 
@@ -209,7 +223,8 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
         "",
         "Measured side by side in one run: the payload against the seed recipe (bench/seed.py: fp32, PIL "
         "transforms through a DataLoader with a DistributedSampler), DDP against no DDP, `harness launch` against "
-        "plain torchrun, preflight over 1 to 16 hosts, and failure propagation against torchrun alone. "
+        "plain torchrun, preflight over 1 to 16 hosts, failure propagation against torchrun alone, and the time "
+        "a restarted run takes from a lost node to its next training step. "
         "`make bench` is the full run (ResNet-18, repeats, 16 hosts); `make bench-quick` takes about a minute on "
         "2 cores (the small model, few steps, 1 and 4 hosts). Each run writes "
         "`bench/results/<time>-<host>-<profile>.json`; the tables below come from the latest of each. Shared or "

@@ -24,7 +24,7 @@ from bench import machine, procs, report
 
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
-NAMES = ("throughput", "ddp", "first_step", "preflight", "failure")
+NAMES = ("throughput", "ddp", "first_step", "preflight", "failure", "recovery")
 
 
 def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
@@ -53,14 +53,15 @@ def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
         "preflight": {"hosts": [1, 4] if quick else [1, 4, 16], "repeats": 1 if quick else 2},
         "failure": {"blocks": ["sleep"] if quick else ["sleep", "collective"], "torchrun_wait": 3 if quick else 20,
                     "repeats": 1 if quick else 3},
+        "recovery": {"ckpt_every": 10, "kill_at": 15, "repeats": 1 if quick else 3},
     }
 
 
 def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-    from bench import ddp, launch, preflight, throughput
+    from bench import ddp, launch, preflight, recovery, throughput
 
     return {"throughput": throughput.run, "ddp": ddp.run, "first_step": launch.time_to_first_step,
-            "preflight": preflight.run, "failure": launch.failure_propagation}
+            "preflight": preflight.run, "failure": launch.failure_propagation, "recovery": recovery.run}
 
 
 def resolve_device(device: str) -> str:

@@ -107,6 +107,7 @@ def evaluate(net: nn.Module, ds: data.Dataset, rt: Runtime, norm: Normalize, pre
 def find_checkpoint(ckpt_dir: Path, rt: Runtime, log: Log) -> tuple[str, dict[str, Any]] | None:
     """Rank 0 picks the newest readable checkpoint; every rank then loads that same file."""
     found = None
+    log(f"resume: looking for the newest checkpoint in {ckpt_dir}")
     if rt.is_main:
         checkpoint.remove_partial_writes(ckpt_dir)
         found = checkpoint.load_newest(ckpt_dir, rt.device, warn=log)

@@ -1,0 +1,134 @@
+"""Benchmark 6: time to recover. A job with `restarts: {max: 1, backoff: 0}` loses a node mid-training;
+how long from the kill to the first training step of the next attempt, and where that time goes.
+
+Two failures: on simulated nodes, rank 1's worker is SIGKILLed (as the OOM killer would); on a
+3-host namespace cluster (tests/cluster.py, needs root), every process of h2 is SIGKILLed, sshd
+included, so the spare h3 takes its place. The phases come from the arrival times of the lines the
+harness and rank 0 print (bench/procs.Proc):
+  detection   kill -> `harness: node1 ... failed`
+  teardown    -> `harness: attempt 0 failed ...` (every node of attempt 0 ended)
+  preflight   -> `harness: run ... attempt 1, ...` (plan, and on SSH the fast preflight on the new set)
+  start-up    -> rank 0's `resume: looking for the newest checkpoint` (processes, rendezvous, data, model)
+  load        -> rank 0's `resume: epoch ...` (the newest checkpoint read and applied)
+  first step  -> rank 0's first progress line after it
+Steps redone: the last step rank 0 logged in the failed attempt minus the step the next one resumed
+from, against the checkpoint interval (at most interval - 1: only the work since the newest
+checkpoint is lost).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench import procs
+from bench.preflight import cluster_module
+
+STEP = re.compile(r"\[rank0\]: epoch \d+/\d+ step (\d+)/(\d+) ")
+RESUMED = re.compile(r"\[rank0\]: resume: epoch \d+ step (\d+) ")
+PHASES = ("detection", "teardown", "preflight", "start-up", "load", "first step")
+MARKS = (r"^harness: node\d+ on \S+ failed", r"^harness: attempt 0 failed", r"^harness: run \S+ attempt 1, ",
+         r"\[rank0\]: resume: looking for", RESUMED.pattern)
+JOB = """\
+name: bench-recovery
+nnodes: 2
+nproc_per_node: 1
+backend: gloo
+master_port: {port}
+entrypoint:
+  module: harness.payload.train
+  args: [--data, synthetic, --subset, "2048", --model, small, --epochs, "1", --batch-size, "16", --log-every, "1",
+         --ckpt-dir, {ckpt}, --ckpt-every, "{every}", --resume, --device, cpu]
+env: {{OMP_NUM_THREADS: "1"}}
+restarts: {{max: 1, on: infra, backoff: 0}}
+"""
+Kill = Callable[[str], None]  # run id -> kill the node
+
+
+def _worker_of_rank_1(run_id: str) -> None:
+    for pid in procs.with_env(f"HARNESS_RUN_ID={run_id}", "RANK=1"):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _one(tmp: Path, kill: Kill, kill_at: int, every: int, extra: list[str]) -> dict[str, Any]:
+    ckpt = tmp / f"ckpt-{time.monotonic_ns()}"
+    job = tmp / "recovery.yaml"
+    job.write_text(JOB.format(port=procs.free_port(), ckpt=ckpt, every=every))
+    with procs.Proc([procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(tmp / "runs"), *extra]) as p:
+        _, header = p.wait_for(r"^harness: run (\S+): ", timeout=120)
+        p.wait_for(rf"\[rank0\]: epoch 1/\d+ step {kill_at}/", timeout=300)
+        killed = time.monotonic()
+        kill(header.group(1))
+        marks = [killed]
+        for pattern in MARKS:  # each after the one before: attempt 0 printed some of them too
+            marks.append(p.wait_for(pattern, timeout=300, after=marks[-1])[0])
+        code = p.wait(timeout=600)
+        resume = next(i for i, (_, line) in enumerate(p.lines) if RESUMED.search(line))
+        marks.append(next(when for when, line in p.lines[resume:] if STEP.search(line)))
+        if code != 0:
+            raise RuntimeError(f"the recovered run exited {code}:\n{p.output[-3000:]}")
+        run = tmp / "runs" / header.group(1)
+        reached = max(int(m.group(1)) for line in (run / "node0.log").read_text().splitlines()
+                      if (m := STEP.search(line)))
+        resumed = int(RESUMED.search(p.lines[resume][1]).group(1))  # type: ignore[union-attr]
+        summary = json.loads((run / "summary.json").read_text())
+    phases = {name: marks[i + 1] - marks[i] for i, name in enumerate(PHASES)}
+    return {"phases": phases, "total": marks[-1] - killed, "redone": reached - resumed,
+            "reached": reached, "resumed": resumed,
+            "attempts": [a["status"] for a in summary["attempts"]], "kind": summary["attempts"][0]["kind"]}
+
+
+def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
+    def median(values: list[float]) -> float:
+        return round(statistics.median(values), 2)
+
+    return {"failure": name, "total_s": median([r["total"] for r in runs]),
+            **{f"{phase}_s": median([r["phases"][phase] for r in runs]) for phase in PHASES},
+            "steps_redone": [r["redone"] for r in runs], "ckpt_every": every,
+            "attempts_total_s": [round(r["total"], 2) for r in runs],
+            "classified": sorted({r["kind"] for r in runs}), "attempts": runs[0]["attempts"]}
+
+
+@contextmanager
+def _cluster() -> Iterator[Any]:
+    module = cluster_module()
+    with module.namespace_cluster(3) as cluster:
+        yield cluster
+
+
+def _kill_host(cluster: Any, name: str) -> Kill:
+    def kill(_run_id: str) -> None:
+        for pid in cluster.pids(name):
+            os.kill(pid, signal.SIGKILL)
+    return kill
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    every, kill_at, repeats = cfg["ckpt_every"], cfg["kill_at"], cfg["repeats"]
+    rows, notes = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+        runs = [_one(Path(tmp), _worker_of_rank_1, kill_at, every, []) for _ in range(repeats)]
+        rows.append(_row("simulated nodes: rank 1's worker SIGKILLed", runs, every))
+        reason = cluster_module().missing_support()
+        if reason:
+            notes.append(f"SSH row left out: {reason}")
+        else:
+            runs = []
+            for _ in range(repeats):  # a fresh cluster each time: the killed host stays dead
+                with _cluster() as cluster:
+                    hosts = cluster.write_inventory(Path(tmp) / "hosts.yaml")
+                    extra = ["--hosts", str(hosts), "--known-hosts", str(cluster.known_hosts)]
+                    runs.append(_one(Path(tmp), _kill_host(cluster, "h2"), kill_at, every, extra))
+            rows.append(_row("3 SSH hosts: every process of h2 SIGKILLed, spare h3 takes over", runs, every))
+    return {"job": "payload: synthetic data, small model, batch 16 x 2 nodes, gloo on CPU; restarts max 1, "
+                   "backoff 0", "kill_at_step": kill_at, "repeats": repeats, "statistic": "median",
+            "rows": rows, "notes": notes}
