@@ -24,7 +24,7 @@ from harness.spec import MAX_BACKOFF, Restarts, load_job
 from harness.supervisor import NodeRecord
 
 from cluster import Cluster
-from conftest import SCRIPT, assert_nothing_left, free_port, harness, worker_pid
+from conftest import SCRIPT, STOP_GRACE, assert_nothing_left, free_port, harness, worker_pid
 
 # --- what a failure is -------------------------------------------------------------------------------
 
@@ -263,6 +263,16 @@ def test_ctrl_c_ends_a_restartable_run_without_another_attempt(write_yaml, launc
     assert summary["status"] == "interrupted" and [a["status"] for a in summary["attempts"]] == ["interrupted"]
     assert "attempt 1" not in run.output
     assert_nothing_left(run.run_id)
+
+
+def test_a_killed_controller_ends_a_restartable_run_without_another_attempt(write_yaml, launch):
+    run = launch(sum_job(write_yaml, "{max: 2, on: any, backoff: 0}", STEPS="100000", STEP_SECONDS="0.05"))
+    run.wait_for(r"\[rank0\]: step 5 ")
+    run.kill_group()
+    assert_nothing_left(run.run_id, within=STOP_GRACE + 2)
+    assert not (run.runs_dir / run.run_id / "plan.attempt1.json").exists()
+    status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir))
+    assert status.stdout.startswith(f"run {run.run_id}: lost"), status.stdout
 
 
 def test_stop_during_the_backoff_starts_nothing_more(write_yaml, launch):

@@ -89,7 +89,8 @@ class SSHAgentNode(AgentNode):
 
     def _wait_agent(self) -> str:
         status = self._channel.recv_exit_status()
-        why = self._connection.lost or f"ssh status {status}"
+        why = self._connection.lost or (f"ssh status {status}" if status != -1 else
+                                        "the session ended without an exit status: its agent or sshd was killed")
         return f"connection to {self.node.host} ({self.node.address}) lost ({why})"
 
 
