@@ -349,7 +349,7 @@ def test_a_host_cut_off_by_a_firewall_is_noticed_replaced_and_stops_its_own_node
     """All of h2's traffic dropped: TCP stays silent, so only the keepalive notices (timeouts.connect),
     and h2's agent, hearing nothing from the controller, stops its node by itself."""
     cluster = doomed_cluster3
-    job = sum_job(write_yaml, "{max: 1, backoff: 0.5}\ntimeouts: {connect: 3}", STEPS="200", STEP_SECONDS="0.05")
+    job = sum_job(write_yaml, "{max: 1, backoff: 0.5}\ntimeouts: {connect: 5}", STEPS="200", STEP_SECONDS="0.05")
     run = launch(job, *ssh_args(cluster, tmp_path))
     run.wait_for(r"\[node0\] \[rank0\]: step 5 ")
     with cluster.firewall("h2", "-j", "DROP"), cluster.firewall("h2", "-j", "DROP", chain="OUTPUT"):
@@ -359,6 +359,6 @@ def test_a_host_cut_off_by_a_firewall_is_noticed_replaced_and_stops_its_own_node
         failure = first["failures"][0]
         assert (failure["host"], first["down"], second["hosts"]) == ("h2", ["h2"], ["h1", "h3"])
         assert "no answer from" in failure["evidence"] and failure["kind"] == "infra", failure
-        assert first["started_at"] + failure["after_s"] - cut < 15, "noticed within the keepalive's limit"
+        assert first["started_at"] + failure["after_s"] - cut < 20, "noticed within the keepalive's limit"
         assert "rank 1 final loss" in run.output and "up on h3" in run.output
         assert_nothing_left(run.run_id, within=30)  # h2's agent stopped its node, still cut off
