@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # System packages the tests need: sshd, network namespaces and firewalls for the multi-host cluster.
 APT_PACKAGES := openssh-server openssh-client iproute2 iptables
+# Only the tests need these: the Slurm cluster of tests/slurm_cluster.py (daemons started by the tests, never at boot).
+TEST_APT_PACKAGES := slurmctld slurmd slurm-client munge
 JOB ?=
 HOSTS ?=
 
@@ -18,7 +20,7 @@ IMAGE_FLAGS ?=
 # The real image test builds and runs the image with buildah (no daemon) on a debootstrap base.
 IMAGE_TEST_PACKAGES := buildah debootstrap
 
-.PHONY: setup system-packages lint test launch render k8s image push image-test bench bench-quick lock clean
+.PHONY: setup system-packages test-packages lint test launch render k8s image push image-test bench bench-quick lock clean
 
 setup: system-packages $(STAMP)
 
@@ -27,6 +29,16 @@ system-packages:
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:" $$missing; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+# The packages enable their services for boot (S links in /etc/rc[2-5].d, systemd multi-user wants
+# links); the tests start their own daemons, so the services this installs are disabled again.
+test-packages:
+	@missing=$$(for p in $(TEST_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing test packages:" $$missing; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing && \
+	  for p in $$missing; do [ ! -e /etc/init.d/$$p ] || $(SUDO) update-rc.d $$p disable || exit 1; done; \
 	fi
 
 $(STAMP): pyproject.toml requirements.lock
@@ -40,7 +52,7 @@ lint: setup
 	$(BIN)/ruff check harness tests bench docker
 	$(BIN)/mypy
 
-test: lint
+test: lint test-packages
 	$(BIN)/python -m pytest
 
 launch: setup

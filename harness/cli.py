@@ -49,7 +49,12 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(f"wrote {out}; apply with: kubectl apply -f {args.out}/")
         return 0
     if args.out is not None:
-        raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan")
+        raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan or a batch script")
+    if args.target == "slurm":
+        from harness.slurm import batch_script
+
+        sys.stdout.write(batch_script(spec, args.job))
+        return 0
     from harness.render import render_json, render_text
 
     plan = backend_for(args).plan(spec, check_run_id(args.run_id or spec.name))
@@ -123,8 +128,9 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--hosts", help="host inventory (hosts.yaml); default: simulated nodes on this machine")
     render.add_argument("--format", choices=("text", "json"), default="text")
     render.add_argument("--run-id", help="run id to render with (default: the job name)")
-    render.add_argument("--target", choices=("torchrun", "k8s"), default="torchrun",
-                        help="torchrun: per-node commands (default); k8s: Kubernetes manifests")
+    render.add_argument("--target", choices=("torchrun", "k8s", "slurm"), default="torchrun",
+                        help="torchrun: per-node commands (default); k8s: Kubernetes manifests; slurm: an sbatch "
+                             "script (save it and run `sbatch FILE`)")
     render.add_argument("--out", help="with --target k8s: write DIR/<job>.yaml instead of printing")
     render.add_argument("--flavor", choices=("core", "jobset"),
                         help="with --target k8s: core (default): Service + Indexed Job, no CRDs; jobset: a JobSet "

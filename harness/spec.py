@@ -204,6 +204,58 @@ class Restarts(StrictModel):
     backoff: Annotated[Seconds, Field(ge=0, le=MAX_BACKOFF)] = 5
 
 
+SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]+", re.ASCII)
+# Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}", re.ASCII)
+SBATCH_OPTION = re.compile(r"--[a-z][a-z0-9-]*(=[^\n\r\0]*)?", re.ASCII)
+# sbatch options the harness writes itself from the rest of the spec: one source of truth.
+SBATCH_OWNED = ("--nodes", "--ntasks", "--ntasks-per-node", "--job-name", "--gpus-per-node", "--cpus-per-task",
+                "--mem", "--partition", "--account", "--time", "--qos", "--constraint", "--chdir", "--output",
+                "--error")
+
+
+def _slurm_name(value: Any) -> str:
+    if not isinstance(value, str) or not SLURM_NAME.fullmatch(value):
+        raise ValueError(f"expected a Slurm name (letters, digits, '_', '.', '+', '-'), got {short_repr(value)}")
+    return value
+
+
+def _slurm_time(value: Any) -> str:
+    text = source_text(value)
+    if text is None or isinstance(value, bool) or not SLURM_TIME.fullmatch(text):
+        raise ValueError(f"expected a Slurm time limit such as 90 (minutes), 02:00:00 or 1-12:00:00, quoted, "
+                         f"got {short_repr(value)}")
+    return text
+
+
+def _sbatch_line(value: Any) -> str:
+    if not isinstance(value, str) or not SBATCH_OPTION.fullmatch(value):
+        raise ValueError(f"expected one sbatch option such as --exclusive or --mail-type=END, got {short_repr(value)}")
+    name = value.split("=", 1)[0]
+    if name in SBATCH_OWNED:
+        raise ValueError(f"{name} is written by the harness from the spec (nnodes, resources, name or a slurm: "
+                         f"key); set it there instead")
+    return value
+
+
+SlurmName = Annotated[str, PlainValidator(_slurm_name)]
+
+
+class Slurm(StrictModel):
+    """What the job asks of Slurm (`--target slurm`); `harness launch` flags override these.
+    python: the interpreter with torch on the compute nodes; workdir: where the job runs there
+    (sbatch --chdir; default: where it was submitted); extra: further `#SBATCH` options."""
+
+    partition: SlurmName | None = None
+    account: SlurmName | None = None
+    qos: SlurmName | None = None
+    time: Annotated[str, PlainValidator(_slurm_time)] | None = None
+    constraint: Annotated[str, Field(min_length=1, pattern=r"^[^\s\x00]+$")] | None = None
+    python: Annotated[str, Field(min_length=1, pattern=r"^[^\s\x00]+$")] = "python3"
+    workdir: Annotated[str, Field(min_length=1, pattern=r"^[^\n\x00]+$")] | None = None
+    extra: list[Annotated[str, PlainValidator(_sbatch_line)]] = Field(default_factory=list)
+
+
 class JobSpec(StrictModel):
     """A distributed job. Field names are a public contract: other tools and tests write them.
 
@@ -223,6 +275,7 @@ class JobSpec(StrictModel):
     image: str | None = None
     resources: Resources = Field(default_factory=Resources)
     restarts: Restarts = Field(default_factory=Restarts)
+    slurm: Slurm = Field(default_factory=Slurm)
     # Kept only to point a spec that still uses it at `restarts` (see _removed_max_restarts).
     max_restarts: Annotated[None, PlainValidator(_removed_max_restarts)] = None
     timeouts: Timeouts = Field(default_factory=Timeouts)

@@ -19,7 +19,7 @@ import pytest
 
 from harness.backends.node_agent import run_processes
 
-pytest_plugins = ("cluster",)  # the namespace-cluster fixtures (cluster2, cluster3) for every module
+pytest_plugins = ("cluster", "slurm_cluster")  # namespace-cluster fixtures (cluster2/3, slurm_cluster/3) for every module
 
 REPO = Path(__file__).resolve().parent.parent
 
