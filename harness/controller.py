@@ -227,7 +227,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     found = attempt_failures(sup.records, sup.stopping_since)
     failures = [_failure(f, started, ended) for f in found]
     if stop.is_set():
-        status = RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
+        status = _stopped(run)
     else:
         status = RunStatus.FAILED if sup.first_failure is not None else RunStatus.SUCCEEDED
     previous_failure = before[-1].failures[0] if before and before[-1].failures else None
@@ -242,12 +242,16 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     )
 
 
+def _stopped(run: RunDir) -> RunStatus:
+    """A stop asked for by `harness stop` (its marker) or by Ctrl-C/SIGTERM."""
+    return RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
+
+
 def _finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threading.Event, reason: str | None,
             out: IO[str]) -> int:
     last = attempts[-1] if attempts else None
     if stop.is_set():
-        status = RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
-        code, reason = EXIT_INTERRUPTED, None
+        status, code, reason = _stopped(run), EXIT_INTERRUPTED, None
     elif last is not None and last.status is RunStatus.SUCCEEDED:
         status, code, reason = RunStatus.SUCCEEDED, EXIT_OK, None
     else:
