@@ -6,11 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from harness import __version__
 from harness.backends.base import Backend
 from harness.errors import HarnessError, UsageError
 from harness.runs import check_run_id, find_run, new_run_id, run_dir, runs_root, write_text_atomic
-from harness.spec import load_job
+from harness.spec import JobSpec, Slurm, load_job
 
 
 def backend_for(args: argparse.Namespace) -> Backend:
@@ -62,21 +64,44 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+SLURM_FLAGS = ("partition", "account", "qos", "time", "constraint")  # launch flags that override slurm:
+
+
+def with_slurm_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:
+    """The spec with `--partition P`-style flags in its slurm: section, validated as the file's values are."""
+    given = {key: value for key in SLURM_FLAGS if (value := getattr(args, key)) is not None}
+    if given and args.target != "slurm":
+        raise UsageError(f"--{next(iter(given))} is for --target slurm")
+    try:
+        return spec.model_copy(update={"slurm": Slurm.model_validate(spec.slurm.model_dump() | given)})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UsageError(f"--{first['loc'][0]}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from harness import controller
 
-    spec = load_job(args.job)
+    spec = with_slurm_flags(load_job(args.job), args)
     root = runs_root(args.runs_dir)
+    if args.target == "slurm" and args.hosts:
+        raise UsageError("--hosts is for SSH hosts; with --target slurm, Slurm picks the nodes")
     if args.detach:
         run = run_dir(root, new_run_id(spec.name))
         argv = [sys.executable, "-m", "harness.cli", "launch", args.job, "--runs-dir", str(root), "--run-id",
-                run.run_id]
+                run.run_id, "--target", args.target]
         argv += ["--hosts", args.hosts] if args.hosts else []
         argv += ["--known-hosts", args.known_hosts] if args.known_hosts else []
         argv += [flag for flag, on in (("--skip-preflight", args.skip_preflight),
                                        ("--accept-new-host-keys", args.accept_new_host_keys)) if on]
+        argv += [f"--{key}={getattr(args, key)}" for key in SLURM_FLAGS if getattr(args, key) is not None]
         return controller.start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
+    if args.target == "slurm":
+        from harness import slurm_run
+        from harness.backends.slurm import SlurmClient
+
+        return slurm_run.launch(SlurmClient(), spec, Path(args.job), root, run_id)
     return controller.launch(backend_for(args), spec, Path(args.job), root, run_id)
 
 
@@ -151,6 +176,11 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--known-hosts", help="known_hosts file for host keys (default ~/.ssh/known_hosts)")
     launch.add_argument("--accept-new-host-keys", action="store_true",
                         help="trust and record keys of hosts not yet in known_hosts (never silent otherwise)")
+    launch.add_argument("--target", choices=("torchrun", "slurm"), default="torchrun",
+                        help="torchrun: simulated nodes, or SSH hosts with --hosts (default); slurm: submit a batch "
+                             "job with sbatch and follow it")
+    for key in SLURM_FLAGS:
+        launch.add_argument(f"--{key}", help=f"with --target slurm: overrides slurm.{key} of the job")
     launch.set_defaults(func=cmd_launch)
 
     stop = verbs.add_parser("stop", parents=[runs_dir], help="stop a running run (from any terminal)")

@@ -47,7 +47,7 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 DETACH_STARTUP_TIMEOUT = 300.0
 
 
-def _node_result(record: NodeRecord, run: RunDir, attempt: int) -> NodeResult:
+def node_result(record: NodeRecord, run: RunDir, attempt: int) -> NodeResult:
     outcome = record.outcome
     return NodeResult(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks),
@@ -59,7 +59,7 @@ def _node_result(record: NodeRecord, run: RunDir, attempt: int) -> NodeResult:
     )
 
 
-def _failure(found: NodeFailure, started_at: float, now: float) -> Failure:
+def failure_of(found: NodeFailure, started_at: float, now: float) -> Failure:
     record = found.record
     assert record.outcome is not None
     # The failing rank's own exit code says more than torchrun's (always 1 when a worker failed).
@@ -73,7 +73,7 @@ def _failure(found: NodeFailure, started_at: float, now: float) -> Failure:
     )
 
 
-def _say(out: IO[str], message: str) -> None:
+def say(out: IO[str], message: str) -> None:
     out.write(f"harness: {message}\n")
     out.flush()
 
@@ -95,23 +95,23 @@ def _report(out: IO[str], summary: RunSummary, run: RunDir) -> None:
         for attempt in summary.attempts:
             recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
             how = f"failed on {_describe(attempt.failures[0])}" if attempt.failures else attempt.status.value
-            _say(out, f"attempt {attempt.attempt} on {', '.join(attempt.hosts)}{recovered}: {how}")
+            say(out, f"attempt {attempt.attempt} on {', '.join(attempt.hosts)}{recovered}: {how}")
     failure = summary.first_failure
     if summary.status is RunStatus.SUCCEEDED:
-        _say(out, f"run {summary.run_id} succeeded in {summary.duration_s} s; logs in {run.path}/")
+        say(out, f"run {summary.run_id} succeeded in {summary.duration_s} s; logs in {run.path}/")
     elif failure is not None:
-        _say(out, f"run {summary.run_id} FAILED: first failure on {_describe(failure)}")
+        say(out, f"run {summary.run_id} FAILED: first failure on {_describe(failure)}")
         if summary.reason:
-            _say(out, f"not restarted: {summary.reason}")
-        _say(out, f"last lines of node{failure.node_rank}:")
+            say(out, f"not restarted: {summary.reason}")
+        say(out, f"last lines of node{failure.node_rank}:")
         for line in failure.last_lines[-10:]:
             out.write(f"    {line}\n")
         last = summary.attempts[-1].attempt
-        _say(out, f"full logs: {run.log_file(failure.node_rank, last)}; summary: {run.summary_file}")
+        say(out, f"full logs: {run.log_file(failure.node_rank, last)}; summary: {run.summary_file}")
     elif summary.reason:
-        _say(out, f"run {summary.run_id} FAILED: {summary.reason}")
+        say(out, f"run {summary.run_id} FAILED: {summary.reason}")
     else:
-        _say(out, f"run {summary.run_id} {summary.status.value}: every node stopped; logs in {run.path}/")
+        say(out, f"run {summary.run_id} {summary.status.value}: every node stopped; logs in {run.path}/")
     out.flush()
 
 
@@ -132,7 +132,7 @@ def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, att
                 backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
             except NoSpareHosts as none_left:
                 raise CheckFailed(f"{exc}\n{none_left}", exc.hosts) from None
-            _say(out, f"preflight failed on {', '.join(sorted(exc.hosts))}: a spare host takes its place")
+            say(out, f"preflight failed on {', '.join(sorted(exc.hosts))}: a spare host takes its place")
 
 
 def launch(backend: Backend, spec: JobSpec, spec_path: Path, runs_root: Path, run_id: str,
@@ -179,7 +179,7 @@ def _run(backend: Backend, spec: JobSpec, run: RunDir, state: RunState, plan: Pl
             down |= set(attempts[-1].down)
             delay = backoff_seconds(spec.restarts, len(attempts) - 1)
             cause = attempts[-1].failures[0]
-            _say(out, f"attempt {plan.attempt} failed at the {attempts[-1].kind} level on {cause.host} "
+            say(out, f"attempt {plan.attempt} failed at the {attempts[-1].kind} level on {cause.host} "
                       f"({cause.evidence}); restart {len(attempts)} of {spec.restarts.max} in {delay:g} s"
                       + (f", without {', '.join(sorted(down))}" if down else ""))
             attempts[-1] = replace(attempts[-1], backoff_s=delay)
@@ -200,7 +200,7 @@ def _run(backend: Backend, spec: JobSpec, run: RunDir, state: RunState, plan: Pl
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return _finish(run, state, attempts, stop, reason, out)
+    return finish(run, state, attempts, stop, reason, out)
 
 
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
@@ -225,15 +225,15 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         backend.close()
     ended = time.time()
     found = attempt_failures(sup.records, sup.stopping_since)
-    failures = [_failure(f, started, ended) for f in found]
+    failures = [failure_of(f, started, ended) for f in found]
     if stop.is_set():
-        status = _stopped(run)
+        status = stopped_status(run)
     else:
         status = RunStatus.FAILED if sup.first_failure is not None else RunStatus.SUCCEEDED
     previous_failure = before[-1].failures[0] if before and before[-1].failures else None
     return Attempt(
         attempt=plan.attempt, hosts=[n.host for n in plan.nodes], status=status, started_at=started, ended_at=ended,
-        nodes=[_node_result(r, run, plan.attempt) for r in sup.records], failures=failures,
+        nodes=[node_result(r, run, plan.attempt) for r in sup.records], failures=failures,
         kind=attempt_kind(found) if status is RunStatus.FAILED else None,
         down=sorted({f.host for f in failures if f.host_down}), preflight_s=round(preflight_s, 3),
         teardown_s=round(ended - sup.stopping_since, 3) if sup.stopping_since else None,
@@ -242,16 +242,16 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     )
 
 
-def _stopped(run: RunDir) -> RunStatus:
+def stopped_status(run: RunDir) -> RunStatus:
     """A stop asked for by `harness stop` (its marker) or by Ctrl-C/SIGTERM."""
     return RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
 
 
-def _finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threading.Event, reason: str | None,
+def finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threading.Event, reason: str | None,
             out: IO[str]) -> int:
     last = attempts[-1] if attempts else None
     if stop.is_set():
-        status, code, reason = _stopped(run), EXIT_INTERRUPTED, None
+        status, code, reason = stopped_status(run), EXIT_INTERRUPTED, None
     elif last is not None and last.status is RunStatus.SUCCEEDED:
         status, code, reason = RunStatus.SUCCEEDED, EXIT_OK, None
     else:
@@ -313,7 +313,12 @@ def stop_run(run: RunDir, timeout: float) -> int:
             time.sleep(0.1)
         print(f"run {run.run_id} stopped")
         return EXIT_OK
-    killed = kill_run_processes(run.run_id)
+    if state.scheduler_job is not None:  # the batch system owns the processes: it ends them
+        from harness.slurm_run import cancel_orphaned
+
+        done = cancel_orphaned(run, state)
+    else:
+        done = f"ended {len(kill_run_processes(run.run_id))} leftover process(es)"
     run.write_state(replace(state, status=RunStatus.STOPPED, ended_at=time.time()))
-    print(f"run {run.run_id}: controller was gone; ended {len(killed)} leftover process(es)")
+    print(f"run {run.run_id}: controller was gone; {done}")
     return EXIT_OK

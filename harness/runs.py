@@ -62,7 +62,7 @@ class ControllerId:
 class RunState:
     run_id: str
     name: str
-    mode: str  # the backend: local, ssh
+    mode: str  # the backend: local, ssh, slurm
     status: RunStatus
     started_at: float
     nnodes: int
@@ -72,6 +72,7 @@ class RunState:
     ended_at: float | None = None
     error: str | None = None
     attempt: int = 0
+    scheduler_job: str | None = None  # the batch system's job id (Slurm), which owns the processes
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,11 @@ class RunDir:
     @property
     def spec_copy(self) -> Path:
         return self.path / "spec.yaml"
+
+    @property
+    def batch_script(self) -> Path:
+        """What `harness launch --target slurm` submitted."""
+        return self.path / "job.sbatch"
 
     def plan_json(self, attempt: int = 0) -> Path:
         return self.path / f"plan{_attempt_suffix(attempt)}.json"

@@ -13,6 +13,7 @@ import math
 import re
 import shlex
 from decimal import Decimal
+from pathlib import Path
 
 from harness import __version__
 from harness.plan import LOG_LINE_PREFIX, TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
@@ -55,8 +56,16 @@ def _word(value: str) -> str:
     return "".join(_SHELL.get(part) or shlex.quote(part) for part in parts if part) or "''"
 
 
-def sbatch_options(spec: JobSpec) -> list[str]:
-    """The #SBATCH lines: the allocation from nnodes and resources, then the job's slurm: section."""
+BATCH_LOG = "slurm-%j.log"  # the batch script's own output in a launch's run directory (%j: the job id)
+
+
+def batch_log(log_dir: Path, job_id: int) -> Path:
+    return log_dir / BATCH_LOG.replace("%j", str(job_id))
+
+
+def sbatch_options(spec: JobSpec, log_dir: Path | None = None) -> list[str]:
+    """The #SBATCH lines: the allocation from nnodes and resources, restarts as requeues, the
+    time-limit warning, then the job's slurm: section."""
     options = [f"--job-name={spec.name}", f"--nodes={spec.nnodes}", "--ntasks-per-node=1"]
     if spec.resources.cpu is not None:
         options.append(f"--cpus-per-task={max(1, math.ceil(_quantity(spec.resources.cpu)))}")
@@ -70,26 +79,49 @@ def sbatch_options(spec: JobSpec) -> list[str]:
             options.append(f"--{key}={value}")
     if slurm.workdir is not None:
         options.append(f"--chdir={slurm.workdir}")
+    # Without restarts a lost node ends the job; Slurm's default would requeue it and leave it pending.
+    options.append("--requeue" if spec.restarts.max else "--no-requeue")
+    options.append("--open-mode=append")  # a requeued job adds to its output file instead of replacing it
+    if slurm.warning:
+        options.append(f"--signal=B:USR1@{slurm.warning}")
+    if log_dir is not None:
+        options.append(f"--output={log_dir}/{BATCH_LOG}")
     return options + list(slurm.extra)
 
 
-def batch_script(spec: JobSpec, source: str) -> str:
-    """The whole batch script, readable and editable by hand."""
+def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir: Path | None = None) -> str:
+    """The whole batch script, readable and editable by hand. run_id: the harness's (default: the job
+    name and the Slurm job id); log_dir (`harness launch`): every node's output in its own file there,
+    named as the run directory names node logs, and the script's own output beside them."""
     nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each node (resources.gpus)"] * spec.nnodes)
-    run_id = f"{spec.name}-{_JOB}"
+    run_id = run_id or f"{spec.name}-{_JOB}"
     env = node_env(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, attempt=_ATTEMPT)
     args = torchrun_args(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE)
-    prefix = f"--log-line-prefix-template={LOG_LINE_PREFIX}"
-    args = [f"--log-line-prefix-template=[node{_NODE}] {LOG_LINE_PREFIX}" if a == prefix else a for a in args]
+    if log_dir is None:  # one output file for every node: each line says its node
+        prefix = f"--log-line-prefix-template={LOG_LINE_PREFIX}"
+        args = [f"--log-line-prefix-template=[node{_NODE}] {LOG_LINE_PREFIX}" if a == prefix else a for a in args]
     target = len(args) - len(spec.entrypoint.args) - (2 if spec.entrypoint.module else 1)  # where the entrypoint starts
     launcher = [spec.slurm.python, "-m", TORCHRUN_MODULE, *args[:target]]
     exports = [f"export {k}={_word(v)}" for k, v in env.items() if k not in _PER_NODE and k != "MASTER_ADDR"]
+    most = spec.restarts.max
+    srun = f"srun --nodes={spec.nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
+    if log_dir is not None:
+        srun += f' --output={_word(str(log_dir))}/node%n"$attempt_suffix".log'
     lines = [
         "#!/bin/bash",
         f"# Rendered by `harness render {source} --target slurm` (harness {__version__}). Runs with plain",
         "# sbatch; edit freely. One torchrun per node, node rank = SLURM_NODEID, master = the first node.",
-        *(f"#SBATCH {option}" for option in sbatch_options(spec)),
+        *(f"#SBATCH {option}" for option in sbatch_options(spec, log_dir)),
         "set -uo pipefail",
+        "",
+        "# Each requeue (time limit, preemption, `scontrol requeue`) is a restart: at most restarts.max.",
+        "restarts=${SLURM_RESTART_COUNT:-0}",
+        f'if [ "$restarts" -gt {most} ]; then',
+        f'  echo "harness: job $SLURM_JOB_ID was requeued $restarts times, more than restarts.max ({most});'
+        ' not starting again" >&2',
+        "  exit 1",
+        "fi",
+        *(['attempt_suffix=""', '[ "$restarts" -eq 0 ] || attempt_suffix=".attempt$restarts"'] if log_dir else []),
         "",
         "# The master: the allocation's first node, as the IP the other nodes reach it at.",
         'master_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -101,16 +133,22 @@ def batch_script(spec: JobSpec, source: str) -> str:
         "export MASTER_ADDR",
         *exports,
         "",
-        "# What every node runs; $SLURM_NODEID is each task's own.",
+        "# What every node runs; $SLURM_NODEID is each task's own. torchrun would die of the time-limit",
+        "# warning (SIGUSR1): it ignores it, and the training processes catch it themselves.",
         "read -r -d '' NODE_COMMAND <<'END_OF_NODE_COMMAND'",
         'export NODE_RANK="$SLURM_NODEID" PET_NODE_RANK="$SLURM_NODEID"',
+        "trap '' USR1",
         f"exec {' '.join(_word(word) for word in launcher)} \\",
         f"  {' '.join(_word(word) for word in args[target:])}",
         "END_OF_NODE_COMMAND",
         "",
+        *_warning_handler(spec),
         "# --kill-on-bad-exit: a node that fails ends the others (Slurm's default leaves them running).",
-        f'srun --nodes={spec.nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$NODE_COMMAND"',
-        "status=$?",
+        f'{srun} bash -c "$NODE_COMMAND" &',
+        "srun_pid=$!",
+        'wait "$srun_pid"; status=$?',
+        'while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; status=$?; done  # a signal ended the wait',
+        *(_requeue_on_warning(most) if spec.slurm.warning else []),
         'if [ "$status" -ne 0 ]; then',
         '  echo "harness: job $SLURM_JOB_ID failed: srun exited $status; the failed node\'s torchrun report'
         ' above names the rank" >&2',
@@ -118,3 +156,41 @@ def batch_script(spec: JobSpec, source: str) -> str:
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _warning_handler(spec: JobSpec) -> list[str]:
+    """Slurm warns this script (SIGUSR1, `slurm.warning` s before the time limit); the training processes
+    get the signal, checkpoint and exit; a step that has not ended by half the warning time is ended."""
+    warning = spec.slurm.warning
+    if not warning:
+        return ['srun_pid=""']
+    return [
+        f"# The time-limit warning: Slurm sends SIGUSR1 to this script {warning} s before the limit.",
+        'warned=0 srun_pid=""',
+        "on_warning() {",
+        "  warned=1",
+        f'  echo "harness: job $SLURM_JOB_ID: time limit in {warning} s: SIGUSR1 to the training processes'
+        ' (checkpoint and exit), then a requeue" >&2',
+        '  scancel --signal=USR1 "$SLURM_JOB_ID"  # every step\'s processes, not this script',
+        f'  {{ sleep {max(1, warning // 2)}; kill -TERM "$srun_pid" 2>/dev/null; }} &',
+        "}",
+        "trap on_warning USR1",
+        "",
+    ]
+
+
+def _requeue_on_warning(most: int) -> list[str]:
+    requeue = [
+        f'  if [ "$restarts" -lt {most} ]; then',
+        f'    echo "harness: requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) of {most}); it resumes from'
+        ' the newest checkpoint" >&2',
+        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        "  fi",
+    ]
+    return [
+        'if [ "$warned" -eq 1 ]; then',
+        *(requeue if most else []),
+        f'  echo "harness: job $SLURM_JOB_ID reached its time limit with no requeue left (restarts.max: {most})" >&2',
+        "  exit 1",
+        "fi",
+    ]

@@ -211,7 +211,7 @@ SBATCH_OPTION = re.compile(r"--[a-z][a-z0-9-]*(=[^\n\r\0]*)?", re.ASCII)
 # sbatch options the harness writes itself from the rest of the spec: one source of truth.
 SBATCH_OWNED = ("--nodes", "--ntasks", "--ntasks-per-node", "--job-name", "--gpus-per-node", "--cpus-per-task",
                 "--mem", "--partition", "--account", "--time", "--qos", "--constraint", "--chdir", "--output",
-                "--error")
+                "--error", "--signal", "--requeue", "--no-requeue", "--open-mode")
 
 
 def _slurm_name(value: Any) -> str:
@@ -244,7 +244,9 @@ SlurmName = Annotated[str, PlainValidator(_slurm_name)]
 class Slurm(StrictModel):
     """What the job asks of Slurm (`--target slurm`); `harness launch` flags override these.
     python: the interpreter with torch on the compute nodes; workdir: where the job runs there
-    (sbatch --chdir; default: where it was submitted); extra: further `#SBATCH` options."""
+    (sbatch --chdir; default: where it was submitted); warning: seconds before the time limit at which
+    the training processes get SIGUSR1 (checkpoint now) and the job requeues itself, 0 for none;
+    extra: further `#SBATCH` options."""
 
     partition: SlurmName | None = None
     account: SlurmName | None = None
@@ -253,6 +255,7 @@ class Slurm(StrictModel):
     constraint: Annotated[str, Field(min_length=1, pattern=r"^[^\s\x00]+$")] | None = None
     python: Annotated[str, Field(min_length=1, pattern=r"^[^\s\x00]+$")] = "python3"
     workdir: Annotated[str, Field(min_length=1, pattern=r"^[^\n\x00]+$")] | None = None
+    warning: Annotated[int, Field(ge=0, le=3600)] = 120
     extra: list[Annotated[str, PlainValidator(_sbatch_line)]] = Field(default_factory=list)
 
 

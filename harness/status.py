@@ -48,8 +48,12 @@ def runs_table(root: Path) -> str:
 def run_details(run: RunDir) -> str:
     """The run's status, then per node how it ended and where its log is, then the first failure."""
     state, summary = run.read_state(), run.read_summary()
-    lines = [f"run {run.run_id}: {live_status(state).value} ({state.mode}, {state.nnodes} node(s), "
-             f"world size {state.world_size})"]
+    mode = f"{state.mode} job {state.scheduler_job}" if state.scheduler_job else state.mode
+    status = live_status(state)
+    lines = [f"run {run.run_id}: {status.value} ({mode}, {state.nnodes} node(s), world size {state.world_size})"]
+    if status is RunStatus.LOST and state.scheduler_job:
+        lines.append(f"  its controller is gone, but the {state.mode} job may run on: `harness stop {run.run_id}` "
+                     f"cancels it")
     if summary is None:
         if state.attempt:
             lines.append(f"  attempt {state.attempt} (restarted {state.attempt} time(s); `harness status` shows the "

@@ -19,7 +19,8 @@ import pytest
 
 from harness.backends.node_agent import run_processes
 
-pytest_plugins = ("cluster", "slurm_cluster")  # namespace-cluster fixtures (cluster2/3, slurm_cluster/3) for every module
+# Fixtures for every module: namespace clusters (cluster2/3, slurm_cluster/3), the uninterrupted payload run.
+pytest_plugins = ("cluster", "slurm_cluster", "resume_job")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,10 +52,11 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {_PORT_FLOOR}-{ceiling - 1}")
 
 
-def harness(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def harness(*args: str, cwd: Path = REPO, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The real `harness` command, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 JOB = """
@@ -158,9 +160,9 @@ class Streamed:
 class Launch(Streamed):
     """`harness launch` as a user starts it."""
 
-    def __init__(self, job_path: Path, runs_dir: Path, *extra: str) -> None:
+    def __init__(self, job_path: Path, runs_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         super().__init__([sys.executable, "-m", "harness.cli", "launch", str(job_path), "--runs-dir", str(runs_dir),
-                          *extra])
+                          *extra], env=env)
         self.runs_dir = runs_dir
 
     @property
@@ -181,8 +183,8 @@ class Launch(Streamed):
 def launch(tmp_path):
     started: list[Launch] = []
 
-    def start(job_path: Path, *extra: str) -> Launch:
-        started.append(Launch(job_path, tmp_path / "runs", *extra))
+    def start(job_path: Path, *extra: str, env: dict[str, str] | None = None) -> Launch:
+        started.append(Launch(job_path, tmp_path / "runs", *extra, env=env))
         return started[-1]
 
     yield start

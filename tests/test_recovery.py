@@ -12,7 +12,6 @@ from collections import deque
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness.backends.base import Outcome
 from harness.errors import SpecError
@@ -25,6 +24,7 @@ from harness.supervisor import NodeRecord
 
 from cluster import Cluster
 from conftest import SCRIPT, STOP_GRACE, assert_nothing_left, free_port, harness, worker_pid
+from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 
 # --- what a failure is -------------------------------------------------------------------------------
 
@@ -151,51 +151,6 @@ def test_spares_take_the_place_of_down_hosts_in_file_order(write_yaml):
 
 
 # --- real restarts on simulated nodes ----------------------------------------------------------------
-
-# The payload on 1024 synthetic images, 2 nodes x 16: 32 steps per epoch, 64 in all; a checkpoint
-# every 4 steps on a directory every node sees. One thread per process: the same arithmetic on every
-# backend, so that runs compare bitwise.
-PAYLOAD_JOB = """
-name: resume
-nnodes: 2
-backend: gloo
-master_port: {port}
-entrypoint:
-  module: harness.payload.train
-  args: [--data, synthetic, --model, small, --subset, "1024", --batch-size, "16", --epochs, "2", --log-every, "1",
-         --ckpt-every, "4", --ckpt-dir, {root}/ckpt, --resume, --save-final, {root}/final.pt]
-env: {{OMP_NUM_THREADS: "1"}}
-restarts: {{max: 2, on: infra, backoff: 1}}
-"""
-KILL_AT = r"\[rank0\]: epoch 1/2 step 11/32 "
-
-
-def payload_job(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / "job.yaml"
-    path.write_text(PAYLOAD_JOB.format(port=free_port(), root=root))
-    return path
-
-
-def final_weights(root: Path) -> dict[str, torch.Tensor]:
-    return torch.load(root / "final.pt", map_location="cpu", weights_only=True)
-
-
-def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
-    assert expected.keys() == actual.keys()
-    different = [k for k in expected if not torch.equal(expected[k], actual[k])]
-    assert not different, f"not bitwise equal: {different}"
-
-
-@pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The final weights of the payload job run once without a failure (shared with the SSH tests)."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    result = harness("launch", str(payload_job(root)), "--runs-dir", str(root / "runs"), timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "resume: no checkpoint in" in result.stdout
-    return final_weights(root)
-
 
 def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted, launch, tmp_path):
     run = launch(payload_job(tmp_path / "job"))

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from harness.errors import SpecError
+from harness.backends.base import Outcome
+from harness.backends.slurm import parse_job, task_outcomes
+from harness.errors import HarnessError, SpecError
 from harness.slurm import batch_script
 from harness.spec import load_job
 
-from conftest import REPO, SCRIPT, free_port, harness
+from conftest import REPO, SCRIPT, Launch, free_port, harness
+from resume_job import assert_same_weights, final_weights, payload_job
 from slurm_cluster import SlurmCluster
 
 JOB = """
@@ -45,7 +52,8 @@ def test_the_script_asks_for_the_allocation_the_spec_describes(write_yaml):
     options = re.findall(r"^#SBATCH (.*)$", script, re.M)
     assert options == ["--job-name=sum", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1536M",
                        "--partition=debug", "--account=ml-team", "--qos=high", "--time=00:10:00",
-                       "--constraint=a100&ib", f"--chdir={REPO}", "--exclusive", "--mail-type=END"]
+                       "--constraint=a100&ib", f"--chdir={REPO}", "--no-requeue", "--open-mode=append",
+                       "--signal=B:USR1@120", "--exclusive", "--mail-type=END"]
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 " in script
 
@@ -118,4 +126,188 @@ def test_a_failing_rank_ends_the_whole_job_within_seconds(slurm_cluster, write_y
     assert hours * 3600 + minutes * 60 + seconds < 90, "rank 0 hangs for an hour unless srun ends it"
     assert "rank 1 failing on purpose at step 20" in output
     assert re.search(rf"harness: job {job_id} failed: srun exited \d+", output), output
+    slurm_cluster.assert_no_job_processes()
+
+
+# --- the script's restarts, warning and launch mode (pure) -------------------------------------------
+
+def test_restarts_become_requeues_and_the_time_limit_warning_reaches_the_training(write_yaml):
+    spec = load_job(sum_job(write_yaml))
+    script = batch_script(spec, "job.yaml")
+    assert "#SBATCH --no-requeue\n" in script and "#SBATCH --open-mode=append\n" in script
+    assert "#SBATCH --signal=B:USR1@120\n" in script and 'scancel --signal=USR1 "$SLURM_JOB_ID"' in script
+    assert "\ntrap '' USR1\nexec " in script, "torchrun ignores the warning; the payload catches it"
+    assert "scontrol requeue \"" not in script and 'if [ "$restarts" -gt 0 ]' in script
+    again = batch_script(spec.model_copy(update={"restarts": spec.restarts.model_copy(update={"max": 2})}), "job.yaml")
+    assert "#SBATCH --requeue\n" in again and 'if [ "$restarts" -lt 2 ]; then' in again
+    quiet = batch_script(spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"warning": 0})}), "job.yaml")
+    assert "--signal" not in quiet and "on_warning" not in quiet
+    assert subprocess.run(["bash", "-n"], input=again, text=True).returncode == 0
+
+
+def test_launch_mode_writes_each_node_log_into_the_run_directory(write_yaml, tmp_path):
+    script = batch_script(load_job(sum_job(write_yaml)), "job.yaml", run_id="sum-1", log_dir=tmp_path / "my run")
+    assert f"#SBATCH --output={tmp_path}/my run/slurm-%j.log\n" in script
+    assert f"--output='{tmp_path}/my run'/node%n\"$attempt_suffix\".log bash -c" in script
+    assert "export HARNESS_RUN_ID=sum-1\n" in script and "[node" not in script, "the file says the node"
+
+
+def test_scontrol_and_srun_answers_are_read():
+    job = parse_job("JobId=7 JobName=x JobState=PENDING Reason=PartitionNodeLimit Dependency=(null) Restarts=2 "
+                    "NodeList=(null) ExitCode=0:0")
+    assert (job.job_id, job.state, job.restarts, job.finished) == (7, "PENDING", 2, False)
+    assert job.never_starts == "it asks for more nodes than the partition allows or has"
+    assert parse_job("JobId=8 JobState=PENDING Reason=Resources").never_starts is None
+    with pytest.raises(HarnessError, match="cannot read scontrol's answer"):
+        parse_job("slurm_load_jobs error: Invalid job id specified")
+    report = ["srun: error: n2: task 1: Exited with exit code 3", "srun: launch/slurm: _step_signal: Terminating",
+              "srun: error: n1: task 0: Terminated", "srun: error: n3: tasks 2-3: Killed"]
+    assert task_outcomes(report) == {1: Outcome(3), 0: Outcome(None, signal.SIGTERM),
+                                     2: Outcome(None, signal.SIGKILL), 3: Outcome(None, signal.SIGKILL)}
+    assert list(task_outcomes(report)) == [1, 0, 2, 3], "the first failure first"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--time", "2h"], "--time: expected a Slurm time limit"),
+    (["--target", "slurm", "--partition", "a b"], "--partition: expected a Slurm name"),
+    (["--partition", "gpu"], "--partition is for --target slurm"),
+])
+def test_bad_launch_flags_are_named(write_yaml, flags, message):
+    result = harness("launch", sum_job(write_yaml), "--target", "slurm", *flags) if "--target" not in flags and \
+        flags[0] == "--time" else harness("launch", sum_job(write_yaml), *flags)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+# --- harness launch --target slurm on a real cluster --------------------------------------------------
+
+@pytest.fixture
+def launch_slurm(launch, slurm_cluster: SlurmCluster):
+    """`harness launch JOB --target slurm` against the test cluster; whatever a failed test leaves in the
+    queue is cancelled, so that it holds no node for the next test."""
+
+    def start(job: Path | str, *flags: str) -> Launch:
+        return launch(Path(job), "--target", "slurm", *flags, env=slurm_cluster.env)
+
+    yield start
+    queued = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+    if queued:
+        slurm_cluster.run(["scancel", *queued])
+
+
+def job_id_of(run: Launch) -> int:
+    return int(run.wait_for(r"submitted Slurm job (\d+)").group(1))
+
+
+def test_launch_submits_follows_and_streams_every_node(slurm_cluster, write_yaml, launch_slurm):
+    run = launch_slurm(sum_job(write_yaml, STEPS="10"), "--time", "00:05:00")
+    assert run.finish(timeout=240) == 0, run.output
+    job_id = job_id_of(run)
+    assert re.search(rf"harness: Slurm job {job_id} running on n\[1-2\]", run.output), run.output
+    assert re.search(r"^\[node0\] \[rank0\]: rank 0/2 up on n1;", run.output, re.M), run.output
+    assert re.search(r"^\[node1\] \[rank1\]: rank 1/2 up on n2;", run.output, re.M), run.output
+    assert re.search(rf"harness: run {run.run_id} succeeded in ", run.output)
+    path = run.runs_dir / run.run_id
+    state = json.loads((path / "state.json").read_text())
+    assert (state["mode"], state["scheduler_job"], state["hosts"]) == ("slurm", str(job_id), ["n1", "n2"])
+    assert "#SBATCH --time=00:05:00" in (path / "job.sbatch").read_text(), "the flag overrides slurm.time"
+    assert "rank 1 final loss" in (path / "node1.log").read_text()
+    summary = run.summary()
+    assert summary["status"] == "succeeded" and [n["exit_code"] for n in summary["nodes"]] == [0, 0]
+    status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir))
+    assert f"(slurm job {job_id}" in status.stdout.lower(), status.stdout
+    slurm_cluster.assert_no_job_processes()
+
+
+def test_a_failing_rank_ends_the_launch_with_the_failure_named(slurm_cluster, write_yaml, launch_slurm):
+    job = sum_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05", FAIL_RANK="1", FAIL_AT_STEP="20", HANG_AT_STEP="20")
+    run = launch_slurm(job)
+    run.wait_for(r"rank 1 failing on purpose at step 20", timeout=180)
+    failed_at = time.monotonic()
+    assert run.finish(timeout=120) == 1, run.output
+    assert time.monotonic() - failed_at < 60, "rank 0 hangs in the collective unless the job ends"
+    assert re.search(rf"harness: run {run.run_id} FAILED: first failure on node 1 \(n2, global rank 1\): exit code 1 "
+                     r"after [\d.]+ s \(program\)", run.output), run.output
+    assert "    [rank1]: rank 1 failing on purpose at step 20" in run.output
+    assert slurm_cluster.job_state(job_id_of(run)) == "FAILED"
+    slurm_cluster.assert_no_job_processes()
+
+
+def long_job(write_yaml) -> str:
+    return sum_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05")
+
+
+def test_ctrl_c_cancels_the_job_and_leaves_nothing_on_any_node(slurm_cluster, write_yaml, launch_slurm):
+    run = launch_slurm(long_job(write_yaml))
+    run.wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=180)
+    os.kill(run.proc.pid, signal.SIGINT)
+    assert run.finish(timeout=120) == 130, run.output
+    assert f"stop requested: cancelling Slurm job {job_id_of(run)}" in run.output
+    assert slurm_cluster.job_state(job_id_of(run)) == "CANCELLED"
+    assert run.summary()["status"] == "interrupted"
+    slurm_cluster.assert_no_job_processes()
+
+
+def test_harness_stop_cancels_the_job_also_when_its_controller_is_gone(slurm_cluster, write_yaml, launch_slurm):
+    runs = []
+    for _ in range(2):
+        runs.append(launch_slurm(long_job(write_yaml)))
+        runs[-1].wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=180)
+        if len(runs) == 1:
+            stopped = harness("stop", runs[0].run_id, "--runs-dir", str(runs[0].runs_dir), env=slurm_cluster.env)
+            assert stopped.returncode == 0 and runs[0].finish(timeout=120) == 130, stopped.stdout + runs[0].output
+            assert runs[0].summary()["status"] == "stopped"
+            slurm_cluster.assert_no_job_processes()
+    orphan = runs[1]
+    orphan.kill_group()  # the controller dies; the job is Slurm's and runs on
+    job_id = job_id_of(orphan)
+    assert slurm_cluster.job_state(job_id) == "RUNNING"
+    stopped = harness("stop", orphan.run_id, "--runs-dir", str(orphan.runs_dir), env=slurm_cluster.env)
+    assert stopped.returncode == 0 and f"controller was gone; cancelled Slurm job {job_id}" in stopped.stdout
+    assert slurm_cluster.wait_job(job_id) == "CANCELLED"
+    slurm_cluster.assert_no_job_processes()
+
+
+def test_a_job_that_can_never_start_is_refused_before_submission(slurm_cluster, write_yaml, tmp_path):
+    job = write_yaml(Path(sum_job(write_yaml)).read_text().replace("nnodes: 2", "nnodes: 3"), name="three.yaml")
+    queued = slurm_cluster.run(["squeue", "-h"]).stdout
+    result = harness("launch", str(job), "--target", "slurm", "--runs-dir", str(tmp_path / "runs"),
+                     env=slurm_cluster.env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "harness: error: Slurm refuses the job: allocation failure: Requested node configuration is not " \
+           "available (checked with `sbatch --test-only`" in result.stderr
+    assert not (tmp_path / "runs").exists() and slurm_cluster.run(["squeue", "-h"]).stdout == queued
+
+
+def _release(cluster: SlurmCluster, run: Launch, job_id: int, requeues: int) -> None:
+    """A requeued job waits for its BeginTime (about 2 minutes); let the test's job start at once."""
+    run.wait_for(rf"Slurm job {job_id} was requeued \(restart {requeues}\)", timeout=120)
+    cluster.wait_job(job_id, frozenset({"PENDING"}), timeout=60)
+    cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+
+
+def test_warning_and_requeue_resume_and_end_bitwise_equal(slurm_cluster, launch_slurm, tmp_path):
+    # 512 steps per epoch: long enough that both interruptions land mid-run on a busy machine.
+    reference = harness("launch", str(payload_job(tmp_path / "reference", 16384)), "--runs-dir",
+                        str(tmp_path / "runs"), timeout=600)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    run = launch_slurm(payload_job(tmp_path / "job", 16384))
+    run.wait_for(r"\[node0\] \[rank0\]: epoch 1/2 step 20/512 ", timeout=240)
+    job_id = job_id_of(run)
+    # What --signal=B:USR1@T does before a time limit: USR1 to the batch script alone.
+    slurm_cluster.run(["scancel", "--batch", "--signal=USR1", str(job_id)])
+    saved = int(run.wait_for(r"\[node0\] \[rank0\]: warning signal \(SIGUSR1\): checkpoint saved at global step "
+                             r"(\d+)", timeout=60).group(1))
+    _release(slurm_cluster, run, job_id, 1)
+    run.wait_for(rf"\[node0\] \[rank0\]: resume: epoch 1 step {saved} \(global step {saved}\)", timeout=240)
+    run.wait_for(r"\[node0\] \[rank0\]: epoch 2/2 step 5/512 ", timeout=240)
+    slurm_cluster.run(["scontrol", "requeue", str(job_id)])  # as a preemption does
+    _release(slurm_cluster, run, job_id, 2)
+    assert run.finish(timeout=300) == 0, run.output
+    assert_same_weights(final_weights(tmp_path / "reference"), final_weights(tmp_path / "job"))
+    summary = run.summary()
+    assert [a["status"] for a in summary["attempts"]] == ["failed", "failed", "succeeded"]
+    path = run.runs_dir / run.run_id
+    assert "resume: epoch 2 step" in (path / "node0.attempt2.log").read_text()
+    batch = (path / f"slurm-{job_id}.log").read_text()
+    assert f"harness: requeueing job {job_id} (restart 1 of 2)" in batch, batch
     slurm_cluster.assert_no_job_processes()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,19 @@ def all_reduce_sum(rt: Runtime, tensor: torch.Tensor) -> torch.Tensor:
     if rt.distributed:
         dist.all_reduce(tensor)
     return tensor
+
+
+def any_rank(rt: Runtime, flag: bool) -> bool:
+    """True on every rank when it is true on one: a decision all ranks take at the same step."""
+    return bool(all_reduce_sum(rt, torch.tensor(int(flag), device=rt.device)).item())
+
+
+def warning_signal() -> threading.Event:
+    """Set on SIGUSR1: the batch system's warning before a time limit or preemption (Slurm's
+    --signal). Installed over an inherited "ignore" too: the launcher may ignore it for itself."""
+    warned = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: warned.set())
+    return warned
 
 
 def broadcast(rt: Runtime, obj: object) -> object:

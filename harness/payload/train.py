@@ -170,6 +170,9 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
     epoch = step = global_step = 0
     loss_carry = seconds_carry = 0.0
     history: list[dict[str, Any]] = []
+    # SIGUSR1 (a time-limit or preemption warning): the ranks agree at the next log interval, save a
+    # checkpoint there and stop, so that the requeued job loses nothing.
+    warned = runtime.warning_signal() if args.ckpt_dir is not None else None
     found = find_checkpoint(args.ckpt_dir, rt, log) if args.resume else None
     if found is not None:
         path, state = found
@@ -261,9 +264,15 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
                         bar.set_postfix_str(shown)
                     else:
                         log(f"epoch {epoch + 1}/{args.epochs} step {step}/{steps_per_epoch} {shown}")
-            if args.ckpt_every and global_step % args.ckpt_every == 0 and step < steps_per_epoch \
-                    and global_step < max_steps:
+            mid_epoch = step < steps_per_epoch and global_step < max_steps  # an epoch's end saves anyway
+            if args.ckpt_every and global_step % args.ckpt_every == 0 and mid_epoch:
                 save(epoch, step, seconds_carry + time.perf_counter() - t_epoch)
+            if warned is not None and mid_epoch and global_step % args.log_every == 0 \
+                    and runtime.any_rank(rt, warned.is_set()):
+                save(epoch, step, seconds_carry + time.perf_counter() - t_epoch)
+                log(f"warning signal (SIGUSR1): checkpoint saved at global step {global_step}; stopping here, "
+                    f"to resume with --resume")
+                return
         if bar is not None:
             bar.close()
 

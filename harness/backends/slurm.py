@@ -1,0 +1,148 @@
+"""The Slurm client: sbatch, scontrol and scancel, and what their answers mean. Parsing is pure.
+
+Slurm owns a submitted job's processes, so this backend has no nodes to signal: the harness submits
+the batch script (harness.slurm), follows the job's state, and cancels it (harness.slurm_run).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.backends.base import CheckFailed, Outcome
+from harness.errors import HarnessError
+
+CLIENT_TIMEOUT = 60.0  # slurmctld answers in milliseconds; a minute means it is gone
+# Every state a job ends in; COMPLETING (processes still being ended) is not one of them.
+FINISHED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                      "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"})
+# Pending reasons that no amount of waiting resolves: the job as asked can never start.
+NEVER_STARTS = {
+    "PartitionNodeLimit": "it asks for more nodes than the partition allows or has",
+    "PartitionTimeLimit": "its time limit is above the partition's",
+    "PartitionConfig": "it asks for more than the partition's nodes offer (CPUs, memory or GPUs per node)",
+    "BadConstraints": "no node has the features its constraint asks for",
+    "InvalidAccount": "the account is not valid",
+    "InvalidQOS": "the QOS is not valid",
+    "AccountNotAllowed": "the account may not use the partition",
+    "QOSMaxNodePerJobLimit": "it asks for more nodes than its QOS allows",
+    "QOSMaxWallDurationPerJobLimit": "its time limit is above its QOS's",
+    "DependencyNeverSatisfied": "a job it depends on failed",
+    "launch_failed_requeued_held": "Slurm could not launch it on its nodes and held it",
+}
+# srun's report of a task that did not end well: `srun: error: n2: task 1: Exited with exit code 3`.
+TASK_REPORT = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:-(\d+))?: (.+)$")
+_TASK_SIGNALS = {"Terminated": signal.SIGTERM, "Killed": signal.SIGKILL, "Aborted": signal.SIGABRT,
+                 "Segmentation fault": signal.SIGSEGV, "Interrupt": signal.SIGINT}
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """One job as `scontrol show job` shows it."""
+
+    job_id: int
+    state: str  # PENDING, RUNNING, COMPLETING, COMPLETED, FAILED, CANCELLED, ...
+    reason: str  # why it pends (Resources, Priority, BeginTime, ...); None when nothing holds it
+    restarts: int  # requeues so far: the attempt the job is in
+    nodelist: str  # compressed (n[1-2]); "(null)" before it has nodes
+    exit_code: str  # the batch script's "code:signal"
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+    @property
+    def never_starts(self) -> str | None:
+        """Why a pending job will never start, or None while it may."""
+        return NEVER_STARTS.get(self.reason) if self.state == "PENDING" else None
+
+
+def parse_job(text: str) -> SlurmJob:
+    """`scontrol show job -o ID` (one line of Key=Value words) as a SlurmJob."""
+    fields = dict(word.split("=", 1) for word in text.split() if "=" in word)
+    try:
+        return SlurmJob(job_id=int(fields["JobId"]), state=fields["JobState"], reason=fields.get("Reason", "None"),
+                        restarts=int(fields.get("Restarts", "0")), nodelist=fields.get("NodeList", "(null)"),
+                        exit_code=fields.get("ExitCode", "0:0"))
+    except (KeyError, ValueError) as exc:
+        raise HarnessError(f"cannot read scontrol's answer ({exc}): {text.strip()[:300]}") from None
+
+
+def task_outcomes(lines: Sequence[str]) -> dict[int, Outcome]:
+    """How srun says each task that did not succeed ended, by task id (= node rank: one task per node),
+    in the order srun reported them (the first is the one that failed first)."""
+    outcomes: dict[int, Outcome] = {}
+    for line in lines:
+        match = TASK_REPORT.match(line.strip())
+        if not match:
+            continue
+        what = match.group(4)
+        if code := re.fullmatch(r"Exited with exit code (\d+)", what):
+            outcome = Outcome(exit_code=int(code.group(1)))
+        elif what in _TASK_SIGNALS:
+            outcome = Outcome(exit_code=None, signal=_TASK_SIGNALS[what])
+        else:
+            outcome = Outcome(exit_code=None, error=f"srun: {what}")
+        first, last = int(match.group(2)), int(match.group(3) or match.group(2))
+        for task in range(first, last + 1):
+            outcomes.setdefault(task, outcome)
+    return outcomes
+
+
+@dataclass(frozen=True)
+class SlurmClient:
+    """Slurm's commands, run with env (the caller's environment: SLURM_CONF, PATH)."""
+
+    env: Mapping[str, str] | None = None
+
+    def _run(self, argv: Sequence[str], stdin: str | None = None, cwd: Path | None = None) -> \
+            subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=CLIENT_TIMEOUT,
+                                  env=None if self.env is None else dict(self.env), cwd=cwd,
+                                  stdin=None if stdin is not None else subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise HarnessError(f"{argv[0]} not found: --target slurm runs where Slurm's commands are (a login "
+                               f"node of the cluster)") from None
+        except subprocess.TimeoutExpired:
+            raise HarnessError(f"{argv[0]} did not answer within {CLIENT_TIMEOUT:g} s: is slurmctld up? "
+                               f"(`scontrol ping`)") from None
+
+    @staticmethod
+    def _said(result: subprocess.CompletedProcess[str]) -> str:
+        lines = [line.removeprefix("sbatch: error: ") for line in (result.stderr + result.stdout).splitlines()]
+        return "; ".join(line.strip() for line in lines if line.strip()) or f"exit status {result.returncode}"
+
+    def check(self, script: str) -> None:
+        """sbatch --test-only: Slurm says whether this allocation can ever be granted, submitting nothing."""
+        result = self._run(["sbatch", "--test-only"], stdin=script)
+        if result.returncode != 0:
+            raise CheckFailed(f"Slurm refuses the job: {self._said(result)} (checked with `sbatch --test-only`; "
+                              f"see nnodes, resources and slurm: in the job, and `sinfo` for what the cluster has)")
+
+    def submit(self, script: Path, cwd: Path | None = None) -> int:
+        result = self._run(["sbatch", "--parsable", str(script)], cwd=cwd)
+        if result.returncode != 0:
+            raise HarnessError(f"sbatch {script} failed: {self._said(result)}")
+        return int(result.stdout.strip().split(";")[0])
+
+    def job(self, job_id: int) -> SlurmJob:
+        result = self._run(["scontrol", "show", "job", "-o", str(job_id)])
+        if result.returncode != 0:
+            raise HarnessError(f"scontrol show job {job_id} failed: {self._said(result)}")
+        return parse_job(result.stdout)
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        result = self._run(["scontrol", "show", "hostnames", nodelist])
+        if result.returncode != 0:
+            raise HarnessError(f"scontrol show hostnames {nodelist} failed: {self._said(result)}")
+        return result.stdout.split()
+
+    def cancel(self, job_id: int) -> None:
+        result = self._run(["scancel", str(job_id)])
+        if result.returncode != 0:
+            raise HarnessError(f"scancel {job_id} failed: {self._said(result)}")
