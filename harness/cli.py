@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -98,6 +99,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return controller.start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
     if args.target == "slurm":
+        from harness.backends.srun import SrunBackend, in_allocation
+
+        if in_allocation(os.environ):  # salloc, or a batch script: the nodes are ours, as srun steps
+            return controller.launch(SrunBackend(os.environ), spec, Path(args.job), root, run_id)
         from harness import slurm_run
         from harness.backends.slurm import SlurmClient
 

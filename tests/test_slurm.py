@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,8 +20,8 @@ from harness.errors import HarnessError, SpecError
 from harness.slurm import batch_script
 from harness.spec import load_job
 
-from conftest import REPO, SCRIPT, Launch, free_port, harness
-from resume_job import assert_same_weights, final_weights, payload_job
+from conftest import REPO, SCRIPT, Launch, Streamed, free_port, harness
+from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 from slurm_cluster import SlurmCluster
 
 JOB = """
@@ -311,3 +312,63 @@ def test_warning_and_requeue_resume_and_end_bitwise_equal(slurm_cluster, launch_
     batch = (path / f"slurm-{job_id}.log").read_text()
     assert f"harness: requeueing job {job_id} (restart 1 of 2)" in batch, batch
     slurm_cluster.assert_no_job_processes()
+
+
+# --- inside an allocation: srun steps under the supervisor --------------------------------------------
+
+def in_allocation(cluster: SlurmCluster, nodes: int, job: Path | str, runs: Path, *flags: str) -> Streamed:
+    """`salloc --nodes=N harness launch JOB --target slurm`, as a user types it on a login node."""
+    return Streamed(["salloc", f"--nodes={nodes}", sys.executable, "-m", "harness.cli", "launch", str(job),
+                     "--target", "slurm", "--runs-dir", str(runs), *flags], env=cluster.env)
+
+
+def test_inside_an_allocation_the_nodes_run_as_srun_steps(slurm_cluster, write_yaml, tmp_path):
+    run = in_allocation(slurm_cluster, 2, sum_job(write_yaml, STEPS="10"), tmp_path / "runs")
+    assert run.finish(timeout=240) == 0, run.output
+    assert re.search(r"harness: run \S+: 2 node\(s\) x 1 process\(es\) on n1, n2, master "
+                     rf"{re.escape(slurm_cluster.node('n1').address)}:\d+", run.output), run.output
+    assert re.search(r"^\[node1\] \[rank1\]: rank 1/2 up on n2;", run.output, re.M), run.output
+    assert "submitted Slurm job" not in run.output, "inside an allocation nothing is submitted"
+    state = json.loads(next((tmp_path / "runs").glob("*/state.json")).read_text())
+    assert (state["mode"], state["hosts"]) == ("srun", ["n1", "n2"])
+    slurm_cluster.assert_no_job_processes()
+
+
+def test_inside_an_allocation_a_failure_and_ctrl_c_stop_every_step(slurm_cluster, write_yaml, tmp_path):
+    job = sum_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05", FAIL_RANK="1", FAIL_AT_STEP="20", HANG_AT_STEP="20")
+    failed = in_allocation(slurm_cluster, 2, job, tmp_path / "runs")
+    assert failed.finish(timeout=240) == 1, failed.output
+    assert re.search(r"FAILED: first failure on node 1 \(n2, global rank 1\): exit code 1 ", failed.output)
+    slurm_cluster.assert_no_job_processes()
+    interrupted = in_allocation(slurm_cluster, 2, long_job(write_yaml), tmp_path / "runs2")
+    interrupted.wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=180)
+    controller = json.loads(next((tmp_path / "runs2").glob("*/state.json")).read_text())["controller"]["pid"]
+    # Ctrl-C in a terminal reaches the foreground group: the one salloc puts its command in.
+    os.killpg(os.getpgid(controller), signal.SIGINT)
+    assert interrupted.finish(timeout=120) == 130, interrupted.output
+    assert "stop requested: stopping every node" in interrupted.output
+    slurm_cluster.assert_no_job_processes()
+
+
+def test_an_allocation_too_small_for_the_job_is_named(slurm_cluster, write_yaml, tmp_path):
+    run = in_allocation(slurm_cluster, 1, sum_job(write_yaml), tmp_path / "runs")
+    assert run.finish(timeout=120) == 2, run.output
+    assert re.search(r"harness: error: allocation \d+ has 1 node\(s\) \(n1\) but the job needs nnodes=2; ask for "
+                     r"them \(salloc --nodes=2\)", run.output), run.output
+
+
+def test_inside_an_allocation_a_spare_node_takes_over_and_the_run_ends_bitwise_equal(uninterrupted, slurm_cluster3,
+                                                                                      tmp_path):
+    cluster = slurm_cluster3
+    run = in_allocation(cluster, 3, payload_job(tmp_path / "job"), tmp_path / "runs")
+    run.wait_for(KILL_AT, timeout=240)
+    for pid in cluster.job_pids("n2"):  # the node's slurmstepd, agent, torchrun and worker: n2 is lost
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert run.finish(timeout=300) == 0, run.output
+    assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
+    summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
+    first, second = summary["attempts"]
+    assert (first["hosts"], first["kind"], first["down"]) == (["n1", "n2"], "infra", ["n2"]), first
+    assert second["hosts"] == ["n1", "n3"] and second["status"] == "succeeded"
+    cluster.assert_no_job_processes()

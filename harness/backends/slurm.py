@@ -142,6 +142,13 @@ class SlurmClient:
             raise HarnessError(f"scontrol show hostnames {nodelist} failed: {self._said(result)}")
         return result.stdout.split()
 
+    def node_addresses(self, names: Sequence[str]) -> dict[str, str]:
+        """Each node's NodeAddr: the address Slurm itself reaches it at (often the name itself)."""
+        result = self._run(["sinfo", "-h", "-N", "-n", ",".join(names), "-o", "%N %o"])
+        if result.returncode != 0:
+            raise HarnessError(f"sinfo -n {','.join(names)} failed: {self._said(result)}")
+        return dict(line.split(None, 1) for line in result.stdout.splitlines() if len(line.split()) == 2)
+
     def cancel(self, job_id: int) -> None:
         result = self._run(["scancel", str(job_id)])
         if result.returncode != 0:

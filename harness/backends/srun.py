@@ -1,0 +1,127 @@
+"""Inside a Slurm allocation (salloc, or a batch script that runs the harness): every node an `srun`
+step on one node of the allocation, under the node agent and the normal supervisor.
+
+The allocation is the inventory: its nodes in Slurm's order, the first the master, nodes beyond nnodes
+spares. srun carries the agent's stdin and stdout as an SSH channel does, so a controller that dies
+closes the agent's stdin and the agent stops its node; `harness stop`, Ctrl-C, restarts and the run
+record are the controller's, as on every controller-supervised backend.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from harness.backends.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
+from harness.backends.base import NodeProcess, Outcome
+from harness.backends.slurm import SlurmClient
+from harness.errors import UsageError
+from harness.inventory import Host
+from harness.plan import NodePlan, NoSpareHosts, Plan, plan_hosts
+from harness.spec import JobSpec
+
+
+def in_allocation(env: Mapping[str, str]) -> bool:
+    """Whether this process runs inside a Slurm job (salloc, sbatch): then its nodes are ours to use."""
+    return bool(env.get("SLURM_JOB_ID")) and bool(env.get("SLURM_JOB_NODELIST"))
+
+
+def _ipv4(name: str, address: str) -> str:
+    """The node's IPv4 address, from Slurm's NodeAddr or, when that is a name, from the resolver."""
+    try:
+        ip = str(ipaddress.ip_address(address))
+    except ValueError:
+        try:
+            ip = str(socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0])
+        except OSError as exc:
+            raise UsageError(f"Slurm node {name}: its address {address!r} does not resolve here ({exc}); "
+                             f"fix its DNS or /etc/hosts entry") from None
+    if ipaddress.ip_address(ip).is_loopback:
+        raise UsageError(f"Slurm node {name} resolves to {ip}, a loopback address the other nodes cannot reach; "
+                         f"fix its /etc/hosts or DNS entry")
+    return ip
+
+
+class SrunAgentNode(AgentNode):
+    """The agent as the one task of an srun step on its node; srun is a child in a session of its own."""
+
+    def __init__(self, node: NodePlan, job_id: str, grace: float, silence: float, python: str) -> None:
+        super().__init__(node)
+        # The agent's identity goes to the task only: srun itself, on this machine, must not look like a
+        # process of the node to a sweep (the agent sweeps its node's processes when it ends).
+        identity = ",".join(f"{key}={value}" for key, value in agent_env(node).items())
+        srun = ["srun", f"--jobid={job_id}", "--nodes=1", "--ntasks=1", f"--nodelist={node.host}",
+                f"--job-name={node.env['HARNESS_RUN_ID']}-node{node.node_rank}", "--quiet", f"--export=ALL,{identity}"]
+        self._proc = subprocess.Popen(
+            [*srun, *agent_argv(python, node, grace, silence)], env=os.environ,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def _lines(self) -> Iterable[bytes]:
+        assert self._proc.stdout is not None
+        return self._proc.stdout
+
+    def _send(self, data: bytes) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
+
+    def _wait_agent(self) -> str:
+        how = Outcome.from_returncode(self._proc.wait()).describe()
+        return f"srun step on {self.node.host} ended ({how}) without the node's end: the node or its step is gone"
+
+    def _agent_lost(self) -> None:
+        """srun has ended already; Slurm ends what is left of its step."""
+
+    def kill(self) -> None:
+        """Also end srun: when its node is lost (slurmstepd gone), srun may wait for it forever. A live agent
+        then sees its stdin close and stops its node."""
+        super().kill()
+        self._proc.kill()
+
+
+class SrunBackend:
+    """nnodes of the allocation's nodes, each an srun step; the job's paths are relative to slurm.workdir
+    (default: the directory harness runs in, which a Slurm cluster shares with its nodes)."""
+
+    name = "srun"
+
+    def __init__(self, env: Mapping[str, str], client: SlurmClient | None = None) -> None:
+        self.job_id = env["SLURM_JOB_ID"]
+        self.client = client or SlurmClient()
+        self.nodes = self.client.hostnames(env["SLURM_JOB_NODELIST"])
+        self._addresses: dict[str, str] = {}
+
+    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
+             down: frozenset[str] = frozenset()) -> Plan:
+        if len(self.nodes) < spec.nnodes:
+            raise UsageError(f"allocation {self.job_id} has {len(self.nodes)} node(s) ({', '.join(self.nodes)}) but "
+                             f"the job needs nnodes={spec.nnodes}; ask for them (salloc --nodes={spec.nnodes}) or "
+                             f"lower nnodes")
+        healthy = [name for name in self.nodes if name not in down]
+        if len(healthy) < spec.nnodes:
+            raise NoSpareHosts(f"node(s) down: {', '.join(sorted(down))}, and no spare left in allocation "
+                               f"{self.job_id}: the job needs nnodes={spec.nnodes}, {len(healthy)} of its "
+                               f"{len(self.nodes)} nodes are healthy")
+        chosen = healthy[: spec.nnodes]
+        if not self._addresses:
+            self._addresses = self.client.node_addresses(self.nodes)
+        workdir = spec.slurm.workdir or str(Path.cwd())
+        hosts = [Host(name=name, address=_ipv4(name, self._addresses.get(name, name)), python=spec.slurm.python,
+                      workdir=workdir, gpus=spec.resources.gpus) for name in chosen]
+        return plan_hosts(spec, hosts, run_id=run_id, master_ip=hosts[0].address, attempt=attempt)
+
+    def check(self, plan: Plan, spec: JobSpec) -> None:
+        """Nothing more to prove cheaply: Slurm granted these nodes, and srun reports what it cannot start."""
+
+    def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        silence = agent_silence(spec.timeouts.connect)
+        return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.job_id, spec.timeouts.stop_grace, silence,
+                                                                 node.argv[0]))
+
+    def close(self) -> None:
+        """Nothing to release: each srun ends with its step."""
