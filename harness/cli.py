@@ -99,10 +99,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return controller.start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
     if args.target == "slurm":
-        from harness.backends.srun import SrunBackend, in_allocation
+        from harness.backends.srun import Allocation, SrunBackend, in_allocation
 
         if in_allocation(os.environ):  # salloc, or a batch script: the nodes are ours, as srun steps
-            return controller.launch(SrunBackend(os.environ), spec, Path(args.job), root, run_id)
+            return controller.launch(SrunBackend(Allocation.from_env(os.environ)), spec, Path(args.job), root, run_id)
         from harness import slurm_run
         from harness.backends.slurm import SlurmClient
 
@@ -128,7 +128,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     return preflight_command(args.hosts, args.job, json_out=args.json, collective=args.collective,
                              accept_new_host_keys=args.accept_new_host_keys, known_hosts=args.known_hosts,
-                             timeout=args.timeout)
+                             timeout=args.timeout, slurm=args.target == "slurm")
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -197,7 +197,10 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("run_id", nargs="?")
     status.set_defaults(func=cmd_status)
     preflight = verbs.add_parser("preflight", help="prove before launch that every host can run the job")
-    preflight.add_argument("hosts", help="host inventory, e.g. hosts.yaml")
+    preflight.add_argument("hosts", nargs="?", help="host inventory, e.g. hosts.yaml (none with --target slurm)")
+    preflight.add_argument("--target", choices=("ssh", "slurm"), default="ssh",
+                           help="ssh: the inventory's hosts (default); slurm: the nodes of the Slurm allocation this "
+                                "runs in (salloc), each check an srun step")
     preflight.add_argument("--job", help="job spec: its port, backend, GPUs and entrypoint are checked too")
     preflight.add_argument("--json", action="store_true", help="the same report as JSON")
     preflight.add_argument("--collective", action="store_true",

@@ -372,3 +372,48 @@ def test_inside_an_allocation_a_spare_node_takes_over_and_the_run_ends_bitwise_e
     assert (first["hosts"], first["kind"], first["down"]) == (["n1", "n2"], "infra", ["n2"]), first
     assert second["hosts"] == ["n1", "n3"] and second["status"] == "succeeded"
     cluster.assert_no_job_processes()
+
+
+# --- preflight inside an allocation ------------------------------------------------------------------
+
+def preflight_in_allocation(cluster: SlurmCluster, nodes: int, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["salloc", f"--nodes={nodes}", sys.executable, "-m", "harness.cli", "preflight",
+                           "--target", "slurm", *args], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=cluster.env)
+
+
+def test_preflight_inside_an_allocation_proves_versions_and_ports_over_srun(slurm_cluster3, write_yaml):
+    result = preflight_in_allocation(slurm_cluster3, 3, "--job", sum_job(write_yaml))
+    assert result.returncode == 0, result.stdout + result.stderr
+    n1 = re.escape(slurm_cluster3.node("n1").address)
+    for host in ("n1", "n2"):
+        assert re.search(rf"^{host} +fingerprint +PASS +python .* torch .*; same on all hosts$", result.stdout, re.M)
+        assert re.search(rf"^{host} +data_plane +PASS +ephemeral port \d+ reached from ", result.stdout, re.M)
+    assert re.search(rf"^n2 +master_port +PASS +n2 -> n1 {n1}:\d+ connected", result.stdout, re.M), result.stdout
+    assert "note: not checked: n3 (the job runs on 2 nodes)" in result.stdout
+    assert "every check ran as an srun step" in result.stdout
+    slurm_cluster3.assert_no_job_processes()
+
+
+def test_preflight_inside_an_allocation_names_a_dropped_port_and_missing_data(slurm_cluster, write_yaml):
+    job = write_yaml(Path(sum_job(write_yaml)).read_text() + "data_paths: [no/such/data]\n", name="data.yaml")
+    port = str(load_job(job).master_port)
+    drop = ["INPUT", "-p", "tcp", "--dport", port, "-j", "DROP"]
+    netns = ["ip", "netns", "exec", slurm_cluster.node("n1").netns, "iptables"]
+    subprocess.run([*netns, "-I", *drop], check=True)
+    try:
+        result = preflight_in_allocation(slurm_cluster, 2, "--job", str(job), "--timeout", "5")
+    finally:
+        subprocess.run([*netns, "-D", *drop], check=True)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(rf"^n2 +master_port +FAIL +n2 -> n1 \S+:{port} timed out after \S+ \(a firewall drops the "
+                     r"packets\)", result.stdout, re.M), result.stdout
+    assert re.search(r"^n1 +data +FAIL +no/such/data is missing in ", result.stdout, re.M), result.stdout
+    slurm_cluster.assert_no_job_processes()
+
+
+def test_preflight_for_slurm_outside_an_allocation_says_how(slurm_cluster):
+    result = harness("preflight", "--target", "slurm", env=slurm_cluster.env)
+    assert result.returncode == 2 and "runs inside a Slurm allocation (SLURM_JOB_ID is not set): salloc --nodes=N " \
+        "harness preflight --target slurm --job JOB" in result.stderr, result.stderr
+    assert harness("preflight").returncode == 2

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.backends.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
@@ -49,13 +50,13 @@ def _ipv4(name: str, address: str) -> str:
 class SrunAgentNode(AgentNode):
     """The agent as the one task of an srun step on its node; srun is a child in a session of its own."""
 
-    def __init__(self, node: NodePlan, job_id: str, grace: float, silence: float, python: str) -> None:
+    def __init__(self, node: NodePlan, allocation: Allocation, grace: float, silence: float, python: str) -> None:
         super().__init__(node)
         # The agent's identity goes to the task only: srun itself, on this machine, must not look like a
         # process of the node to a sweep (the agent sweeps its node's processes when it ends).
         identity = ",".join(f"{key}={value}" for key, value in agent_env(node).items())
-        srun = ["srun", f"--jobid={job_id}", "--nodes=1", "--ntasks=1", f"--nodelist={node.host}",
-                f"--job-name={node.env['HARNESS_RUN_ID']}-node{node.node_rank}", "--quiet", f"--export=ALL,{identity}"]
+        srun = allocation.step(node.host, f"--job-name={node.env['HARNESS_RUN_ID']}-node{node.node_rank}",
+                               f"--export=ALL,{identity}")
         self._proc = subprocess.Popen(
             [*srun, *agent_argv(python, node, grace, silence)], env=os.environ,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
@@ -84,35 +85,60 @@ class SrunAgentNode(AgentNode):
         self._proc.kill()
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """The Slurm job this process runs in: its id, its nodes in Slurm's order, and their addresses."""
+
+    job_id: str
+    nodes: list[str]
+    addresses: dict[str, str]  # NodeAddr: often the name itself
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], client: SlurmClient | None = None) -> Allocation:
+        client = client or SlurmClient()
+        nodes = client.hostnames(env["SLURM_JOB_NODELIST"])
+        return cls(env["SLURM_JOB_ID"], nodes, client.node_addresses(nodes))
+
+    def hosts(self, names: list[str], spec: JobSpec | None) -> list[Host]:
+        """The nodes as hosts: the job's python and workdir (default: this directory, which a Slurm
+        cluster shares with its nodes), its GPUs per node."""
+        python = spec.slurm.python if spec else "python3"
+        workdir = (spec.slurm.workdir if spec else None) or str(Path.cwd())
+        gpus = spec.resources.gpus if spec else None
+        return [Host(name=name, address=_ipv4(name, self.addresses.get(name, name)), python=python, workdir=workdir,
+                     gpus=gpus) for name in names]
+
+    def step(self, node: str, *options: str) -> list[str]:
+        """The srun command line that runs one task on node, as a step of this allocation."""
+        return ["srun", f"--jobid={self.job_id}", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--quiet",
+                *options]
+
+    def too_small(self, nnodes: int) -> UsageError | None:
+        if len(self.nodes) >= nnodes:
+            return None
+        return UsageError(f"allocation {self.job_id} has {len(self.nodes)} node(s) ({', '.join(self.nodes)}) but the "
+                          f"job needs nnodes={nnodes}; ask for them (salloc --nodes={nnodes}) or lower nnodes")
+
+
 class SrunBackend:
-    """nnodes of the allocation's nodes, each an srun step; the job's paths are relative to slurm.workdir
-    (default: the directory harness runs in, which a Slurm cluster shares with its nodes)."""
+    """nnodes of the allocation's nodes, each an srun step; spares are the allocation's other nodes."""
 
     name = "srun"
 
-    def __init__(self, env: Mapping[str, str], client: SlurmClient | None = None) -> None:
-        self.job_id = env["SLURM_JOB_ID"]
-        self.client = client or SlurmClient()
-        self.nodes = self.client.hostnames(env["SLURM_JOB_NODELIST"])
-        self._addresses: dict[str, str] = {}
+    def __init__(self, allocation: Allocation) -> None:
+        self.allocation = allocation
 
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
-        if len(self.nodes) < spec.nnodes:
-            raise UsageError(f"allocation {self.job_id} has {len(self.nodes)} node(s) ({', '.join(self.nodes)}) but "
-                             f"the job needs nnodes={spec.nnodes}; ask for them (salloc --nodes={spec.nnodes}) or "
-                             f"lower nnodes")
-        healthy = [name for name in self.nodes if name not in down]
+        nodes = self.allocation.nodes
+        if (error := self.allocation.too_small(spec.nnodes)) is not None:
+            raise error
+        healthy = [name for name in nodes if name not in down]
         if len(healthy) < spec.nnodes:
             raise NoSpareHosts(f"node(s) down: {', '.join(sorted(down))}, and no spare left in allocation "
-                               f"{self.job_id}: the job needs nnodes={spec.nnodes}, {len(healthy)} of its "
-                               f"{len(self.nodes)} nodes are healthy")
-        chosen = healthy[: spec.nnodes]
-        if not self._addresses:
-            self._addresses = self.client.node_addresses(self.nodes)
-        workdir = spec.slurm.workdir or str(Path.cwd())
-        hosts = [Host(name=name, address=_ipv4(name, self._addresses.get(name, name)), python=spec.slurm.python,
-                      workdir=workdir, gpus=spec.resources.gpus) for name in chosen]
+                               f"{self.allocation.job_id}: the job needs nnodes={spec.nnodes}, {len(healthy)} of its "
+                               f"{len(nodes)} nodes are healthy")
+        hosts = self.allocation.hosts(healthy[: spec.nnodes], spec)
         return plan_hosts(spec, hosts, run_id=run_id, master_ip=hosts[0].address, attempt=attempt)
 
     def check(self, plan: Plan, spec: JobSpec) -> None:
@@ -120,8 +146,8 @@ class SrunBackend:
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         silence = agent_silence(spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.job_id, spec.timeouts.stop_grace, silence,
-                                                                 node.argv[0]))
+        return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, spec.timeouts.stop_grace,
+                                                                 silence, node.argv[0]))
 
     def close(self) -> None:
         """Nothing to release: each srun ends with its step."""

@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, UsageError
 from harness.inventory import load_inventory
+from harness.preflight.report import Report
 from harness.preflight.runner import run_preflight
-from harness.spec import load_job
+from harness.spec import JobSpec, load_job
 
 
-def preflight_command(hosts_path: str | Path, job_path: str | Path | None = None, *, json_out: bool = False,
+def preflight_command(hosts_path: str | Path | None, job_path: str | Path | None = None, *, json_out: bool = False,
                       collective: bool = False, accept_new_host_keys: bool = False,
-                      known_hosts: str | Path | None = None, timeout: float = 10.0) -> int:
-    """0 when every check passes, 1 when one fails, 2 for a bad inventory, job or request."""
+                      known_hosts: str | Path | None = None, timeout: float = 10.0, slurm: bool = False) -> int:
+    """0 when every check passes, 1 when one fails, 2 for a bad inventory, job or request. slurm: the
+    hosts are the nodes of the Slurm allocation this runs in (no inventory)."""
     try:
-        inventory = load_inventory(hosts_path)
         spec = load_job(job_path) if job_path is not None else None
-        report = run_preflight(inventory, spec, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-                               collective=collective, timeout=timeout)
+        if slurm:
+            report = _in_allocation(hosts_path, spec, collective, timeout)
+        elif hosts_path is None:
+            raise UsageError("give the host inventory (harness preflight hosts.yaml), or --target slurm inside a "
+                             "Slurm allocation")
+        else:
+            report = run_preflight(load_inventory(hosts_path), spec, known_hosts=known_hosts,
+                                   accept_new_host_keys=accept_new_host_keys, collective=collective, timeout=timeout)
     except HarnessError as exc:
         if json_out:
             print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
@@ -28,3 +36,17 @@ def preflight_command(hosts_path: str | Path, job_path: str | Path | None = None
         return exc.exit_code
     print(json.dumps(report.to_json(), indent=2) if json_out else report.render_table())
     return 0 if report.ok else 1
+
+
+def _in_allocation(hosts_path: str | Path | None, spec: JobSpec | None, collective: bool, timeout: float) -> Report:
+    from harness.backends.srun import Allocation, in_allocation
+    from harness.preflight.runner import run_preflight_srun
+
+    if hosts_path is not None:
+        raise UsageError("--target slurm checks the nodes of the Slurm allocation it runs in; give no inventory")
+    if collective:
+        raise UsageError("--collective runs over SSH hosts only; inside a Slurm allocation, run a short job instead")
+    if not in_allocation(os.environ):
+        raise UsageError("--target slurm runs inside a Slurm allocation (SLURM_JOB_ID is not set): "
+                         "salloc --nodes=N harness preflight --target slurm --job JOB")
+    return run_preflight_srun(Allocation.from_env(os.environ), spec, timeout=timeout)

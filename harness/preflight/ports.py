@@ -10,12 +10,13 @@ a drop (timeout) from a reject (refused) from a routing problem (no route).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from harness.preflight import netcheck
-from harness.preflight.remote import first_answer, on_hosts, run_script, start_script
+from harness.preflight.remote import Link, Process, first_answer, on_hosts, run_script, start_script
 from harness.preflight.report import Check, Status
-from harness.ssh import Connection, RemoteProcess, RemoteTimeout
+from harness.ssh import RemoteTimeout
 
 CONNECT_TIMEOUT = 3.0
 MASTER = "master"
@@ -33,15 +34,15 @@ def _describe(result: dict[str, Any], timeout: float) -> str:
     return template.format(timeout=timeout) if template else f"failed: {result['detail']}"
 
 
-def _listen(connection: Connection, ports: list[int], lifetime: float, timeout: float,
-            started: dict[str, RemoteProcess]) -> dict[str, Any]:
+def _listen(connection: Link, ports: list[int], lifetime: float, timeout: float,
+            started: dict[str, Process]) -> dict[str, Any]:
     config = json.dumps({"ports": ports, "lifetime": lifetime})
     process = start_script(connection, netcheck, ["listen", config], timeout=timeout)
     started[connection.host.name] = process
     return first_answer(process, timeout=timeout)
 
 
-def _stop(process: RemoteProcess, timeout: float) -> None:
+def _stop(process: Process, timeout: float) -> None:
     """Closing stdin ends a listener; one that lingers is killed with its tree."""
     try:
         process.close_stdin()
@@ -52,12 +53,12 @@ def _stop(process: RemoteProcess, timeout: float) -> None:
         process.close()
 
 
-def network_checks(connections: dict[str, Connection], master: str, master_port: int, *,
+def network_checks(connections: Mapping[str, Link], master: str, master_port: int, *,
                    timeout: float) -> list[Check]:
     """master_port rows (free on the master, reached by each worker) and data_plane rows (per destination)."""
     names = list(connections)
     wait = min(CONNECT_TIMEOUT, timeout)
-    started: dict[str, RemoteProcess] = {}
+    started: dict[str, Process] = {}
     try:
         listening = on_hosts(lambda name: _listen(
             connections[name], [0, master_port] if name == master else [0], 4 * timeout + 30, timeout, started,
@@ -106,7 +107,7 @@ def _master_row(master: str, port: int, answer: dict[str, Any] | Exception | Non
 
 
 def _worker_row(source: str, master: str, port: int, master_bound: bool, answer: Any,
-                results: dict[str, dict[str, dict[str, Any]]], connections: dict[str, Connection],
+                results: dict[str, dict[str, dict[str, Any]]], connections: Mapping[str, Link],
                 wait: float) -> Check:
     if not isinstance(answer, dict):
         return Check(source, "master_port", Status.FAIL, f"could not run the connection test: {answer}",
@@ -123,7 +124,7 @@ def _worker_row(source: str, master: str, port: int, master_bound: bool, answer:
 
 
 def _data_row(dest: str, listening: Any, own: Any, results: dict[str, dict[str, dict[str, Any]]],
-              data_ports: dict[str, int], connections: dict[str, Connection], wait: float,
+              data_ports: dict[str, int], connections: Mapping[str, Link], wait: float,
               ephemeral: list[int] | None) -> Check:
     problems = []
     if not isinstance(listening, dict):

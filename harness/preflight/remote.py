@@ -9,25 +9,59 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from harness.errors import HarnessError
-from harness.ssh import CommandResult, Connection, RemoteProcess, RemoteTimeout
+from harness.inventory import Host
+from harness.ssh import CommandResult, RemoteTimeout
 
 MARKER = "HARNESS_PREFLIGHT_ANSWER="
 TORCH_TIMEOUT_FACTOR = 6  # steps that import torch (full probe, collective) get this many `timeout`s
 T = TypeVar("T")
 
 
+class Process(Protocol):
+    """A script started on a host (ssh.RemoteProcess, srun_link.SrunProcess)."""
+
+    @property
+    def connection(self) -> Link: ...
+
+    def read_line(self, timeout: float) -> str | None: ...
+
+    def close_stdin(self) -> None: ...
+
+    def wait(self, timeout: float) -> CommandResult: ...
+
+    def close(self) -> None: ...
+
+
+class Link(Protocol):
+    """How preflight runs commands on a host: an SSH connection, or srun steps inside a Slurm allocation."""
+
+    @property
+    def host(self) -> Host: ...
+
+    @property
+    def peer_ip(self) -> str: ...
+
+    def run(self, command: str, *, timeout: float) -> CommandResult: ...
+
+    def start(self, command: str, *, timeout: float) -> Process: ...
+
+    def python_command(self, source: str, args: Sequence[str] = ()) -> str: ...
+
+    def close(self) -> None: ...
+
+
 class ScriptError(HarnessError):
     """A remote script did not answer: the host's python is missing, crashed, or ran out of time."""
 
 
-def _command(connection: Connection, script: ModuleType, args: list[str]) -> str:
+def _command(connection: Link, script: ModuleType, args: list[str]) -> str:
     source = Path(script.__file__ or "").read_text(encoding="utf-8")
     return connection.python_command(source, [MARKER, *args])
 
@@ -57,7 +91,7 @@ def on_hosts(work: Callable[[str], T], names: Iterable[str]) -> dict[str, T | Ex
         return dict(zip(names, pool.map(guarded, names), strict=True))
 
 
-def failure(connection: Connection, result: CommandResult) -> ScriptError:
+def failure(connection: Link, result: CommandResult) -> ScriptError:
     """Why a script gave no answer, in one line: the last thing it said on stderr and its exit status."""
     lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
     said = lines[-1] if lines else "no output"
@@ -65,7 +99,7 @@ def failure(connection: Connection, result: CommandResult) -> ScriptError:
     return ScriptError(f"{connection.host.python} on {connection.host.name} exited {result.status}: {said}{hint}")
 
 
-def run_script(connection: Connection, script: ModuleType, args: list[str], *, timeout: float) -> dict[str, Any]:
+def run_script(connection: Link, script: ModuleType, args: list[str], *, timeout: float) -> dict[str, Any]:
     """Run script to completion and return its answer, or raise ScriptError saying why there is none."""
     try:
         result = connection.run(_command(connection, script, args), timeout=timeout)
@@ -77,12 +111,12 @@ def run_script(connection: Connection, script: ModuleType, args: list[str], *, t
     return answer
 
 
-def start_script(connection: Connection, script: ModuleType, args: list[str], *, timeout: float) -> RemoteProcess:
+def start_script(connection: Link, script: ModuleType, args: list[str], *, timeout: float) -> Process:
     """Start a script that answers and then keeps running (until its stdin closes)."""
     return connection.start(_command(connection, script, args), timeout=timeout)
 
 
-def first_answer(process: RemoteProcess, *, timeout: float) -> dict[str, Any]:
+def first_answer(process: Process, *, timeout: float) -> dict[str, Any]:
     """Read a started script's answer line, or raise ScriptError with what it said instead."""
     connection = process.connection
     deadline = time.monotonic() + timeout

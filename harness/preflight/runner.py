@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from harness.backends.srun import Allocation
 from harness.inventory import Host, Inventory
 from harness.plan import job_hosts
 from harness.preflight import probe
 from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
 from harness.preflight.collective import collective_checks
 from harness.preflight.ports import network_checks
-from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, on_hosts, run_script
+from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, on_hosts, run_script
 from harness.preflight.report import Check, Report, Status
 from harness.spec import JobSpec
 from harness.ssh import Connection, SSHConnectError, connect
@@ -42,7 +44,7 @@ def _ssh_row(host: Host, result: Connection | Exception, seconds: float) -> Chec
     return Check(host.name, "ssh", Status.PASS, f"{user}@{host.address}:{host.port} in {seconds:.2f}s, {key}")
 
 
-def _probe(connection: Connection, master: Host, spec: JobSpec | None, fast: bool, timeout: float) -> dict[str, Any]:
+def _probe(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float) -> dict[str, Any]:
     entry = spec.entrypoint if spec else None
     config = {
         "import_torch": not fast,
@@ -90,19 +92,51 @@ def run_preflight(inventory: Inventory, spec: JobSpec | None = None, *, known_ho
         for name, outcome in attempts.items():
             result, seconds = outcome if isinstance(outcome, tuple) else (outcome, 0.0)
             report.checks.append(_ssh_row(by_name[name], result, seconds))
-        _checks(report, connections, inventory, master, spec, collective=collective and not fast, fast=fast,
-                timeout=timeout)
+        run_collective = (lambda: collective_checks(connections, inventory, spec, timeout=timeout)) \
+            if collective and not fast else None
+        _checks(report, connections, inventory, master, spec, collective=run_collective, fast=fast, timeout=timeout)
     finally:
         for connection in connections.values():
             connection.close()
-    order = {h.name: i for i, h in enumerate(hosts)}
-    report.checks.sort(key=lambda c: order[c.host])  # stable: checks keep their phase order per host
+    _by_host(report, hosts)
     report.seconds = time.monotonic() - started
     return report
 
 
-def _checks(report: Report, connections: dict[str, Connection], inventory: Inventory, master: Host,
-            spec: JobSpec | None, *, collective: bool, fast: bool, timeout: float) -> None:
+def _by_host(report: Report, hosts: list[Host]) -> None:
+    order = {h.name: i for i, h in enumerate(hosts)}
+    report.checks.sort(key=lambda c: order[c.host])  # stable: checks keep their phase order per host
+
+
+def run_preflight_srun(allocation: Allocation, spec: JobSpec | None = None, *, timeout: float = 10.0) -> Report:
+    """The same checks between the nodes of the Slurm allocation this runs in, each command an srun step
+    (no SSH, no inventory): the job's nodes, or every node without a job. No collective yet."""
+    from harness.preflight.srun_link import SrunLink
+
+    started = time.monotonic()
+    if spec is not None and (error := allocation.too_small(spec.nnodes)) is not None:
+        raise error
+    names = allocation.nodes[: spec.nnodes] if spec is not None else allocation.nodes
+    hosts = allocation.hosts(names, spec)
+    inventory = Inventory(path=f"Slurm allocation {allocation.job_id}", hosts=hosts, master=hosts[0].name)
+    report = Report(
+        hosts=[{"name": h.name, "address": h.address, "master": i == 0} for i, h in enumerate(hosts)],
+        job=({"name": spec.name, "backend": spec.backend, "nnodes": spec.nnodes, "master_port": spec.master_port}
+             if spec else None),
+    )
+    if unused := allocation.nodes[len(names):]:
+        report.notes.append(f"not checked: {', '.join(unused)} (the job runs on {len(names)} nodes)")
+    report.notes.append(f"inside Slurm allocation {allocation.job_id}: every check ran as an srun step")
+    _checks(report, {h.name: SrunLink(allocation, h) for h in hosts}, inventory, hosts[0], spec, collective=None,
+            fast=False, timeout=timeout)
+    _by_host(report, hosts)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventory, master: Host,
+            spec: JobSpec | None, *, collective: Callable[[], list[Check]] | None, fast: bool,
+            timeout: float) -> None:
     probed = on_hosts(lambda name: _probe(connections[name], master, spec, fast, timeout), connections)
     facts = {name: answer for name, answer in probed.items() if isinstance(answer, dict)}
     for name, answer in probed.items():
@@ -129,9 +163,9 @@ def _checks(report: Report, connections: dict[str, Connection], inventory: Inven
     else:
         report.checks += [Check(name, "master_port", Status.SKIP, f"not tested: no probe of the master {master.name}")
                           for name in reachable]
-    if collective:
+    if collective is not None:
         if report.failures or len(reachable) < len(report.hosts):
             report.checks += [Check(h["name"], "collective", Status.SKIP, "not run: fix the failures above first")
                               for h in report.hosts]
         else:
-            report.checks += collective_checks(connections, inventory, spec, timeout=timeout)
+            report.checks += collective()
