@@ -144,10 +144,8 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
         "",
         *_warning_handler(spec),
         "# --kill-on-bad-exit: a node that fails ends the others (Slurm's default leaves them running).",
-        f'{srun} bash -c "$NODE_COMMAND" &',
-        "srun_pid=$!",
-        'wait "$srun_pid"; status=$?',
-        'while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; status=$?; done  # a signal ended the wait',
+        *(_srun_warned(spec, f'{srun} bash -c "$NODE_COMMAND"') if spec.slurm.warning else
+          [f'{srun} bash -c "$NODE_COMMAND"', "status=$?"]),
         *(_requeue_on_warning(most) if spec.slurm.warning else []),
         'if [ "$status" -ne 0 ]; then',
         '  echo "harness: job $SLURM_JOB_ID failed: srun exited $status; the failed node\'s torchrun report'
@@ -159,23 +157,43 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
 
 
 def _warning_handler(spec: JobSpec) -> list[str]:
-    """Slurm warns this script (SIGUSR1, `slurm.warning` s before the time limit); the training processes
-    get the signal, checkpoint and exit; a step that has not ended by half the warning time is ended."""
+    """Slurm warns this script (SIGUSR1, `slurm.warning` s before the time limit): the training processes
+    get the signal, checkpoint and exit; a step that has not ended after half the warning time is ended."""
     warning = spec.slurm.warning
     if not warning:
-        return ['srun_pid=""']
+        return []
     return [
         f"# The time-limit warning: Slurm sends SIGUSR1 to this script {warning} s before the limit.",
-        'warned=0 srun_pid=""',
+        'warned=0 srun_pid="" timer_pid=""',
         "on_warning() {",
         "  warned=1",
         f'  echo "harness: job $SLURM_JOB_ID: time limit in {warning} s: SIGUSR1 to the training processes'
         ' (checkpoint and exit), then a requeue" >&2',
         '  scancel --signal=USR1 "$SLURM_JOB_ID"  # every step\'s processes, not this script',
-        f'  {{ sleep {max(1, warning // 2)}; kill -TERM "$srun_pid" 2>/dev/null; }} &',
+        f"  sleep {max(1, warning // 2)} & timer_pid=$!",
         "}",
         "trap on_warning USR1",
         "",
+    ]
+
+
+def _srun_warned(spec: JobSpec, srun: str) -> list[str]:
+    """srun in the background, so that the warning's trap runs at once; the step is ended when the timer
+    the warning started runs out. Every process this script starts ends with it (no orphan is left)."""
+    return [
+        f"{srun} &",
+        "srun_pid=$!",
+        'wait "$srun_pid"; status=$?',
+        'while kill -0 "$srun_pid" 2>/dev/null; do  # the warning ended the wait',
+        '  if [ -n "$timer_pid" ] && ! kill -0 "$timer_pid" 2>/dev/null; then',
+        f'    echo "harness: the step did not end within {max(1, spec.slurm.warning // 2)} s of the warning: ending'
+        ' it" >&2',
+        '    kill -TERM "$srun_pid"; timer_pid=""',
+        "  fi",
+        "  wait -n; status=$?",
+        '  [ "$status" -ne 127 ] || break',
+        "done",
+        '[ -z "$timer_pid" ] || kill "$timer_pid" 2>/dev/null',
     ]
 
 

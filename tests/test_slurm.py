@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -280,9 +281,15 @@ def test_a_job_that_can_never_start_is_refused_before_submission(slurm_cluster, 
 
 
 def _release(cluster: SlurmCluster, run: Launch, job_id: int, requeues: int) -> None:
-    """A requeued job waits for its BeginTime (about 2 minutes); let the test's job start at once."""
+    """A requeued job waits for its BeginTime (about 2 minutes), so that its nodes are done with the last
+    run; the test lets it start once they are: no process of it left, and the clock two seconds on
+    (slurmd refuses, "Job N already killed", a launch in the second the job was killed in)."""
     run.wait_for(rf"Slurm job {job_id} was requeued \(restart {requeues}\)", timeout=120)
     cluster.wait_job(job_id, frozenset({"PENDING"}), timeout=60)
+    cluster.assert_no_job_processes(within=30)
+    pending = time.time()
+    while time.time() < math.floor(pending) + 2:
+        time.sleep(0.05)
     cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
 
