@@ -78,11 +78,12 @@ image-test: setup
 	tests/image/run.sh
 
 # Benchmarks (bench/): payload vs the seed recipe, DDP, launch overhead, preflight fan-out, failure
-# propagation; JSON under bench/results/, tables in docs/benchmarks.md. Root for the namespace hosts.
-bench: setup
+# propagation, recovery, Slurm; JSON under bench/results/, tables in docs/benchmarks.md. Root for the
+# namespace hosts; the Slurm cluster needs the test packages.
+bench: setup test-packages
 	$(BIN)/python -m bench --full
 
-bench-quick: setup
+bench-quick: setup test-packages
 	$(BIN)/python -m bench --quick
 
 # Re-pin the full dependency closure (pip and setuptools included) after changing a pin in pyproject.toml.

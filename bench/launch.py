@@ -109,12 +109,12 @@ def time_to_first_step(cfg: dict[str, Any]) -> dict[str, Any]:
             "harness_render_s": round(statistics.median(render), 2)}
 
 
-def _death(path: Path, watched: procs.Proc, timeout: float = 120) -> float:
-    """When the failing rank died, on this process's monotonic clock."""
+def died_at(path: Path, watched: procs.Proc | None = None, timeout: float = 120) -> float:
+    """When the failing rank died (it wrote the time to path), on this process's monotonic clock."""
     deadline = time.monotonic() + timeout
     while not path.exists() or not path.read_text():
-        if time.monotonic() > deadline or watched.proc.poll() is not None:
-            raise RuntimeError(f"no rank died within {timeout:g}s:\n{watched.output[-2000:]}")
+        if time.monotonic() > deadline or (watched is not None and watched.proc.poll() is not None):
+            raise RuntimeError(f"no rank died within {timeout:g}s:\n{watched.output[-2000:] if watched else ''}")
         time.sleep(0.01)
     return float(path.read_text()) - (time.time() - time.monotonic())
 
@@ -133,7 +133,7 @@ def failure_under_harness(tmp: Path, block: str, attempt: int, limit: float = 60
     env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "BLOCK": block, "DEATH_FILE": str(death)}
     job = write_job(tmp / f"fail-{block}.yaml", "script", "bench/ddp_fail.py", [], env)
     with harness_launch(job, tmp / "runs") as p:
-        died = _death(death, p)
+        died = died_at(death, p)
         gone = _all_gone(p.tag, {p.proc.pid}, died + limit)  # the controller itself is not a job process
         code = p.wait(timeout=limit)
         left = len(set(procs.tagged(p.tag)) - {p.proc.pid})
@@ -163,7 +163,7 @@ def failure_under_torchrun(tmp: Path, block: str, wait: float) -> dict[str, Any]
     env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "BLOCK": block, "DEATH_FILE": str(death)}
     agents = torchrun_by_hand(["bench/ddp_fail.py"], env | SHARE)
     try:
-        died = _death(death, agents[0])
+        died = died_at(death, agents[0])
         gone = _all_gone(agents[0].tag, set(), died + wait)
         left = len(procs.tagged(agents[0].tag))
         if gone is not None:

@@ -191,6 +191,18 @@ def _recovery(r: dict[str, Any]) -> list[str]:
     return lines + [f"Note: {n}" for n in r.get("notes", [])] + ([""] if r.get("notes") else [])
 
 
+def _slurm(s: dict[str, Any]) -> list[str]:
+    lines = [f"{s['cluster']}; median of {s['repeats']}. Submit to first step: {s['first_step_job']}.", ""]
+    lines += _table(["command", "submit to rank 0's first step, s (attempts)"],
+                    [[r["name"], f"{_num(r['first_step_s'], 2)} ({', '.join(_num(a, 2) for a in r['attempts_s'])})"]
+                     for r in s["first_step"]])
+    lines += ["", f"Rank death to job end: {s['failure_job']}.", ""]
+    rows = [[r["name"], _num(r["job_end_s"], 2) if r["job_end_s"] is not None else
+             f"still running after {r.get('bounded_wait_s')} s (cancelled)", _num(r["launcher_exit_s"], 2)
+             if r["launcher_exit_s"] is not None else "-"] for r in s["failure"]]
+    return lines + _table(["command", "death to the job's end in Slurm, s", "death to the harness's exit, s"], rows)
+
+
 SECTIONS = (
     ("throughput", "1. Payload throughput vs the seed recipe", _throughput),
     ("ddp", "2. DDP overhead", _ddp),
@@ -198,6 +210,7 @@ SECTIONS = (
     ("preflight", "4. Preflight fan-out", _preflight),
     ("failure", "5. Failure propagation", _failure),
     ("recovery", "6. Time to recover", _recovery),
+    ("slurm", "7. Slurm: submit to first step, rank death to job end", _slurm),
 )
 
 
@@ -224,7 +237,8 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
         "Measured side by side in one run: the payload against the seed recipe (bench/seed.py: fp32, PIL "
         "transforms through a DataLoader with a DistributedSampler), DDP against no DDP, `harness launch` against "
         "plain torchrun, preflight over 1 to 16 hosts, failure propagation against torchrun alone, and the time "
-        "a restarted run takes from a lost node to its next training step. "
+        "a restarted run takes from a lost node to its next training step, and Slurm: `harness launch --target slurm` "
+        "against plain sbatch. "
         "`make bench` is the full run (ResNet-18, repeats, 16 hosts); `make bench-quick` takes about a minute on "
         "2 cores (the small model, few steps, 1 and 4 hosts). Each run writes "
         "`bench/results/<time>-<host>-<profile>.json`; the tables below come from the latest of each. Shared or "

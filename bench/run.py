@@ -24,7 +24,7 @@ from bench import machine, procs, report
 
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
-NAMES = ("throughput", "ddp", "first_step", "preflight", "failure", "recovery")
+NAMES = ("throughput", "ddp", "first_step", "preflight", "failure", "recovery", "slurm")
 
 
 def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
@@ -54,14 +54,16 @@ def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
         "failure": {"blocks": ["sleep"] if quick else ["sleep", "collective"], "torchrun_wait": 3 if quick else 20,
                     "repeats": 1 if quick else 3},
         "recovery": {"ckpt_every": 10, "kill_at": 15, "repeats": 1 if quick else 3},
+        "slurm": {"repeats": 1 if quick else 3, "wait": 10 if quick else 30},
     }
 
 
 def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-    from bench import ddp, launch, preflight, recovery, throughput
+    from bench import ddp, launch, preflight, recovery, slurm, throughput
 
     return {"throughput": throughput.run, "ddp": ddp.run, "first_step": launch.time_to_first_step,
-            "preflight": preflight.run, "failure": launch.failure_propagation, "recovery": recovery.run}
+            "preflight": preflight.run, "failure": launch.failure_propagation, "recovery": recovery.run,
+            "slurm": slurm.run}
 
 
 def resolve_device(device: str) -> str:
