@@ -196,7 +196,7 @@ def _slurm(s: dict[str, Any]) -> list[str]:
     lines += _table(["command", "submit to rank 0's first step, s (attempts)"],
                     [[r["name"], f"{_num(r['first_step_s'], 2)} ({', '.join(_num(a, 2) for a in r['attempts_s'])})"]
                      for r in s["first_step"]])
-    lines += ["", f"Rank death to job end: {s['failure_job']}.", ""]
+    lines += [f"Rank death to job end: {s['failure_job']}.", ""]
     rows = [[r["name"], _num(r["job_end_s"], 2) if r["job_end_s"] is not None else
              f"still running after {r.get('bounded_wait_s')} s (cancelled)", _num(r["launcher_exit_s"], 2)
              if r["launcher_exit_s"] is not None else "-"] for r in s["failure"]]
