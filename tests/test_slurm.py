@@ -323,13 +323,41 @@ def test_warning_and_requeue_resume_and_end_bitwise_equal(slurm_cluster, launch_
 
 # --- inside an allocation: srun steps under the supervisor --------------------------------------------
 
-def in_allocation(cluster: SlurmCluster, nodes: int, job: Path | str, runs: Path, *flags: str) -> Streamed:
-    """`salloc --nodes=N harness launch JOB --target slurm`, as a user types it on a login node."""
-    return Streamed(["salloc", f"--nodes={nodes}", sys.executable, "-m", "harness.cli", "launch", str(job),
-                     "--target", "slurm", "--runs-dir", str(runs), *flags], env=cluster.env)
+def _descendants(pid: int) -> list[int]:
+    """Every living process below pid (salloc's command and the sruns it starts in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            children.setdefault(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(
+                int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
 
 
-def test_inside_an_allocation_the_nodes_run_as_srun_steps(slurm_cluster, write_yaml, tmp_path):
+@pytest.fixture
+def in_allocation():
+    """`salloc --nodes=N harness launch JOB --target slurm`, as a user types it on a login node; a test that
+    fails with it still running leaves none of its processes (salloc, the harness, its sruns) behind."""
+    started: list[Streamed] = []
+
+    def start(cluster: SlurmCluster, nodes: int, job: Path | str, runs: Path, *flags: str) -> Streamed:
+        started.append(Streamed(["salloc", f"--nodes={nodes}", sys.executable, "-m", "harness.cli", "launch",
+                                 str(job), "--target", "slurm", "--runs-dir", str(runs), *flags], env=cluster.env))
+        return started[-1]
+
+    yield start
+    for run in started:
+        for pid in [*_descendants(run.proc.pid), run.proc.pid] if run.proc.poll() is None else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        run.proc.wait()
+
+
+def test_inside_an_allocation_the_nodes_run_as_srun_steps(slurm_cluster, write_yaml, tmp_path, in_allocation):
     run = in_allocation(slurm_cluster, 2, sum_job(write_yaml, STEPS="10"), tmp_path / "runs")
     assert run.finish(timeout=240) == 0, run.output
     assert re.search(r"harness: run \S+: 2 node\(s\) x 1 process\(es\) on n1, n2, master "
@@ -341,7 +369,7 @@ def test_inside_an_allocation_the_nodes_run_as_srun_steps(slurm_cluster, write_y
     slurm_cluster.assert_no_job_processes()
 
 
-def test_inside_an_allocation_a_failure_and_ctrl_c_stop_every_step(slurm_cluster, write_yaml, tmp_path):
+def test_inside_an_allocation_a_failure_and_ctrl_c_stop_every_step(slurm_cluster, write_yaml, tmp_path, in_allocation):
     job = sum_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05", FAIL_RANK="1", FAIL_AT_STEP="20", HANG_AT_STEP="20")
     failed = in_allocation(slurm_cluster, 2, job, tmp_path / "runs")
     assert failed.finish(timeout=240) == 1, failed.output
@@ -357,7 +385,7 @@ def test_inside_an_allocation_a_failure_and_ctrl_c_stop_every_step(slurm_cluster
     slurm_cluster.assert_no_job_processes()
 
 
-def test_an_allocation_too_small_for_the_job_is_named(slurm_cluster, write_yaml, tmp_path):
+def test_an_allocation_too_small_for_the_job_is_named(slurm_cluster, write_yaml, tmp_path, in_allocation):
     run = in_allocation(slurm_cluster, 1, sum_job(write_yaml), tmp_path / "runs")
     assert run.finish(timeout=120) == 2, run.output
     assert re.search(r"harness: error: allocation \d+ has 1 node\(s\) \(n1\) but the job needs nnodes=2; ask for "
@@ -365,7 +393,7 @@ def test_an_allocation_too_small_for_the_job_is_named(slurm_cluster, write_yaml,
 
 
 def test_inside_an_allocation_a_spare_node_takes_over_and_the_run_ends_bitwise_equal(uninterrupted, slurm_cluster3,
-                                                                                      tmp_path):
+                                                                                      tmp_path, in_allocation):
     cluster = slurm_cluster3
     run = in_allocation(cluster, 3, payload_job(tmp_path / "job"), tmp_path / "runs")
     run.wait_for(KILL_AT, timeout=240)
