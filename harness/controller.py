@@ -314,9 +314,10 @@ def stop_run(run: RunDir, timeout: float) -> int:
         print(f"run {run.run_id} stopped")
         return EXIT_OK
     if state.scheduler_job is not None:  # the batch system owns the processes: it ends them
-        from harness.slurm_run import cancel_orphaned
+        from harness.backends.slurm import SlurmClient
 
-        done = cancel_orphaned(run, state)
+        SlurmClient().cancel(int(state.scheduler_job))
+        done = f"cancelled Slurm job {state.scheduler_job}"
     else:
         done = f"ended {len(kill_run_processes(run.run_id))} leftover process(es)"
     run.write_state(replace(state, status=RunStatus.STOPPED, ended_at=time.time()))

@@ -25,7 +25,6 @@ from harness.backends.base import Outcome
 from harness.backends.node_agent import start_ticks
 from harness.backends.slurm import SlurmClient, SlurmJob, task_outcomes
 from harness.controller import failure_of, finish, node_result, say, stopped_status
-from harness.errors import HarnessError
 from harness.plan import NodePlan, resolve_nproc
 from harness.recovery import attempt_failures, attempt_kind
 from harness.runs import Attempt, ControllerId, RunDir, RunState, RunStatus, create_run_dir, run_dir, write_text_atomic
@@ -67,8 +66,8 @@ class _Attempt:
     """One run of the batch script (the first, then one per requeue)."""
 
     number: int
-    batch_offset: int  # where this attempt's lines begin in the appended batch log
     started: float | None = None
+    batch_lines: list[str] = field(default_factory=list)  # the script's own output in this attempt (srun's report)
     records: list[NodeRecord] = field(default_factory=list)
     tails: list[_Tail] = field(default_factory=list)
 
@@ -80,7 +79,7 @@ class _Follower:
         self.client, self.run, self.state, self.job_id, self.out = client, run, state, job_id, out
         self.nproc = state.world_size // state.nnodes
         self.batch = _Tail(batch_log(run.path, job_id))
-        self.current = _Attempt(0, 0)
+        self.current = _Attempt(0)
         self.attempts: list[Attempt] = []
         self.cancelled = False
         self.reason: str | None = None
@@ -143,6 +142,7 @@ class _Follower:
                 record.tail.append(line)
                 self._print(f"[{record.node.label}] {line}")
         for line in self.batch.rest() if final else self.batch.lines():
+            self.current.batch_lines.append(line)
             self._print(f"[slurm] {line}")
 
     def _print(self, line: str) -> None:
@@ -154,17 +154,17 @@ class _Follower:
         say(self.out, f"Slurm job {self.job_id} was requeued (restart {job.restarts}): the next attempt resumes "
                       f"from the newest checkpoint")
         self.attempts.append(self._attempt_record(None, requeued=True))
-        self.current = _Attempt(job.restarts, self.batch.offset)
+        self.current = _Attempt(job.restarts)
 
     def _ended(self, job: SlurmJob) -> Attempt | None:
         return None if self.current.started is None else self._attempt_record(job, requeued=False)
 
-    def _attempt_record(self, job: SlurmJob | None, *, requeued: bool, stopped: bool = False) -> Attempt:
+    def _attempt_record(self, job: SlurmJob | None, *, requeued: bool) -> Attempt:
         """The attempt's nodes and failures. srun reports the tasks that did not succeed, the first failure
         first; the nodes it ended after that (--kill-on-bad-exit) are not failures. job: None when requeued."""
         attempt = self.current
         ended = time.time()
-        outcomes = task_outcomes(_read_from(self.batch.path, attempt.batch_offset))
+        outcomes = task_outcomes(attempt.batch_lines)
         order = list(outcomes)
         state = job.state if job is not None else "REQUEUED"
         for record in attempt.records:
@@ -192,15 +192,6 @@ class _Follower:
             ended_at=ended, nodes=[node_result(r, self.run, attempt.number) for r in attempt.records],
             failures=failures, kind=attempt_kind(found) if failures else None, down=[], preflight_s=0.0,
         )
-
-
-def _read_from(path: Path, offset: int) -> list[str]:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            handle.seek(offset)
-            return handle.read().splitlines()
-    except FileNotFoundError:
-        return []
 
 
 def launch(client: SlurmClient, spec: JobSpec, spec_path: Path, runs_root: Path, run_id: str,
@@ -238,11 +229,3 @@ def launch(client: SlurmClient, spec: JobSpec, spec_path: Path, runs_root: Path,
             signal.signal(sig, handler)
     attempts = follower.attempts + ([last] if last is not None else [])
     return finish(run, follower.state, attempts, stop, follower.reason, out)
-
-
-def cancel_orphaned(run: RunDir, state: RunState, client: SlurmClient | None = None) -> str:
-    """`harness stop` when the following controller is gone: the job is Slurm's, so cancel it there."""
-    if state.scheduler_job is None:
-        raise HarnessError(f"run {run.run_id} has no Slurm job id recorded")
-    (client or SlurmClient()).cancel(int(state.scheduler_job))
-    return f"cancelled Slurm job {state.scheduler_job}"

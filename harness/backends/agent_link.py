@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+import subprocess
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from harness.backends.base import NodeProcess, Outcome
@@ -121,3 +122,26 @@ class AgentNode(ABC):
 
     def kill(self) -> None:
         self._word("KILL")
+
+
+class ChildAgentNode(AgentNode):
+    """The agent behind a child process's pipes: the agent itself (local), or srun carrying a remote one.
+    The child runs in a session of its own, so a Ctrl-C in the terminal reaches only the controller."""
+
+    def __init__(self, node: NodePlan, argv: list[str], env: Mapping[str, str]) -> None:
+        super().__init__(node)
+        self._proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _lines(self) -> Iterable[bytes]:
+        assert self._proc.stdout is not None
+        return self._proc.stdout
+
+    def _send(self, data: bytes) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
+
+    def _child_ended(self) -> str:
+        """Wait for the child; how it ended, in words."""
+        return Outcome.from_returncode(self._proc.wait()).describe()

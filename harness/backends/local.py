@@ -8,13 +8,11 @@ that pipe and the agent stops its node, as an SSH host's agent does when its con
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
-from harness.backends.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
-from harness.backends.base import NodeProcess, Outcome
+from harness.backends.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
+from harness.backends.base import NodeProcess
 from harness.backends.node_agent import kill_run_processes
 from harness.errors import UsageError
 from harness.plan import NodePlan, Plan, plan_local
@@ -37,28 +35,14 @@ def check_local_entrypoint(spec: JobSpec, workdir: Path) -> None:
                          f"directory harness is run from)")
 
 
-class LocalAgentNode(AgentNode):
-    """The agent as a child process in a session of its own (a Ctrl-C in the terminal reaches only the
-    controller, which then stops the nodes in order)."""
+class LocalAgentNode(ChildAgentNode):
+    """The agent as a child process of the controller."""
 
     def __init__(self, node: NodePlan, grace: float, silence: float, python: str) -> None:
-        super().__init__(node)
-        self._proc = subprocess.Popen(
-            agent_argv(python, node, grace, silence), env=os.environ | agent_env(node), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def _lines(self) -> Iterable[bytes]:
-        assert self._proc.stdout is not None
-        return self._proc.stdout
-
-    def _send(self, data: bytes) -> None:
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(data)
-        self._proc.stdin.flush()
+        super().__init__(node, agent_argv(python, node, grace, silence), os.environ | agent_env(node))
 
     def _wait_agent(self) -> str:
-        how = Outcome.from_returncode(self._proc.wait()).describe()
+        how = self._child_ended()
         return f"node agent (pid {self._proc.pid}) ended with {how} without reporting the node's end"
 
     def _agent_lost(self) -> None:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.backends.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
-from harness.backends.base import NodeProcess, Outcome
+from harness.backends.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
+from harness.backends.base import NodeProcess
 from harness.backends.slurm import SlurmClient
 from harness.errors import UsageError
 from harness.inventory import Host
@@ -47,32 +46,19 @@ def _ipv4(name: str, address: str) -> str:
     return ip
 
 
-class SrunAgentNode(AgentNode):
-    """The agent as the one task of an srun step on its node; srun is a child in a session of its own."""
+class SrunAgentNode(ChildAgentNode):
+    """The agent as the one task of an srun step on its node; srun is the controller's child."""
 
     def __init__(self, node: NodePlan, allocation: Allocation, grace: float, silence: float, python: str) -> None:
-        super().__init__(node)
         # The agent's identity goes to the task only: srun itself, on this machine, must not look like a
         # process of the node to a sweep (the agent sweeps its node's processes when it ends).
         identity = ",".join(f"{key}={value}" for key, value in agent_env(node).items())
         srun = allocation.step(node.host, f"--job-name={node.env['HARNESS_RUN_ID']}-node{node.node_rank}",
                                f"--export=ALL,{identity}")
-        self._proc = subprocess.Popen(
-            [*srun, *agent_argv(python, node, grace, silence)], env=os.environ,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def _lines(self) -> Iterable[bytes]:
-        assert self._proc.stdout is not None
-        return self._proc.stdout
-
-    def _send(self, data: bytes) -> None:
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(data)
-        self._proc.stdin.flush()
+        super().__init__(node, [*srun, *agent_argv(python, node, grace, silence)], os.environ)
 
     def _wait_agent(self) -> str:
-        how = Outcome.from_returncode(self._proc.wait()).describe()
+        how = self._child_ended()
         return f"srun step on {self.node.host} ended ({how}) without the node's end: the node or its step is gone"
 
     def _agent_lost(self) -> None:
