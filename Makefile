@@ -7,8 +7,9 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # System packages the tests need: sshd, network namespaces and firewalls for the multi-host cluster.
 APT_PACKAGES := openssh-server openssh-client iproute2 iptables
-# Only the tests need these: the Slurm cluster of tests/slurm_cluster.py (daemons started by the tests, never at boot).
-TEST_APT_PACKAGES := slurmctld slurmd slurm-client munge
+# Only the tests need these: the Slurm cluster of tests/slurm_cluster.py (daemons started by the tests, never at
+# boot); buildah and debootstrap build the image (tests/image/), podman runs it on the namespace hosts.
+TEST_APT_PACKAGES := slurmctld slurmd slurm-client munge buildah debootstrap podman runc conmon catatonit
 JOB ?=
 HOSTS ?=
 
@@ -17,28 +18,32 @@ REGISTRY ?= ghcr.io/example
 IMAGE ?= harness
 TAG ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' harness/__init__.py)
 IMAGE_FLAGS ?=
-# The real image test builds and runs the image with buildah (no daemon) on a debootstrap base.
-IMAGE_TEST_PACKAGES := buildah debootstrap
 
 .PHONY: setup system-packages test-packages lint test launch render k8s image push image-test bench bench-quick lock clean
 
 setup: system-packages $(STAMP)
 
 system-packages:
-	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(APT_PACKAGES); do [ "$$(dpkg-query -W -f='$${db:Status-Status}' $$p 2>/dev/null)" = installed ] || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:" $$missing; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
-# The packages enable their services for boot (S links in /etc/rc[2-5].d, systemd multi-user wants
-# links); the tests start their own daemons, so the services this installs are disabled again.
+# The packages enable their services for boot (S links in /etc/rc[2-5].d, systemd wants links, e.g.
+# podman.socket); the tests start their own daemons, so the services this installs are disabled again
+# (and stopped, where systemd runs).
 test-packages:
-	@missing=$$(for p in $(TEST_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(TEST_APT_PACKAGES); do [ "$$(dpkg-query -W -f='$${db:Status-Status}' $$p 2>/dev/null)" = installed ] || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing test packages:" $$missing; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing && \
-	  for p in $$missing; do [ ! -e /etc/init.d/$$p ] || $(SUDO) update-rc.d $$p disable || exit 1; done; \
+	  for p in $$missing; do \
+	    [ ! -e /etc/init.d/$$p ] || $(SUDO) update-rc.d $$p disable || exit 1; \
+	    units=$$(dpkg -L $$p | sed -n 's|^/lib/systemd/system/\([^/@]*\.\(service\|socket\|timer\)\)$$|\1|p'); \
+	    [ -z "$$units" ] || $(SUDO) systemctl --root=/ --quiet disable $$units || exit 1; \
+	    [ -z "$$units" ] || [ ! -d /run/systemd/system ] || $(SUDO) systemctl stop $$units || exit 1; \
+	  done; \
 	fi
 
 $(STAMP): pyproject.toml requirements.lock
@@ -71,10 +76,10 @@ image:
 push: image
 	docker/image.sh push $(REGISTRY)/$(IMAGE):$(TAG)
 
-# Build docker/Dockerfile for real and run jobs/smoke.yaml inside the image (root; ~7 min cold,
-# ~30 s warm; cache in /var/tmp/harness-image-cache, `rm -rf` it to reset).
-image-test: setup
-	@$(MAKE) --no-print-directory system-packages APT_PACKAGES="$(IMAGE_TEST_PACKAGES)"
+# Build docker/Dockerfile for real (buildah, on a debootstrap base) and run jobs/smoke.yaml inside the
+# image, with buildah and with podman (root; ~7 min cold, ~1 min warm; cache in
+# /var/tmp/harness-image-cache, `rm -rf` it to reset; `make test` builds the same image).
+image-test: setup test-packages
 	tests/image/run.sh
 
 # Benchmarks (bench/): payload vs the seed recipe, DDP, launch overhead, preflight fan-out, failure
