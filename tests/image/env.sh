@@ -9,6 +9,8 @@ export TMPDIR="$CACHE/tmp"
 mkdir -p "$TMPDIR"
 # The test base: Debian bookworm with its Python 3.11, made by debootstrap (base.sh).
 BASE_REPO=localhost/harness-image-test-base
+# What build.sh makes from docker/Dockerfile.
+IMAGE=localhost/harness:image-test
 
 BUILDAH=(buildah --root "$CACHE/storage" --runroot "$CACHE/run" --storage-driver overlay)
 bah() {
