@@ -153,7 +153,7 @@ def plan_local(
     (torchrun sets 1 only for nodes with several workers; a job's env still wins). log_dir keeps
     torchrun's per-worker files inside the run directory instead of /tmp.
     """
-    if spec.container:
+    if spec.container is not None:
         raise UsageError("container: true runs nodes in the image over SSH (--hosts); simulated nodes run "
                          "here directly (or run harness itself in the image, see README)")
     nproc = resolve_nproc(spec, [local_gpus] * spec.nnodes, ["this machine"] * spec.nnodes)

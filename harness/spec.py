@@ -259,12 +259,32 @@ class Slurm(StrictModel):
     extra: list[Annotated[str, PlainValidator(_sbatch_line)]] = Field(default_factory=list)
 
 
+class Container(StrictModel):
+    """How every node runs inside `image` over SSH. engine: the CLI on the hosts (docker | podman);
+    each host needs it, the image (same digest everywhere: preflight checks) and, for GPUs, the
+    NVIDIA container toolkit (docker) or its CDI spec (podman)."""
+
+    engine: Literal["docker", "podman"] = "docker"
+
+
+def _container(value: Any) -> Any:
+    """`container: true` is the docker default and `false` none; a mapping chooses the engine."""
+    if value is True:
+        return {}
+    if value is False or value is None:
+        return None
+    if isinstance(value, dict):
+        return value
+    raise ValueError(f"expected true, false or a mapping such as {{engine: podman}}, got {short_repr(value)}")
+
+
 class JobSpec(StrictModel):
     """A distributed job. Field names are a public contract: other tools and tests write them.
 
-    container: over SSH, run every node's torchrun inside `image` (docker run), so that every host
-    runs identical software whatever it has installed. data_paths: files or directories (relative
-    to each node's workdir) that every node needs; preflight checks they exist and are identical.
+    container: over SSH, run every node's torchrun inside `image` (`docker run`, or podman with
+    `container: {engine: podman}`), so that every host runs identical software whatever it has
+    installed. data_paths: files or directories (relative to each node's workdir) that every node
+    needs; preflight checks they exist and are identical.
     """
 
     name: str
@@ -282,7 +302,7 @@ class JobSpec(StrictModel):
     # Kept only to point a spec that still uses it at `restarts` (see _removed_max_restarts).
     max_restarts: Annotated[None, PlainValidator(_removed_max_restarts)] = None
     timeouts: Timeouts = Field(default_factory=Timeouts)
-    container: bool = False
+    container: Annotated[Container | None, BeforeValidator(_container)] = None
     data_paths: list[str] = Field(default_factory=list)
     _source: str | None = PrivateAttr(default=None)
 
@@ -307,8 +327,8 @@ class JobSpec(StrictModel):
 
     @field_validator("container")
     @classmethod
-    def _container_needs_image(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("image") is None:
+    def _container_needs_image(cls, value: Container | None, info: ValidationInfo) -> Container | None:
+        if value is not None and info.data.get("image") is None:
             raise ValueError("container: true runs every node in `image:`; set image (e.g. registry/harness:0.1.0)")
         return value
 

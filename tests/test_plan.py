@@ -153,6 +153,35 @@ def test_container_jobs_run_torchrun_in_the_image(write_yaml):
     assert "# after a forced stop: docker rm --force harness-golden-run-node1" in render_text(plan)
 
 
+def test_podman_runs_the_same_plan_with_its_own_gpu_flag(write_yaml):
+    """Only the engine's name and its GPU flag differ; a host without GPUs gets no GPU flag at all."""
+    text = JOB.format(nnodes=2, nproc=1, rdzv="static") + "image: r.example/h:1\ncontainer: {engine: podman}\n"
+    plan = SSHBackend(load_inventory(write_yaml(HOSTS, "hosts.yaml"))).plan(load_job(write_yaml(text)), "golden-run")
+    node = plan.nodes[1]
+    assert node.argv[:3] == ("podman", "run", "--rm") and "--device=nvidia.com/gpu=all" in node.argv
+    assert "--gpus=all" not in node.argv and "--ulimit=memlock=-1" in node.argv
+    assert node.cleanup == ("podman", "rm", "--force", "harness-golden-run-node1")
+    cpu_hosts = write_yaml(HOSTS.replace("gpus: 2", "gpus: 0"), "cpu.yaml")
+    cpu_node = SSHBackend(load_inventory(cpu_hosts)).plan(load_job(write_yaml(text)), "golden-run").nodes[1]
+    assert not [a for a in cpu_node.argv if a.startswith(("--device", "--gpus", "--ulimit"))]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{engine: lxc}", "container.engine: Input should be 'docker' or 'podman'"),
+    ("sometimes", "container: expected true, false or a mapping such as {engine: podman}, got 'sometimes'"),
+    ("{engine: podman, gpus: 1}", "container.gpus: unknown key 'gpus'; expected one of: engine"),
+])
+def test_bad_container_settings_name_the_key(write_yaml, value, message):
+    text = JOB.format(nnodes=1, nproc=1, rdzv="static") + f"image: r/h:1\ncontainer: {value}\n"
+    result = harness("render", str(write_yaml(text)))
+    assert result.returncode == 2 and "job.yaml:13:" in result.stderr and message in result.stderr, result.stderr
+
+
+def test_container_false_is_no_container(write_yaml):
+    text = JOB.format(nnodes=1, nproc=1, rdzv="static") + "container: false\n"
+    assert load_job(write_yaml(text)).container is None
+
+
 def test_container_needs_an_image_and_hosts(write_yaml):
     from harness.errors import SpecError
 

@@ -1,4 +1,5 @@
-"""`docker run` for a node whose host runs the job inside the image (an SSH cluster, `container: true`).
+"""`docker run` (or `podman run`) for a node whose host runs the job inside the image (an SSH cluster,
+`container: true`, or `container: {engine: podman}`).
 
 Pure: the SSH backend wraps every planned node with `in_containers`; nothing runs here.
 Every node then runs the same image, so the same torch, CUDA and NCCL, whatever the host has.
@@ -17,11 +18,16 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
+from typing import Literal
 
 from harness.errors import UsageError
 from harness.plan import Plan
 from harness.spec import QUANTITY, JobSpec
 
+Engine = Literal["docker", "podman"]
+# All GPUs: docker through the NVIDIA container toolkit's runtime hook, podman through the toolkit's
+# CDI spec (`nvidia-ctk cdi generate`; podman ignores --gpus).
+GPU_FLAG: dict[str, str] = {"docker": "--gpus=all", "podman": "--device=nvidia.com/gpu=all"}
 RUN_ID_LABEL = "harness.run-id"
 NODE_RANK_LABEL = "harness.node-rank"
 # docker's rule for container names.
@@ -52,7 +58,7 @@ def container_name(run_id: str, node_rank: int) -> str:
     return name
 
 
-def remove_argv(run_id: str, node_rank: int, engine: str = "docker") -> list[str]:
+def remove_argv(run_id: str, node_rank: int, engine: Engine = "docker") -> list[str]:
     """Stops (SIGKILL) and removes the node's container; a no-op error if it is already gone."""
     return [engine, "rm", "--force", container_name(run_id, node_rank)]
 
@@ -99,7 +105,7 @@ def container_argv(
     shm_size: str | None = None,
     mounts: Sequence[Mount] = (),
     user: str | None = None,
-    engine: str = "docker",
+    engine: Engine = "docker",
 ) -> list[str]:
     """The `docker run` command line that runs argv (e.g. python -m torch.distributed.run ...) in image.
 
@@ -122,8 +128,9 @@ def container_argv(
         "--network=host",
     ]
     if gpus:
-        # NVIDIA's recommendation for NCCL: pinned (page-locked) memory without a size cap.
-        args += ["--gpus=all", "--ulimit=memlock=-1"]
+        # Only where the host has GPUs: docker refuses --gpus without the NVIDIA runtime, and an engine
+        # that may not raise memlock refuses the ulimit. Pinned memory without a cap is NVIDIA's advice for NCCL.
+        args += [GPU_FLAG[engine], "--ulimit=memlock=-1"]
     args.append(f"--shm-size={shm_bytes(shm_size)}" if shm_size is not None else "--ipc=host")
     all_mounts = list(mounts)
     if workdir is not None:
@@ -139,11 +146,14 @@ def container_argv(
 def in_containers(plan: Plan, spec: JobSpec) -> Plan:
     """Every node of a host plan run inside spec.image: the image's interpreter in place of the host's,
     the same torchrun arguments and env, and the container's removal as the node's cleanup."""
-    assert spec.image is not None
+    assert spec.image is not None and spec.container is not None
+    engine = spec.container.engine
     nodes = []
     for node in plan.nodes:
         assert node.ssh is not None
         argv = container_argv(spec.image, ["python", *node.argv[1:]], node.env, node.ssh.workdir, plan.run_id,
-                              node_rank=node.node_rank, gpus=bool(node.ssh.gpus), shm_size=spec.resources.shm_size)
-        nodes.append(replace(node, argv=tuple(argv), cleanup=tuple(remove_argv(plan.run_id, node.node_rank))))
+                              node_rank=node.node_rank, gpus=bool(node.ssh.gpus), shm_size=spec.resources.shm_size,
+                              engine=engine)
+        cleanup = remove_argv(plan.run_id, node.node_rank, engine)
+        nodes.append(replace(node, argv=tuple(argv), cleanup=tuple(cleanup)))
     return replace(plan, nodes=tuple(nodes))

@@ -3,7 +3,7 @@
 The agent is sent as source and run with the host's own Python, so hosts need no harness install.
 One SSH session channel per node carries the node's output back, the controller's TERM/KILL words
 there, and the node's exit code back again; a dropped connection closes the agent's stdin, and the
-agent stops its node. `container: true` wraps every node in `docker run` (container.py).
+agent stops its node. `container:` wraps every node in `docker run` or `podman run` (container.py).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class SSHBackend:
         hosts = job_hosts(spec, self.inventory, down)
         plan = plan_hosts(spec, hosts, run_id=run_id, master_ip=resolve_master_ip(self.inventory, hosts[0]),
                           attempt=attempt)
-        return in_containers(plan, spec) if spec.container else plan
+        return in_containers(plan, spec) if spec.container is not None else plan
 
     def check(self, plan: Plan, spec: JobSpec) -> None:
         """Preflight's fast checks on the plan's hosts (no torch import, no collective)."""
