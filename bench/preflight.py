@@ -10,12 +10,10 @@ grows with k, which real hosts (each with its own CPUs) do not.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,14 +27,7 @@ GIB_PER_HOST = 0.7  # a full probe imports torch on every host at once (about 0.
 
 def cluster_module() -> ModuleType:
     """tests/cluster.py, the namespace-cluster library the tests use (it needs root, iproute2, sshd)."""
-    name = "harness_tests_cluster"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, procs.REPO / "tests" / "cluster.py")
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return procs.tests_module("cluster")
 
 
 def machine_cpu_s() -> float:

@@ -13,27 +13,16 @@ network namespaces on this machine (tests/slurm_cluster.py; needs root and `make
 
 from __future__ import annotations
 
-import importlib
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from bench import procs
 from bench.launch import FIRST_STEP, PAYLOAD_ARGS, died_at, write_job
 from harness.slurm import batch_script
 from harness.spec import load_job
-
-
-def _slurm_cluster_module() -> ModuleType:
-    """tests/slurm_cluster.py, the Slurm cluster the tests build (it imports tests/cluster.py as `cluster`)."""
-    tests = str(procs.REPO / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    return importlib.import_module("slurm_cluster")
 
 
 def _job(path: Path, kind: str, target: str, args: list[str], env: dict[str, str]) -> Path:
@@ -79,7 +68,7 @@ def _first_step_harness(env: dict[str, str], job: Path, tmp: Path) -> float:
 
 def _job_end(cluster: Any, job_id: int, until: float) -> float | None:
     while time.monotonic() < until:
-        if cluster.job_state(job_id) in _slurm_cluster_module().FINISHED:
+        if cluster.job_state(job_id) in procs.tests_module("slurm_cluster").FINISHED:
             return time.monotonic()
         time.sleep(0.02)
     return None
@@ -127,7 +116,7 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    module = _slurm_cluster_module()
+    module = procs.tests_module("slurm_cluster")
     reason = module.missing_support()
     if reason:
         raise RuntimeError(f"no Slurm cluster on this machine: {reason}")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import podman_config
 import pytest
 import yaml
 
@@ -67,6 +68,22 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def _keygen(path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "harness-test", "-f", str(path)], check=True)
+
+
+def _cgroup_mounts() -> str:
+    """Shell steps that mount the machine's cgroup hierarchies again in a host's own mount namespace.
+
+    `ip netns exec` mounts a fresh /sys, without /sys/fs/cgroup, and runc cannot start a container
+    without the cgroup mounts (`no cgroup mount found in mountinfo`).
+    """
+    steps = []
+    for line in Path("/proc/1/mounts").read_text().splitlines():
+        source, target, kind, options = line.split()[:4]
+        if target == "/sys/fs/cgroup" and kind == "tmpfs":
+            steps.insert(0, f"&& mount -t tmpfs -o {options} {source} {target} ")
+        elif target.startswith("/sys/fs/cgroup/") and kind in ("cgroup", "cgroup2"):
+            steps.append(f"&& mkdir -p {target} && mount -t {kind} -o {options} {source} {target} ")
+    return "".join(steps)
 
 
 def missing_support() -> str | None:
@@ -118,10 +135,13 @@ def _wait_port(address: str, port: int, process: subprocess.Popen[bytes], log: P
 class Cluster:
     """K namespace hosts named h1..hK at 10.250.N.11.., reachable from the root namespace at .1."""
 
-    def __init__(self, size: int, *, workdir: Path = REPO, python: str = sys.executable) -> None:
+    def __init__(self, size: int, *, workdir: Path = REPO, python: str = sys.executable,
+                 image_store: Path | None = None) -> None:
+        """image_store: give every host a podman (podman_config.py) that sees this image store."""
         self.size = size
         self.workdir = workdir
         self.python = python
+        self.image_store = image_store
         self.tag = f"hx{os.getpid()}n{next(_names)}"
         self.bridge = f"{self.tag}b"
         self.prefix = ""
@@ -131,6 +151,10 @@ class Cluster:
         self.known_hosts = self.dir / "known_hosts"
         self._stack = contextlib.ExitStack()
         self._stack.callback(shutil.rmtree, self.dir, ignore_errors=True)
+        # The hosts' podman state, at a short path (see podman_config.storage_conf).
+        self.podman_dir = Path(tempfile.mkdtemp(prefix=self.tag)) if image_store is not None else None
+        if self.podman_dir is not None:
+            self._stack.callback(shutil.rmtree, self.podman_dir, ignore_errors=True)
         self._children: list[tuple[str, subprocess.Popen[bytes]]] = []  # (netns, process) started here
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -181,6 +205,8 @@ class Cluster:
         self._stack.callback(self._remove_etc, etc)
         # `ip netns exec` bind-mounts the files here over /etc: DNS goes to loopback only (hosts: see _build).
         (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        if self.podman_dir is not None:
+            podman_config.write(etc / "containers", self.podman_dir / name, self.image_store)
         key = self.dir / f"{name}_host_key"
         _keygen(key)
         public = " ".join(key.with_suffix(".pub").read_text().split()[:2])
@@ -205,7 +231,7 @@ class Cluster:
         # sshd needs /run/sshd; a tmpfs on /run in the host's own mount namespace avoids touching the machine's.
         script = (
             f"hostname {host.name} && mount -t tmpfs -o mode=755 harness-run /run && mkdir -m 755 /run/sshd "
-            f"&& exec {SSHD} -D -e -f {config}"
+            f"{_cgroup_mounts() if self.image_store is not None else ''}&& exec {SSHD} -D -e -f {config}"
         )
         with log.open("wb") as out:
             host.sshd = subprocess.Popen(
@@ -285,6 +311,13 @@ class Cluster:
                                    stderr=subprocess.DEVNULL, start_new_session=True)
         self._children.append((netns, process))
         return process
+
+    def podman(self, host: NsHost | str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run podman on a host exactly as its SSH sessions do (in sshd's mount namespace: its /run, its cgroups)."""
+        sshd = (host if isinstance(host, NsHost) else self.host(host)).sshd
+        assert sshd is not None and self.image_store is not None
+        return subprocess.run(["nsenter", "-t", str(sshd.pid), "-m", "-u", "-n", "podman", *args],
+                              capture_output=True, text=True, timeout=timeout, check=True)
 
     def pids(self, host: NsHost | str) -> list[int]:
         """Every process in a host's namespace (its sshd included)."""

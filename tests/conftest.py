@@ -192,6 +192,12 @@ def launch(tmp_path):
         run.cleanup()
 
 
+def stragglers_s(summary: dict) -> float:
+    """How long the last node ran on after the first failure ended its node (from summary.json)."""
+    first_end = summary["started_at"] + summary["first_failure"]["after_s"]
+    return max(summary["started_at"] + n["duration_s"] for n in summary["nodes"]) - first_end
+
+
 def assert_nothing_left(run_id: str, within: float = 5.0) -> None:
     """No process of the run within `within` seconds (nodes are reaped asynchronously, even when done)."""
     deadline = time.monotonic() + within

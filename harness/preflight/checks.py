@@ -40,7 +40,7 @@ def fingerprint_of(facts: Facts) -> dict[str, str]:
     return values
 
 
-def _reference(values: list[str], master_value: str | None) -> str:
+def majority(values: list[str], master_value: str | None) -> str:
     """What most hosts have; on a tie, what the master has."""
     counts = Counter(values).most_common()
     tied = [value for value, count in counts if count == counts[0][1]]
@@ -52,7 +52,7 @@ def fingerprint_checks(facts: dict[str, Facts],
     """Per host: torch present, entrypoint found, and every fingerprint field equal across hosts."""
     prints = {host: fingerprint_of(f) for host, f in facts.items()}
     mismatched = [field for field in FINGERPRINT if len({p[field] for p in prints.values()}) > 1]
-    reference = {field: _reference([p[field] for p in prints.values()], prints.get(master, {}).get(field))
+    reference = {field: majority([p[field] for p in prints.values()], prints.get(master, {}).get(field))
                  for field in mismatched}
     checks = []
     for host, values in prints.items():
@@ -143,7 +143,7 @@ def data_checks(facts: dict[str, Facts], paths: list[str], master: str) -> list[
     for path in paths:
         found = {host: f["data"].get(path, {"exists": False}) for host, f in facts.items()}
         present = {host: d for host, d in found.items() if d["exists"]}
-        reference = _reference([d["digest"] for d in present.values()], present.get(master, {}).get("digest")) \
+        reference = majority([d["digest"] for d in present.values()], present.get(master, {}).get("digest")) \
             if present else None
         for host, data in found.items():
             if not data["exists"]:

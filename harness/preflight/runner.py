@@ -19,6 +19,7 @@ from harness.plan import job_hosts
 from harness.preflight import probe
 from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
 from harness.preflight.collective import collective_checks
+from harness.preflight.engine import InImage, image_checks
 from harness.preflight.ports import network_checks
 from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, on_hosts, run_script
 from harness.preflight.report import Check, Report, Status
@@ -137,12 +138,18 @@ def run_preflight_srun(allocation: Allocation, spec: JobSpec | None = None, *, t
 def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventory, master: Host,
             spec: JobSpec | None, *, collective: Callable[[], list[Check]] | None, fast: bool,
             timeout: float) -> None:
-    probed = on_hosts(lambda name: _probe(connections[name], master, spec, fast, timeout), connections)
+    probe_links: Mapping[str, Link] = connections
+    fix = "set `python:` in the inventory to an interpreter that runs on the host"
+    if spec is not None and spec.container is not None:
+        rows, ready = image_checks(connections, spec, master.name, timeout)
+        report.checks += rows
+        probe_links = {name: InImage(connections[name], spec, i) for i, name in enumerate(ready)}
+        fix = f"`{spec.container.engine} run --rm --entrypoint python {spec.image} --version` on the host says why"
+    probed = on_hosts(lambda name: _probe(probe_links[name], master, spec, fast, timeout), probe_links)
     facts = {name: answer for name, answer in probed.items() if isinstance(answer, dict)}
     for name, answer in probed.items():
         if not isinstance(answer, dict):
-            report.checks.append(Check(name, "fingerprint", Status.FAIL, f"probe failed: {answer}",
-                                       "set `python:` in the inventory to an interpreter that runs on the host"))
+            report.checks.append(Check(name, "fingerprint", Status.FAIL, f"probe failed: {answer}", fix))
     report.facts = facts
     rows, report.fingerprint, report.mismatched = fingerprint_checks(facts, master.name)
     report.checks += rows

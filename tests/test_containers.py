@@ -1,0 +1,248 @@
+"""Container jobs for real: podman on every namespace host, the image docker/Dockerfile builds
+(podman_config.image_store), torchrun and gloo inside it.
+
+Each host's podman sees the build's image store read-only (tests/podman_config.py says why podman),
+so a host "without the image" is one whose storage.conf drops that store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import podman_config
+import pytest
+from podman_config import IMAGE, image_store
+
+from harness.preflight.engine import ImageFacts, engine_row, image_facts, inspect_command
+from harness.preflight.report import Status
+from harness.ssh import CommandResult
+
+from cluster import Cluster, missing_support, namespace_cluster
+from conftest import SCRIPT, STOP_GRACE, assert_nothing_left, free_port, harness, stragglers_s, worker_pid
+
+
+@pytest.fixture(scope="module")
+def podman_cluster() -> Iterator[Cluster]:
+    """Two hosts with podman and the image, and a workdir the image's uid 1000 may write to."""
+    if reason := missing_support():
+        pytest.skip(reason)
+    for tool in ("podman", "buildah", "debootstrap", "nsenter"):
+        assert shutil.which(tool), f"{tool} is missing: `make test` installs it (TEST_APT_PACKAGES)"
+    store = image_store()
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"harness-containers-{os.getpid()}"
+    workdir.mkdir(mode=0o777)
+    workdir.chmod(0o777)
+    shutil.copy(SCRIPT, workdir / SCRIPT.name)
+    try:
+        with namespace_cluster(2, workdir=workdir, image_store=store) as cluster:
+            yield cluster
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def container_job(path: Path, **env: str) -> Path:
+    """tests/scripts/ddp_sum.py on 2 nodes, inside the image with podman; env tunes its pace and failures."""
+    lines = "".join(f"  {key}: '{value}'\n" for key, value in env.items())
+    path.write_text(
+        f"name: ddp-sum\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\n"
+        f"entrypoint:\n  script: {SCRIPT.name}\n"
+        f"image: {IMAGE}\ncontainer:\n  engine: podman\ntimeouts:\n  stop_grace: {STOP_GRACE:g}\n"
+        + (f"env:\n{lines}" if lines else "")
+    )
+    return path
+
+
+def hosts_args(cluster: Cluster, tmp_path: Path) -> list[str]:
+    return ["--hosts", str(cluster.write_inventory(tmp_path / "hosts.yaml")), "--known-hosts", str(cluster.known_hosts)]
+
+
+def containers(cluster: Cluster, host: str) -> list[str]:
+    """Every container the host's engine knows, running or not."""
+    return cluster.podman(host, "ps", "--all", "--format", "{{.Names}}").stdout.split()
+
+
+def assert_no_container(cluster: Cluster, within: float = 10.0) -> None:
+    """The engines' own lists are empty on every host (`--rm` removes a container as it ends, asynchronously)."""
+    deadline = time.monotonic() + within
+    left = {h.name: containers(cluster, h.name) for h in cluster.hosts}
+    while any(left.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = {h.name: containers(cluster, h.name) for h in cluster.hosts}
+    assert not any(left.values()), f"containers left: {left}"
+
+
+def assert_all_gone(cluster: Cluster, run_id: str) -> None:
+    assert_nothing_left(run_id, within=STOP_GRACE + 5)
+    assert_no_container(cluster)
+    cluster.assert_only_sshd_left(within=10)
+
+
+@contextlib.contextmanager
+def without_image(cluster: Cluster, host: str) -> Iterator[None]:
+    """The host's podman loses the image store for the block: the image is not on that host."""
+    storage = Path("/etc/netns") / cluster.host(host).netns / "containers" / "storage.conf"
+    original = storage.read_text()
+    assert cluster.podman_dir is not None
+    storage.write_text(podman_config.storage_conf(cluster.podman_dir / host, None))
+    try:
+        yield
+    finally:
+        storage.write_text(original)
+
+
+def test_two_hosts_train_inside_the_image(podman_cluster, launch, tmp_path):
+    run = launch(container_job(tmp_path / "job.yaml", STEPS="10"), *hosts_args(podman_cluster, tmp_path))
+    assert run.finish(timeout=180) == 0, run.output
+    assert re.search(r"\[node0\] \[rank0\]: rank 0/2 up on h1;", run.output), run.output
+    assert re.search(r"\[node1\] \[rank1\]: rank 1/2 up on h2;", run.output), run.output
+    weights = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", run.output)
+    assert sorted(r for r, _ in weights) == ["0", "1"] and len({w for _, w in weights}) == 1
+    plan = json.loads((run.runs_dir / run.run_id / "plan.json").read_text())
+    for node in plan["nodes"]:
+        assert node["argv"][:4] == ["podman", "run", "--rm", "--init"]
+        assert f"--name=harness-{run.run_id}-node{node['node_rank']}" in node["argv"]
+    assert run.summary()["status"] == "succeeded"
+    assert_all_gone(podman_cluster, run.run_id)
+
+
+def test_the_workers_run_in_the_image_not_on_the_host(podman_cluster, launch, tmp_path):
+    """The workers' interpreter is the image's /opt/venv python, in a container the engine lists."""
+    run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05"),
+                 *hosts_args(podman_cluster, tmp_path))
+    run.wait_for(r"\[rank0\]: step 5 ")
+    assert not Path("/opt/venv").exists()
+    for rank, host in ((0, "h1"), (1, "h2")):
+        assert Path(f"/proc/{worker_pid(run.run_id, rank)}/root/opt/venv/bin/python").exists()
+        assert containers(podman_cluster, host) == [f"harness-{run.run_id}-node{rank}"]
+    run.proc.send_signal(signal.SIGINT)
+    assert run.finish(timeout=60) == 130, run.output
+    assert_all_gone(podman_cluster, run.run_id)
+
+
+def test_a_rank_failure_stops_the_other_hosts_container(podman_cluster, launch, tmp_path):
+    run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05", HANG_AT_STEP="150"),
+                 *hosts_args(podman_cluster, tmp_path))
+    run.wait_for(r"\[rank0\]: step 5 ")
+    os.kill(worker_pid(run.run_id, 1), signal.SIGKILL)
+    assert run.finish(timeout=60) == 1, run.output
+    summary = run.summary()
+    failure = summary["first_failure"]
+    assert (failure["host"], failure["node_rank"], failure["rank"], failure["rank_exit_code"]) == ("h2", 1, 1, -9)
+    assert stragglers_s(summary) < 10.0, summary
+    assert_all_gone(podman_cluster, run.run_id)
+
+
+def test_harness_stop_removes_every_container(podman_cluster, launch, tmp_path):
+    run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05"),
+                 *hosts_args(podman_cluster, tmp_path))
+    run.wait_for(r"\[rank1\]: ")
+    stopped = harness("stop", run.run_id, "--runs-dir", str(run.runs_dir))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert run.finish(timeout=60) == 130, run.output
+    assert run.summary()["status"] == "stopped"
+    assert_all_gone(podman_cluster, run.run_id)
+
+
+def test_a_killed_controller_leaves_no_container(podman_cluster, launch, tmp_path):
+    """SIGKILL of the controller: each agent sees its stdin close, stops its node and removes the container
+    (a SIGKILLed `podman run` would leave it running)."""
+    run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05"),
+                 *hosts_args(podman_cluster, tmp_path))
+    run.wait_for(r"\[rank0\]: step 5 ")
+    run_id = run.run_id
+    run.kill_group()
+    assert_all_gone(podman_cluster, run_id)
+
+
+def test_an_image_missing_on_one_host_fails_preflight_before_anything_starts(podman_cluster, launch, tmp_path):
+    job = container_job(tmp_path / "job.yaml")
+    with without_image(podman_cluster, "h2"):
+        run = launch(job, *hosts_args(podman_cluster, tmp_path))
+        assert run.finish(timeout=120) == 1, run.output
+        checked = harness("preflight", str(podman_cluster.write_inventory(tmp_path / "hosts.yaml")), "--job", str(job),
+                          "--known-hosts", str(podman_cluster.known_hosts), timeout=180)
+    assert run.output.startswith("harness: error: preflight failed, nothing was started"), run.output
+    assert re.search(rf"h2\s+image\s+FAIL\s+{re.escape(IMAGE)} is not on h2", run.output), run.output
+    assert not (tmp_path / "runs").exists()
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert re.search(rf"h2\s+image\s+FAIL\s+{re.escape(IMAGE)} is not on h2", checked.stdout), checked.stdout
+    assert f"podman pull {IMAGE}" in checked.stdout
+    assert re.search(rf"h1\s+image\s+PASS\s+{re.escape(IMAGE)} is image [0-9a-f]{{12}}", checked.stdout)
+    assert_no_container(podman_cluster)
+    podman_cluster.assert_only_sshd_left()
+
+
+def test_preflight_reads_the_versions_inside_the_image(podman_cluster, tmp_path):
+    """The fingerprint is the image's (its /opt/venv python, its torch), not the host's, and the same on both."""
+    job = container_job(tmp_path / "job.yaml")
+    checked = harness("preflight", str(podman_cluster.write_inventory(tmp_path / "hosts.yaml")), "--job", str(job),
+                      "--known-hosts", str(podman_cluster.known_hosts), "--json", timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    report = json.loads(checked.stdout)
+    rows = {(c["host"], c["check"]): c for c in report["checks"]}
+    for host in ("h1", "h2"):
+        assert rows[(host, "engine")]["reason"].startswith("podman 4.")
+        assert rows[(host, "image")]["status"] == "pass"
+        assert report["facts"][host]["python_executable"] == "/opt/venv/bin/python"
+    labels = json.loads(podman_cluster.podman("h1", "image", "inspect", IMAGE).stdout)[0]["Labels"]
+    assert report["facts"]["h1"]["torch"].split("+")[0] == labels["harness.torch"]
+    assert report["facts"]["h1"]["cuda"] == labels["harness.cuda"]
+    assert report["fingerprint"]["mismatched"] == []
+    assert_no_container(podman_cluster)
+
+
+def _engine_answer(engine: str, env: dict[str, str]) -> tuple[ImageFacts, int]:
+    """What preflight's one command per host gets from a real engine CLI on this machine."""
+    result = subprocess.run(["/bin/sh", "-c", inspect_command(engine, IMAGE)], capture_output=True, text=True,
+                            env=env, timeout=60)
+    return image_facts(CommandResult(result.returncode, result.stdout, result.stderr)), result.returncode
+
+
+@pytest.mark.skipif(shutil.which("docker") is None, reason="no docker CLI on this machine")
+def test_a_docker_without_its_daemon_fails_the_engine_check(tmp_path):
+    """The docker CLI pointed at a socket nobody serves (nothing is sent anywhere)."""
+    env = dict(os.environ, DOCKER_HOST=f"unix://{tmp_path}/no-daemon.sock", DOCKER_CONFIG=str(tmp_path))
+    facts, status = _engine_answer("docker", env)
+    row = engine_row("h1", "docker", facts, status)
+    assert row.status is Status.FAIL and facts.version is None and facts.image_id is None
+    assert "docker does not answer: Cannot connect to the Docker daemon" in row.reason
+    assert "is dockerd running" in row.reason and row.fix == "check `docker version` on h1"
+
+
+def test_an_engine_that_is_not_installed_is_named(tmp_path):
+    facts, status = _engine_answer("podman", dict(os.environ, PATH=str(tmp_path)))
+    row = engine_row("h2", "podman", facts, status)
+    assert status == 127 and row.status is Status.FAIL
+    assert row.reason == "podman is not installed (`podman`: command not found)"
+    assert "install podman on h2" in (row.fix or "")
+
+
+def test_a_different_image_under_the_same_name_fails_preflight(podman_cluster, tmp_path):
+    """h2 has its own image tagged like the job's (a tag pulled at another time): the ids differ."""
+    base = next(line for line in podman_cluster.podman("h2", "images", "--format", "{{.Repository}}:{{.Tag}}")
+                .stdout.split() if line.startswith("localhost/harness-image-test-base:"))
+    podman_cluster.podman("h2", "create", "--name", "retagged", base, "true")
+    try:
+        podman_cluster.podman("h2", "commit", "--quiet", "retagged", IMAGE)
+        checked = harness("preflight", str(podman_cluster.write_inventory(tmp_path / "hosts.yaml")), "--job",
+                          str(container_job(tmp_path / "job.yaml")), "--known-hosts", str(podman_cluster.known_hosts),
+                          timeout=180)
+    finally:
+        podman_cluster.podman("h2", "rm", "--force", "retagged")
+        podman_cluster.podman("h2", "rmi", "--force", IMAGE)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert re.search(rf"h2\s+image\s+FAIL\s+{re.escape(IMAGE)} is image [0-9a-f]{{12}} on h2 but [0-9a-f]{{12}} on h1",
+                     checked.stdout), checked.stdout
+    assert "name it by digest" in checked.stdout
+    assert re.search(r"h1\s+image\s+PASS", checked.stdout), checked.stdout
+    assert podman_cluster.podman("h2", "image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.strip()
+    assert_no_container(podman_cluster)
