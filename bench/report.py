@@ -203,6 +203,17 @@ def _slurm(s: dict[str, Any]) -> list[str]:
     return lines + _table(["command", "death to the job's end in Slurm, s", "death to the harness's exit, s"], rows)
 
 
+def _containers(c: dict[str, Any]) -> list[str]:
+    lines = [f"{c['cluster']}; {c['job']}; median of {c['repeats']}. From the command's start to rank 0's first "
+             f"step, the fast preflight included.", ""]
+    lines += _table(["node runs", "launch to first step, s (attempts)"],
+                    [[r["name"], f"{_num(r['first_step_s'], 2)} ({', '.join(_num(a, 2) for a in r['attempts_s'])})"]
+                     for r in c["rows"]])
+    summary = (f"The container costs {_num(c['container_extra_s'], 2)} s more ({_num(c['ratio'], 2)}x); "
+               f"`podman run --rm IMAGE true` alone takes {_num(c['podman_run_true_s'], 2)} s on a host.")
+    return [*lines, summary, ""]
+
+
 SECTIONS = (
     ("throughput", "1. Payload throughput vs the seed recipe", _throughput),
     ("ddp", "2. DDP overhead", _ddp),
@@ -211,6 +222,7 @@ SECTIONS = (
     ("failure", "5. Failure propagation", _failure),
     ("recovery", "6. Time to recover", _recovery),
     ("slurm", "7. Slurm: submit to first step, rank death to job end", _slurm),
+    ("containers", "8. Containers: a node's start-up in the image vs on the bare host", _containers),
 )
 
 
@@ -237,8 +249,8 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
         "Measured side by side in one run: the payload against the seed recipe (bench/seed.py: fp32, PIL "
         "transforms through a DataLoader with a DistributedSampler), DDP against no DDP, `harness launch` against "
         "plain torchrun, preflight over 1 to 16 hosts, failure propagation against torchrun alone, and the time "
-        "a restarted run takes from a lost node to its next training step, and Slurm: `harness launch --target slurm` "
-        "against plain sbatch. "
+        "a restarted run takes from a lost node to its next training step, Slurm: `harness launch --target slurm` "
+        "against plain sbatch, and a container node's start-up against the bare host. "
         "`make bench` is the full run (ResNet-18, repeats, 16 hosts); `make bench-quick` takes about a minute on "
         "2 cores (the small model, few steps, 1 and 4 hosts). Each run writes "
         "`bench/results/<time>-<host>-<profile>.json`; the tables below come from the latest of each. Shared or "

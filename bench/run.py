@@ -24,7 +24,7 @@ from bench import machine, procs, report
 
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
-NAMES = ("throughput", "ddp", "first_step", "preflight", "failure", "recovery", "slurm")
+NAMES = ("throughput", "ddp", "first_step", "preflight", "failure", "recovery", "slurm", "containers")
 
 
 def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
@@ -55,15 +55,16 @@ def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
                     "repeats": 1 if quick else 3},
         "recovery": {"ckpt_every": 10, "kill_at": 15, "repeats": 1 if quick else 3},
         "slurm": {"repeats": 1 if quick else 3, "wait": 10 if quick else 30},
+        "containers": {"repeats": 1 if quick else 3},
     }
 
 
 def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-    from bench import ddp, launch, preflight, recovery, slurm, throughput
+    from bench import containers, ddp, launch, preflight, recovery, slurm, throughput
 
     return {"throughput": throughput.run, "ddp": ddp.run, "first_step": launch.time_to_first_step,
             "preflight": preflight.run, "failure": launch.failure_propagation, "recovery": recovery.run,
-            "slurm": slurm.run}
+            "slurm": slurm.run, "containers": containers.run}
 
 
 def resolve_device(device: str) -> str:
