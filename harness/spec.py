@@ -259,12 +259,15 @@ class Slurm(StrictModel):
     extra: list[Annotated[str, PlainValidator(_sbatch_line)]] = Field(default_factory=list)
 
 
+ContainerEngine = Literal["docker", "podman"]
+
+
 class Container(StrictModel):
     """How every node runs inside `image` over SSH. engine: the CLI on the hosts (docker | podman);
     each host needs it, the image (same digest everywhere: preflight checks) and, for GPUs, the
     NVIDIA container toolkit (docker) or its CDI spec (podman)."""
 
-    engine: Literal["docker", "podman"] = "docker"
+    engine: ContainerEngine = "docker"
 
 
 def _container(value: Any) -> Any:

@@ -18,13 +18,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
-from typing import Literal
 
 from harness.errors import UsageError
 from harness.plan import Plan
-from harness.spec import QUANTITY, JobSpec
+from harness.spec import QUANTITY, ContainerEngine, JobSpec
 
-Engine = Literal["docker", "podman"]
 # All GPUs: docker through the NVIDIA container toolkit's runtime hook, podman through the toolkit's
 # CDI spec (`nvidia-ctk cdi generate`; podman ignores --gpus).
 GPU_FLAG: dict[str, str] = {"docker": "--gpus=all", "podman": "--device=nvidia.com/gpu=all"}
@@ -58,7 +56,7 @@ def container_name(run_id: str, node_rank: int) -> str:
     return name
 
 
-def remove_argv(run_id: str, node_rank: int, engine: Engine = "docker") -> list[str]:
+def remove_argv(run_id: str, node_rank: int, engine: ContainerEngine = "docker") -> list[str]:
     """Stops (SIGKILL) and removes the node's container; a no-op error if it is already gone."""
     return [engine, "rm", "--force", container_name(run_id, node_rank)]
 
@@ -105,7 +103,7 @@ def container_argv(
     shm_size: str | None = None,
     mounts: Sequence[Mount] = (),
     user: str | None = None,
-    engine: Engine = "docker",
+    engine: ContainerEngine = "docker",
 ) -> list[str]:
     """The `docker run` command line that runs argv (e.g. python -m torch.distributed.run ...) in image.
 
