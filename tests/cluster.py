@@ -155,6 +155,9 @@ class Cluster:
         self.podman_dir = Path(tempfile.mkdtemp(prefix=self.tag)) if image_store is not None else None
         if self.podman_dir is not None:
             self._stack.callback(shutil.rmtree, self.podman_dir, ignore_errors=True)
+            # Machine-wide, whatever the settings: podman's blob-info cache (written by commit, pull, load).
+            if not podman_config.BLOB_CACHE.exists():
+                self._stack.callback(shutil.rmtree, podman_config.BLOB_CACHE, ignore_errors=True)
         self._children: list[tuple[str, subprocess.Popen[bytes]]] = []  # (netns, process) started here
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 IMAGE = "localhost/harness:image-test"  # what tests/image/build.sh makes (tests/image/env.sh)
 BUILD_TIMEOUT = 1800  # a cold build downloads and installs torch with its CUDA wheels
+# Where root's podman keeps its blob-info cache whatever the settings say (the tests remove it after).
+BLOB_CACHE = Path("/var/lib/containers")
 
 # An unqualified name never goes to a registry (none is reachable, and a test must not try).
 REGISTRIES = 'unqualified-search-registries = []\nshort-name-mode = "disabled"\n'
