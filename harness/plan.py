@@ -7,6 +7,7 @@ every renderer and backend consumes a Plan and nothing else.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from harness.errors import HarnessError, UsageError
@@ -143,20 +144,49 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
     return defaults | dict(spec.env) | contract | pet
 
 
+def split_local_gpus(spec: JobSpec, gpu_ids: Sequence[str]) -> tuple[int, list[str | None]]:
+    """nproc per simulated node, and each node's CUDA_VISIBLE_DEVICES (None: no split).
+
+    The simulated nodes share one machine, so a GPU job gives each node its own devices: without
+    that, every node's local rank 0 would take device 0, and NCCL refuses two ranks on one GPU.
+    `auto` is the node's share. gloo may share devices, so it is only split when the share allows.
+    """
+    gpu_job = spec.backend == "nccl" or (spec.backend == "auto" and bool(gpu_ids))
+    if spec.backend == "nccl" and not gpu_ids:
+        raise UsageError("backend nccl needs CUDA GPUs and this machine has none: set `backend: gloo` (or auto) "
+                         "to run the simulated nodes on CPU, or launch on GPU hosts with --hosts")
+    share = len(gpu_ids) // spec.nnodes
+    nproc = spec.nproc_per_node if spec.nproc_per_node != "auto" else max(share, 1)
+    if gpu_job and nproc > share:
+        raise UsageError(
+            f"{spec.nnodes} simulated nodes x {nproc} GPU rank(s) need {spec.nnodes * nproc} GPUs and this machine "
+            f"has {len(gpu_ids)}; one GPU cannot host two NCCL ranks: lower nnodes or nproc_per_node, "
+            f"or set `backend: gloo` to run on CPU"
+        )
+    if not gpu_ids or nproc > share:
+        return nproc, [None] * spec.nnodes
+    return nproc, [",".join(gpu_ids[k * nproc:(k + 1) * nproc]) for k in range(spec.nnodes)]
+
+
+def _visible_devices(devices: str | None) -> dict[str, str]:
+    return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
+
+
 def plan_local(
-    spec: JobSpec, *, run_id: str, python: str, local_gpus: int, local_cpus: int = 1, log_dir: str | None = None,
-    attempt: int = 0,
+    spec: JobSpec, *, run_id: str, python: str, gpu_ids: Sequence[str] = (), local_cpus: int = 1,
+    log_dir: str | None = None, attempt: int = 0,
 ) -> Plan:
     """nnodes torchrun agents on this machine, rendezvousing on 127.0.0.1 like a real cluster.
 
     The simulated nodes share this machine's cores, so each worker gets its share of OMP threads
-    (torchrun sets 1 only for nodes with several workers; a job's env still wins). log_dir keeps
-    torchrun's per-worker files inside the run directory instead of /tmp.
+    (torchrun sets 1 only for nodes with several workers), and its GPUs (gpu_ids: the devices this
+    machine shows, see split_local_gpus); a job's env still wins. log_dir keeps torchrun's per-worker
+    files inside the run directory instead of /tmp.
     """
     if spec.container is not None:
         raise UsageError("container: true runs nodes in the image over SSH (--hosts); simulated nodes run "
                          "here directly (or run harness itself in the image, see README)")
-    nproc = resolve_nproc(spec, [local_gpus] * spec.nnodes, ["this machine"] * spec.nnodes)
+    nproc, devices = split_local_gpus(spec, gpu_ids)
     nodes = tuple(
         NodePlan(
             host="localhost", address=LOCAL_MASTER, node_rank=rank, nproc=nproc,
@@ -164,6 +194,7 @@ def plan_local(
                   *torchrun_args(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank,
                                 log_dir=log_dir, attempt=attempt)),
             env={"OMP_NUM_THREADS": str(max(1, local_cpus // (spec.nnodes * nproc)))}
+            | _visible_devices(devices[rank])
             | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank, attempt=attempt),
         )
         for rank in range(spec.nnodes)

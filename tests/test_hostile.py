@@ -199,7 +199,7 @@ def test_a_daemon_that_drops_the_run_id_does_not_outlive_the_run(write_yaml, lau
 def test_detach_with_a_missing_script_leaves_no_run_directory(write_yaml, tmp_path):
     job = write_yaml(JOB.replace("module: harness.payload.train", "script: missing.py"))
     result = harness("launch", str(job), "--detach", "--runs-dir", str(tmp_path / "runs"))
-    assert result.returncode == 2 and "entrypoint.script 'missing.py' not found" in result.stderr
+    assert result.returncode == 1 and "entrypoint missing.py: " in result.stderr and "does not exist" in result.stderr
     assert list((tmp_path / "runs").iterdir()) == []
 
 

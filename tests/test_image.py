@@ -177,7 +177,7 @@ RUN_ID = "smoke-20261121-101500-3fa2c1"
 
 def smoke_node(rank: int = 1):
     """A real planned node of jobs/smoke.yaml: what the planner hands to container_argv."""
-    plan = plan_local(load_job(REPO / "jobs" / "smoke.yaml"), run_id=RUN_ID, python="python", local_gpus=0)
+    plan = plan_local(load_job(REPO / "jobs" / "smoke.yaml"), run_id=RUN_ID, python="python")
     return plan.nodes[rank]
 
 

@@ -8,7 +8,10 @@ import signal
 import time
 from pathlib import Path
 
-from conftest import REPO, STOP_GRACE, assert_nothing_left, harness, leftover, stragglers_s
+import pytest
+import torch
+
+from conftest import REPO, SCRIPT, STOP_GRACE, assert_nothing_left, harness, leftover, stragglers_s
 from conftest import ddp_job as job
 
 
@@ -93,11 +96,11 @@ def test_a_killed_node_agent_fails_the_run_and_leaves_nothing(write_yaml, launch
     assert_nothing_left(run.run_id)
 
 
-def test_missing_script_is_a_usage_error(write_yaml, tmp_path):
+def test_a_missing_script_fails_before_anything_starts(write_yaml, tmp_path):
     path = write_yaml("name: x\nnnodes: 1\nentrypoint: {script: nope.py}\n")
     result = harness("launch", str(path), "--runs-dir", str(tmp_path / "runs"))
-    assert result.returncode == 2
-    assert "entrypoint.script 'nope.py' not found" in result.stderr
+    assert result.returncode == 1
+    assert f"entrypoint nope.py: {REPO / 'nope.py'} does not exist" in result.stderr
     assert not (tmp_path / "runs").exists()
 
 
@@ -132,3 +135,29 @@ def test_detached_run_outlives_the_launch_and_obeys_stop(write_yaml, tmp_path):
     finally:
         for pid in leftover(run_id):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_an_nccl_job_on_a_machine_without_gpus_is_refused_before_anything_starts(tmp_path):
+    """`make launch JOB=jobs/cifar.yaml` as a new user types it on a CPU machine: one line, exit 2."""
+    result = harness("launch", str(REPO / "jobs" / "cifar.yaml"), "--runs-dir", str(tmp_path / "runs"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == ("harness: error: backend nccl needs CUDA GPUs and this machine has none: set "
+                             "`backend: gloo` (or auto) to run the simulated nodes on CPU, or launch on GPU hosts "
+                             "with --hosts\n")
+    assert result.stdout == "" and not (tmp_path / "runs").exists()
+
+
+def test_a_missing_module_or_data_path_fails_with_the_preflight_rows(write_yaml, tmp_path):
+    """The SSH backend's fast checks, on this machine: the same rows, before any node starts."""
+    text = job(write_yaml).read_text().replace(f"script: {SCRIPT}", "module: no_such_trainer")
+    text += "data_paths: [data/cifar10]\n"
+    result = harness("launch", str(write_yaml(text, "bad.yaml")), "--runs-dir", str(tmp_path / "runs"),
+                     cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.startswith("harness: error: preflight failed, nothing was started:")
+    assert re.search(rf"localhost\s+fingerprint\s+FAIL\s+entrypoint no_such_trainer: module no_such_trainer is "
+                     rf"not importable from {tmp_path}", result.stderr), result.stderr
+    assert re.search(rf"localhost\s+data\s+FAIL\s+data/cifar10 is missing in {tmp_path}", result.stderr)
+    assert "`harness prepare --data-dir data/cifar10`" in result.stderr
+    assert not (tmp_path / "runs").exists()

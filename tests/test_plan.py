@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,7 @@ def make_plan(write_yaml, case: dict):
     if case["hosts"]:
         return plan_hosts(spec, job_hosts(spec, load_inventory(write_yaml(HOSTS, "hosts.yaml"))), run_id="golden-run",
                           master_ip="10.9.0.1")
-    return plan_local(spec, run_id="golden-run", python="python3", local_gpus=0)
+    return plan_local(spec, run_id="golden-run", python="python3")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -87,7 +88,59 @@ def test_auto_nproc_uses_the_hosts_gpus(write_yaml):
 
 def test_auto_nproc_is_one_without_gpus(write_yaml):
     spec = load_job(write_yaml(JOB.format(nnodes=1, nproc="auto", rdzv="static")))
-    assert plan_local(spec, run_id="r", python="python3", local_gpus=0).nproc_per_node == 1
+    assert plan_local(spec, run_id="r", python="python3").nproc_per_node == 1
+
+
+def _local_spec(write_yaml, *, nnodes: int, nproc: str = "auto", backend: str = "nccl"):
+    text = JOB.format(nnodes=nnodes, nproc=nproc, rdzv="static").replace("backend: gloo", f"backend: {backend}")
+    return load_job(write_yaml(text))
+
+
+def _visible(plan) -> list[str | None]:
+    return [node.env.get("CUDA_VISIBLE_DEVICES") for node in plan.nodes]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "auto"])
+def test_simulated_nodes_split_the_machines_gpus(write_yaml, backend):
+    """8 GPUs, 2 nodes: `auto` is each node's share, and each node sees only its own devices."""
+    gpus = [str(i) for i in range(8)]
+    plan = plan_local(_local_spec(write_yaml, nnodes=2, backend=backend), run_id="r", python="python3", gpu_ids=gpus)
+    assert plan.nproc_per_node == 4 and _visible(plan) == ["0,1,2,3", "4,5,6,7"]
+    one_each = plan_local(_local_spec(write_yaml, nnodes=2, nproc="1"), run_id="r", python="python3", gpu_ids=gpus)
+    assert one_each.nproc_per_node == 1 and _visible(one_each) == ["0", "1"]
+
+
+def test_the_split_follows_the_devices_this_machine_shows(write_yaml):
+    """CUDA_VISIBLE_DEVICES=GPU-a,GPU-b for the launch: node k gets the k-th of those, not device k."""
+    plan = plan_local(_local_spec(write_yaml, nnodes=2), run_id="r", python="python3", gpu_ids=["GPU-a", "GPU-b"])
+    assert _visible(plan) == ["GPU-a", "GPU-b"]
+
+
+def test_a_jobs_own_cuda_visible_devices_wins(write_yaml):
+    spec = _local_spec(write_yaml, nnodes=2, nproc="1")
+    spec = spec.model_copy(update={"env": {"CUDA_VISIBLE_DEVICES": "3"}})
+    assert _visible(plan_local(spec, run_id="r", python="python3", gpu_ids=["0", "1"])) == ["3", "3"]
+
+
+@pytest.mark.parametrize("nnodes, nproc, gpus, message", [
+    (2, "auto", 1, "2 simulated nodes x 1 GPU rank(s) need 2 GPUs and this machine has 1; one GPU cannot host "
+                   "two NCCL ranks"),
+    (2, "2", 3, "2 simulated nodes x 2 GPU rank(s) need 4 GPUs and this machine has 3"),
+    (1, "1", 0, "backend nccl needs CUDA GPUs and this machine has none: set `backend: gloo`"),
+])
+def test_a_gpu_job_this_machine_cannot_host_is_refused_at_plan_time(write_yaml, nnodes, nproc, gpus, message):
+    spec = _local_spec(write_yaml, nnodes=nnodes, nproc=nproc)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        plan_local(spec, run_id="r", python="python3", gpu_ids=[str(i) for i in range(gpus)])
+
+
+def test_gloo_jobs_run_anywhere(write_yaml):
+    """No GPUs: one CPU worker per node and no device split; more ranks than GPUs: gloo may share them."""
+    cpu = plan_local(_local_spec(write_yaml, nnodes=2, backend="gloo"), run_id="r", python="python3")
+    assert cpu.nproc_per_node == 1 and _visible(cpu) == [None, None]
+    shared = plan_local(_local_spec(write_yaml, nnodes=2, nproc="2", backend="gloo"), run_id="r", python="python3",
+                        gpu_ids=["0"])
+    assert shared.nproc_per_node == 2 and _visible(shared) == [None, None]
 
 
 def test_auto_nproc_with_unknown_gpus_is_an_error(write_yaml):
@@ -189,4 +242,4 @@ def test_container_needs_an_image_and_hosts(write_yaml):
         load_job(write_yaml(JOB.format(nnodes=1, nproc=1, rdzv="static") + "container: true\n"))
     spec = load_job(write_yaml(JOB.format(nnodes=1, nproc=1, rdzv="static") + "image: r/h:1\ncontainer: true\n"))
     with pytest.raises(UsageError, match="over SSH"):
-        plan_local(spec, run_id="r", python="python3", local_gpus=0)
+        plan_local(spec, run_id="r", python="python3")

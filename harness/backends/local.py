@@ -12,27 +12,22 @@ import sys
 from pathlib import Path
 
 from harness.backends.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
-from harness.backends.base import NodeProcess
+from harness.backends.base import CheckFailed, NodeProcess
 from harness.backends.node_agent import kill_run_processes
-from harness.errors import UsageError
 from harness.plan import NodePlan, Plan, plan_local
 from harness.spec import JobSpec
 
 
-def _local_gpus(spec: JobSpec) -> int:
-    if spec.nproc_per_node != "auto":
-        return 0
-    import torch  # only when needed: importing torch costs seconds
+def local_gpu_ids(spec: JobSpec) -> list[str]:
+    """The GPUs this machine shows the job (CUDA_VISIBLE_DEVICES respected), for split_local_gpus."""
+    if spec.backend == "gloo" and spec.nproc_per_node != "auto":
+        return []  # nothing to decide: importing torch costs seconds
+    import torch
 
-    return torch.cuda.device_count()
-
-
-def check_local_entrypoint(spec: JobSpec, workdir: Path) -> None:
-    """A missing script should fail before any node starts, not as N identical tracebacks."""
-    script = spec.entrypoint.script
-    if script is not None and not (workdir / script).is_file():
-        raise UsageError(f"entrypoint.script {script!r} not found in {workdir} (paths are relative to the "
-                         f"directory harness is run from)")
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else []
+    return ids[:count] if visible is not None else [str(i) for i in range(count)]
 
 
 class LocalAgentNode(ChildAgentNode):
@@ -62,12 +57,18 @@ class LocalBackend:
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
         """down is ignored: every simulated node runs on this one machine, so it has no spare."""
-        return plan_local(spec, run_id=run_id, python=self.python, local_gpus=_local_gpus(spec),
+        return plan_local(spec, run_id=run_id, python=self.python, gpu_ids=local_gpu_ids(spec),
                           local_cpus=len(os.sched_getaffinity(0)),
                           log_dir=str(log_dir.resolve()) if log_dir is not None else None, attempt=attempt)
 
     def check(self, plan: Plan, spec: JobSpec) -> None:
-        check_local_entrypoint(spec, Path.cwd())
+        """A missing script, module or data path fails before any node starts, not as N identical
+        tracebacks: the SSH backend's fast checks, on this machine (paths relative to the cwd)."""
+        from harness.preflight.runner import run_preflight_local
+
+        report = run_preflight_local(spec, self.python, Path.cwd(), timeout=spec.timeouts.connect)
+        if not report.ok:
+            raise CheckFailed("preflight failed, nothing was started:\n" + report.render_table())
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         silence = agent_silence(spec.timeouts.connect)

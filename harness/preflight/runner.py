@@ -8,6 +8,7 @@ each has a deadline: connect and network steps `timeout`, the probe `timeout` (f
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,13 +16,13 @@ from typing import Any
 
 from harness.backends.srun import Allocation
 from harness.inventory import Host, Inventory
-from harness.plan import job_hosts
+from harness.plan import LOCAL_MASTER, job_hosts
 from harness.preflight import probe
 from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
 from harness.preflight.collective import collective_checks
 from harness.preflight.engine import InImage, image_checks
 from harness.preflight.ports import network_checks
-from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, on_hosts, run_script
+from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, Link, answer_in, on_hosts, run_script
 from harness.preflight.report import Check, Report, Status
 from harness.spec import JobSpec
 from harness.ssh import Connection, SSHConnectError, connect
@@ -45,17 +46,44 @@ def _ssh_row(host: Host, result: Connection | Exception, seconds: float) -> Chec
     return Check(host.name, "ssh", Status.PASS, f"{user}@{host.address}:{host.port} in {seconds:.2f}s, {key}")
 
 
-def _probe(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float) -> dict[str, Any]:
+def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None, fast: bool) -> str:
     entry = spec.entrypoint if spec else None
-    config = {
+    return json.dumps({
         "import_torch": not fast,
-        "workdir": connection.host.workdir,
+        "workdir": workdir,
         "entrypoint": ({"module": entry.module} if entry.module else {"script": entry.script}) if entry else None,
-        "master_address": master.address,
+        "master_address": master_address,
         "data_paths": spec.data_paths if spec else [],
-    }
+    })
+
+
+def _probe(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float) -> dict[str, Any]:
     limit = timeout if fast else timeout * TORCH_TIMEOUT_FACTOR
-    return run_script(connection, probe, [json.dumps(config)], timeout=limit)
+    config = _probe_config(connection.host.workdir, master.address, spec, fast)
+    return run_script(connection, probe, [config], timeout=limit)
+
+
+def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: float = 10.0) -> Report:
+    """The fast checks of the job's files for simulated nodes: the same probe, run here with the nodes'
+    python in their working directory, and the same rows (entrypoint, torch, data_paths) as over SSH."""
+    started = time.monotonic()
+    report = Report(hosts=[{"name": "localhost", "address": LOCAL_MASTER, "master": True}],
+                    job={"name": spec.name, "backend": spec.backend, "nnodes": spec.nnodes,
+                         "master_port": spec.master_port})
+    source = Path(probe.__file__ or "").read_text(encoding="utf-8")
+    result = subprocess.run([python, "-c", source, MARKER, _probe_config(str(workdir), LOCAL_MASTER, spec, True)],
+                            cwd=workdir, capture_output=True, text=True, timeout=timeout, check=False)
+    facts = answer_in(result.stdout)
+    if facts is None:
+        said = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        report.checks.append(Check("localhost", "fingerprint", Status.FAIL, f"probe failed: {python} exited "
+                                   f"{result.returncode}: {said}", "run harness with a Python that has torch"))
+    else:
+        report.facts = {"localhost": facts}
+        rows, report.fingerprint, report.mismatched = fingerprint_checks(report.facts, "localhost")
+        report.checks += rows + data_checks(report.facts, spec.data_paths, "localhost")
+    report.seconds = time.monotonic() - started
+    return report
 
 
 def run_preflight(inventory: Inventory, spec: JobSpec | None = None, *, known_hosts: Path | str | None = None,
