@@ -26,8 +26,9 @@ def local_gpu_ids(spec: JobSpec) -> list[str]:
 
     count = torch.cuda.device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else []
-    return ids[:count] if visible is not None else [str(i) for i in range(count)]
+    if visible is None:
+        return [str(i) for i in range(count)]
+    return [d.strip() for d in visible.split(",") if d.strip()][:count]
 
 
 class LocalAgentNode(ChildAgentNode):
