@@ -122,8 +122,7 @@ def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, att
     while True:
         plan = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
         try:
-            backend.check(plan, spec)
-            return plan
+            return backend.check(plan, spec)
         except CheckFailed as exc:
             if not exc.hosts or exc.hosts <= down:
                 raise

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from harness.errors import SpecError, short_repr
-from harness.spec import DNS1123_LABEL
+from harness.spec import DNS1123_LABEL, InterfaceName
 from harness.validation import StrictModel, validate
 from harness.yamlsource import Document, load_document
 
@@ -23,6 +23,7 @@ class HostDefaults(StrictModel):
     python: str = "python3"
     workdir: str | None = None
     gpus: Annotated[int, Field(ge=0)] | None = None
+    interface: InterfaceName | None = None  # for gloo and NCCL here; overrides the job's network.interface
 
 
 class Host(HostDefaults):

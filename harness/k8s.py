@@ -104,7 +104,8 @@ def _container(spec: JobSpec, run_id: str, master: str, nproc: int, downward: di
     """downward: env name -> the pod field it comes from; first in the list, so later values can use $(NAME)."""
     argv = ["python", "-m", TORCHRUN_MODULE,
             *torchrun_args(spec, run_id=run_id, master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL)]
-    env = node_env(spec, run_id=run_id, master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL)
+    env = node_env(spec, run_id=run_id, master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL,
+                   interface=spec.network.interface)
     env["HARNESS_RDZV_TIMEOUT"] = str(int(spec.timeouts.rendezvous))
     env_list: list[dict[str, Any]] = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}}
                                       for k, path in downward.items()]

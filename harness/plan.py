@@ -7,7 +7,7 @@ every renderer and backend consumes a Plan and nothing else.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from harness.errors import HarnessError, UsageError
@@ -34,6 +34,7 @@ class NodePlan:
     workdir: str | None = None
     ssh: Host | None = field(default=None, compare=False)
     cleanup: tuple[str, ...] = ()  # run on the host after a forced stop (e.g. remove the node's container)
+    interface: str | None = None  # pinned for gloo and NCCL (see interface_env)
 
     @property
     def ranks(self) -> range:
@@ -72,7 +73,8 @@ class Plan:
             "world_size": self.world_size,
             "nodes": [
                 {"host": n.host, "address": n.address, "node_rank": n.node_rank, "ranks": list(n.ranks),
-                 "workdir": n.workdir, "argv": list(n.argv), "env": dict(n.env), "cleanup": list(n.cleanup)}
+                 "workdir": n.workdir, "interface": n.interface, "argv": list(n.argv), "env": dict(n.env),
+                 "cleanup": list(n.cleanup)}
                 for n in self.nodes
             ],
         }
@@ -126,9 +128,17 @@ def torchrun_args(
     return args + target + [arg.replace("$", "$$") for arg in entry.args]
 
 
+def interface_env(interface: str | None) -> dict[str, str]:
+    """Pin gloo and NCCL to one interface. Unpinned, gloo advertises what the hostname resolves to
+    (127.0.1.1 on Debian) and NCCL takes the first interface that is not lo or docker*. NCCL reads its
+    variable as a prefix (eth1 would match eth10); `=` makes it exact."""
+    return {} if interface is None else {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": f"={interface}"}
+
+
 def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str,
-             attempt: int | str = 0) -> dict[str, str]:
-    """The env contract of DESIGN.md: identical on every backend, user env first, ours last."""
+             attempt: int | str = 0, interface: str | None = None) -> dict[str, str]:
+    """The env contract of DESIGN.md: identical on every backend, user env first, ours last (the
+    interface pin before the user's env: a job that sets GLOO_SOCKET_IFNAME itself keeps it)."""
     contract = {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(spec.master_port),
@@ -141,7 +151,7 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
     }
     defaults = {"PYTHONUNBUFFERED": "1"}  # output reaches the supervisor as it happens, not at exit
     pet = {f"PET_{k}": contract[k] for k in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE")}
-    return defaults | dict(spec.env) | contract | pet
+    return defaults | interface_env(interface) | dict(spec.env) | contract | pet
 
 
 def split_local_gpus(spec: JobSpec, gpu_ids: Sequence[str]) -> tuple[int, list[str | None]]:
@@ -224,22 +234,33 @@ def job_hosts(spec: JobSpec, inventory: Inventory, down: frozenset[str] = frozen
     return healthy[: spec.nnodes]
 
 
-def plan_hosts(spec: JobSpec, hosts: list[Host], *, run_id: str, master_ip: str, attempt: int = 0) -> Plan:
-    """One node per host, hosts[0] the master. master_ip is its address already resolved to an IP."""
+def pinned_interface(spec: JobSpec, host: Host, found: Mapping[str, str]) -> str | None:
+    """The host's `interface:` in the inventory, else the job's network.interface, else what preflight
+    found routing to the peers (found: host name -> interface), else none."""
+    return host.interface or spec.network.interface or found.get(host.name)
+
+
+def plan_hosts(spec: JobSpec, hosts: list[Host], *, run_id: str, master_ip: str, attempt: int = 0,
+               interfaces: Mapping[str, str] | None = None) -> Plan:
+    """One node per host, hosts[0] the master. master_ip is its address already resolved to an IP;
+    interfaces: what preflight found (see pinned_interface)."""
     try:
         ipaddress.ip_address(master_ip)
     except ValueError:
         raise UsageError(f"master address must be an IP address, got {master_ip!r}") from None
     nproc = resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
     return Plan(run_id, spec.name, master_ip, spec.master_port, spec.nnodes, nproc, tuple(
-        _host_node(spec, host, rank, nproc, run_id, master_ip, attempt) for rank, host in enumerate(hosts)
+        _host_node(spec, host, rank, nproc, run_id, master_ip, attempt, pinned_interface(spec, host, interfaces or {}))
+        for rank, host in enumerate(hosts)
     ), attempt)
 
 
 def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, master_ip: str,
-               attempt: int) -> NodePlan:
+               attempt: int, interface: str | None) -> NodePlan:
     """torchrun with the host's Python (argv[0]); the SSH backend may wrap it in a container."""
     args = torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt)
-    env = node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt)
+    env = node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt,
+                   interface=interface)
     return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc,
-                    argv=(host.python, "-m", TORCHRUN_MODULE, *args), env=env, workdir=host.workdir, ssh=host)
+                    argv=(host.python, "-m", TORCHRUN_MODULE, *args), env=env, workdir=host.workdir, ssh=host,
+                    interface=interface)

@@ -5,8 +5,16 @@ from __future__ import annotations
 import json
 import shlex
 
-from harness.plan import Plan
+from harness.plan import NodePlan, Plan
 from harness.shell import shell_command
+
+
+def _interface(plan: Plan, node: NodePlan) -> str:
+    if node.interface is not None:
+        return f"; gloo and NCCL on {node.interface}"
+    if node.ssh is not None and plan.nnodes > 1:
+        return "; gloo and NCCL on the interface that routes to the peers (found by preflight at launch)"
+    return ""
 
 
 def render_text(plan: Plan) -> str:
@@ -17,8 +25,8 @@ def render_text(plan: Plan) -> str:
     for node in plan.nodes:
         ranks = f"{node.ranks.start}-{node.ranks.stop - 1}" if node.nproc > 1 else str(node.ranks.start)
         where = f"{node.host} ({node.address})"
-        lines += ["", f"# {node.label} on {where}: node_rank {node.node_rank}, global ranks {ranks}",
-                  shell_command(node)]
+        heading = f"# {node.label} on {where}: node_rank {node.node_rank}, global ranks {ranks}"
+        lines += ["", heading + _interface(plan, node), shell_command(node)]
         if node.cleanup:
             lines.append(f"# after a forced stop: {shlex.join(node.cleanup)}")
     return "\n".join(lines) + "\n"

@@ -95,7 +95,8 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
     named as the run directory names node logs, and the script's own output beside them."""
     nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each node (resources.gpus)"] * spec.nnodes)
     run_id = run_id or f"{spec.name}-{_JOB}"
-    env = node_env(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, attempt=_ATTEMPT)
+    env = node_env(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, attempt=_ATTEMPT,
+                   interface=spec.network.interface)
     args = torchrun_args(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE)
     if log_dir is None:  # one output file for every node: each line says its node
         prefix = f"--log-line-prefix-template={LOG_LINE_PREFIX}"

@@ -42,6 +42,8 @@ RESERVED_ENV = frozenset(
      "NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"}
 )
 RESERVED_PREFIXES = ("PET_", "HARNESS_", "TORCHELASTIC_")
+# A Linux interface name as getifaddrs reports it (IFNAMSIZ - 1 characters; no '/', no blanks).
+INTERFACE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,14}", re.ASCII)
 
 
 MAX_NNODES = 4096
@@ -259,6 +261,24 @@ class Slurm(StrictModel):
     extra: list[Annotated[str, PlainValidator(_sbatch_line)]] = Field(default_factory=list)
 
 
+def interface_name(value: Any) -> str:
+    if not isinstance(value, str) or not INTERFACE_NAME.fullmatch(value):
+        raise ValueError(f"expected a network interface name such as eth1 or ib0 (at most 15 letters, digits, "
+                         f"'_', '.', ':' or '-'), got {short_repr(value)}")
+    return value
+
+
+InterfaceName = Annotated[str, PlainValidator(interface_name)]
+
+
+class Network(StrictModel):
+    """interface: the one network interface gloo and NCCL use on every host (GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME); a host's `interface:` in the inventory overrides it. Unset, the harness pins
+    the interface that preflight finds routing to the peers."""
+
+    interface: InterfaceName | None = None
+
+
 ContainerEngine = Literal["docker", "podman"]
 
 
@@ -306,6 +326,7 @@ class JobSpec(StrictModel):
     max_restarts: Annotated[None, PlainValidator(_removed_max_restarts)] = None
     timeouts: Timeouts = Field(default_factory=Timeouts)
     container: Annotated[Container | None, BeforeValidator(_container)] = None
+    network: Network = Field(default_factory=Network)
     data_paths: list[str] = Field(default_factory=list)
     _source: str | None = PrivateAttr(default=None)
 

@@ -2,7 +2,8 @@
 
 Every host is a network namespace on a private bridge (10.250.N.0/24, no default route, so nothing
 leaves the machine) with its own address, hostname (UTS namespace), /etc/hosts, resolver (loopback
-only), iptables and Debian sshd. The root namespace owns the bridge's .1 address and plays the
+only), iptables and Debian sshd. With multi_nic, each host also has a data network (eth1, on a second
+bridge), an interface that routes nowhere (extra0) and Debian's `127.0.1.1 <hostname>` line. The root namespace owns the bridge's .1 address and plays the
 controller. Tests get an ordinary hosts.yaml and known_hosts for it, so SSH, preflight and launch
 run against real TCP, real firewalls and a real sshd. Names carry the pid, so two runs coexist;
 everything is torn down on exit, also when setup or a test fails.
@@ -60,6 +61,7 @@ class NsHost:
     veth: str
     host_key: str  # "ssh-ed25519 AAAA..." as it appears in known_hosts
     sshd: subprocess.Popen[bytes] | None = None
+    data_address: str | None = None  # on the data network (eth1), when the cluster has one
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -136,15 +138,19 @@ class Cluster:
     """K namespace hosts named h1..hK at 10.250.N.11.., reachable from the root namespace at .1."""
 
     def __init__(self, size: int, *, workdir: Path = REPO, python: str = sys.executable,
-                 image_store: Path | None = None) -> None:
-        """image_store: give every host a podman (podman_config.py) that sees this image store."""
+                 image_store: Path | None = None, multi_nic: bool = False) -> None:
+        """image_store: give every host a podman (podman_config.py) that sees this image store.
+        multi_nic: hosts as on a GPU cluster (see _add_data_network)."""
         self.size = size
         self.workdir = workdir
         self.python = python
         self.image_store = image_store
+        self.multi_nic = multi_nic
         self.tag = f"hx{os.getpid()}n{next(_names)}"
         self.bridge = f"{self.tag}b"
+        self.data_bridge = f"{self.tag}d"
         self.prefix = ""
+        self.data_prefix = ""
         self.hosts: list[NsHost] = []
         self.dir = Path(tempfile.mkdtemp(prefix=f"harness-cluster-{self.tag}-"))
         self.client_key = self.dir / "client_key"
@@ -174,30 +180,65 @@ class Cluster:
         _keygen(self.client_key)
         (self.dir / "authorized_keys").write_text(self.client_key.with_suffix(".pub").read_text())
         with _subnet_lock():
-            self.prefix = _free_subnet()
-            _ip("link", "add", self.bridge, "type", "bridge")
-            self._stack.callback(_ip, "link", "del", self.bridge, check=False)
-            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
-        # With br_netfilter loaded, bridged frames cross the root FORWARD chain (DROP on Docker hosts).
-        forward = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
-        subprocess.run(["iptables", "-I", *forward], check=True)
-        self._stack.callback(subprocess.run, ["iptables", "-D", *forward], check=False)
+            self.prefix = self._add_bridge(self.bridge, gateway=True)
+            if self.multi_nic:
+                self.data_prefix = self._add_bridge(self.data_bridge, gateway=False)
         for index in range(1, self.size + 1):
             self.hosts.append(self._add_host(f"h{index}", f"{self.prefix}.{10 + index}", f"{self.tag}v{index}"))
         hosts_lines = "".join(f"{h.address} {h.name}\n" for h in self.hosts)
         for host in self.hosts:
-            self._etc(host, "hosts").write_text(f"127.0.0.1 localhost\n::1 localhost\n{hosts_lines}")
+            # Debian's installer maps the machine's own name to 127.0.1.1, first.
+            own = f"127.0.1.1 {host.name}\n" if self.multi_nic else ""
+            self._etc(host, "hosts").write_text(f"127.0.0.1 localhost\n{own}::1 localhost\n{hosts_lines}")
         self.known_hosts.write_text("".join(
             f"{a} {h.host_key}\n" for h in self.hosts for a in (h.address, f"[{h.address}]:2222")
         ))
         for host in self.hosts:
             self._start_sshd(host)
 
+    def _add_bridge(self, bridge: str, *, gateway: bool) -> str:
+        """A bridge on a free 10.250.N.0/24 (the caller holds the subnet lock); the root namespace takes
+        .1 on it only as the controller's (management) network."""
+        prefix = _free_subnet()
+        _ip("link", "add", bridge, "type", "bridge")
+        self._stack.callback(_ip, "link", "del", bridge, check=False)
+        _ip("link", "set", bridge, "up")
+        if gateway:
+            _ip("addr", "add", f"{prefix}.1/24", "dev", bridge)
+        else:  # no address here; the route tells the next _free_subnet() that the subnet is taken
+            _ip("route", "add", f"{prefix}.0/24", "dev", bridge, "metric", "4000")
+        # With br_netfilter loaded, bridged frames cross the root FORWARD chain (DROP on Docker hosts).
+        forward = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+        subprocess.run(["iptables", "-I", *forward], check=True)
+        self._stack.callback(subprocess.run, ["iptables", "-D", *forward], check=False)
+        return prefix
+
+    def _add_data_network(self, netns: str, index: int) -> str:
+        """What a GPU cluster's host has besides its management eth0: a data network (eth1 on a second
+        bridge) and, first of all, an interface that routes nowhere (extra0: a veth whose other end is
+        attached to nothing, with an address no peer has a route to), because NCCL's default takes the
+        first interface that is not lo or docker*."""
+        dead_end = f"{self.tag}x{index}"
+        _ip("link", "add", dead_end, "type", "veth", "peer", "name", "extra0", "netns", netns)
+        self._stack.callback(_ip, "link", "del", dead_end, check=False)
+        _ip("link", "set", dead_end, "up")
+        _ip("-n", netns, "addr", "add", f"{SUBNET_PREFIX}.0.{10 + index}/32", "dev", "extra0")
+        _ip("-n", netns, "link", "set", "extra0", "up")
+        veth = f"{self.tag}w{index}"
+        address = f"{self.data_prefix}.{10 + index}"
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth1", "netns", netns)
+        self._stack.callback(_ip, "link", "del", veth, check=False)
+        _ip("link", "set", veth, "master", self.data_bridge, "up")
+        _ip("-n", netns, "addr", "add", f"{address}/24", "dev", "eth1")
+        _ip("-n", netns, "link", "set", "eth1", "up")
+        return address
+
     def _add_host(self, name: str, address: str, veth: str) -> NsHost:
         netns = f"{self.tag}-{name}"
         _ip("netns", "add", netns)
         self._stack.callback(self._remove_netns, netns, veth)
+        index = int(name[1:])
+        data_address = self._add_data_network(netns, index) if self.multi_nic else None
         _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
         _ip("link", "set", veth, "master", self.bridge, "up")
         _ip("-n", netns, "addr", "add", f"{address}/24", "dev", "eth0")
@@ -213,7 +254,7 @@ class Cluster:
         key = self.dir / f"{name}_host_key"
         _keygen(key)
         public = " ".join(key.with_suffix(".pub").read_text().split()[:2])
-        return NsHost(name=name, netns=netns, address=address, veth=veth, host_key=public)
+        return NsHost(name=name, netns=netns, address=address, veth=veth, host_key=public, data_address=data_address)
 
     def _start_sshd(self, host: NsHost) -> None:
         config = self.dir / f"{host.name}_sshd_config"
@@ -315,12 +356,17 @@ class Cluster:
         self._children.append((netns, process))
         return process
 
-    def podman(self, host: NsHost | str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        """Run podman on a host exactly as its SSH sessions do (in sshd's mount namespace: its /run, its cgroups)."""
+    def login(self, host: NsHost | str, argv: Sequence[str]) -> list[str]:
+        """argv as a user's SSH session on the host runs it: in sshd's namespaces (its hostname, /run, cgroups)."""
         sshd = (host if isinstance(host, NsHost) else self.host(host)).sshd
-        assert sshd is not None and self.image_store is not None
-        return subprocess.run(["nsenter", "-t", str(sshd.pid), "-m", "-u", "-n", "podman", *args],
-                              capture_output=True, text=True, timeout=timeout, check=True)
+        assert sshd is not None
+        return ["nsenter", "-t", str(sshd.pid), "-m", "-u", "-n", *argv]
+
+    def podman(self, host: NsHost | str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run podman on a host exactly as its SSH sessions do."""
+        assert self.image_store is not None
+        return subprocess.run(self.login(host, ["podman", *args]), capture_output=True, text=True, timeout=timeout,
+                              check=True)
 
     def pids(self, host: NsHost | str) -> list[int]:
         """Every process in a host's namespace (its sshd included)."""
@@ -391,11 +437,11 @@ def namespace_cluster(size: int, **kwargs: Any) -> Iterator[Cluster]:
         yield cluster
 
 
-def _cluster_fixture(size: int) -> Iterator[Cluster]:
+def _cluster_fixture(size: int, **kwargs: Any) -> Iterator[Cluster]:
     reason = missing_support()
     if reason:
         pytest.skip(reason)
-    with namespace_cluster(size) as cluster:
+    with namespace_cluster(size, **kwargs) as cluster:
         yield cluster
 
 
@@ -409,6 +455,12 @@ def cluster2() -> Iterator[Cluster]:
 def cluster3() -> Iterator[Cluster]:
     """Three hosts (h1 master, h2, h3), shared by the whole session."""
     yield from _cluster_fixture(3)
+
+
+@pytest.fixture(scope="session")
+def multi_nic_cluster2() -> Iterator[Cluster]:
+    """Two hosts as on a GPU cluster: management eth0, data eth1, extra0 first, hostname -> 127.0.1.1."""
+    yield from _cluster_fixture(2, multi_nic=True)
 
 
 @pytest.fixture

@@ -58,6 +58,10 @@ def test_example_inventory_is_valid():
          "hosts.yaml:1:12: defaults.port: Input should be greater than or equal to 1"),
         ("hosts: []\n", "hosts.yaml:1:1: hosts: List should have at least 1 item"),
         ("hosts:\n  - {name: GPU_1, address: 10.0.0.1}\n", "hosts.yaml:2:5: hosts[0]: host name must be a DNS-1123 label"),
+        ("defaults: {interface: a-very-long-interface}\nhosts:\n  - {name: a, address: 10.0.0.1}\n",
+         "hosts.yaml:1:12: defaults.interface: expected a network interface name such as eth1 or ib0"),
+        ("hosts:\n  - {name: a, address: 10.0.0.1, interface: eth0/1}\n",
+         "hosts.yaml:2:34: hosts[0].interface: expected a network interface name"),
     ],
 )
 def test_bad_inventory_is_located(write_yaml, text, expected):

@@ -41,7 +41,7 @@ hosts:
   - {name: n1, address: 10.9.0.1}
   - {name: n2, address: 10.9.0.2}
   - {name: n3, address: 10.9.0.3}
-  - {name: n4, address: 10.9.0.4}
+  - {name: n4, address: 10.9.0.4, interface: ib0}
 """
 CASES = {
     "local-1": dict(nnodes=1, nproc=2, rdzv="static", hosts=False),
@@ -55,7 +55,7 @@ def make_plan(write_yaml, case: dict):
     spec = load_job(write_yaml(JOB.format(**case)))
     if case["hosts"]:
         return plan_hosts(spec, job_hosts(spec, load_inventory(write_yaml(HOSTS, "hosts.yaml"))), run_id="golden-run",
-                          master_ip="10.9.0.1")
+                          master_ip="10.9.0.1", interfaces={"n2": "eth1", "n4": "eth9"})
     return plan_local(spec, run_id="golden-run", python="python3")
 
 

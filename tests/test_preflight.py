@@ -52,7 +52,8 @@ def _row(report: Report, host: str, check: str) -> Check:
 def test_healthy_two_hosts_full_with_collective_and_json(cluster2: Cluster, tmp_path: Path) -> None:
     report = _preflight(cluster2, tmp_path, collective=True)
     assert report.ok, report.render_table()
-    names = ["ssh", "fingerprint", "gpus", "shm", "disk", "resolve", "master_port", "data_plane", "collective"]
+    names = ["ssh", "fingerprint", "gpus", "shm", "disk", "resolve", "interface", "master_port", "data_plane",
+             "defaults", "collective"]
     assert [c.name for c in report.checks if c.host == "h1"] == names
     assert {c.status for c in report.checks} <= {Status.PASS, Status.SKIP}
     assert _row(report, "h2", "gpus").reason == "the job runs on CPU (backend gloo, resources.gpus 0); 0 GPUs found"
@@ -61,7 +62,9 @@ def test_healthy_two_hosts_full_with_collective_and_json(cluster2: Cluster, tmp_
     master = cluster2.host("h1").address
     assert _row(report, "h2", "master_port").reason.startswith(f"h2 -> h1 {master}:29500 connected")
     data = json.loads(json.dumps(report.to_json()))
-    assert set(data) == {"ok", "seconds", "job", "hosts", "checks", "fingerprint", "facts", "notes", "failures"}
+    assert set(data) == {"ok", "seconds", "job", "hosts", "checks", "fingerprint", "interfaces", "facts", "notes",
+                         "failures"}
+    assert data["interfaces"] == {"h1": "eth0", "h2": "eth0"}
     assert data["ok"] is True and data["failures"] == []
     assert data["job"] == {"name": "pf2", "backend": "gloo", "nnodes": 2, "master_port": 29500}
     assert data["hosts"] == [{"name": h.name, "address": h.address, "master": h.name == "h1"} for h in cluster2.hosts]
@@ -74,7 +77,7 @@ def test_healthy_two_hosts_full_with_collective_and_json(cluster2: Cluster, tmp_
     assert data["notes"] == []
     table = report.render_table()
     assert table.splitlines()[1].split() == ["HOST", "CHECK", "STATUS", "DETAIL"]
-    assert table.splitlines()[-1].startswith("PASSED: 18 checks")
+    assert table.splitlines()[-1].startswith("PASSED: 22 checks")
     cluster2.assert_only_sshd_left()
 
 
@@ -83,7 +86,12 @@ def test_healthy_three_hosts_fast(cluster3: Cluster, tmp_path: Path) -> None:
     assert report.ok, report.render_table()
     assert "collective" not in {c.name for c in report.checks}
     assert "torch_gpus" not in report.facts["h1"]  # the fast probe does not import torch
-    assert re.fullmatch(r"ephemeral port \d+ reached from h1, h3", _row(report, "h2", "data_plane").reason)
+    assert re.fullmatch(rf"ephemeral port \d+ on eth0 {cluster3.host('h2').address} reached from h1, h3",
+                        _row(report, "h2", "data_plane").reason)
+    assert _row(report, "h2", "interface").reason == (
+        f"eth0 {cluster3.host('h2').address}, mtu 1500, same on all hosts (the kernel routes to h1, h3 through it); "
+        f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME pinned to it")
+    assert _row(report, "h3", "defaults").reason == "unpinned, gloo and NCCL would also reach the peers (eth0)"
     assert report.seconds < 15
 
 
@@ -137,8 +145,8 @@ def test_blocked_data_plane_names_every_failing_pair(cluster3: Cluster, tmp_path
     row = _row(report, "h2", "data_plane")
     assert row.status is Status.FAIL
     address = cluster3.host("h2").address
-    assert re.fullmatch(rf"h1 -> h2 {address}:(\d+) timed out after 3s \(a firewall drops the packets\); "
-                        rf"h3 -> h2 {address}:\1 timed out after 3s \(a firewall drops the packets\)", row.reason)
+    assert re.fullmatch(rf"h1 -> h2 eth0 {address}:(\d+) timed out after 3s \(a firewall drops the packets\); "
+                        rf"h3 -> h2 eth0 {address}:\1 timed out after 3s \(a firewall drops the packets\)", row.reason)
     assert "ephemeral ports 32768-60999" in row.fix
     assert [c.host + " " + c.name for c in report.failures] == ["h2 data_plane"]
     assert _row(report, "h2", "master_port").status is Status.PASS
@@ -249,16 +257,19 @@ def test_command_exit_2_for_a_bad_inventory(tmp_path: Path, capsys: pytest.Captu
     assert f"{hosts}:2:5: hosts[0]: host name must be a DNS-1123 label" in captured.err
 
 
-def test_hostname_resolving_to_loopback_fails_for_gloo(cluster2: Cluster, tmp_path: Path) -> None:
+def test_hostname_resolving_to_loopback_is_a_warning_because_the_launch_pins_the_interface(
+        cluster2: Cluster, tmp_path: Path) -> None:
     with cluster2.hosts_entries("h2", ["127.0.1.1 h2"]):
         report = _preflight(cluster2, tmp_path, fast=True)
-    row = _row(report, "h2", "resolve")
-    assert row.status is Status.FAIL
-    assert row.reason == ("own hostname h2 resolves to 127.0.1.1 (loopback): gloo would advertise a loopback "
-                          "address that peers cannot reach")
-    assert row.fix == (f"map h2 to {cluster2.host('h2').address} in /etc/hosts on h2, "
-                       "or set GLOO_SOCKET_IFNAME in the job's env")
-    assert _row(report, "h1", "resolve").status is Status.PASS
+    assert report.ok, report.render_table()
+    row = _row(report, "h2", "defaults")
+    assert row.status is Status.WARN
+    assert row.reason == ("torchrun's defaults fail here: gloo advertises 127.0.1.1 (what its hostname h2 resolves "
+                          "to): loopback, so each peer connects to itself")
+    assert row.fix == ("none needed: the harness pins eth0; torchrun by hand needs GLOO_SOCKET_IFNAME=eth0 "
+                       "NCCL_SOCKET_IFNAME==eth0")
+    assert _row(report, "h1", "defaults").status is Status.PASS
+    assert report.interfaces == {"h1": "eth0", "h2": "eth0"}
 
 
 def test_master_name_resolving_to_loopback_on_the_master(cluster3: Cluster, tmp_path: Path) -> None:
@@ -278,8 +289,7 @@ def test_master_name_resolving_to_loopback_on_the_master(cluster3: Cluster, tmp_
         out = cluster3.exec("h3", [sys.executable, "-c", script, str(hosts), str(_job(tmp_path, 2)), str(known)])
     rows = {c["host"]: c for c in json.loads(out.stdout)["checks"] if c["check"] == "resolve"}
     assert rows["h1"]["status"] == "fail"
-    assert rows["h1"]["reason"].startswith("resolves the master address h1 to 127.0.1.1 (loopback); "
-                                           "own hostname h1 resolves to 127.0.1.1 (loopback)")
+    assert rows["h1"]["reason"] == "resolves the master address h1 to 127.0.1.1 (loopback)"
     assert rows["h2"]["status"] == "fail"
     assert rows["h2"]["reason"] == f"resolves h1 to {cluster3.host('h1').address} but h1 resolves it to 127.0.1.1"
 
@@ -293,7 +303,7 @@ def test_collective_timeout_stops_every_process(cluster2: Cluster, tmp_path: Pat
     try:
         with cluster2.firewall("h2", *rule), cluster2.firewall("h1", *rule):
             started = time.monotonic()
-            checks = collective_checks(connections, inventory, spec, timeout=2)
+            checks = collective_checks(connections, inventory, spec, timeout=2, interfaces={})
             elapsed = time.monotonic() - started
     finally:
         for connection in connections.values():

@@ -423,7 +423,12 @@ def test_preflight_inside_an_allocation_proves_versions_and_ports_over_srun(slur
     n1 = re.escape(slurm_cluster3.node("n1").address)
     for host in ("n1", "n2"):
         assert re.search(rf"^{host} +fingerprint +PASS +python .* torch .*; same on all hosts$", result.stdout, re.M)
-        assert re.search(rf"^{host} +data_plane +PASS +ephemeral port \d+ reached from ", result.stdout, re.M)
+        address = re.escape(slurm_cluster3.node(host).address)
+        assert re.search(rf"^{host} +data_plane +PASS +ephemeral port \d+ on eth0 {address} reached from ", result.stdout,
+                         re.M)
+        # Inside an allocation the launch does not pin the interface: preflight names it.
+        assert re.search(rf"^{host} +interface +PASS +eth0 {address}, mtu \d+, same on all hosts \(the kernel routes "
+                         rf"to n\d through it\); set network.interface to pin it$", result.stdout, re.M), result.stdout
     assert re.search(rf"^n2 +master_port +PASS +n2 -> n1 {n1}:\d+ connected", result.stdout, re.M), result.stdout
     assert "note: not checked: n3 (the job runs on 2 nodes)" in result.stdout
     assert "every check ran as an srun step" in result.stdout

@@ -48,6 +48,11 @@ def test_shipped_jobs_are_valid():
         ("name: demo\nnnodes: 1\nmaster_port: 80\nentrypoint: {module: m}\n",
          "job.yaml:3:1: master_port: Input should be greater than or equal to 1024"),
         ("name: demo\nnnodes: 1\nrdzv: etcd\nentrypoint: {module: m}\n", "job.yaml:3:1: rdzv: Input should be 'static' or 'c10d'"),
+        ("name: demo\nnnodes: 1\nnetwork: {interface: eth 1}\nentrypoint: {module: m}\n",
+         "job.yaml:3:11: network.interface: expected a network interface name such as eth1 or ib0 (at most 15 "
+         "letters, digits, '_', '.', ':' or '-'), got 'eth 1'"),
+        ("name: demo\nnnodes: 1\nnetwork: {iface: eth1}\nentrypoint: {module: m}\n",
+         "job.yaml:3:11: network.iface: unknown key 'iface'"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m, script: t.py}\n",
          "job.yaml:3:1: entrypoint: set exactly one of 'module'"),
         ("name: demo\nnnodes: 1\nentrypoint: {args: [a]}\n", "job.yaml:3:1: entrypoint: set exactly one of 'module'"),

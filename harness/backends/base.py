@@ -86,8 +86,9 @@ class Backend(Protocol):
         attempt number `attempt`, on hosts other than `down` (spares take their place; NoSpareHosts
         when too few are left). A backend with one machine has no hosts to avoid."""
 
-    def check(self, plan: Plan, spec: JobSpec) -> None:
-        """Prove what is cheap to prove before anything starts; raise CheckFailed or UsageError."""
+    def check(self, plan: Plan, spec: JobSpec) -> Plan:
+        """Prove what is cheap to prove before anything starts; raise CheckFailed or UsageError. Returns
+        the plan to start: this one, or with what the check found pinned (SSH: the network interface)."""
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         """Start every node, or none: if one cannot start, the ones already started are killed."""

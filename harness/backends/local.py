@@ -62,7 +62,7 @@ class LocalBackend:
                           local_cpus=len(os.sched_getaffinity(0)),
                           log_dir=str(log_dir.resolve()) if log_dir is not None else None, attempt=attempt)
 
-    def check(self, plan: Plan, spec: JobSpec) -> None:
+    def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """A missing script, module or data path fails before any node starts, not as N identical
         tracebacks: the SSH backend's fast checks, on this machine (paths relative to the cwd)."""
         from harness.preflight.runner import run_preflight_local
@@ -70,6 +70,7 @@ class LocalBackend:
         report = run_preflight_local(spec, self.python, Path.cwd(), timeout=spec.timeouts.connect)
         if not report.ok:
             raise CheckFailed("preflight failed, nothing was started:\n" + report.render_table())
+        return plan
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         silence = agent_silence(spec.timeouts.connect)

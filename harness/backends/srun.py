@@ -127,8 +127,10 @@ class SrunBackend:
         hosts = self.allocation.hosts(healthy[: spec.nnodes], spec)
         return plan_hosts(spec, hosts, run_id=run_id, master_ip=hosts[0].address, attempt=attempt)
 
-    def check(self, plan: Plan, spec: JobSpec) -> None:
-        """Nothing more to prove cheaply: Slurm granted these nodes, and srun reports what it cannot start."""
+    def check(self, plan: Plan, spec: JobSpec) -> Plan:
+        """Nothing more to prove cheaply: Slurm granted these nodes, and srun reports what it cannot start.
+        The interface stays as planned (network.interface, or unpinned: `harness preflight` reports it)."""
+        return plan
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         silence = agent_silence(spec.timeouts.connect)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,15 +118,21 @@ class SSHBackend:
 
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
-        hosts = job_hosts(spec, self.inventory, down)
+        return self.pinned_plan(spec, run_id, job_hosts(spec, self.inventory, down), attempt)
+
+    def pinned_plan(self, spec: JobSpec, run_id: str, hosts: list[Host], attempt: int = 0,
+                    interfaces: Mapping[str, str] | None = None) -> Plan:
+        """The plan on hosts (master first) with the interfaces preflight found pinned where neither the
+        inventory nor the job names one (interfaces: host name -> interface)."""
         plan = plan_hosts(spec, hosts, run_id=run_id, master_ip=resolve_master_ip(self.inventory, hosts[0]),
-                          attempt=attempt)
+                          attempt=attempt, interfaces=interfaces)
         return in_containers(plan, spec) if spec.container is not None else plan
 
-    def check(self, plan: Plan, spec: JobSpec) -> None:
-        """Preflight's fast checks on the plan's hosts (no torch import, no collective)."""
+    def check(self, plan: Plan, spec: JobSpec) -> Plan:
+        """Preflight's fast checks on the plan's hosts (no torch import, no collective); the plan comes
+        back with the network interface they found per host pinned."""
         if not self.options.preflight:
-            return
+            return plan
         from harness.preflight.runner import run_preflight  # preflight's collective imports this module
 
         hosts = [node.ssh for node in plan.nodes if node.ssh is not None]
@@ -137,6 +143,7 @@ class SSHBackend:
         if not report.ok:
             raise CheckFailed("preflight failed, nothing was started (use --skip-preflight to launch anyway):\n"
                               + report.render_table(), hosts=frozenset(c.host for c in report.failures))
+        return self.pinned_plan(spec, plan.run_id, hosts, plan.attempt, report.interfaces)
 
     def _connect_all(self, nodes: tuple[NodePlan, ...], timeout: float) -> dict[str, Connection]:
         """A connection per host, opened in parallel; the first error once every attempt has ended."""

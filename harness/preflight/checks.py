@@ -165,48 +165,32 @@ def data_checks(facts: dict[str, Facts], paths: list[str], master: str) -> list[
     return checks
 
 
-def _loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address.split("%")[0]).is_loopback
     except ValueError:
         return False
 
 
-def resolve_checks(facts: dict[str, Facts], master: Host, addresses: dict[str, str], spec: JobSpec | None,
-                   backend: str | None) -> list[Check]:
-    """Every host resolves the master's address alike and not to loopback; own names not to loopback.
-
-    gloo advertises the address its hostname resolves to (first answer), so a Debian-style
-    `127.0.1.1 <hostname>` line makes peers connect to their own loopback (pytorch#73656).
-    """
+def resolve_checks(facts: dict[str, Facts], master: Host) -> list[Check]:
+    """Every host resolves the master's address alike and not to loopback (each host's own name is the
+    interface check's business: gloo's default, interfaces.py)."""
     master_view = facts.get(master.name, {}).get("master_resolves")
-    gloo_pinned = spec is not None and "GLOO_SOCKET_IFNAME" in spec.env
     checks = []
     for host, f in facts.items():
-        found: list[tuple[Status, str, str]] = []
         seen = f["master_resolves"]
         if isinstance(seen, str):
-            found.append((Status.FAIL, f"the master address {master.address} {seen}",
-                          f"use the master's IP address in the inventory, or fix DNS / /etc/hosts on {host}"))
-        elif _loopback(seen[0]):
-            found.append((Status.FAIL, f"resolves the master address {master.address} to {seen[0]} (loopback)",
-                          f"use the master's IP address in the inventory, or drop that /etc/hosts line on {host}"))
+            problem = (f"the master address {master.address} {seen}",
+                       f"use the master's IP address in the inventory, or fix DNS / /etc/hosts on {host}")
+        elif is_loopback(seen[0]):
+            problem = (f"resolves the master address {master.address} to {seen[0]} (loopback)",
+                       f"use the master's IP address in the inventory, or drop that /etc/hosts line on {host}")
         elif isinstance(master_view, list) and master_view and seen[0] != master_view[0]:
-            found.append((Status.FAIL, f"resolves {master.address} to {seen[0]} but {master.name} resolves it "
-                          f"to {master_view[0]}", "make DNS / /etc/hosts agree on every host, or use an IP address"))
-        own, name = f["self_resolves"], f["hostname"]
-        if not gloo_pinned and (isinstance(own, str) or _loopback(own[0])):
-            what = f"own hostname {name} " + (own if isinstance(own, str) else f"resolves to {own[0]} (loopback)")
-            status = Status.FAIL if backend == "gloo" else Status.WARN
-            found.append((status, f"{what}: gloo would advertise a loopback address that peers cannot reach",
-                          f"map {name} to {addresses.get(host, 'its network address')} in /etc/hosts on {host}, "
-                          f"or set GLOO_SOCKET_IFNAME in the job's env"))
-        if found:
-            worst = Status.FAIL if any(s is Status.FAIL for s, _, _ in found) else Status.WARN
-            checks.append(Check(host, "resolve", worst, "; ".join(t for _, t, _ in found),
-                                "; ".join(x for _, _, x in found), {"master": seen, "self": own}))
+            problem = (f"resolves {master.address} to {seen[0]} but {master.name} resolves it to {master_view[0]}",
+                       "make DNS / /etc/hosts agree on every host, or use an IP address")
         else:
-            own_text = "" if isinstance(own, str) else f"; own name {name} -> {own[0]}"
-            checks.append(Check(host, "resolve", Status.PASS, f"master {master.address} -> {seen[0]}{own_text}",
-                                None, {"master": seen, "self": own}))
+            checks.append(Check(host, "resolve", Status.PASS, f"master {master.address} -> {seen[0]}", None,
+                                {"master": seen}))
+            continue
+        checks.append(Check(host, "resolve", Status.FAIL, *problem, {"master": seen}))
     return checks

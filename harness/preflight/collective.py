@@ -11,10 +11,11 @@ from __future__ import annotations
 import io
 import threading
 import uuid
+from collections.abc import Mapping
 
 from harness.backends.ssh import SSHBackend
 from harness.inventory import Inventory
-from harness.plan import Plan
+from harness.plan import Plan, job_hosts
 from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, answer_in
 from harness.preflight.report import Check, Status
 from harness.spec import Entrypoint, JobSpec
@@ -56,12 +57,13 @@ def _supervise(backend: SSHBackend, plan: Plan, job: JobSpec, seconds: float) ->
 
 
 def collective_checks(connections: dict[str, Connection], inventory: Inventory, spec: JobSpec | None,
-                      *, timeout: float) -> list[Check]:
-    """The all_reduce on every host, under the node agent and the supervisor like every launch."""
+                      *, timeout: float, interfaces: Mapping[str, str]) -> list[Check]:
+    """The all_reduce on every host, under the node agent and the supervisor like every launch, on the
+    interfaces the launch would pin (interfaces: host name -> interface)."""
     hard = timeout * TORCH_TIMEOUT_FACTOR
     job = collective_job(spec, inventory, hard - 5)
     backend = SSHBackend(inventory, connections=connections)
-    plan = backend.plan(job, f"preflight-{uuid.uuid4().hex[:8]}")
+    plan = backend.pinned_plan(job, f"preflight-{uuid.uuid4().hex[:8]}", job_hosts(job, inventory), 0, interfaces)
     sup, timed_out = _supervise(backend, plan, job, hard)
     culprit = sup.first_failure
     master = next(r for r in sup.records if r.node.node_rank == 0)

@@ -2,7 +2,9 @@
 
 The master binds master_port (proving it is free) and every host binds one ephemeral port, the
 kind gloo and NCCL open for rank-to-rank traffic (nccl#388: MASTER_PORT alone proves little).
-Then every host connects to every other host's ephemeral port and the workers to master_port, all
+Then every host connects to every other host's ephemeral port, at the address of the interface the
+collectives are pinned to (and at the addresses their defaults would take), and the workers to
+master_port, all
 at once with a short timeout, so a firewall that drops packets costs seconds, and the report tells
 a drop (timeout) from a reject (refused) from a routing problem (no route).
 """
@@ -14,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from harness.preflight import netcheck
+from harness.preflight.interfaces import Pin, Reached, extra_target
 from harness.preflight.remote import Link, Process, first_answer, on_hosts, run_script, start_script
 from harness.preflight.report import Check, Status
 from harness.ssh import RemoteTimeout
@@ -53,10 +56,15 @@ def _stop(process: Process, timeout: float) -> None:
         process.close()
 
 
-def network_checks(connections: Mapping[str, Link], master: str, master_port: int, *,
-                   timeout: float) -> list[Check]:
-    """master_port rows (free on the master, reached by each worker) and data_plane rows (per destination)."""
+def network_checks(connections: Mapping[str, Link], master: str, master_port: int, *, timeout: float,
+                   pins: Mapping[str, Pin] | None = None,
+                   also: Mapping[str, list[str]] | None = None) -> tuple[list[Check], Reached]:
+    """master_port rows (free on the master, reached by each worker) and data_plane rows (per destination,
+    at its pinned interface's address, else the one SSH reached), and every connection's result (also: more
+    addresses per destination to try, see interfaces.default_targets)."""
     names = list(connections)
+    pins, also = pins or {}, also or {}
+    where = {name: pins[name].address if name in pins else connections[name].peer_ip for name in names}
     wait = min(CONNECT_TIMEOUT, timeout)
     started: dict[str, Process] = {}
     try:
@@ -68,8 +76,10 @@ def network_checks(connections: Mapping[str, Link], master: str, master_port: in
         master_bound = isinstance(master_answer, dict) and master_answer["ports"][1]["error"] is None
 
         def targets(source: str) -> list[dict[str, Any]]:
-            found = [{"id": dest, "address": connections[dest].peer_ip, "port": port}
+            found = [{"id": dest, "address": where[dest], "port": port}
                      for dest, port in data_ports.items() if dest != source]
+            found += [{"id": extra_target(dest, address), "address": address, "port": port}
+                      for dest, port in data_ports.items() if dest != source for address in also.get(dest, [])]
             if master_bound and source != master:
                 found.append({"id": MASTER, "address": connections[master].peer_ip, "port": master_port})
             return found
@@ -86,10 +96,10 @@ def network_checks(connections: Mapping[str, Link], master: str, master_port: in
     rows += [_worker_row(name, master, master_port, master_bound, reached[name], results, connections, wait)
              for name in names if name != master]
     ephemeral = master_answer.get("ephemeral_range") if isinstance(master_answer, dict) else None
-    rows += [_data_row(name, listening[name], reached[name], results, data_ports, connections, wait, ephemeral)
-             for name in names]
+    rows += [_data_row(name, listening[name], reached[name], results, data_ports, pins.get(name), where[name], wait,
+                       ephemeral) for name in names]
     order = {name: i for i, name in enumerate(names)}
-    return sorted(rows, key=lambda c: (order[c.host], c.name != "master_port"))
+    return sorted(rows, key=lambda c: (order[c.host], c.name != "master_port")), results
 
 
 def _master_row(master: str, port: int, answer: dict[str, Any] | Exception | None) -> Check:
@@ -124,7 +134,7 @@ def _worker_row(source: str, master: str, port: int, master_bound: bool, answer:
 
 
 def _data_row(dest: str, listening: Any, own: Any, results: dict[str, dict[str, dict[str, Any]]],
-              data_ports: dict[str, int], connections: Mapping[str, Link], wait: float,
+              data_ports: dict[str, int], pin: Pin | None, address: str, wait: float,
               ephemeral: list[int] | None) -> Check:
     problems = []
     if not isinstance(listening, dict):
@@ -134,13 +144,15 @@ def _data_row(dest: str, listening: Any, own: Any, results: dict[str, dict[str, 
     sources = [s for s in results if dest in results[s]]
     failed = [(s, results[s][dest]) for s in sources if results[s][dest]["status"] != "ok"]
     port = data_ports.get(dest)
-    problems += [f"{s} -> {dest} {connections[dest].peer_ip}:{port} {_describe(r, wait)}" for s, r in failed]
+    at = f"{pin.interface} {address}" if pin else address
+    problems += [f"{s} -> {dest} {at}:{port} {_describe(r, wait)}" for s, r in failed]
     if problems:
         span = f"{ephemeral[0]}-{ephemeral[1]}" if ephemeral else "32768-60999"
+        network = f"check the {pin.interface} network between these hosts and " if pin and failed else ""
         return Check(dest, "data_plane", Status.FAIL, "; ".join(problems),
-                     f"allow tcp from the other hosts into {dest} on the ephemeral ports {span}, where gloo and "
-                     f"NCCL listen (not only master_port), e.g. `iptables -I INPUT -p tcp -s <cluster subnet> "
-                     f"-j ACCEPT` on {dest}", {"failed": [{"source": s, **r} for s, r in failed]})
+                     f"{network}allow tcp from the other hosts into {dest} on the ephemeral ports {span}, "
+                     f"where gloo and NCCL listen (not only master_port), e.g. `iptables -I INPUT -p tcp -s <cluster "
+                     f"subnet> -j ACCEPT` on {dest}", {"failed": [{"source": s, **r} for s, r in failed]})
     if not sources:
         return Check(dest, "data_plane", Status.SKIP, "no other host to connect from")
-    return Check(dest, "data_plane", Status.PASS, f"ephemeral port {port} reached from {', '.join(sources)}")
+    return Check(dest, "data_plane", Status.PASS, f"ephemeral port {port} on {at} reached from {', '.join(sources)}")

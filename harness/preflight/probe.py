@@ -3,12 +3,15 @@
 Runs on the host with the inventory's `python:` (stdlib only: the host may lack the harness, even
 torch) and prints one JSON answer after the marker given as argv[1]; argv[2] is its JSON config:
 import_torch (authoritative NCCL version and torch's own GPU count, at the price of importing
-torch), workdir, entrypoint ({"module": ...} or {"script": ...} or null), master_address.
+torch), workdir, entrypoint ({"module": ...} or {"script": ...} or null), master_address, peers
+(host name -> address: the kernel's route to each).
 """
 
 from __future__ import annotations
 
+import array
 import ctypes
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -18,6 +21,7 @@ import platform
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +29,10 @@ from typing import Any
 
 MISSING = "missing"
 NONE = "none"
+# <linux/sockios.h>, <net/if.h>; struct ifreq is 40 bytes: the name, then a 24-byte union.
+SIOCGIFCONF, SIOCGIFFLAGS, SIOCGIFMTU = 0x8912, 0x8913, 0x8921
+IFF_UP, IFF_LOOPBACK = 0x1, 0x8
+IFREQ = 40
 
 
 def _dist_version(name: str) -> str:
@@ -127,6 +135,78 @@ def _addresses(name: str) -> list[str] | str:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))  # resolver order: connections use the first
 
 
+def _ipv4_addresses() -> dict[str, list[str]]:
+    """Every IPv4 address per interface, as `ip addr` lists them (SIOCGIFCONF: no iproute2 needed)."""
+    size = IFREQ * 1024
+    buffer = array.array("B", bytes(size))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("iL", size, buffer.buffer_info()[0])
+        length = struct.unpack("iL", fcntl.ioctl(sock.fileno(), SIOCGIFCONF, request))[0]
+    data = buffer.tobytes()
+    found: dict[str, list[str]] = {}
+    for offset in range(0, length, IFREQ):
+        label = data[offset:offset + 16].split(b"\0")[0].decode()
+        found.setdefault(label.split(":")[0], []).append(socket.inet_ntoa(data[offset + 20:offset + 24]))
+    return found
+
+
+def _ipv6_addresses() -> dict[str, list[str]]:
+    """Global-scope IPv6 addresses per interface (link-local ones need a scope id nobody passes)."""
+    found: dict[str, list[str]] = {}
+    try:
+        lines = Path("/proc/net/if_inet6").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 6 and fields[3] == "00":
+            found.setdefault(fields[5], []).append(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(fields[0])))
+    return found
+
+
+def _interfaces() -> list[dict[str, Any]]:
+    """Every interface in index order (the order getifaddrs, and so NCCL, sees them)."""
+    ipv4, ipv6 = _ipv4_addresses(), _ipv6_addresses()
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for index, name in socket.if_nameindex():
+            request = struct.pack("16s24s", name.encode(), b"")
+            try:
+                flags = struct.unpack_from("H", fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, request), 16)[0]
+                mtu = struct.unpack_from("i", fcntl.ioctl(sock.fileno(), SIOCGIFMTU, request), 16)[0]
+            except OSError:
+                continue  # gone since the listing
+            found.append({"name": name, "index": index, "up": bool(flags & IFF_UP),
+                          "loopback": bool(flags & IFF_LOOPBACK), "mtu": mtu,
+                          "addresses": ipv4.get(name, []) + ipv6.get(name, [])})
+    return found
+
+
+def _route(address: str, interfaces: list[dict[str, Any]]) -> dict[str, Any]:
+    """The kernel's own choice of source address, and so interface, towards address: connecting a UDP
+    socket sends nothing, it only looks the route up."""
+    try:
+        family, _, _, _, destination = socket.getaddrinfo(address, 9, type=socket.SOCK_DGRAM)[0]
+    except OSError as exc:
+        return {"address": address, "error": f"does not resolve ({exc})"}
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(destination)
+            source = str(sock.getsockname()[0])
+    except OSError as exc:
+        return {"address": str(destination[0]), "error": exc.strerror or str(exc)}
+    holder = next((i["name"] for i in interfaces if source in i["addresses"]), None)
+    return {"address": str(destination[0]), "source": source, "interface": holder}
+
+
+def _network(peers: dict[str, str]) -> dict[str, Any]:
+    try:
+        interfaces = _interfaces()
+    except OSError as exc:
+        return {"error": f"cannot list the network interfaces: {exc}"}
+    return {"interfaces": interfaces, "routes": {name: _route(address, interfaces) for name, address in peers.items()}}
+
+
 def _payload(entrypoint: dict[str, str] | None, workdir: str) -> dict[str, str] | None:
     """sha256 of the job's script, or of the module's source file as `python -m` in workdir finds it."""
     if not entrypoint:
@@ -200,6 +280,7 @@ def probe(config: dict[str, Any]) -> dict[str, Any]:
         if workdir_ok else {},
         "master_resolves": _addresses(config["master_address"]),
         "self_resolves": _addresses(socket.gethostname()),
+        "network": _network(config.get("peers", {})),
     }
     shm = Path("/dev/shm")
     if shm.is_dir():

@@ -42,6 +42,7 @@ class Report:
     mismatched: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     job: dict[str, Any] | None = None
+    interfaces: dict[str, str] = field(default_factory=dict)  # host -> the interface gloo and NCCL are pinned to
     seconds: float = 0.0
 
     @property
@@ -60,6 +61,7 @@ class Report:
             "hosts": self.hosts,
             "checks": [c.to_json() for c in self.checks],
             "fingerprint": {"hosts": self.fingerprint, "mismatched": self.mismatched},
+            "interfaces": self.interfaces,
             "facts": self.facts,
             "notes": self.notes,
             "failures": [_summary(c) for c in self.failures],

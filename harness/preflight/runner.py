@@ -21,6 +21,7 @@ from harness.preflight import probe
 from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
 from harness.preflight.collective import collective_checks
 from harness.preflight.engine import InImage, image_checks
+from harness.preflight.interfaces import default_targets, defaults_checks, interface_checks
 from harness.preflight.ports import network_checks
 from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, Link, answer_in, on_hosts, run_script
 from harness.preflight.report import Check, Report, Status
@@ -46,7 +47,8 @@ def _ssh_row(host: Host, result: Connection | Exception, seconds: float) -> Chec
     return Check(host.name, "ssh", Status.PASS, f"{user}@{host.address}:{host.port} in {seconds:.2f}s, {key}")
 
 
-def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None, fast: bool) -> str:
+def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None, fast: bool,
+                  peers: Mapping[str, str]) -> str:
     entry = spec.entrypoint if spec else None
     return json.dumps({
         "import_torch": not fast,
@@ -54,12 +56,14 @@ def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None
         "entrypoint": ({"module": entry.module} if entry.module else {"script": entry.script}) if entry else None,
         "master_address": master_address,
         "data_paths": spec.data_paths if spec else [],
+        "peers": dict(peers),
     })
 
 
-def _probe(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float) -> dict[str, Any]:
+def _probe(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float,
+           peers: Mapping[str, str]) -> dict[str, Any]:
     limit = timeout if fast else timeout * TORCH_TIMEOUT_FACTOR
-    config = _probe_config(connection.host.workdir, master.address, spec, fast)
+    config = _probe_config(connection.host.workdir, master.address, spec, fast, peers)
     return run_script(connection, probe, [config], timeout=limit)
 
 
@@ -71,7 +75,7 @@ def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: f
                     job={"name": spec.name, "backend": spec.backend, "nnodes": spec.nnodes,
                          "master_port": spec.master_port})
     source = Path(probe.__file__ or "").read_text(encoding="utf-8")
-    result = subprocess.run([python, "-c", source, MARKER, _probe_config(str(workdir), LOCAL_MASTER, spec, True)],
+    result = subprocess.run([python, "-c", source, MARKER, _probe_config(str(workdir), LOCAL_MASTER, spec, True, {})],
                             cwd=workdir, capture_output=True, text=True, timeout=timeout, check=False)
     facts = answer_in(result.stdout)
     if facts is None:
@@ -121,9 +125,11 @@ def run_preflight(inventory: Inventory, spec: JobSpec | None = None, *, known_ho
         for name, outcome in attempts.items():
             result, seconds = outcome if isinstance(outcome, tuple) else (outcome, 0.0)
             report.checks.append(_ssh_row(by_name[name], result, seconds))
-        run_collective = (lambda: collective_checks(connections, inventory, spec, timeout=timeout)) \
+        run_collective = (lambda: collective_checks(connections, inventory, spec, timeout=timeout,
+                                                    interfaces=report.interfaces)) \
             if collective and not fast else None
-        _checks(report, connections, inventory, master, spec, collective=run_collective, fast=fast, timeout=timeout)
+        _checks(report, connections, inventory, master, spec, collective=run_collective, fast=fast, timeout=timeout,
+                pins=True)
     finally:
         for connection in connections.values():
             connection.close()
@@ -157,7 +163,7 @@ def run_preflight_srun(allocation: Allocation, spec: JobSpec | None = None, *, t
         report.notes.append(f"not checked: {', '.join(unused)} (the job runs on {len(names)} nodes)")
     report.notes.append(f"inside Slurm allocation {allocation.job_id}: every check ran as an srun step")
     _checks(report, {h.name: SrunLink(allocation, h) for h in hosts}, inventory, hosts[0], spec, collective=None,
-            fast=False, timeout=timeout)
+            fast=False, timeout=timeout, pins=False)
     _by_host(report, hosts)
     report.seconds = time.monotonic() - started
     return report
@@ -165,7 +171,9 @@ def run_preflight_srun(allocation: Allocation, spec: JobSpec | None = None, *, t
 
 def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventory, master: Host,
             spec: JobSpec | None, *, collective: Callable[[], list[Check]] | None, fast: bool,
-            timeout: float) -> None:
+            timeout: float, pins: bool) -> None:
+    """Every check on the linked hosts (master first). pins: whether the launch pins the interface found
+    (SSH) or only reports it (inside a Slurm allocation)."""
     probe_links: Mapping[str, Link] = connections
     fix = "set `python:` in the inventory to an interpreter that runs on the host"
     if spec is not None and spec.container is not None:
@@ -173,7 +181,8 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
         report.checks += rows
         probe_links = {name: InImage(connections[name], spec, i) for i, name in enumerate(ready)}
         fix = f"`{spec.container.engine} run --rm --entrypoint python {spec.image} --version` on the host says why"
-    probed = on_hosts(lambda name: _probe(probe_links[name], master, spec, fast, timeout), probe_links)
+    addresses = {name: connection.peer_ip for name, connection in connections.items()}
+    probed = on_hosts(lambda name: _probe(probe_links[name], master, spec, fast, timeout, addresses), probe_links)
     facts = {name: answer for name, answer in probed.items() if isinstance(answer, dict)}
     for name, answer in probed.items():
         if not isinstance(answer, dict):
@@ -185,8 +194,10 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
     hosts = {h.name: h for h in inventory.hosts}
     for name, found in facts.items():
         report.checks += resource_checks(hosts[name], found, spec, backend)
-    addresses = {name: connection.peer_ip for name, connection in connections.items()}
-    report.checks += resolve_checks(facts, master, addresses, spec, backend)
+    report.checks += resolve_checks(facts, master)
+    rows, chosen = interface_checks(facts, [hosts[name] for name in connections], spec, pins)
+    report.checks += rows
+    report.interfaces = {name: pin.interface for name, pin in chosen.items()}
     if spec is None:
         report.notes.append("no job given: payload, GPU needs and the backend are not checked")
     if spec is not None:
@@ -194,7 +205,9 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
     master_port = spec.master_port if spec else DEFAULT_MASTER_PORT
     reachable = {name: connections[name] for name in facts}
     if master.name in reachable:
-        report.checks += network_checks(reachable, master.name, master_port, timeout=timeout)
+        rows, reached = network_checks(reachable, master.name, master_port, timeout=timeout, pins=chosen,
+                                       also=default_targets(facts, chosen, backend, spec))
+        report.checks += rows + defaults_checks(facts, chosen, reached, backend, spec, pins)
     else:
         report.checks += [Check(name, "master_port", Status.SKIP, f"not tested: no probe of the master {master.name}")
                           for name in reachable]
