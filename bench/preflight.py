@@ -1,6 +1,11 @@
 """Benchmark 4: preflight fan-out. `harness preflight HOSTS --job JOB` over 1, 4, 16 real sshd hosts
-(tests/cluster.py: network namespaces on a private bridge), and the fast checks that every
+(tests/cluster.py: network namespaces, each host with a management and a data network, an interface
+that routes nowhere and Debian's 127.0.1.1 hostname line), and the fast checks that every
 `harness launch --hosts` runs first (run_preflight(fast=True), no torch import on the hosts).
+
+Each is measured side by side with today's preflight before the interface checks (BASELINE, the
+same commands from that commit's tree), alternating, on the same hosts. That preflight fails these
+hosts (`resolve`: the hostname is loopback), which the new one turns into a pinned interface.
 
 Preflight talks to all hosts at once, so its time should grow far slower than the host count:
 `vs_linear` = t(k) / (k * t(1)), 1.0 being a sequential tool. The full probe imports torch on
@@ -10,10 +15,13 @@ grows with k, which real hosts (each with its own CPUs) do not.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import resource
 import statistics
+import subprocess
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +31,19 @@ from typing import Any
 from bench import machine, procs
 
 GIB_PER_HOST = 0.7  # a full probe imports torch on every host at once (about 0.55 GiB each)
+BASELINE = "5829465"  # the last commit before the interface checks (issue 15)
+BASELINE_FAILS = {"resolve"}  # what today's preflight fails on these hosts: own hostname -> 127.0.1.1
+# The fast checks, timed inside a fresh interpreter whose `harness` is argv[1]'s.
+FAST = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from harness.inventory import load_inventory
+from harness.preflight import run_preflight
+from harness.spec import load_job
+begun = time.monotonic()
+report = run_preflight(load_inventory(sys.argv[2]), load_job(sys.argv[3]), known_hosts=sys.argv[4], fast=True)
+print(json.dumps({"seconds": time.monotonic() - begun, "report": report.to_json()}))
+"""
 
 
 def cluster_module() -> ModuleType:
@@ -49,23 +70,36 @@ def write_job(path: Path, nnodes: int) -> Path:
     return path
 
 
-def full(hosts: Path, job: Path, known_hosts: Path) -> tuple[float, dict[str, Any]]:
-    """The command as a user types it: wall time and its JSON report."""
+def baseline_tree(into: Path) -> Path:
+    """BASELINE's `harness` package, unpacked from git (the working tree stays as it is)."""
+    archive = subprocess.run(["git", "-C", str(procs.REPO), "archive", BASELINE, "harness"], capture_output=True,
+                             check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def full(root: Path, hosts: Path, job: Path, known_hosts: Path) -> tuple[float, dict[str, Any]]:
+    """The command as a user types it, with root's harness: wall time and its JSON report."""
     begun = time.monotonic()
-    lines = procs.run_lines([procs.PY, "-m", "harness.cli", "preflight", str(hosts), "--job", str(job),
-                             "--known-hosts", str(known_hosts), "--json"], timeout=300)
-    return time.monotonic() - begun, json.loads("\n".join(lines))
+    done = subprocess.run([procs.PY, "-m", "harness.cli", "preflight", str(hosts), "--job", str(job), "--known-hosts",
+                           str(known_hosts), "--json"], cwd=root, capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - begun
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"harness preflight ({root}) exited {done.returncode}: {done.stderr[-2000:]}")
+    return seconds, json.loads(done.stdout)
 
 
-def fast(hosts: Path, job: Path, known_hosts: Path) -> tuple[float, dict[str, Any]]:
-    """The checks `harness launch --hosts` runs before starting anything, in this process."""
-    from harness.inventory import load_inventory
-    from harness.preflight import run_preflight
-    from harness.spec import load_job
+def fast(root: Path, hosts: Path, job: Path, known_hosts: Path) -> tuple[float, dict[str, Any]]:
+    """The checks `harness launch --hosts` runs before starting anything, timed around the call."""
+    done = subprocess.run([procs.PY, "-c", FAST, str(root), str(hosts), str(job), str(known_hosts)], cwd=root,
+                          capture_output=True, text=True, timeout=300, check=True)
+    answer = json.loads(done.stdout)
+    return answer["seconds"], answer["report"]
 
-    begun = time.monotonic()
-    report = run_preflight(load_inventory(hosts), load_job(job), known_hosts=known_hosts, fast=True)
-    return time.monotonic() - begun, report.to_json()
+
+def _failed(report: dict[str, Any]) -> set[str]:
+    return {c["check"] for c in report.get("checks", []) if c.get("status") == "fail"}
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -82,31 +116,41 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         sizes = [k for k in sizes if k <= room]
     rows = []
     begun = time.monotonic()
-    with cluster.namespace_cluster(max(sizes)) as c, tempfile.TemporaryDirectory(prefix="bench-preflight-") as tmp:
+    with cluster.namespace_cluster(max(sizes), multi_nic=True) as c, \
+            tempfile.TemporaryDirectory(prefix="bench-preflight-") as tmp:
         built = time.monotonic() - begun
+        roots = {"": procs.REPO, "baseline_": baseline_tree(Path(tmp) / "baseline")}
         for k in sizes:
             hosts = c.write_inventory(Path(tmp) / f"hosts{k}.yaml", hosts=[f"h{i}" for i in range(1, k + 1)])
             job = write_job(Path(tmp) / f"job{k}.yaml", k)
             row: dict[str, Any] = {"hosts": k}
             for mode, check in (("full", full), ("fast", fast)):
-                times, controller, machine_cpu = [], [], []
+                times: dict[str, list[float]] = {version: [] for version in roots}
+                controller, machine_cpu, interfaces = [], [], set()
                 for _ in range(cfg["repeats"]):
-                    own, everyone = own_cpu_s(), machine_cpu_s()
-                    seconds, report = check(hosts, job, c.known_hosts)
-                    controller.append(own_cpu_s() - own)
-                    machine_cpu.append(machine_cpu_s() - everyone)
-                    if not report.get("ok"):
-                        failed = [ch for ch in report.get("checks", []) if ch.get("status") == "fail"]
-                        raise RuntimeError(f"preflight ({mode}) over {k} hosts failed: {failed or report}")
-                    times.append(seconds)
-                row[f"{mode}_s"] = round(statistics.median(times), 2)
-                row[f"{mode}_attempts_s"] = [round(t, 2) for t in times]
+                    for version, root in roots.items():
+                        own, everyone = own_cpu_s(), machine_cpu_s()
+                        seconds, report = check(root, hosts, job, c.known_hosts)
+                        allowed = BASELINE_FAILS if version else set()
+                        if not _failed(report) <= allowed or (not version and not report.get("ok")):
+                            raise RuntimeError(f"preflight ({version or 'current'}, {mode}) over {k} hosts failed: "
+                                               f"{_failed(report) - allowed or report}")
+                        times[version].append(seconds)
+                        if not version:
+                            controller.append(own_cpu_s() - own)
+                            machine_cpu.append(machine_cpu_s() - everyone)
+                            interfaces |= set(report["interfaces"].values())
+                for version, found in times.items():
+                    row[f"{version}{mode}_s"] = round(statistics.median(found), 2)
+                    row[f"{version}{mode}_attempts_s"] = [round(t, 2) for t in found]
+                row[f"{mode}_vs_baseline"] = round(row[f"{mode}_s"] / row[f"baseline_{mode}_s"], 3)
                 row[f"{mode}_controller_cpu_s"] = round(statistics.median(controller), 2)
                 row[f"{mode}_machine_cpu_s"] = round(statistics.median(machine_cpu), 2)
+                row["pinned"] = sorted(interfaces)
             rows.append(row)
     for row in rows:
         for mode in ("full", "fast"):
             row[f"{mode}_vs_linear"] = round(row[f"{mode}_s"] / (row["hosts"] * rows[0][f"{mode}_s"]), 3)
     return {"cluster_build_s": round(built, 1), "repeats": cfg["repeats"], "statistic": "median",
-            "cores": procs.cpu_count(),
+            "cores": procs.cpu_count(), "baseline": BASELINE, "baseline_fails": sorted(BASELINE_FAILS),
             "rows": rows, "notes": notes}
