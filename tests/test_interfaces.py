@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from harness.inventory import Host
+from harness.k8s import render_manifests
 from harness.plan import plan_hosts
 from harness.preflight.interfaces import defaults_checks, interface_checks
 from harness.preflight.report import Status
 from harness.render import render_text
+from harness.slurm import batch_script
 from harness.spec import JobSpec
 
 HOSTS = [Host(name="a", address="10.0.0.1"), Host(name="b", address="10.0.0.2"), Host(name="c", address="10.0.0.3")]
@@ -90,3 +92,13 @@ def test_the_pin_is_in_the_env_and_in_the_rendered_plan():
     assert "global ranks 0; gloo and NCCL on the interface that routes to the peers (found by preflight at " \
            "launch)" in unpinned
     assert "GLOO_SOCKET_IFNAME" not in unpinned
+
+
+def test_the_job_interface_reaches_kubernetes_pods_and_slurm_nodes():
+    spec = _job(network={"interface": "eth1"}, image="registry/harness:1")
+    manifests = "\n".join(str(doc) for doc in render_manifests(spec, "", "core"))
+    assert "{'name': 'GLOO_SOCKET_IFNAME', 'value': 'eth1'}" in manifests
+    assert "{'name': 'NCCL_SOCKET_IFNAME', 'value': '=eth1'}" in manifests
+    script = batch_script(spec, "job.yaml")
+    assert "export GLOO_SOCKET_IFNAME=eth1\n" in script and "export NCCL_SOCKET_IFNAME==eth1\n" in script
+    assert "SOCKET_IFNAME" not in batch_script(_job(), "job.yaml")
