@@ -3,6 +3,7 @@ nowhere, first in index order) and Debian's `127.0.1.1 <hostname>` (cluster.py, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from harness.inventory import load_inventory
@@ -123,7 +123,7 @@ def test_cut_data_network_fails_preflight_and_the_launch_while_ssh_still_works(m
     assert _row(report, "h2", "interface").reason == (
         f"eth1 {h2.data_address}, mtu 1500, same on all hosts (from the job's network.interface); "
         f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME pinned to it")
-    assert re.fullmatch(rf"ephemeral port \d+ on eth1 {h2.data_address} reached from h1",
+    assert re.fullmatch(rf"ephemeral port \d+ on eth1 {h2.data_address} reached from h1, 1500-byte frames too",
                         _row(report, "h2", "data_plane").reason)
 
     with cluster.firewall("h2", "-s", str(h1.data_address), "-j", "DROP"):
@@ -157,24 +157,48 @@ def test_an_interface_a_host_lacks_is_named_with_what_it_has(multi_nic_cluster2,
     assert report.interfaces == {"h1": "eth1"}
 
 
-@pytest.fixture
-def jumbo_h2(multi_nic_cluster2: Cluster) -> Iterator[Cluster]:
-    """h2's data interface at MTU 9000; its bridge port (and h1) stay at 1500."""
-    cluster = multi_nic_cluster2
-    cluster.exec("h2", ["ip", "link", "set", "dev", "eth1", "mtu", "9000"])
+@contextlib.contextmanager
+def jumbo(cluster: Cluster, *hosts: str) -> Iterator[None]:
+    """These hosts' data interface at MTU 9000; the bridge ports (and the other hosts) stay at 1500."""
     try:
-        yield cluster
+        for host in hosts:
+            cluster.exec(host, ["ip", "link", "set", "dev", "eth1", "mtu", "9000"])
+        yield
     finally:
-        cluster.exec("h2", ["ip", "link", "set", "dev", "eth1", "mtu", "1500"])
+        for host in hosts:
+            cluster.exec(host, ["ip", "link", "set", "dev", "eth1", "mtu", "1500"], check=False)
 
 
-def test_mtu_mismatch_on_the_data_network_is_reported(jumbo_h2, write_yaml, tmp_path):
-    report = _preflight(jumbo_h2, _with_data_network(ddp_job(write_yaml)), tmp_path)
+FRAMES_LOST = "9000-byte frames (don't fragment) lost while small packets arrive: the path's MTU is below the interface's"
+
+
+def test_mtu_mismatch_on_the_data_network_is_reported_and_its_frames_proved_lost(multi_nic_cluster2, write_yaml,
+                                                                                  tmp_path):
+    cluster = multi_nic_cluster2
+    h1, h2 = cluster.host("h1"), cluster.host("h2")
+    with jumbo(cluster, "h2"):
+        report = _preflight(cluster, _with_data_network(ddp_job(write_yaml)), tmp_path)
     row = _row(report, "h2", "interface")
     assert row.status is Status.WARN
-    assert row.reason == (f"eth1 {jumbo_h2.host('h2').data_address}, mtu 9000, but h1 uses mtu 1500: frames above "
-                          f"1500 bytes are dropped where the path is narrower (TCP gets by on its MSS; RDMA and UDP "
-                          f"traffic hangs)")
+    assert row.reason == (f"eth1 {h2.data_address}, mtu 9000, but h1 uses mtu 1500: frames above 1500 bytes are "
+                          f"dropped where the path is narrower (TCP gets by on its MSS; RDMA and UDP traffic hangs)")
     assert row.fix == ("one MTU on the whole data path: `ip link set dev eth1 mtu 1500` on h2 (or raise it on every "
                        "host and switch port)")
     assert _row(report, "h1", "interface").status is Status.PASS
+    assert [(c.host, c.name) for c in report.failures] == [("h1", "data_plane")]
+    assert report.failures[0].reason == f"h2 -> h1 eth1 {h1.data_address}: {FRAMES_LOST}"
+    assert report.failures[0].fix.startswith("one MTU along the whole data path")
+    assert _row(report, "h2", "data_plane").reason.endswith("reached from h1, 1500-byte frames too")
+
+
+def test_jumbo_frames_the_switch_does_not_carry_fail_although_the_hosts_agree(multi_nic_cluster2, write_yaml,
+                                                                             tmp_path):
+    """Both hosts at 9000, the bridge between them at 1500: a black hole no MTU comparison sees."""
+    cluster = multi_nic_cluster2
+    with jumbo(cluster, "h1", "h2"):
+        report = _preflight(cluster, _with_data_network(ddp_job(write_yaml)), tmp_path)
+    assert {_row(report, h, "interface").status for h in ("h1", "h2")} == {Status.PASS}
+    assert [(c.host, c.name) for c in report.failures] == [("h1", "data_plane"), ("h2", "data_plane")]
+    for source, dest in (("h2", "h1"), ("h1", "h2")):
+        assert _row(report, dest, "data_plane").reason == (
+            f"{source} -> {dest} eth1 {cluster.host(dest).data_address}: {FRAMES_LOST}")

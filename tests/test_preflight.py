@@ -86,7 +86,8 @@ def test_healthy_three_hosts_fast(cluster3: Cluster, tmp_path: Path) -> None:
     assert report.ok, report.render_table()
     assert "collective" not in {c.name for c in report.checks}
     assert "torch_gpus" not in report.facts["h1"]  # the fast probe does not import torch
-    assert re.fullmatch(rf"ephemeral port \d+ on eth0 {cluster3.host('h2').address} reached from h1, h3",
+    assert re.fullmatch(rf"ephemeral port \d+ on eth0 {cluster3.host('h2').address} reached from h1, h3, "
+                        rf"1500-byte frames too",
                         _row(report, "h2", "data_plane").reason)
     assert _row(report, "h2", "interface").reason == (
         f"eth0 {cluster3.host('h2').address}, mtu 1500, same on all hosts (the kernel routes to h1, h3 through it); "

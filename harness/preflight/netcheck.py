@@ -4,10 +4,13 @@ Runs on a host with the inventory's `python:` (stdlib only). argv[1] is the answ
 argv[2] the mode, argv[3] its JSON config; the answer is one JSON line after the marker.
 
 listen  {"ports": [0, 29500], "lifetime": s}: bind every port (0 = an ephemeral one, as gloo and
-        NCCL pick them), answer which ports it got, then serve until stdin closes or the lifetime
-        ends. A client that says hello gets "ok" back, proving the connection reached this listener.
-connect {"targets": [{"id", "address", "port"}], "timeout": s}: connect to every target at once and
-        answer per target: ok, timeout (packets dropped), refused, no_route, no_reply or error.
+        NCCL pick them), and the same UDP port where it is free, answer which ports it got, then serve
+        until stdin closes or the lifetime ends. A client that says hello gets "ok" back, proving the
+        connection reached this listener; a datagram gets its size back.
+connect {"targets": [{"id", "address", "port", "frame"?}], "timeout": s}: connect to every target at
+        once and answer per target: ok, timeout (packets dropped), refused, no_route, no_reply or
+        error. With "frame" (bytes, the sender's MTU), also send one datagram that fills such a frame
+        with don't-fragment set: "frame" ok, lost (the path is narrower: a black hole) or error.
 """
 
 from __future__ import annotations
@@ -22,25 +25,39 @@ from typing import Any
 
 HELLO = b"harness-preflight\n"
 REPLY = b"ok\n"
+# <linux/in.h>, <linux/in6.h>: set don't-fragment and send up to the interface's MTU, whatever the route's cache says.
+IP_MTU_DISCOVER, IPV6_MTU_DISCOVER, PMTUDISC_PROBE = 10, 23, 3
+HEADERS = {socket.AF_INET: 28, socket.AF_INET6: 48}  # IP + UDP header bytes
+FRAME_TRIES = 3
 
 
-def _bind(port: int) -> socket.socket:
+def _bind(port: int, kind: int = socket.SOCK_STREAM) -> socket.socket:
     """A dual-stack listener like torch's TCPStore; IPv4 only where the host has no IPv6."""
     try:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET6, kind)
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         address: tuple[Any, ...] = ("::", port)
     except OSError:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET, kind)
         address = ("0.0.0.0", port)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(64)
+        if kind == socket.SOCK_STREAM:
+            sock.listen(64)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def _echo_sizes(sock: socket.socket) -> None:
+    while True:
+        try:
+            data, peer = sock.recvfrom(65535)
+            sock.sendto(str(len(data)).encode(), peer)
+        except OSError:
+            return
 
 
 def _serve(sock: socket.socket) -> None:
@@ -81,8 +98,16 @@ def listen(config: dict[str, Any], marker: str) -> None:
             answers.append({"requested": requested, "port": None,
                             "error": "in use" if exc.errno == errno.EADDRINUSE else str(exc)})
             continue
-        answers.append({"requested": requested, "port": sock.getsockname()[1], "error": None})
+        port = sock.getsockname()[1]
         threading.Thread(target=_serve, args=(sock,), daemon=True).start()
+        try:
+            datagrams = _bind(port, socket.SOCK_DGRAM)
+        except OSError:
+            udp = False
+        else:
+            udp = True
+            threading.Thread(target=_echo_sizes, args=(datagrams,), daemon=True).start()
+        answers.append({"requested": requested, "port": port, "error": None, "udp": udp})
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
             ephemeral = [int(n) for n in handle.read().split()]
@@ -121,7 +146,34 @@ def _connect(target: dict[str, Any], timeout: float) -> dict[str, Any]:
         if not answered:
             result.update(status="no_reply", detail="connected, but not to our listener (another service or a proxy?)")
     result["ms"] = round((time.monotonic() - started) * 1000, 1)
+    if target.get("frame") and result["status"] == "ok":
+        result["frame"] = _frame(target["address"], target["port"], target["frame"], timeout)
     return result
+
+
+def _frame(address: str, port: int, frame: int, timeout: float) -> dict[str, Any]:
+    """One datagram as large as a frame of `frame` bytes, don't-fragment set, until its size comes back."""
+    family, _, _, _, destination = socket.getaddrinfo(address, port, type=socket.SOCK_DGRAM)[0]
+    payload = b"\0" * (frame - HEADERS[family])
+    answer = {"bytes": frame, "status": "lost", "detail": f"no answer within {timeout:g}s"}
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        try:
+            if family == socket.AF_INET:
+                sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, PMTUDISC_PROBE)
+            else:
+                sock.setsockopt(socket.IPPROTO_IPV6, IPV6_MTU_DISCOVER, PMTUDISC_PROBE)
+            sock.connect(destination)
+            sock.settimeout(timeout / FRAME_TRIES)
+            for _ in range(FRAME_TRIES):
+                sock.send(payload)
+                try:
+                    if sock.recv(64) == str(len(payload)).encode():
+                        return {"bytes": frame, "status": "ok", "detail": ""}
+                except TimeoutError:
+                    continue
+        except OSError as exc:
+            answer.update(status="error", detail=exc.strerror or str(exc))
+    return answer
 
 
 def connect(config: dict[str, Any], marker: str) -> None:

@@ -72,11 +72,14 @@ def network_checks(connections: Mapping[str, Link], master: str, master_port: in
             connections[name], [0, master_port] if name == master else [0], 4 * timeout + 30, timeout, started,
         ), names)
         data_ports = {n: a["ports"][0]["port"] for n, a in listening.items() if isinstance(a, dict)}
+        udp = {n for n, a in listening.items() if isinstance(a, dict) and a["ports"][0].get("udp")}
         master_answer = listening.get(master)
         master_bound = isinstance(master_answer, dict) and master_answer["ports"][1]["error"] is None
 
         def targets(source: str) -> list[dict[str, Any]]:
-            found = [{"id": dest, "address": where[dest], "port": port}
+            frame = pins[source].mtu if source in pins else None
+            found = [{"id": dest, "address": where[dest], "port": port} | ({"frame": frame} if frame and dest in udp
+                                                                           else {})
                      for dest, port in data_ports.items() if dest != source]
             found += [{"id": extra_target(dest, address), "address": address, "port": port}
                       for dest, port in data_ports.items() if dest != source for address in also.get(dest, [])]
@@ -146,13 +149,26 @@ def _data_row(dest: str, listening: Any, own: Any, results: dict[str, dict[str, 
     port = data_ports.get(dest)
     at = f"{pin.interface} {address}" if pin else address
     problems += [f"{s} -> {dest} {at}:{port} {_describe(r, wait)}" for s, r in failed]
+    frames = [(s, results[s][dest]["frame"]) for s in sources if "frame" in results[s][dest]]
+    narrow = [(s, f) for s, f in frames if f["status"] != "ok"]
+    problems += [f"{s} -> {dest} {at}: {f['bytes']}-byte frames (don't fragment) "
+                 + ("lost while small packets arrive: the path's MTU is below the interface's" if f["status"] == "lost"
+                    else f"not sent: {f['detail']}") for s, f in narrow]
     if problems:
         span = f"{ephemeral[0]}-{ephemeral[1]}" if ephemeral else "32768-60999"
         network = f"check the {pin.interface} network between these hosts and " if pin and failed else ""
-        return Check(dest, "data_plane", Status.FAIL, "; ".join(problems),
-                     f"{network}allow tcp from the other hosts into {dest} on the ephemeral ports {span}, "
-                     f"where gloo and NCCL listen (not only master_port), e.g. `iptables -I INPUT -p tcp -s <cluster "
-                     f"subnet> -j ACCEPT` on {dest}", {"failed": [{"source": s, **r} for s, r in failed]})
+        fixes = [f"{network}allow tcp from the other hosts into {dest} on the ephemeral ports {span}, where gloo and "
+                 f"NCCL listen (not only master_port), e.g. `iptables -I INPUT -p tcp -s <cluster subnet> -j ACCEPT` "
+                 f"on {dest}"] if failed or not narrow else []
+        if narrow:
+            fixes.append("one MTU along the whole data path: lower the sender's interface to what the switch ports "
+                         "(or bridges) between them carry, or raise those to the interfaces' MTU")
+        return Check(dest, "data_plane", Status.FAIL, "; ".join(problems), "; ".join(fixes),
+                     {"failed": [{"source": s, **r} for s, r in failed], "frames": [{"source": s, **f}
+                                                                                    for s, f in narrow]})
     if not sources:
         return Check(dest, "data_plane", Status.SKIP, "no other host to connect from")
-    return Check(dest, "data_plane", Status.PASS, f"ephemeral port {port} on {at} reached from {', '.join(sources)}")
+    full = {f["bytes"] for _, f in frames}
+    sizes = f", {'/'.join(str(b) for b in sorted(full))}-byte frames too" if full else ""
+    return Check(dest, "data_plane", Status.PASS,
+                 f"ephemeral port {port} on {at} reached from {', '.join(sources)}{sizes}")
