@@ -150,12 +150,12 @@ def _preflight(p: dict[str, Any]) -> list[str]:
              "as typed (it imports torch on every host); `fast checks`: what `harness launch --hosts` runs before "
              "starting (no torch import). Vs linear: t(k) / (k x t(1)), 1.0 for a tool that visits hosts one by "
              "one. CPU floor: CPU seconds the whole machine spent during the run / cores, the least wall time the "
-             "shared cores allow (it counts anything else running, too). Controller CPU: the harness process. "
-             f"Today's: the same command from commit {p.get('baseline', '?')}, before the interface checks, run "
-             "alternately with it on the same hosts (each host: management eth0, data eth1, extra0 routing nowhere, "
-             f"hostname -> 127.0.1.1, on which today's preflight fails `{', '.join(p.get('baseline_fails', []))}`).",
-             ""]
-    baseline = "baseline_full_s" in p["rows"][0]
+             "shared cores allow (it counts anything else running, too). Controller CPU: the harness process."
+             + (f" Today's: the same command from commit {p['baseline']}, before the interface checks, run "
+                "alternately with it on the same hosts (each host: management eth0, data eth1, extra0 routing "
+                f"nowhere, hostname -> 127.0.1.1, on which today's preflight fails "
+                f"`{', '.join(p['baseline_fails'])}`)." if "baseline" in p else ""), ""]
+    baseline = "baseline" in p
     lines += _table(
         ["hosts", "preflight s"] + (["today's s", "ratio"] if baseline else []) + ["vs linear", "CPU floor s",
                                                                                   "controller CPU s", "fast checks s"]
