@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 class Process(Protocol):
-    """A script started on a host (ssh.RemoteProcess, srun_link.SrunProcess)."""
+    """A script started on a host (ssh.RemoteProcess, command_link.CommandProcess)."""
 
     @property
     def connection(self) -> Link: ...

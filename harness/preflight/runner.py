@@ -8,7 +8,6 @@ each has a deadline: connect and network steps `timeout`, the probe `timeout` (f
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,10 +19,11 @@ from harness.plan import LOCAL_MASTER, job_hosts
 from harness.preflight import probe
 from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
 from harness.preflight.collective import collective_checks
+from harness.preflight.command_link import CommandLink, srun_link
 from harness.preflight.engine import InImage, image_checks
 from harness.preflight.interfaces import default_targets, defaults_checks, interface_checks
 from harness.preflight.ports import network_checks
-from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, Link, answer_in, on_hosts, run_script
+from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, ScriptError, on_hosts, run_script
 from harness.preflight.report import Check, Report, Status
 from harness.spec import JobSpec
 from harness.ssh import Connection, SSHConnectError, connect
@@ -74,14 +74,12 @@ def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: f
     report = Report(hosts=[{"name": "localhost", "address": LOCAL_MASTER, "master": True}],
                     job={"name": spec.name, "backend": spec.backend, "nnodes": spec.nnodes,
                          "master_port": spec.master_port})
-    source = Path(probe.__file__ or "").read_text(encoding="utf-8")
-    result = subprocess.run([python, "-c", source, MARKER, _probe_config(str(workdir), LOCAL_MASTER, spec, True, {})],
-                            cwd=workdir, capture_output=True, text=True, timeout=timeout, check=False)
-    facts = answer_in(result.stdout)
-    if facts is None:
-        said = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        report.checks.append(Check("localhost", "fingerprint", Status.FAIL, f"probe failed: {python} exited "
-                                   f"{result.returncode}: {said}", "run harness with a Python that has torch"))
+    here = Host(name="localhost", address=LOCAL_MASTER, python=python, workdir=str(workdir))
+    try:
+        facts = _probe(CommandLink(here), here, spec, True, timeout, {})
+    except ScriptError as exc:
+        report.checks.append(Check("localhost", "fingerprint", Status.FAIL, f"probe failed: {exc}",
+                                   "run harness with a Python that has torch"))
     else:
         report.facts = {"localhost": facts}
         rows, report.fingerprint, report.mismatched = fingerprint_checks(report.facts, "localhost")
@@ -146,8 +144,6 @@ def _by_host(report: Report, hosts: list[Host]) -> None:
 def run_preflight_srun(allocation: Allocation, spec: JobSpec | None = None, *, timeout: float = 10.0) -> Report:
     """The same checks between the nodes of the Slurm allocation this runs in, each command an srun step
     (no SSH, no inventory): the job's nodes, or every node without a job. No collective yet."""
-    from harness.preflight.srun_link import SrunLink
-
     started = time.monotonic()
     if spec is not None and (error := allocation.too_small(spec.nnodes)) is not None:
         raise error
@@ -162,7 +158,7 @@ def run_preflight_srun(allocation: Allocation, spec: JobSpec | None = None, *, t
     if unused := allocation.nodes[len(names):]:
         report.notes.append(f"not checked: {', '.join(unused)} (the job runs on {len(names)} nodes)")
     report.notes.append(f"inside Slurm allocation {allocation.job_id}: every check ran as an srun step")
-    _checks(report, {h.name: SrunLink(allocation, h) for h in hosts}, inventory, hosts[0], spec, collective=None,
+    _checks(report, {h.name: srun_link(allocation, h) for h in hosts}, inventory, hosts[0], spec, collective=None,
             fast=False, timeout=timeout, pins=False)
     _by_host(report, hosts)
     report.seconds = time.monotonic() - started

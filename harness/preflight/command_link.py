@@ -1,4 +1,5 @@
-"""Preflight inside a Slurm allocation: each command an `srun` step on one node (remote.Link).
+"""Hosts reached by running commands from here (remote.Link): inside a Slurm allocation each
+command is an `srun` step on one node; for simulated nodes, a plain process on this machine.
 
 The same probe and network scripts as over SSH, so version parity, GPUs, data, master port and the
 data plane are proven between the allocation's nodes. Steps overlap (`--overlap`): a node's test
@@ -19,14 +20,14 @@ from harness.shell import remote_command
 from harness.ssh import CommandResult, RemoteTimeout
 
 
-class SrunProcess:
-    """A command running as an srun step: its stdout lines as they come, stdin to close, a deadline."""
+class CommandProcess:
+    """A command running behind the link's prefix: its stdout lines as they come, stdin to close, a deadline."""
 
-    def __init__(self, link: SrunLink, command: str) -> None:
+    def __init__(self, link: CommandLink, command: str) -> None:
         self.link = link
         self.command = command
         self._proc = subprocess.Popen(
-            [*link.srun, "sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [*link.prefix, "sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -39,7 +40,7 @@ class SrunProcess:
             reader.start()
 
     @property
-    def connection(self) -> SrunLink:
+    def connection(self) -> CommandLink:
         return self.link
 
     def _read(self, stream: IO[str], is_stdout: bool) -> None:
@@ -79,7 +80,7 @@ class SrunProcess:
         return RemoteTimeout(self.link.host, self.command, timeout, "", "".join(self._stderr))
 
     def close(self) -> None:
-        """srun on SIGTERM ends its step, on every node of it."""
+        """SIGTERM: srun ends its step, on every node of it; a local command was exec'd by sh and ends."""
         if self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -89,12 +90,12 @@ class SrunProcess:
                 self._proc.wait()
 
 
-class SrunLink:
-    """One node of the allocation, as preflight's scripts reach it."""
+class CommandLink:
+    """One host, as preflight's scripts reach it: `prefix sh -c COMMAND` (no prefix: this machine)."""
 
-    def __init__(self, allocation: Allocation, host: Host) -> None:
+    def __init__(self, host: Host, prefix: Sequence[str] = ()) -> None:
         self._host = host
-        self.srun = allocation.step(host.name, "--overlap", f"--job-name=preflight-{host.name}")
+        self.prefix = list(prefix)
 
     @property
     def host(self) -> Host:
@@ -104,11 +105,11 @@ class SrunLink:
     def peer_ip(self) -> str:
         return self._host.address
 
-    def start(self, command: str, *, timeout: float) -> SrunProcess:
-        return SrunProcess(self, command)
+    def start(self, command: str, *, timeout: float) -> CommandProcess:
+        return CommandProcess(self, command)
 
     def run(self, command: str, *, timeout: float) -> CommandResult:
-        process = SrunProcess(self, command)
+        process = CommandProcess(self, command)
         try:
             process.close_stdin()
             return process.wait(timeout)
@@ -120,3 +121,8 @@ class SrunLink:
 
     def close(self) -> None:
         """Nothing stays open between commands."""
+
+
+def srun_link(allocation: Allocation, host: Host) -> CommandLink:
+    """One node of the allocation: every command an srun step there."""
+    return CommandLink(host, allocation.step(host.name, "--overlap", f"--job-name=preflight-{host.name}"))
