@@ -124,9 +124,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             hosts = c.write_inventory(Path(tmp) / f"hosts{k}.yaml", hosts=[f"h{i}" for i in range(1, k + 1)])
             job = write_job(Path(tmp) / f"job{k}.yaml", k)
             row: dict[str, Any] = {"hosts": k}
+            interfaces: set[str] = set()
             for mode, check in (("full", full), ("fast", fast)):
                 times: dict[str, list[float]] = {version: [] for version in roots}
-                controller, machine_cpu, interfaces = [], [], set()
+                controller, machine_cpu = [], []
                 for _ in range(cfg["repeats"]):
                     for version, root in roots.items():
                         own, everyone = own_cpu_s(), machine_cpu_s()
@@ -146,7 +147,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 row[f"{mode}_vs_baseline"] = round(row[f"{mode}_s"] / row[f"baseline_{mode}_s"], 3)
                 row[f"{mode}_controller_cpu_s"] = round(statistics.median(controller), 2)
                 row[f"{mode}_machine_cpu_s"] = round(statistics.median(machine_cpu), 2)
-                row["pinned"] = sorted(interfaces)
+            row["pinned"] = sorted(interfaces)
             rows.append(row)
     for row in rows:
         for mode in ("full", "fast"):

@@ -121,11 +121,12 @@ class SSHBackend:
         return self.pinned_plan(spec, run_id, job_hosts(spec, self.inventory, down), attempt)
 
     def pinned_plan(self, spec: JobSpec, run_id: str, hosts: list[Host], attempt: int = 0,
-                    interfaces: Mapping[str, str] | None = None) -> Plan:
+                    interfaces: Mapping[str, str] | None = None, master_ip: str | None = None) -> Plan:
         """The plan on hosts (master first) with the interfaces preflight found pinned where neither the
-        inventory nor the job names one (interfaces: host name -> interface)."""
-        plan = plan_hosts(spec, hosts, run_id=run_id, master_ip=resolve_master_ip(self.inventory, hosts[0]),
-                          attempt=attempt, interfaces=interfaces)
+        inventory nor the job names one (interfaces: host name -> interface). master_ip: the master's
+        address already resolved (else it is resolved here)."""
+        master_ip = master_ip or resolve_master_ip(self.inventory, hosts[0])
+        plan = plan_hosts(spec, hosts, run_id=run_id, master_ip=master_ip, attempt=attempt, interfaces=interfaces)
         return in_containers(plan, spec) if spec.container is not None else plan
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
@@ -143,7 +144,7 @@ class SSHBackend:
         if not report.ok:
             raise CheckFailed("preflight failed, nothing was started (use --skip-preflight to launch anyway):\n"
                               + report.render_table(), hosts=frozenset(c.host for c in report.failures))
-        return self.pinned_plan(spec, plan.run_id, hosts, plan.attempt, report.interfaces)
+        return self.pinned_plan(spec, plan.run_id, hosts, plan.attempt, report.interfaces, plan.master_addr)
 
     def _connect_all(self, nodes: tuple[NodePlan, ...], timeout: float) -> dict[str, Connection]:
         """A connection per host, opened in parallel; the first error once every attempt has ended."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.inventory import Host
+from harness.plan import pinned_interface
 from harness.preflight.checks import Facts, is_loopback, majority
 from harness.preflight.report import Check, Status
 from harness.spec import JobSpec
@@ -51,11 +52,11 @@ def _listing(interfaces: list[dict[str, Any]]) -> str:
 
 
 def _explicit(host: Host, spec: JobSpec | None) -> tuple[str, str] | None:
-    if host.interface is not None:
-        return host.interface, f"{host.name}'s `interface:` in the inventory"
-    if spec is not None and spec.network.interface is not None:
-        return spec.network.interface, "the job's network.interface"
-    return None
+    """The interface the inventory or the job names for host (plan.pinned_interface decides), and where."""
+    name = host.interface if spec is None else pinned_interface(spec, host, {})
+    if name is None:
+        return None
+    return name, f"{host.name}'s `interface:` in the inventory" if host.interface else "the job's network.interface"
 
 
 def _choose(host: Host, network: dict[str, Any], spec: JobSpec | None, peers: list[str]) -> Pin | Check:
