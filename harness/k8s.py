@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from harness import __version__
+from harness.node_setup import setup_script, with_setup
 from harness.plan import TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
 from harness.spec import JobSpec
 from harness.yamlsource import located
@@ -102,8 +103,11 @@ def _selector(names: dict[str, str]) -> dict[str, str]:
 
 def _container(spec: JobSpec, run_id: str, master: str, nproc: int, downward: dict[str, str]) -> dict[str, Any]:
     """downward: env name -> the pod field it comes from; first in the list, so later values can use $(NAME)."""
-    argv = ["python", "-m", TORCHRUN_MODULE,
-            *torchrun_args(spec, run_id=run_id, master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL)]
+    # The job's setup runs once the master is up (pod 0: at once), so on the shared volume pod 0 does
+    # it and the others find it done.
+    argv = with_setup(["python", "-m", TORCHRUN_MODULE,
+                       *torchrun_args(spec, run_id=run_id, master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL)],
+                      setup_script(spec.setup, spec.data_paths))
     env = node_env(spec, run_id=run_id, master_addr=master, nproc=nproc, node_rank=_RANK_SENTINEL,
                    interface=spec.network.interface)
     env["HARNESS_RDZV_TIMEOUT"] = str(int(spec.timeouts.rendezvous))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from harness.errors import HarnessError, UsageError
 from harness.inventory import Host, Inventory
+from harness.node_setup import setup_script
 from harness.spec import JobSpec
 from harness.yamlsource import located
 
@@ -35,6 +36,7 @@ class NodePlan:
     ssh: Host | None = field(default=None, compare=False)
     cleanup: tuple[str, ...] = ()  # run on the host after a forced stop (e.g. remove the node's container)
     interface: str | None = None  # pinned for gloo and NCCL (see interface_env)
+    setup: str | None = None  # the job's setup: script, run in workdir with env before argv (node_setup.py)
 
     @property
     def ranks(self) -> range:
@@ -73,8 +75,8 @@ class Plan:
             "world_size": self.world_size,
             "nodes": [
                 {"host": n.host, "address": n.address, "node_rank": n.node_rank, "ranks": list(n.ranks),
-                 "workdir": n.workdir, "interface": n.interface, "argv": list(n.argv), "env": dict(n.env),
-                 "cleanup": list(n.cleanup)}
+                 "workdir": n.workdir, "interface": n.interface, "setup": n.setup, "argv": list(n.argv),
+                 "env": dict(n.env), "cleanup": list(n.cleanup)}
                 for n in self.nodes
             ],
         }
@@ -206,6 +208,7 @@ def plan_local(
             env={"OMP_NUM_THREADS": str(max(1, local_cpus // (spec.nnodes * nproc)))}
             | _visible_devices(devices[rank])
             | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank, attempt=attempt),
+            setup=setup_script(spec.setup, spec.data_paths),
         )
         for rank in range(spec.nnodes)
     )
@@ -263,4 +266,4 @@ def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, ma
                    interface=interface)
     return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc,
                     argv=(host.python, "-m", TORCHRUN_MODULE, *args), env=env, workdir=host.workdir, ssh=host,
-                    interface=interface)
+                    interface=interface, setup=setup_script(spec.setup, spec.data_paths))

@@ -12,6 +12,7 @@ import re
 import signal
 from dataclasses import dataclass
 
+from harness.node_setup import FAILED as SETUP_FAILED
 from harness.runs import Attempt, FailureKind
 from harness.spec import MAX_BACKOFF, Restarts
 from harness.supervisor import NodeRecord
@@ -60,6 +61,9 @@ def node_failure(record: NodeRecord, stopping_since: float | None) -> NodeFailur
         # torchrun reports a root cause only for a worker that failed by itself; on the supervisor's
         # TERM it ends with a SignalException instead, and on KILL with nothing at all.
         return None
+    if rank is None and any(line.startswith(SETUP_FAILED) for line in record.last_lines(None)[-2:]):
+        return NodeFailure(record, None, None, FailureKind.PROGRAM, f"the job's setup failed, {outcome.describe()}; "
+                                                                    f"torchrun was not started")
     if outcome.signal is not None:
         return NodeFailure(record, rank, code, FailureKind.INFRA, f"torchrun killed by {_signal_name(outcome.signal)}")
     who = f"rank {rank}" if rank is not None else "a worker"

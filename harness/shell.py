@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 
+from harness.node_setup import with_setup
 from harness.plan import NodePlan
 
 
@@ -29,5 +30,5 @@ def remote_command(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
 
 
 def shell_command(node: NodePlan) -> str:
-    """One POSIX shell line that runs the node exactly as planned; every word is quoted."""
-    return remote_command(node.argv, env=node.env, workdir=node.workdir)
+    """One POSIX shell line that runs the node exactly as planned (its setup first); every word is quoted."""
+    return remote_command(with_setup(node.argv, node.setup), env=node.env, workdir=node.workdir)

@@ -16,6 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from harness import __version__
+from harness.node_setup import setup_script, with_setup
 from harness.plan import LOG_LINE_PREFIX, TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
 from harness.spec import QUANTITY, JobSpec
 
@@ -102,7 +103,8 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
         prefix = f"--log-line-prefix-template={LOG_LINE_PREFIX}"
         args = [f"--log-line-prefix-template=[node{_NODE}] {LOG_LINE_PREFIX}" if a == prefix else a for a in args]
     target = len(args) - len(spec.entrypoint.args) - (2 if spec.entrypoint.module else 1)  # where the entrypoint starts
-    launcher = [spec.slurm.python, "-m", TORCHRUN_MODULE, *args[:target]]
+    launcher = with_setup([spec.slurm.python, "-m", TORCHRUN_MODULE, *args[:target]],
+                          setup_script(spec.setup, spec.data_paths))
     exports = [f"export {k}={_word(v)}" for k, v in env.items() if k not in _PER_NODE and k != "MASTER_ADDR"]
     most = spec.restarts.max
     srun = f"srun --nodes={spec.nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1"

@@ -105,6 +105,13 @@ def _env_value(value: Any) -> str:
     return _no_nul(value)
 
 
+def _setup_command(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a shell command such as 'harness prepare --data-dir data/cifar10', "
+                         f"got {short_repr(value)}")
+    return _no_nul(value)
+
+
 def _env_name(key: Any) -> str:
     if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
         raise ValueError(f"{short_repr(key)} is not a valid environment variable name")
@@ -140,6 +147,7 @@ Quantity = Annotated[str, PlainValidator(_quantity)]
 Argument = Annotated[str, PlainValidator(_argument)]
 EnvName = Annotated[str, PlainValidator(_env_name)]
 EnvValue = Annotated[str, PlainValidator(_env_value)]
+SetupCommand = Annotated[str, PlainValidator(_setup_command)]
 Seconds = Annotated[float, BeforeValidator(_seconds)]
 
 
@@ -307,7 +315,8 @@ class JobSpec(StrictModel):
     container: over SSH, run every node's torchrun inside `image` (`docker run`, or podman with
     `container: {engine: podman}`), so that every host runs identical software whatever it has
     installed. data_paths: files or directories (relative to each node's workdir) that every node
-    needs; preflight checks they exist and are identical.
+    needs; preflight checks they exist and are identical. setup: shell commands that prepare a node's
+    workdir (e.g. the data) before torchrun starts, once per workdir (node_setup.py).
     """
 
     name: str
@@ -328,6 +337,7 @@ class JobSpec(StrictModel):
     container: Annotated[Container | None, BeforeValidator(_container)] = None
     network: Network = Field(default_factory=Network)
     data_paths: list[str] = Field(default_factory=list)
+    setup: list[SetupCommand] = Field(default_factory=list)
     _source: str | None = PrivateAttr(default=None)
 
     @field_validator("data_paths")

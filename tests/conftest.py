@@ -160,9 +160,10 @@ class Streamed:
 class Launch(Streamed):
     """`harness launch` as a user starts it."""
 
-    def __init__(self, job_path: Path, runs_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, job_path: Path, runs_dir: Path, *extra: str, env: dict[str, str] | None = None,
+                 cwd: Path = REPO) -> None:
         super().__init__([sys.executable, "-m", "harness.cli", "launch", str(job_path), "--runs-dir", str(runs_dir),
-                          *extra], env=env)
+                          *extra], env=env, cwd=cwd)
         self.runs_dir = runs_dir
 
     @property
@@ -183,8 +184,8 @@ class Launch(Streamed):
 def launch(tmp_path):
     started: list[Launch] = []
 
-    def start(job_path: Path, *extra: str, env: dict[str, str] | None = None) -> Launch:
-        started.append(Launch(job_path, tmp_path / "runs", *extra, env=env))
+    def start(job_path: Path, *extra: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> Launch:
+        started.append(Launch(job_path, tmp_path / "runs", *extra, env=env, cwd=cwd))
         return started[-1]
 
     yield start

@@ -49,14 +49,14 @@ def podman_cluster() -> Iterator[Cluster]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def container_job(path: Path, **env: str) -> Path:
+def container_job(path: Path, extra: str = "", **env: str) -> Path:
     """tests/scripts/ddp_sum.py on 2 nodes, inside the image with podman; env tunes its pace and failures."""
     lines = "".join(f"  {key}: '{value}'\n" for key, value in env.items())
     path.write_text(
         f"name: ddp-sum\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\n"
         f"entrypoint:\n  script: {SCRIPT.name}\n"
         f"image: {IMAGE}\ncontainer:\n  engine: podman\ntimeouts:\n  stop_grace: {STOP_GRACE:g}\n"
-        + (f"env:\n{lines}" if lines else "")
+        + (f"env:\n{lines}" if lines else "") + extra
     )
     return path
 
@@ -100,8 +100,13 @@ def without_image(cluster: Cluster, host: str) -> Iterator[None]:
 
 
 def test_two_hosts_train_inside_the_image(podman_cluster, launch, tmp_path):
-    run = launch(container_job(tmp_path / "job.yaml", STEPS="10"), *hosts_args(podman_cluster, tmp_path))
+    """The job's setup runs in the image too (its python), once in the workdir the hosts share."""
+    setup = f"setup:\n  - python -c \"import sys; print(sys.executable, '{tmp_path}')\"\n"
+    run = launch(container_job(tmp_path / "job.yaml", setup, STEPS="10"), *hosts_args(podman_cluster, tmp_path))
     assert run.finish(timeout=180) == 0, run.output
+    assert len(re.findall(rf"^\[node\d\] /opt/venv/bin/python {re.escape(str(tmp_path))}$", run.output, re.M)) == 1, \
+        run.output
+    assert run.output.count("harness setup: done before") == 1, run.output
     assert re.search(r"\[node0\] \[rank0\]: rank 0/2 up on h1;", run.output), run.output
     assert re.search(r"\[node1\] \[rank1\]: rank 1/2 up on h2;", run.output), run.output
     weights = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", run.output)

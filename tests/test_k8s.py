@@ -442,10 +442,12 @@ def pod_process(container: dict, fields: dict[str, str], master_dns: str) -> tup
 
 
 @pytest.mark.parametrize("flavor", ["core", "jobset"])
-def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, flavor):
-    """Both pods' command, args and env exactly as written; only the kubelet's substitutions applied."""
+def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, flavor, tmp_path):
+    """Both pods' command, args and env exactly as written; only the kubelet's substitutions applied. The
+    job's setup runs once on the volume they share (here: one directory)."""
     script = REPO / "tests/scripts/ddp_sum.py"
-    objects = docs(write_yaml(SMALL.format(name="sim", port=free_port(), script=script)), flavor)
+    setup = f"setup:\n  - python -c \"import sys; print('set up by', sys.executable, '{tmp_path}')\"\n"
+    objects = docs(write_yaml(SMALL.format(name="sim", port=free_port(), script=script) + setup), flavor)
     container = job_spec(objects)["template"]["spec"]["containers"][0]
     master_dns = pod_dns(objects, 0)
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `python` is the image's interpreter
@@ -454,7 +456,7 @@ def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, flavor):
         for index in (1, 0):  # the worker first: it must wait for the master's port
             argv, env = pod_process(container, {COMPLETION_INDEX: str(index), RESTART_ATTEMPT: "1"}, master_dns)
             assert env["NODE_RANK"] == str(index) and env["HARNESS_ATTEMPT"] == {"core": "0", "jobset": "1"}[flavor]
-            procs.append(subprocess.Popen(argv, env=env | {"PATH": path}, cwd=REPO, stdout=subprocess.PIPE,
+            procs.append(subprocess.Popen(argv, env=env | {"PATH": path}, cwd=tmp_path, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, start_new_session=True))
         outputs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
@@ -465,6 +467,7 @@ def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, flavor):
     worker, master = outputs
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "waiting for the master's rendezvous port" in worker
+    assert f"set up by {sys.executable} {tmp_path}\n" in master and "harness setup: done before" in worker
     assert "; args=['--tag', 'two words', '$(not-a-var)', '$$', '${local_rank}']" in master
     finals = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", master + worker)
     assert sorted(r for r, _ in finals) == ["0", "1"] and len({w for _, w in finals}) == 1

@@ -46,13 +46,14 @@ hosts:
 CASES = {
     "local-1": dict(nnodes=1, nproc=2, rdzv="static", hosts=False),
     "local-2": dict(nnodes=2, nproc=1, rdzv="static", hosts=False),
-    "hosts-4": dict(nnodes=4, nproc="auto", rdzv="static", hosts=True),
+    "hosts-4": dict(nnodes=4, nproc="auto", rdzv="static", hosts=True,
+                    extra="setup: [python -m prep --out 'data/x y']\ndata_paths: [data/x y]\n"),
     "hosts-2-c10d": dict(nnodes=2, nproc=1, rdzv="c10d", hosts=True),
 }
 
 
 def make_plan(write_yaml, case: dict):
-    spec = load_job(write_yaml(JOB.format(**case)))
+    spec = load_job(write_yaml(JOB.format(**case) + case.get("extra", "")))
     if case["hosts"]:
         return plan_hosts(spec, job_hosts(spec, load_inventory(write_yaml(HOSTS, "hosts.yaml"))), run_id="golden-run",
                           master_ip="10.9.0.1", interfaces={"n2": "eth1", "n4": "eth9"})

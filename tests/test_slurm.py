@@ -40,11 +40,11 @@ slurm: {{python: {python}, workdir: {workdir}, time: "00:10:00"{extra}}}
 """
 
 
-def sum_job(write_yaml, extra: str = "", **env: str) -> str:
+def sum_job(write_yaml, extra: str = "", workdir: Path = REPO, tail: str = "", **env: str) -> str:
     lines = "".join(f"  {k}: '{v}'\n" for k, v in env.items()) or "  {}\n"
-    text = JOB.format(port=free_port(), script=SCRIPT, env=lines.rstrip("\n"), python=sys.executable, workdir=REPO,
+    text = JOB.format(port=free_port(), script=SCRIPT, env=lines.rstrip("\n"), python=sys.executable, workdir=workdir,
                       extra=extra)
-    return str(write_yaml(text.replace("env:\n  {}", "env: {}")))
+    return str(write_yaml(text.replace("env:\n  {}", "env: {}") + tail))
 
 
 def test_the_script_asks_for_the_allocation_the_spec_describes(write_yaml):
@@ -200,9 +200,13 @@ def job_id_of(run: Launch) -> int:
     return int(run.wait_for(r"submitted Slurm job (\d+)").group(1))
 
 
-def test_launch_submits_follows_and_streams_every_node(slurm_cluster, write_yaml, launch_slurm):
-    run = launch_slurm(sum_job(write_yaml, STEPS="10"), "--time", "00:05:00")
+def test_launch_submits_follows_and_streams_every_node(slurm_cluster, write_yaml, launch_slurm, tmp_path):
+    """With the job's setup run once in the workdir both nodes share, before torchrun."""
+    setup = "setup: ['echo $SLURM_NODEID >> setup-ran', mkdir -p data]\ndata_paths: [data]\n"
+    run = launch_slurm(sum_job(write_yaml, workdir=tmp_path, tail=setup, STEPS="10"), "--time", "00:05:00")
     assert run.finish(timeout=240) == 0, run.output
+    assert len((tmp_path / "setup-ran").read_text().split()) == 1, run.output
+    assert run.output.count("harness setup: done before") == 1, run.output
     job_id = job_id_of(run)
     assert re.search(rf"harness: Slurm job {job_id} running on n\[1-2\]", run.output), run.output
     assert re.search(r"^\[node0\] \[rank0\]: rank 0/2 up on n1;", run.output, re.M), run.output

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
 
 from harness.errors import UsageError
+from harness.node_setup import with_setup
 from harness.plan import Plan
 from harness.spec import QUANTITY, ContainerEngine, JobSpec
 
@@ -143,15 +144,16 @@ def container_argv(
 
 def in_containers(plan: Plan, spec: JobSpec) -> Plan:
     """Every node of a host plan run inside spec.image: the image's interpreter in place of the host's,
-    the same torchrun arguments and env, and the container's removal as the node's cleanup."""
+    the same torchrun arguments and env, the job's setup inside the container (it needs the image's
+    tools), and the container's removal as the node's cleanup."""
     assert spec.image is not None and spec.container is not None
     engine = spec.container.engine
     nodes = []
     for node in plan.nodes:
         assert node.ssh is not None
-        argv = container_argv(spec.image, ["python", *node.argv[1:]], node.env, node.ssh.workdir, plan.run_id,
-                              node_rank=node.node_rank, gpus=bool(node.ssh.gpus), shm_size=spec.resources.shm_size,
-                              engine=engine)
+        argv = container_argv(spec.image, with_setup(["python", *node.argv[1:]], node.setup), node.env,
+                              node.ssh.workdir, plan.run_id, node_rank=node.node_rank, gpus=bool(node.ssh.gpus),
+                              shm_size=spec.resources.shm_size, engine=engine)
         cleanup = remove_argv(plan.run_id, node.node_rank, engine)
-        nodes.append(replace(node, argv=tuple(argv), cleanup=tuple(cleanup)))
+        nodes.append(replace(node, argv=tuple(argv), cleanup=tuple(cleanup), setup=None))
     return replace(plan, nodes=tuple(nodes))

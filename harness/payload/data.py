@@ -190,7 +190,8 @@ def _download(url: str, dest: Path) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise PayloadError(
-            f"could not download {url} ({e}); fetch it by hand into {dest} and run prepare again"
+            f"could not download {url} ({e}); fetch it by hand into {dest}, or name a mirror with --url, "
+            f"and run prepare again"
         ) from None
     os.replace(tmp, dest)
 

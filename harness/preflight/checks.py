@@ -137,8 +137,9 @@ def resource_checks(host: Host, facts: Facts, spec: JobSpec | None, backend: str
     return [_gpus(host, facts, spec, backend), _shm(host.name, facts), _disk(host.name, facts)]
 
 
-def data_checks(facts: dict[str, Facts], paths: list[str], master: str) -> list[Check]:
-    """Every data path of the job present on every host, and the same there as on most hosts."""
+def data_checks(facts: dict[str, Facts], paths: list[str], master: str, setup: bool = False) -> list[Check]:
+    """Every data path of the job present on every host, and the same there as on most hosts. setup:
+    the job's setup commands run before torchrun and must create what is missing (checked then)."""
     checks = []
     for path in paths:
         found = {host: f["data"].get(path, {"exists": False}) for host, f in facts.items()}
@@ -146,7 +147,11 @@ def data_checks(facts: dict[str, Facts], paths: list[str], master: str) -> list[
         reference = majority([d["digest"] for d in present.values()], present.get(master, {}).get("digest")) \
             if present else None
         for host, data in found.items():
-            if not data["exists"]:
+            if not data["exists"] and setup:
+                checks.append(Check(host, "data", Status.WARN, f"{path} is missing in {facts[host]['workdir']}: "
+                                    f"the job's setup: must create it (checked before torchrun starts)",
+                                    f"nothing, if setup creates {path}; otherwise copy it there"))
+            elif not data["exists"]:
                 checks.append(Check(host, "data", Status.FAIL, f"{path} is missing in {facts[host]['workdir']}",
                                     f"copy it there (or onto storage every host mounts), e.g. `harness prepare "
                                     f"--data-dir {path}` for CIFAR-10"))

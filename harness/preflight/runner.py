@@ -83,7 +83,7 @@ def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: f
     else:
         report.facts = {"localhost": facts}
         rows, report.fingerprint, report.mismatched = fingerprint_checks(report.facts, "localhost")
-        report.checks += rows + data_checks(report.facts, spec.data_paths, "localhost")
+        report.checks += rows + data_checks(report.facts, spec.data_paths, "localhost", bool(spec.setup))
     report.seconds = time.monotonic() - started
     return report
 
@@ -197,7 +197,7 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
     if spec is None:
         report.notes.append("no job given: payload, GPU needs and the backend are not checked")
     if spec is not None:
-        report.checks += data_checks(facts, spec.data_paths, master.name)
+        report.checks += data_checks(facts, spec.data_paths, master.name, bool(spec.setup))
     master_port = spec.master_port if spec else DEFAULT_MASTER_PORT
     reachable = {name: connections[name] for name in facts}
     if master.name in reachable:
