@@ -21,10 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
+from harness import worker_output
 from harness.backends.base import Backend, CheckFailed, Outcome
 from harness.backends.node_agent import is_alive, kill_run_processes, start_ticks
 from harness.errors import HarnessError
-from harness.plan import NoSpareHosts, Plan
+from harness.plan import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.recovery import NodeFailure, attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
 from harness.render import render_json, render_text
 from harness.runs import (
@@ -65,11 +66,15 @@ def failure_of(found: NodeFailure, started_at: float, now: float) -> Failure:
     # The failing rank's own exit code says more than torchrun's (always 1 when a worker failed).
     description = Outcome.from_returncode(found.rank_exit_code).describe() if found.rank_exit_code is not None \
         else record.outcome.describe()
+    own = worker_output.rank_lines(record.tail, found.rank) if found.rank is not None else []
+    error = worker_output.user_error(own)
     return Failure(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks),
         rank=found.rank, rank_exit_code=found.rank_exit_code, exit_code=record.outcome.exit_code,
         description=description, after_s=round((record.ended or now) - started_at, 3),
         last_lines=record.last_lines(found.rank), kind=found.kind, evidence=found.evidence, host_down=found.host_down,
+        error=error.exception if error else None, error_at=error.where if error else None,
+        error_source=error.source if error else None, hint=worker_output.hint(own or record.tail),
     )
 
 
@@ -98,12 +103,23 @@ def _report(out: IO[str], summary: RunSummary, run: RunDir) -> None:
             say(out, f"attempt {attempt.attempt} on {', '.join(attempt.hosts)}{recovered}: {how}")
     failure = summary.first_failure
     if summary.status is RunStatus.SUCCEEDED:
-        say(out, f"run {summary.run_id} succeeded in {summary.duration_s} s; logs in {run.path}/")
+        warned = "".join(f", but {warning}" for warning in summary.warnings)
+        say(out, f"run {summary.run_id} succeeded in {summary.duration_s} s{warned}; logs in {run.path}/")
     elif failure is not None:
-        say(out, f"run {summary.run_id} FAILED: first failure on {_describe(failure)}")
+        if failure.error is not None:  # what the user must change first: the exception and their own frame
+            say(out, f"run {summary.run_id} FAILED: {failure.error}")
+            if failure.error_at is not None:
+                out.write(f"    at {failure.error_at}\n" + (f"        {failure.error_source}\n"
+                                                           if failure.error_source else ""))
+            say(out, f"first failure on {_describe(failure)}")
+        else:
+            say(out, f"run {summary.run_id} FAILED: first failure on {_describe(failure)}")
+        if failure.hint:
+            say(out, f"hint: {failure.hint}")
         if summary.reason:
             say(out, f"not restarted: {summary.reason}")
-        say(out, f"last lines of node{failure.node_rank}:")
+        say(out, f"last lines of node{failure.node_rank}" + (f", rank {failure.rank}:" if failure.rank is not None
+                                                             else ":"))
         for line in failure.last_lines[-10:]:
             out.write(f"    {line}\n")
         last = summary.attempts[-1].attempt
@@ -205,8 +221,10 @@ def _run(backend: Backend, spec: JobSpec, run: RunDir, state: RunState, plan: Pl
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
              before: list[Attempt], out: IO[str]) -> Attempt:
     """Start every node of plan, supervise them to their end, and say how this attempt went."""
+    watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes)
     sup = Supervisor(grace=spec.timeouts.stop_grace, out=out,
-                     log_file=lambda node: run.log_file(node.node_rank, plan.attempt))
+                     log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
+                     quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys())
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     hosts = ", ".join(n.host for n in plan.nodes)
     sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "
@@ -238,7 +256,18 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         teardown_s=round(ended - sup.stopping_since, 3) if sup.stopping_since else None,
         recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)
         if previous_failure else None,
+        joined_ranks=sorted(set().union(*(r.joined for r in sup.records))) if watched else None,
     )
+
+
+def _not_distributed(attempt: Attempt) -> str | None:
+    """A script that exits 0 without creating a process group (e.g. after "not enough GPUs") is no
+    distributed success. Unknown (None) where the nodes' output was not watched."""
+    world = sum(len(node.ranks) for node in attempt.nodes)
+    if attempt.joined_ranks != [] or world < 2:
+        return None
+    return (f"it did not run distributed: none of its {world} ranks joined a process group (no "
+            f"init_process_group reached the rendezvous store at MASTER_ADDR:MASTER_PORT)")
 
 
 def stopped_status(run: RunDir) -> RunStatus:
@@ -256,11 +285,13 @@ def finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threadin
     else:
         status, code = RunStatus.FAILED, EXIT_FAILED
     ended = time.time()
+    warnings = [not_distributed] if status is RunStatus.SUCCEEDED and last is not None and \
+        (not_distributed := _not_distributed(last)) else []
     summary = RunSummary(
         run_id=state.run_id, name=state.name, status=status, exit_code=code, started_at=state.started_at,
         ended_at=ended, duration_s=round(ended - state.started_at, 3), nodes=last.nodes if last else [],
         first_failure=last.failures[0] if last and last.failures and status is RunStatus.FAILED else None,
-        attempts=attempts, reason=reason,
+        attempts=attempts, reason=reason, warnings=warnings,
     )
     run.write_summary(summary)
     run.write_state(replace(state, status=status, ended_at=ended))

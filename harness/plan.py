@@ -7,6 +7,7 @@ every renderer and backend consumes a Plan and nothing else.
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,9 @@ LOCAL_MASTER = "127.0.0.1"
 TORCHRUN_MODULE = "torch.distributed.run"
 # torchrun prefixes worker lines with the local rank by default; ${rank} is the global rank.
 LOG_LINE_PREFIX = "[rank${rank}]: "
+# Where the harness supervises the nodes, torch's C++ INFO log tells it which ranks joined a process
+# group (worker_output.joined_rank), so a run that never did is not reported as a distributed success.
+STORE_WATCH_ENV = {"TORCH_CPP_LOG_LEVEL": "INFO"}
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ def resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> in
 
 def torchrun_args(
     spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, log_dir: str | None = None,
-    attempt: int = 0,
+    attempt: int = 0, script: str | None = None,
 ) -> list[str]:
     """torchrun's own flags for one node (without the interpreter or the entrypoint).
 
@@ -125,9 +129,11 @@ def torchrun_args(
     if log_dir is not None:
         args.append(f"--log-dir={log_dir}/node{node_rank}")
     entry = spec.entrypoint
-    target = ["-m", entry.module] if entry.module is not None else [str(entry.script)]
-    # torchrun runs script args through string.Template (its ${local_rank} macro): `$$` keeps a `$`.
-    return args + target + [arg.replace("$", "$$") for arg in entry.args]
+    target = ["-m", entry.module] if entry.module is not None else [script or str(entry.script)]
+    # torchrun runs script args through string.Template (its ${local_rank} macro): `$$` keeps a `$`,
+    # and local_rank_arg is the one place the macro is meant.
+    local_rank = [f"{entry.local_rank_arg}=${{local_rank}}"] if entry.local_rank_arg else []
+    return args + target + local_rank + [arg.replace("$", "$$") for arg in entry.args]
 
 
 def interface_env(interface: str | None) -> dict[str, str]:
@@ -138,9 +144,10 @@ def interface_env(interface: str | None) -> dict[str, str]:
 
 
 def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str,
-             attempt: int | str = 0, interface: str | None = None) -> dict[str, str]:
+             attempt: int | str = 0, interface: str | None = None, supervised: bool = False) -> dict[str, str]:
     """The env contract of DESIGN.md: identical on every backend, user env first, ours last (the
-    interface pin before the user's env: a job that sets GLOO_SOCKET_IFNAME itself keeps it)."""
+    interface pin and, for nodes the supervisor reads, STORE_WATCH_ENV before the user's env: a job that
+    sets GLOO_SOCKET_IFNAME or TORCH_CPP_LOG_LEVEL itself keeps it)."""
     contract = {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(spec.master_port),
@@ -153,7 +160,8 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
     }
     defaults = {"PYTHONUNBUFFERED": "1"}  # output reaches the supervisor as it happens, not at exit
     pet = {f"PET_{k}": contract[k] for k in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE")}
-    return defaults | interface_env(interface) | dict(spec.env) | contract | pet
+    watch = STORE_WATCH_ENV if supervised else {}
+    return defaults | watch | interface_env(interface) | dict(spec.env) | contract | pet
 
 
 def split_local_gpus(spec: JobSpec, gpu_ids: Sequence[str]) -> tuple[int, list[str | None]]:
@@ -184,30 +192,44 @@ def _visible_devices(devices: str | None) -> dict[str, str]:
     return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
 
 
+def local_workdirs(spec: JobSpec, cwd: str) -> list[str]:
+    """Each simulated node's working directory: the launch directory, or its own below it."""
+    template = spec.simulated.workdir
+    if template is None:
+        return [cwd] * spec.nnodes
+    return [posixpath.normpath(posixpath.join(cwd, template.format(node_rank=k))) for k in range(spec.nnodes)]
+
+
 def plan_local(
     spec: JobSpec, *, run_id: str, python: str, gpu_ids: Sequence[str] = (), local_cpus: int = 1,
-    log_dir: str | None = None, attempt: int = 0,
+    log_dir: str | None = None, attempt: int = 0, cwd: str | None = None,
 ) -> Plan:
     """nnodes torchrun agents on this machine, rendezvousing on 127.0.0.1 like a real cluster.
 
     The simulated nodes share this machine's cores, so each worker gets its share of OMP threads
     (torchrun sets 1 only for nodes with several workers), and its GPUs (gpu_ids: the devices this
     machine shows, see split_local_gpus); a job's env still wins. log_dir keeps torchrun's per-worker
-    files inside the run directory instead of /tmp.
+    files inside the run directory instead of /tmp. cwd: the launch directory, every node's workdir
+    (or the base of their own, spec.simulated.workdir; a relative script stays the launch directory's).
     """
     if spec.container is not None:
         raise UsageError("container: true runs nodes in the image over SSH (--hosts); simulated nodes run "
                          "here directly (or run harness itself in the image, see README)")
     nproc, devices = split_local_gpus(spec, gpu_ids)
+    workdirs: list[str | None] = [None] * spec.nnodes if cwd is None else list(local_workdirs(spec, cwd))
+    script = spec.entrypoint.script
+    if cwd is not None and script is not None and spec.simulated.workdir is not None:
+        script = posixpath.join(cwd, script)
     nodes = tuple(
         NodePlan(
-            host="localhost", address=LOCAL_MASTER, node_rank=rank, nproc=nproc,
+            host="localhost", address=LOCAL_MASTER, node_rank=rank, nproc=nproc, workdir=workdirs[rank],
             argv=(python, "-m", TORCHRUN_MODULE,
                   *torchrun_args(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank,
-                                log_dir=log_dir, attempt=attempt)),
+                                log_dir=log_dir, attempt=attempt, script=script)),
             env={"OMP_NUM_THREADS": str(max(1, local_cpus // (spec.nnodes * nproc)))}
             | _visible_devices(devices[rank])
-            | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank, attempt=attempt),
+            | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank, attempt=attempt,
+                       supervised=True),
             setup=setup_script(spec.setup, spec.data_paths),
         )
         for rank in range(spec.nnodes)
@@ -263,7 +285,7 @@ def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, ma
     """torchrun with the host's Python (argv[0]); the SSH backend may wrap it in a container."""
     args = torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt)
     env = node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt,
-                   interface=interface)
+                   interface=interface, supervised=True)
     return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc,
                     argv=(host.python, "-m", TORCHRUN_MODULE, *args), env=env, workdir=host.workdir, ssh=host,
                     interface=interface, setup=setup_script(spec.setup, spec.data_paths))

@@ -14,7 +14,7 @@ import re
 import secrets
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -109,6 +109,10 @@ class Failure:
     kind: FailureKind
     evidence: str
     host_down: bool = False
+    error: str | None = None  # the failing rank's exception line
+    error_at: str | None = None  # its innermost frame in the user's code: file:line, in function
+    error_source: str | None = None  # that frame's source line
+    hint: str | None = None  # advice for a known signature (worker_output.hint)
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ class Attempt:
     teardown_s: float | None = None
     backoff_s: float | None = None
     recover_s: float | None = None
+    joined_ranks: list[int] | None = None  # ranks seen joining a process group; None: not watched
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,7 @@ class RunSummary:
     first_failure: Failure | None  # the cause that ended the run (the last attempt's)
     attempts: list[Attempt]
     reason: str | None = None  # why the run ended without another attempt, when it failed
+    warnings: list[str] = field(default_factory=list)  # e.g. a success that never ran distributed
 
 
 class RecordError(UsageError):

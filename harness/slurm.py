@@ -102,7 +102,8 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
     if log_dir is None:  # one output file for every node: each line says its node
         prefix = f"--log-line-prefix-template={LOG_LINE_PREFIX}"
         args = [f"--log-line-prefix-template=[node{_NODE}] {LOG_LINE_PREFIX}" if a == prefix else a for a in args]
-    target = len(args) - len(spec.entrypoint.args) - (2 if spec.entrypoint.module else 1)  # where the entrypoint starts
+    entry = spec.entrypoint
+    target = len(args) - len(entry.args) - (2 if entry.module else 1) - bool(entry.local_rank_arg)  # the entrypoint
     launcher = with_setup([spec.slurm.python, "-m", TORCHRUN_MODULE, *args[:target]],
                           setup_script(spec.setup, spec.data_paths))
     exports = [f"export {k}={_word(v)}" for k, v in env.items() if k not in _PER_NODE and k != "MASTER_ADDR"]

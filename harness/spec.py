@@ -151,12 +151,26 @@ SetupCommand = Annotated[str, PlainValidator(_setup_command)]
 Seconds = Annotated[float, BeforeValidator(_seconds)]
 
 
+LOCAL_RANK_ARG = re.compile(r"--?[A-Za-z][A-Za-z0-9_-]*", re.ASCII)
+
+
 class Entrypoint(StrictModel):
-    """What torchrun runs on every rank: a module (`python -m`) or a script path, plus its args."""
+    """What torchrun runs on every rank: a module (`python -m`) or a script path, plus its args.
+    local_rank_arg: the option through which a script written for torch.distributed.launch takes its
+    local rank (e.g. --local_rank); each worker gets `OPTION=N` before the args."""
 
     module: str | None = None
     script: str | None = None
     args: list[Argument] = Field(default_factory=list)
+    local_rank_arg: str | None = None
+
+    @field_validator("local_rank_arg")
+    @classmethod
+    def _option(cls, value: str | None) -> str | None:
+        if value is not None and not LOCAL_RANK_ARG.fullmatch(value):
+            raise ValueError(f"expected a command-line option such as --local_rank or --local-rank, "
+                             f"got {short_repr(value)}")
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Entrypoint:
@@ -287,6 +301,28 @@ class Network(StrictModel):
     interface: InterfaceName | None = None
 
 
+def _node_workdir(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip() or value.startswith("/"):
+        raise ValueError(f"expected a relative directory such as nodes/node{{node_rank}}, got {short_repr(value)}")
+    try:
+        distinct = value.format(node_rank=0) != value.format(node_rank=1)
+    except (KeyError, IndexError, ValueError):
+        distinct = False
+    if not distinct:
+        raise ValueError(f"expected a directory with {{node_rank}} in it (one per node) and no other {{...}}, "
+                         f"got {short_repr(value)}")
+    return _no_nul(value)
+
+
+class Simulated(StrictModel):
+    """Simulated nodes (a launch without --hosts). workdir: each node's own working directory, relative
+    to where harness runs, with {node_rank} in it, so that files every node writes under the same
+    name (a checkpoint, a log) do not collide as they would not on separate machines. Unset, the
+    nodes share the launch directory."""
+
+    workdir: Annotated[str, PlainValidator(_node_workdir)] | None = None
+
+
 ContainerEngine = Literal["docker", "podman"]
 
 
@@ -336,6 +372,7 @@ class JobSpec(StrictModel):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     container: Annotated[Container | None, BeforeValidator(_container)] = None
     network: Network = Field(default_factory=Network)
+    simulated: Simulated = Field(default_factory=Simulated)
     data_paths: list[str] = Field(default_factory=list)
     setup: list[SetupCommand] = Field(default_factory=list)
     _source: str | None = PrivateAttr(default=None)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from harness import worker_output
 from harness.backends.base import NodeProcess, Outcome
 from harness.plan import NodePlan
 
@@ -34,6 +35,8 @@ class NodeRecord:
     ended: float | None = None
     outcome: Outcome | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=500))
+    joined: set[int] = field(default_factory=set)  # ranks seen connecting to the rendezvous store
+    torchrun_reporting: bool = False  # torchrun's failure report began: its lines stay in the log
 
     def root_cause(self) -> tuple[int | None, int | None]:
         """(global rank, exit code) of the first failed worker, from torchrun's "Root Cause" report."""
@@ -57,11 +60,14 @@ class NodeRecord:
 
 @dataclass
 class Supervisor:
-    """grace: SIGTERM-to-SIGKILL seconds; log_file: where each node's lines go (None: nowhere)."""
+    """grace: SIGTERM-to-SIGKILL seconds; log_file: where each node's lines go (None: nowhere);
+    quiet_cpp_info: torch's C++ INFO lines are the harness's own watch (plan.STORE_WATCH_ENV), so they
+    go to the log only."""
 
     grace: float
     out: IO[str] = sys.stdout
     log_file: Callable[[NodePlan], Path] | None = None
+    quiet_cpp_info: bool = False
     records: list[NodeRecord] = field(default_factory=list)
     first_failure: NodeRecord | None = None
     stopping_since: float | None = None  # when the supervisor began stopping the nodes (failure or request)
@@ -89,11 +95,21 @@ class Supervisor:
             log = None
             if self.log_file is not None:
                 log = stack.enter_context(open(self.log_file(record.node), "a", encoding="utf-8"))
-            for line in process.output():
+            for raw in process.output():
+                line = worker_output.normalize(raw)
                 if log is not None:
                     log.write(line + "\n")
                     log.flush()
+                if worker_output.is_cpp_info(line):
+                    if (rank := worker_output.joined_rank(line)) is not None:
+                        record.joined.add(rank)
+                    if self.quiet_cpp_info:
+                        continue
                 record.tail.append(line)
+                # torchrun's ChildFailedError report repeats what the harness reports better: log only.
+                record.torchrun_reporting = record.torchrun_reporting or worker_output.starts_torchrun_report(line)
+                if record.torchrun_reporting and worker_output.rank_of(line) is None:
+                    continue
                 with self._print_lock:
                     self.out.write(prefix + line + "\n")
                     self.out.flush()

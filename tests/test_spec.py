@@ -55,6 +55,16 @@ def test_shipped_jobs_are_valid():
          "job.yaml:3:11: network.iface: unknown key 'iface'"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m, script: t.py}\n",
          "job.yaml:3:1: entrypoint: set exactly one of 'module'"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m, local_rank_arg: local_rank}\n",
+         "job.yaml:3:25: entrypoint.local_rank_arg: expected a command-line option such as --local_rank "
+         "or --local-rank, got 'local_rank'"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nsimulated: {workdir: nodes}\n",
+         "job.yaml:4:13: simulated.workdir: expected a directory with {node_rank} in it (one per node) and no other "
+         "{...}, got 'nodes'"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nsimulated: {workdir: '/abs/{node_rank}'}\n",
+         "job.yaml:4:13: simulated.workdir: expected a relative directory such as nodes/node{node_rank}"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nsetup: [make data, 3]\n",
+         "job.yaml:4:20: setup[1]: expected a shell command such as 'harness prepare --data-dir data/cifar10', got 3"),
         ("name: demo\nnnodes: 1\nentrypoint: {args: [a]}\n", "job.yaml:3:1: entrypoint: set exactly one of 'module'"),
         ("name: demo\nnnodes: 1\nentrypoint:\n  module: m\n  args: [--x, true]\n",
          "job.yaml:5:15: entrypoint.args[1]: expected a string or number, got true; quote it"),

@@ -47,6 +47,14 @@ class LocalAgentNode(ChildAgentNode):
         kill_run_processes(env["HARNESS_RUN_ID"], env["NODE_RANK"], env["HARNESS_ATTEMPT"])
 
 
+def _workdirs(plan: Plan) -> list[Path]:
+    """The nodes' distinct working directories, made where missing (a node of its own starts empty)."""
+    found = [Path(wd) for wd in dict.fromkeys(node.workdir or os.getcwd() for node in plan.nodes)]
+    for workdir in found:
+        workdir.mkdir(parents=True, exist_ok=True)
+    return found
+
+
 class LocalBackend:
     """nnodes simulated nodes on this machine; the job's script paths are relative to the cwd."""
 
@@ -60,19 +68,27 @@ class LocalBackend:
         """down is ignored: every simulated node runs on this one machine, so it has no spare."""
         return plan_local(spec, run_id=run_id, python=self.python, gpu_ids=local_gpu_ids(spec),
                           local_cpus=len(os.sched_getaffinity(0)),
-                          log_dir=str(log_dir.resolve()) if log_dir is not None else None, attempt=attempt)
+                          log_dir=str(log_dir.resolve()) if log_dir is not None else None, attempt=attempt,
+                          cwd=os.getcwd())
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """A missing script, module or data path fails before any node starts, not as N identical
-        tracebacks: the SSH backend's fast checks, on this machine (paths relative to the cwd)."""
+        tracebacks: the SSH backend's fast checks, on this machine, in every node's working directory
+        (a relative script is the launch directory's)."""
         from harness.preflight.runner import run_preflight_local
 
-        report = run_preflight_local(spec, self.python, Path.cwd(), timeout=spec.timeouts.connect)
-        if not report.ok:
-            raise CheckFailed("preflight failed, nothing was started:\n" + report.render_table())
+        script = spec.entrypoint.script
+        if script is not None and spec.simulated.workdir is not None:
+            entry = spec.entrypoint.model_copy(update={"script": str(Path.cwd() / script)})
+            spec = spec.model_copy(update={"entrypoint": entry})
+        for workdir in _workdirs(plan):
+            report = run_preflight_local(spec, self.python, workdir, timeout=spec.timeouts.connect)
+            if not report.ok:
+                raise CheckFailed("preflight failed, nothing was started:\n" + report.render_table())
         return plan
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        _workdirs(plan)
         silence = agent_silence(spec.timeouts.connect)
         return start_all(plan.nodes, lambda node: LocalAgentNode(node, spec.timeouts.stop_grace, silence, self.python))
 

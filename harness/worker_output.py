@@ -1,0 +1,114 @@
+"""What a node's output says, in the user's terms. Pure: lines in, facts out.
+
+torchrun tees each worker's lines with `[rankN]: ` (plan.LOG_LINE_PREFIX); torch adds the same prefix
+to an uncaught exception once the process joined a process group, hence `[rank0]: [rank0]: ...`.
+Lines without the prefix come from torchrun itself (or the node's setup). With TORCH_CPP_LOG_LEVEL=INFO
+(plan.STORE_WATCH_ENV) each process that connects to the rendezvous store says so: that is how a run
+is known to have been distributed without touching the user's script.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
+DOUBLED_PREFIX = re.compile(r"^(\[rank\d+\]: )\1")
+# glog's INFO format, which torch's C++ logging uses: `[I1123 04:19:10.615279659 socket.cpp:955] ...`
+CPP_INFO = re.compile(r"^(\[rank\d+\]: )?\[I\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
+STORE_CONNECTED = re.compile(r"^\[rank(\d+)\]: \[I\d{4} [^]]*socket\.cpp:\d+\] \[c10d\] The client socket has "
+                             r"connected")
+# torchrun's own failure report begins with its elastic agent's error or warning log line.
+TORCHRUN_REPORT = re.compile(r"^[EW]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distributed/elastic/")
+FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
+# Where the standard library and installed packages live: not the user's code.
+NOT_USER_CODE = re.compile(r"^<|/site-packages/|/dist-packages/|/lib/python\d\.\d+/")
+NO_CUDA = re.compile(
+    r"Found no NVIDIA driver|requires at least one CUDA device|no GPUs found|No CUDA GPUs are available|"
+    r"Torch not compiled with CUDA enabled|CUDA driver initialization failed|NCCL built in|"
+    r"Attempting to deserialize object on a CUDA device but torch\.cuda\.is_available\(\) is False"
+)
+NO_CUDA_HINT = ("the script asks for CUDA and this machine has none; the job's `backend:` does not change a "
+                "backend or device the script hard-codes: run it on GPU hosts, or let the script choose gloo and "
+                "the CPU when CUDA is missing (torch.cuda.is_available(), or HARNESS_BACKEND)")
+
+
+def normalize(line: str) -> str:
+    """One rank prefix, however many torch and torchrun added."""
+    while DOUBLED_PREFIX.match(line):
+        line = DOUBLED_PREFIX.sub(r"\1", line, count=1)
+    return line
+
+
+def rank_of(line: str) -> int | None:
+    match = RANK_PREFIX.match(line)
+    return int(match.group(1)) if match else None
+
+
+def is_cpp_info(line: str) -> bool:
+    return CPP_INFO.match(line) is not None
+
+
+def joined_rank(line: str) -> int | None:
+    """The rank whose process connected to the rendezvous store (init_process_group), if line says so."""
+    match = STORE_CONNECTED.match(line)
+    return int(match.group(1)) if match else None
+
+
+def starts_torchrun_report(line: str) -> bool:
+    return TORCHRUN_REPORT.match(line) is not None
+
+
+@dataclass(frozen=True)
+class UserError:
+    """The exception a rank died of, and the innermost frame of the user's own code."""
+
+    exception: str
+    file: str | None = None
+    line: int | None = None
+    function: str | None = None
+    source: str | None = None
+
+    @property
+    def where(self) -> str | None:
+        return None if self.file is None else f"{self.file}:{self.line}, in {self.function}"
+
+
+def rank_lines(lines: Iterable[str], rank: int) -> list[str]:
+    """The rank's own lines, without the prefix."""
+    prefix = f"[rank{rank}]: "
+    return [line[len(prefix):] for line in lines if line.startswith(prefix)]
+
+
+def user_error(lines: Sequence[str]) -> UserError | None:
+    """From the last Python traceback in lines (one rank's, unprefixed): its exception line and the
+    innermost frame outside the standard library and installed packages (the innermost frame at all
+    when every frame is theirs)."""
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")),
+                default=None)
+    if start is None:
+        return None
+    frames: list[tuple[str, int, str, str | None]] = []
+    exception = None
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        if match := FRAME.match(line):
+            following = lines[i + 1] if i + 1 < len(lines) else ""
+            source = following.strip() if following.startswith("    ") and not FRAME.match(following) else None
+            frames.append((match["file"], int(match["line"]), match["function"], source))
+        elif line and not line.startswith(" "):
+            exception = line
+            break
+    if exception is None:
+        return None
+    ours = [f for f in frames if not NOT_USER_CODE.search(f[0])] or frames
+    if not ours:
+        return UserError(exception)
+    file, number, function, source = ours[-1]
+    return UserError(exception, file, number, function, source)
+
+
+def hint(lines: Iterable[str]) -> str | None:
+    """One line of advice for a failure whose signature is known."""
+    return NO_CUDA_HINT if any(NO_CUDA.search(line) for line in lines) else None
