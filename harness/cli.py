@@ -35,9 +35,10 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise UsageError("--flavor is for --target k8s")
     spec = load_job(args.job)
     if args.target == "k8s":
-        from harness.k8s import manifests_yaml
+        from harness.k8s import code_files, manifests_yaml
 
-        text = manifests_yaml(spec, Path(args.job).read_text(), args.job, args.flavor or "core")
+        code = code_files(spec, Path.cwd())
+        text = manifests_yaml(spec, Path(args.job).read_text(), args.job, args.flavor or "core", code=code)
         if args.out is None:
             sys.stdout.write(text)
             return 0
@@ -49,7 +50,9 @@ def cmd_render(args: argparse.Namespace) -> int:
             write_text_atomic(out, text)
         except OSError as exc:
             raise HarnessError(f"cannot write {out}: {exc.strerror}") from None
-        print(f"wrote {out}; apply with: kubectl apply -f {args.out}/")
+        # Client-side apply copies each object into an annotation, which may hold 256 KiB: too little for code.
+        apply = "kubectl apply --server-side" if code else "kubectl apply"
+        print(f"wrote {out}; apply with: {apply} -f {os.path.join(args.out, '')}")
         return 0
     if args.out is not None:
         raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan or a batch script")

@@ -6,12 +6,21 @@ restarts.max times; it needs the JobSet controller installed in the cluster.
 
 The pods run the same torchrun arguments and env contract as every other backend (plan.torchrun_args
 and plan.node_env); values known only in the pod (node rank, restart attempt) come from the downward API.
+
+The pods need nothing of the harness: the wait for the master is waitport.py's source, and the job's own
+code (a relative entrypoint.script, `files:`) travels in the job's ConfigMap with the spec, read from disk
+by code_files alone, so that the rendering itself stays pure.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import yaml
@@ -20,12 +29,18 @@ from harness import __version__
 from harness.node_setup import setup_script, with_setup
 from harness.plan import TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
 from harness.spec import JobSpec
-from harness.yamlsource import located
+from harness.yamlsource import KeyPath, located
 
 Flavor = Literal["core", "jobset"]
 MAX_NAME = 63
 WORKDIR = "/workspace"
-SPEC_DIR = "/etc/harness"
+SPEC_DIR = "/etc/harness"  # the ConfigMap, read-only: job.yaml, waitport.py and code/
+CODE_SUBDIR = "code"
+CODE_DIR = f"{SPEC_DIR}/{CODE_SUBDIR}"  # the shipped code: not under WORKDIR, which the volume hides
+WAITPORT = f"{SPEC_DIR}/waitport.py"
+WAITPORT_SOURCE = (Path(__file__).parent / "waitport.py").read_text(encoding="utf-8")
+MAX_CONFIGMAP = 1 << 20  # Kubernetes' limit on a ConfigMap's data and binaryData together, in bytes
+CODE_DIGEST = "harness/code-sha256"  # pod template annotation: which code the pods were given
 CONTAINER = "torchrun"
 IMAGE_UID = 1000  # docker/Dockerfile's user; fsGroup makes the shared volume writable for it
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -39,13 +54,17 @@ RESTART_ATTEMPT = "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']"
 RDZV_WAIT_EXIT = 75  # EX_TEMPFAIL: a worker gave up waiting for the master's rendezvous port
 SIGNAL_EXITS = tuple(range(129, 193))  # 128 + N: torchrun killed by signal N (e.g. 137: OOM-killed, SIGKILL)
 _RANK_SENTINEL = "\0node-rank\0"
-# Pod 0 serves the rendezvous store; the others wait for its port, then torchrun replaces the shell
-# so that it is PID 1 and receives the kubelet's SIGTERM itself.
+# Pod 0 serves the rendezvous store; the others wait for its port (isolated: stdlib only, whatever the
+# image or the job's PYTHONPATH holds), then torchrun replaces the shell so that it is PID 1 and receives
+# the kubelet's SIGTERM itself. Shipped code comes first on PYTHONPATH, before the job's or the image's own
+# (the kubelet's $(PYTHONPATH) would only see the job's env).
 START_SCRIPT = (
     'if [ "$NODE_RANK" != "0" ]; then '
-    'python -m harness.waitport "$MASTER_ADDR" "$MASTER_PORT" --timeout "$HARNESS_RDZV_TIMEOUT" '
+    f'python -I {WAITPORT} "$MASTER_ADDR" "$MASTER_PORT" --timeout "$HARNESS_RDZV_TIMEOUT" '
     f'|| exit {RDZV_WAIT_EXIT}; '
-    'fi; exec "$@"'
+    'fi; '
+    f'[ ! -d {CODE_DIR} ] || export PYTHONPATH="{CODE_DIR}${{PYTHONPATH:+:$PYTHONPATH}}"; '
+    'exec "$@"'
 )
 # backoffLimit 0: any failed pod fails the whole Job (a static rendezvous cannot take one pod back).
 # The rules only decide the Job's failure reason, which is what a JobSet's failure policy can see:
@@ -58,6 +77,14 @@ POD_FAILURE_POLICY: dict[str, Any] = {"rules": [
                                         "values": [RDZV_WAIT_EXIT, *SIGNAL_EXITS]}},
     {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
 ]}
+
+
+@dataclass(frozen=True)
+class _Shipped:
+    """What every pod gets from the ConfigMap: the volume's items, and annotations that name the code."""
+
+    items: list[dict[str, str]]
+    annotations: dict[str, str]
 
 
 def _short(name: str, limit: int) -> str:
@@ -141,12 +168,15 @@ def _container(spec: JobSpec, run_id: str, master: str, nproc: int, downward: di
     return container
 
 
-def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, *, master: str, subdomain: str,
-                      downward: dict[str, str]) -> dict[str, Any]:
+def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped, *, master: str,
+                      subdomain: str, downward: dict[str, str]) -> dict[str, Any]:
     """The Job of both flavors: nnodes pods at once, node rank = completion index, none ever retried alone."""
     shm: dict[str, Any] = {"medium": "Memory"}
     if spec.resources.shm_size:
         shm["sizeLimit"] = spec.resources.shm_size
+    metadata: dict[str, Any] = {"labels": _labels(names)}
+    if shipped.annotations:
+        metadata["annotations"] = shipped.annotations
     return {
         "completionMode": "Indexed",
         "completions": spec.nnodes,
@@ -154,7 +184,7 @@ def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, *, maste
         "backoffLimit": 0,
         "podFailurePolicy": copy.deepcopy(POD_FAILURE_POLICY),
         "template": {
-            "metadata": {"labels": _labels(names)},
+            "metadata": metadata,
             "spec": {
                 "subdomain": subdomain,
                 # Explicit: a JobSet would default it to OnFailure, restarting one node's container alone.
@@ -164,7 +194,7 @@ def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, *, maste
                 "containers": [_container(spec, names["job"], master, nproc, downward)],
                 "volumes": [
                     {"name": "dshm", "emptyDir": shm},
-                    {"name": "spec", "configMap": {"name": names["configmap"]}},
+                    {"name": "spec", "configMap": {"name": names["configmap"], "items": shipped.items}},
                     {"name": "work", "persistentVolumeClaim": {"claimName": names["pvc"]}},
                 ],
             },
@@ -172,7 +202,7 @@ def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, *, maste
     }
 
 
-def _core(spec: JobSpec, names: dict[str, str], nproc: int) -> list[dict[str, Any]]:
+def _core(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped) -> list[dict[str, Any]]:
     """A headless Service for the pods' DNS names and the bare Job (no restarts: HARNESS_ATTEMPT is 0)."""
     labels = _labels(names)
     service = {
@@ -190,7 +220,7 @@ def _core(spec: JobSpec, names: dict[str, str], nproc: int) -> list[dict[str, An
     job = {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": names["job"], "labels": labels},
-        "spec": _indexed_job_spec(spec, names, nproc, master=master, subdomain=names["service"],
+        "spec": _indexed_job_spec(spec, names, nproc, shipped, master=master, subdomain=names["service"],
                                   downward={"NODE_RANK": COMPLETION_INDEX}),
     }
     return [service, job]
@@ -209,7 +239,7 @@ def _failure_rules(spec: JobSpec) -> list[dict[str, Any]]:
             restart | {"name": "restartOnInfraFailure"}]
 
 
-def _jobset(spec: JobSpec, names: dict[str, str], nproc: int) -> dict[str, Any]:
+def _jobset(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped) -> dict[str, Any]:
     """The core Job as the one replicatedJob of a JobSet that recreates it whole on failure.
 
     No Service of ours: network.enableDNSHostnames makes the JobSet controller create the headless
@@ -218,7 +248,7 @@ def _jobset(spec: JobSpec, names: dict[str, str], nproc: int) -> dict[str, Any]:
     """
     subdomain = names["jobset"]
     master = f"{names['jobset']}-{REPLICATED_JOB}-0-0.{subdomain}"  # <jobset>-<replicatedJob>-<job>-<pod>
-    job_spec = _indexed_job_spec(spec, names, nproc, master=master, subdomain=subdomain,
+    job_spec = _indexed_job_spec(spec, names, nproc, shipped, master=master, subdomain=subdomain,
                                  downward={"NODE_RANK": COMPLETION_INDEX, "HARNESS_ATTEMPT": RESTART_ATTEMPT})
     return {
         "apiVersion": JOBSET_API, "kind": "JobSet",
@@ -240,9 +270,105 @@ def _jobset(spec: JobSpec, names: dict[str, str], nproc: int) -> dict[str, Any]:
     }
 
 
-def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core") -> list[dict[str, Any]]:
-    """ConfigMap (the spec), PVC (data + checkpoints, so a re-applied job resumes), then the flavor's
-    objects: Service + Job (core) or JobSet (jobset)."""
+def _files(path: Path) -> Iterator[Path]:
+    """path, or the files under it in sorted order without caches and dot-files. A link to a directory
+    inside is yielded, not followed (links can loop), and so refused as not a file."""
+    if not path.is_dir():
+        yield path
+        return
+    for child in sorted(path.iterdir()):
+        if not (child.name.startswith(".") or child.name == "__pycache__" or child.suffix == ".pyc"):
+            yield from [child] if child.is_symlink() else _files(child)
+
+
+def code_files(spec: JobSpec, root: Path) -> dict[str, bytes]:
+    """What the pods cannot take from the image, whose /workspace the volume hides: a relative
+    entrypoint.script and the `files:` entries, read from root (where `harness render` runs) as
+    relative path -> content. An absolute script is the image's. The one reader of the disk here."""
+    entries: list[tuple[KeyPath, str]] = [(("files", index), entry) for index, entry in enumerate(spec.files)]
+    script = spec.entrypoint.script
+    if script is not None and not script.startswith("/"):
+        if ".." in PurePosixPath(script).parts:
+            raise located(spec.source, ("entrypoint", "script"), f"{script}: a path with '..' cannot be shipped "
+                                                                 f"to the pods; run `harness render` in a directory "
+                                                                 f"that holds the script and give its path from "
+                                                                 f"there, or an absolute path inside the image")
+        entries.insert(0, (("entrypoint", "script"), script))
+    found: dict[str, bytes] = {}
+    for key_path, entry in entries:
+        if not (root / entry).exists():
+            fix = ("run `harness render` where the script is, or give an absolute path inside the image"
+                   if key_path[0] == "entrypoint" else "run `harness render` where it is, or remove it from files:")
+            raise located(spec.source, key_path, f"{entry}: not found in {root}; {fix}")
+        for path in _files(root / entry):
+            relative = path.relative_to(root).as_posix()
+            if not path.is_file():
+                fix = f"list {relative} under files: itself to follow the link" if path.is_symlink() else \
+                    "list the files beside it instead"
+                raise located(spec.source, key_path, f"{relative} is not a regular file; {fix}")
+            try:
+                found[relative] = path.read_bytes()
+            except OSError as exc:
+                raise located(spec.source, key_path, f"cannot read {relative}: {exc.strerror}") from None
+    return dict(sorted(found.items()))
+
+
+def _code_key(index: int, path: str) -> str:
+    """ConfigMap keys allow only [-._a-zA-Z0-9]: a numbered, readable stand-in; its item restores the path."""
+    return f"code-{index}-" + re.sub(r"[^-._a-zA-Z0-9]", "_", PurePosixPath(path).name)[:100]  # keys: <= 253
+
+
+def _configmap(spec: JobSpec, spec_text: str, names: dict[str, str], code: Mapping[str, bytes]
+               ) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The ConfigMap (spec, waitport, code: text as data, anything else as binaryData) and the volume
+    items that lay it out under SPEC_DIR."""
+    data = {"job.yaml": spec_text, "waitport.py": WAITPORT_SOURCE}
+    binary: dict[str, str] = {}
+    items = [{"key": key, "path": key} for key in data]
+    for index, (path, content) in enumerate(sorted(code.items())):
+        key = _code_key(index, path)
+        try:
+            data[key] = content.decode("utf-8")
+        except UnicodeDecodeError:
+            binary[key] = base64.b64encode(content).decode("ascii")
+        items.append({"key": key, "path": f"{CODE_SUBDIR}/{path}"})
+    size = len(spec_text.encode()) + len(WAITPORT_SOURCE.encode()) + sum(len(content) for content in code.values())
+    if size > MAX_CONFIGMAP:
+        raise located(spec.source, ("files",) if spec.files else ("entrypoint", "script"),
+                      f"the ConfigMap {names['configmap']} would hold {size} bytes (the spec and {len(code)} "
+                      f"shipped file(s)), over Kubernetes' limit of {MAX_CONFIGMAP} (1 MiB); bake the code into the "
+                      f"image and give entrypoint.script as an absolute path there")
+    configmap = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": names["configmap"], "labels": _labels(names)},
+        "data": data,
+    }
+    if binary:
+        configmap["binaryData"] = binary
+    return configmap, items
+
+
+def _code_digest(code: Mapping[str, bytes]) -> str:
+    digest = hashlib.sha256()
+    for path, content in sorted(code.items()):
+        digest.update(f"{path}\0{len(content)}\0".encode() + content)
+    return digest.hexdigest()
+
+
+def _in_pod(spec: JobSpec) -> JobSpec:
+    """The spec as the pods run it: a relative script is the shipped copy under CODE_DIR (its own directory
+    on sys.path, so sibling modules import), while the working directory stays the volume."""
+    script = spec.entrypoint.script
+    if script is None or script.startswith("/"):
+        return spec
+    path = f"{CODE_DIR}/{PurePosixPath(script)}"
+    return spec.model_copy(update={"entrypoint": spec.entrypoint.model_copy(update={"script": path})})
+
+
+def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core", *,
+                     code: Mapping[str, bytes]) -> list[dict[str, Any]]:
+    """ConfigMap (the spec, waitport.py and code: what code_files collected), PVC (data + checkpoints, so a
+    re-applied job resumes), then the flavor's objects: Service + Job (core) or JobSet (jobset)."""
     if spec.image is None:
         raise located(spec.source, ("image",), "required to render for Kubernetes: the container image every pod "
                                                "runs (e.g. registry/harness:0.1.0)")
@@ -251,20 +377,16 @@ def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core") -> 
     if spec.backend == "nccl" and not spec.resources.gpus:
         raise located(spec.source, ("resources", "gpus"), "backend nccl needs GPUs: set resources.gpus (GPUs per "
                                                           "pod) to render for Kubernetes")
-    labels = _labels(names)
-    configmap = {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": names["configmap"], "labels": labels},
-        "data": {"job.yaml": spec_text},
-    }
+    configmap, items = _configmap(spec, spec_text, names, code)
     pvc = {
         "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": names["pvc"], "labels": labels},
+        "metadata": {"name": names["pvc"], "labels": _labels(names)},
         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": spec.resources.storage}}},
     }
+    shipped = _Shipped(items, {CODE_DIGEST: _code_digest(code)} if code else {})
     if flavor == "jobset":
-        return [configmap, pvc, _jobset(spec, names, nproc)]
-    return [configmap, pvc, *_core(spec, names, nproc)]
+        return [configmap, pvc, _jobset(_in_pod(spec), names, nproc, shipped)]
+    return [configmap, pvc, *_core(_in_pod(spec), names, nproc, shipped)]
 
 
 class _PlainDumper(yaml.SafeDumper):
@@ -280,12 +402,20 @@ def _list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
     return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=numbers)
 
 
+def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    """Text of several lines (the spec, code) as a literal block, as written; PyYAML quotes what a block
+    cannot hold exactly."""
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
 _PlainDumper.add_representer(list, _list)
+_PlainDumper.add_representer(str, _str)
 
 
-def manifests_yaml(spec: JobSpec, spec_text: str, source: str, flavor: Flavor = "core") -> str:
+def manifests_yaml(spec: JobSpec, spec_text: str, source: str, flavor: Flavor = "core", *,
+                   code: Mapping[str, bytes]) -> str:
     command = f"harness render {source} --target k8s" + (f" --flavor {flavor}" if flavor != "core" else "")
     header = f"# Rendered by `{command}`; do not edit, re-render.\n"
     docs = [yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120)
-            for doc in render_manifests(spec, spec_text, flavor)]
+            for doc in render_manifests(spec, spec_text, flavor, code=code)]
     return header + "---\n".join(docs)

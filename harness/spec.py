@@ -105,6 +105,17 @@ def _env_value(value: Any) -> str:
     return _no_nul(value)
 
 
+def _shipped_path(value: Any) -> str:
+    """A path the renderer reads from where `harness render` runs and restores under the pods' code directory."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a relative path such as model.py or configs/, got {short_repr(value)}")
+    _no_nul(value)
+    if value.startswith("/") or ".." in value.split("/"):
+        raise ValueError(f"{short_repr(value)} must be relative to the directory `harness render` runs in, "
+                         f"without '..': the pods get it under the same relative path")
+    return value
+
+
 def _setup_command(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected a shell command such as 'harness prepare --data-dir data/cifar10', "
@@ -148,6 +159,7 @@ Argument = Annotated[str, PlainValidator(_argument)]
 EnvName = Annotated[str, PlainValidator(_env_name)]
 EnvValue = Annotated[str, PlainValidator(_env_value)]
 SetupCommand = Annotated[str, PlainValidator(_setup_command)]
+ShippedPath = Annotated[str, PlainValidator(_shipped_path)]
 Seconds = Annotated[float, BeforeValidator(_seconds)]
 
 
@@ -352,7 +364,10 @@ class JobSpec(StrictModel):
     `container: {engine: podman}`), so that every host runs identical software whatever it has
     installed. data_paths: files or directories (relative to each node's workdir) that every node
     needs; preflight checks they exist and are identical. setup: shell commands that prepare a node's
-    workdir (e.g. the data) before torchrun starts, once per workdir (node_setup.py).
+    workdir (e.g. the data) before torchrun starts, once per workdir (node_setup.py). files: more of
+    the job's code for Kubernetes pods (files or directories, relative to where `harness render` runs),
+    shipped with a relative entrypoint.script in the job's ConfigMap (k8s.py); other backends run where
+    the code already is.
     """
 
     name: str
@@ -375,6 +390,7 @@ class JobSpec(StrictModel):
     simulated: Simulated = Field(default_factory=Simulated)
     data_paths: list[str] = Field(default_factory=list)
     setup: list[SetupCommand] = Field(default_factory=list)
+    files: list[ShippedPath] = Field(default_factory=list)
     _source: str | None = PrivateAttr(default=None)
 
     @field_validator("data_paths")

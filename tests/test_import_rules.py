@@ -1,16 +1,18 @@
 """The import rules that keep remote code runnable on hosts without the harness, checked for real.
 
-The node agent and the preflight probes travel as source and run with a host's own Python, so
-they may import only the standard library; here they run in an interpreter that cannot import
-`harness` or anything in site-packages (`python -I -S` from an empty directory), because this
-test machine's venv has the harness installed and would hide a stray import. The payload must run
-under plain torchrun, so it imports nothing of the harness outside harness.payload.
+The node agent, the preflight probes and the wait for the master in Kubernetes pods travel as source
+and run with a host's (or an image's) own Python, so they may import only the standard library; here
+they run in an interpreter that cannot import `harness` or anything in site-packages (`python -I -S`
+from an empty directory), because this test machine's venv has the harness installed and would hide a
+stray import. The payload must run under plain torchrun, so it imports nothing of the harness outside
+harness.payload.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ from types import ModuleType
 
 import pytest
 
+from harness import waitport
 from harness.backends import node_agent
 from harness.backends.agent_link import agent_argv
 from harness.plan import NodePlan
@@ -27,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 SEALED = [sys.executable, "-I", "-S"]  # no PYTHONPATH, no cwd, no site-packages
 # Each remote script, and what beyond the standard library it may import: the full probe imports
 # torch to measure it, inside a guard that turns a missing or broken torch into a finding.
-REMOTE_SCRIPTS = {node_agent: set(), netcheck: set(), probe: {"torch"}}
+REMOTE_SCRIPTS = {node_agent: set(), netcheck: set(), probe: {"torch"}, waitport: set()}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -106,6 +109,16 @@ def test_netcheck_runs_sealed(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     ports = json.loads(result.stdout.removeprefix("ANSWER="))["ports"]
     assert len(ports) == 1 and ports[0]["port"] > 0, ports
+
+
+def test_waitport_runs_sealed(tmp_path: Path) -> None:
+    """As Kubernetes workers run it, from the ConfigMap: `python -I /etc/harness/waitport.py HOST PORT`."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = str(server.getsockname()[1])
+        up = sealed([str(waitport.__file__), "127.0.0.1", port, "--timeout", "5"], tmp_path)
+    assert up.returncode == 0 and "master reachable after" in up.stdout, up.stderr
+    down = sealed([str(waitport.__file__), "127.0.0.1", port, "--timeout", "1"], tmp_path)
+    assert down.returncode == 1 and f"127.0.0.1:{port} not reachable after 1 s" in down.stderr, down.stderr
 
 
 def test_backends_do_not_reach_back_into_the_controller_or_the_cli() -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import re
+import struct
 import subprocess
 import sys
+import sysconfig
+import textwrap
 import typing
 from pathlib import Path
 from typing import Any
@@ -22,13 +26,17 @@ from kubeflow_trainer_api.models import (
 
 from harness.errors import SpecError
 from harness.k8s import (
+    CODE_DIGEST,
+    CODE_DIR,
     COMPLETION_INDEX,
     JOBSET_API,
+    MAX_CONFIGMAP,
     POD_FAILURE_POLICY,
     RDZV_WAIT_EXIT,
     REPLICATED_JOB,
     RESTART_ATTEMPT,
     START_SCRIPT,
+    code_files,
     manifests_yaml,
     object_names,
     render_manifests,
@@ -56,10 +64,96 @@ entrypoint:
 env:
   STEPS: "6"
 """
+# A user's own job, as a directory `harness render` runs in: a DDP script, the module beside it and its
+# configs (text and binary), listed under files:. Pods get it from the ConfigMap alone.
+USER_FILES = {
+    "train.py": textwrap.dedent("""\
+        import importlib.util
+        import json
+        import os
+        import struct
+        import sys
+        from pathlib import Path
+
+        import torch
+        import torch.distributed as dist
+
+        from model import build  # model.py, beside this script
+
+        here = Path(__file__).parent
+        config = json.loads((here / "configs" / "run.json").read_text())
+        init = struct.unpack("<5f", (here / "configs" / "weights" / "init.bin").read_bytes()[1:])
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        print(f"rank {rank}: harness importable: {importlib.util.find_spec('harness') is not None}; "
+              f"cwd {os.getcwd()}; PYTHONPATH {os.environ.get('PYTHONPATH')}; args {sys.argv[1:]}", flush=True)
+        model = torch.nn.parallel.DistributedDataParallel(build(init))
+        opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
+        target = torch.tensor([1.0, -2.0, 3.0, 0.5])
+        for step in range(config["steps"]):
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step * 2 + rank))
+            loss = ((model(x).squeeze(1) - x @ target) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        weights = model.module.weight.detach().flatten().tolist()
+        print(f"rank {rank} final loss {loss.item():.4f} weights {weights}", flush=True)
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)  # as tests/scripts/ddp_sum.py: no finalization under a gloo thread
+        """).encode(),
+    "model.py": textwrap.dedent("""\
+        import torch
+
+
+        def build(init):
+            layer = torch.nn.Linear(4, 1)
+            with torch.no_grad():
+                layer.weight.copy_(torch.tensor([init[:4]]))
+                layer.bias.fill_(init[4])
+            return layer
+        """).encode(),
+    "configs/run.json": b'{"steps": 6, "lr": 0.05}\n',
+    "configs/weights/init.bin": b"\xff" + struct.pack("<5f", 0.5, -0.5, 0.25, 1.0, 0.0),  # not UTF-8: binaryData
+}
+USER_JOB = """
+name: own
+nnodes: 2
+backend: gloo
+master_port: {port}
+image: python:3.11-slim
+entrypoint:
+  script: train.py
+  args: [--tag, "two words"]
+files: [model.py, configs/]
+env:
+  PYTHONPATH: /opt/site
+"""
+
+
+def write_files(directory: Path, files: dict[str, bytes]) -> None:
+    for name, content in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(content)
 
 
 def docs(spec_path: Path, flavor: str = "core") -> list[dict]:
-    return render_manifests(load_job(spec_path), spec_path.read_text(), flavor)
+    """The manifests `harness render` makes in the spec's directory (its code read from there)."""
+    spec = load_job(spec_path)
+    return render_manifests(spec, spec_path.read_text(), flavor, code=code_files(spec, spec_path.parent))
+
+
+def small(write_yaml, extra: str = "", script: str = "train.py", name: str = "small", port: int = 29500) -> Path:
+    """SMALL as a user has it: beside its script."""
+    path = write_yaml(SMALL.format(name=name, port=port, script=script) + extra)
+    if not script.startswith("/"):
+        (path.parent / script).write_text("print('hello')\n")
+    return path
+
+
+def render_in(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`harness render` run in directory (where the job's code is), with this checkout's harness."""
+    return harness("render", *args, cwd=directory, env=os.environ | {"PYTHONPATH": str(REPO)})
 
 
 def cifar(flavor: str) -> list[dict]:
@@ -98,17 +192,21 @@ def job_spec(objects: list[dict]) -> dict:
 
 
 def test_committed_manifests_match_a_fresh_render():
-    fresh = manifests_yaml(load_job(REPO / "jobs/cifar.yaml"), (REPO / "jobs/cifar.yaml").read_text(), "jobs/cifar.yaml")
+    spec = load_job(REPO / "jobs/cifar.yaml")
+    fresh = manifests_yaml(spec, (REPO / "jobs/cifar.yaml").read_text(), "jobs/cifar.yaml", code=code_files(spec, REPO))
     assert (REPO / "k8s/cifar.yaml").read_text() == fresh, "k8s/ drifted from jobs/cifar.yaml: run `make k8s`"
     assert sorted(p.name for p in (REPO / "k8s").iterdir()) == ["cifar.yaml"]
 
 
 @pytest.mark.parametrize("flavor", ["core", "jobset"])
 @pytest.mark.parametrize("source", ["cifar", "small"])
-def test_strict_schema_validation(source, flavor, write_yaml):
+def test_strict_schema_validation(source, flavor, write_yaml, tmp_path):
     """Every core object, and the JobSet's Job template as a Job, against Kubernetes' own schema."""
     if source == "small":
-        objects = docs(write_yaml(SMALL.format(name="small", port=29500, script="train.py")), flavor)
+        write_files(tmp_path, USER_FILES)
+        spec_text = SMALL.format(name="small", port=29500, script="train.py") + "files: [model.py, configs/]\n"
+        objects = docs(write_yaml(spec_text), flavor)
+        assert by_kind(objects)["ConfigMap"]["binaryData"]
     else:
         objects = cifar(flavor)
     kinds = {"core": ["Service", "Job"], "jobset": ["JobSet"]}[flavor]
@@ -175,10 +273,7 @@ def api_problems(jobset: dict) -> list[str]:
 
 @pytest.mark.parametrize("source", ["cifar", "small"])
 def test_jobset_fields_match_the_published_api(source, write_yaml):
-    if source == "small":
-        objects = docs(write_yaml(SMALL.format(name="small", port=29500, script="train.py")), "jobset")
-    else:
-        objects = cifar("jobset")
+    objects = docs(small(write_yaml), "jobset") if source == "small" else cifar("jobset")
     jobset = by_kind(objects)["JobSet"]
     assert jobset["apiVersion"] == JOBSET_API == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
     assert api_problems(jobset) == []
@@ -324,18 +419,18 @@ def jobset_action(jobset: dict, reason: str) -> str:
 def test_restarts_on_maps_to_the_failure_policies(write_yaml, exit_code, conditions, on_infra, on_any):
     """What the two controllers do with the rendered policies when one pod fails this way."""
     for on, action in (("infra", on_infra), ("any", on_any)):
-        text = SMALL.format(name="small", port=29500, script="t.py") + f"restarts: {{max: 3, on: {on}}}\n"
-        objects = docs(write_yaml(text), "jobset")
+        objects = docs(small(write_yaml, f"restarts: {{max: 3, on: {on}}}\n"), "jobset")
         jobset = by_kind(objects)["JobSet"]
         assert jobset["spec"]["failurePolicy"]["maxRestarts"] == 3
         assert jobset_action(jobset, job_failure_reason(job_spec(objects), exit_code, conditions)) == action, on
 
 
-def test_a_worker_that_never_reaches_the_master_exits_as_infra():
+def test_a_worker_that_never_reaches_the_master_exits_as_infra(write_yaml, tmp_path):
     """The start script's own exit code, which the podFailurePolicy counts as an infrastructure failure."""
+    mounts = materialize(docs(small(write_yaml)), tmp_path / "root")
     env = {"NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "HARNESS_RDZV_TIMEOUT": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    result = subprocess.run(["/bin/sh", "-c", START_SCRIPT, "torchrun", "true"], env=env, cwd=REPO,
+    result = subprocess.run(["/bin/sh", "-c", in_pod(START_SCRIPT, mounts), "torchrun", "true"], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == RDZV_WAIT_EXIT, result.stderr
     assert "not reachable after 1 s" in result.stderr
@@ -371,29 +466,31 @@ def test_service_and_jobset_names_start_with_a_letter(write_yaml):
 def test_bad_specs_fail_at_render_time(write_yaml, edit, error, message):
     path = write_yaml(SMALL.format(name="small", port=29500, script="t.py").replace(*edit))
     with pytest.raises(error, match=re.escape(message)):
-        render_manifests(load_job(path), path.read_text())
+        render_manifests(load_job(path), path.read_text(), code={})
 
 
 def test_cli_writes_manifests_atomically(write_yaml, tmp_path):
-    path = write_yaml(SMALL.format(name="small", port=29500, script="t.py"))
-    result = harness("render", str(path), "--target", "k8s", "--out", str(tmp_path / "out"))
+    path = small(write_yaml, script="t.py")
+    result = render_in(tmp_path, str(path), "--target", "k8s", "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["small.yaml"]
+    # Client-side apply would copy the shipped code into an annotation of at most 256 KiB.
+    assert result.stdout == f"wrote {tmp_path}/out/small.yaml; apply with: kubectl apply --server-side -f {tmp_path}/out/\n"
     bad = harness("render", str(write_yaml("name: x\nnnodes: 1\nentrypoint: {module: m}\n", "bad.yaml")),
                   "--target", "k8s", "--out", str(tmp_path / "none"))
     assert bad.returncode == 2 and "image" in bad.stderr and not (tmp_path / "none").exists()
 
 
 def test_cli_renders_the_jobset_flavor(write_yaml, tmp_path):
-    path = write_yaml(SMALL.format(name="small", port=29500, script="t.py"))
-    result = harness("render", str(path), "--target", "k8s", "--flavor", "jobset", "--out", str(tmp_path))
+    path = small(write_yaml, script="t.py")
+    result = render_in(tmp_path, str(path), "--target", "k8s", "--flavor", "jobset", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "small.yaml").read_text()
     assert text.startswith(f"# Rendered by `harness render {path} --target k8s --flavor jobset`")
     assert [o["kind"] for o in yaml.safe_load_all(text)] == ["ConfigMap", "PersistentVolumeClaim", "JobSet"]
-    default = harness("render", str(path), "--target", "k8s")
-    assert default.returncode == 0 and default.stdout == harness("render", str(path), "--target", "k8s",
-                                                                 "--flavor", "core").stdout
+    default = render_in(tmp_path, str(path), "--target", "k8s")
+    assert default.returncode == 0 and default.stdout == render_in(tmp_path, str(path), "--target", "k8s",
+                                                                   "--flavor", "core").stdout
     assert [o["kind"] for o in yaml.safe_load_all(default.stdout)][-1] == "Job"
 
 
@@ -424,9 +521,42 @@ def kubelet_expand(text: str, env: dict[str, str]) -> str:
     return "".join(out)
 
 
-def pod_process(container: dict, fields: dict[str, str], master_dns: str) -> tuple[list[str], dict[str, str]]:
+def materialize(objects: list[dict], root: Path) -> dict[str, str]:
+    """What the kubelet writes for the pod's ConfigMap volume: every item's value at its path under the
+    mount, here under root. Returns mount path -> the directory standing for it."""
+    configmap = by_kind(objects)["ConfigMap"]
+    pod = job_spec(objects)["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {}
+    for mount in pod["containers"][0]["volumeMounts"]:
+        source = volumes[mount["name"]].get("configMap")
+        if source is None:
+            continue
+        assert source["name"] == configmap["metadata"]["name"] and mount["readOnly"]
+        local = root / mount["mountPath"].lstrip("/")
+        for item in source["items"]:
+            assert not item["path"].startswith("/") and ".." not in item["path"].split("/")  # the API's rules
+            target = local / item["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if item["key"] in configmap["data"]:
+                target.write_bytes(configmap["data"][item["key"]].encode())
+            else:
+                target.write_bytes(base64.b64decode(configmap["binaryData"][item["key"]]))
+        mounts[mount["mountPath"]] = str(local)
+    return mounts
+
+
+def in_pod(text: str, mounts: dict[str, str]) -> str:
+    """text with each mount path swapped for the directory that stands for it here."""
+    for mount_path, local in mounts.items():
+        text = text.replace(mount_path, local)
+    return text
+
+
+def pod_process(container: dict, fields: dict[str, str], master_dns: str,
+                mounts: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """What the kubelet would exec in a pod whose downward-API fields have these values, with the master's
-    DNS name mapped to loopback."""
+    DNS name mapped to loopback and the ConfigMap's mount paths to where materialize wrote them."""
     env: dict[str, str] = {}
     for entry in container["env"]:
         if "valueFrom" in entry:
@@ -434,11 +564,33 @@ def pod_process(container: dict, fields: dict[str, str], master_dns: str) -> tup
         else:
             env[entry["name"]] = kubelet_expand(entry["value"], env)
     argv = [kubelet_expand(a, env) for a in container["command"] + container["args"]]
-    swap = {master_dns: "127.0.0.1"}
-    argv = [a.replace(master_dns, swap[master_dns]) for a in argv]
-    env = {k: v.replace(master_dns, "127.0.0.1") for k, v in env.items()}
+    swap = mounts | {master_dns: "127.0.0.1"}
+    argv = [in_pod(a, swap) for a in argv]
+    env = {k: in_pod(v, swap) for k, v in env.items()}
     assert container["workingDir"] == "/workspace"
     return argv, env
+
+
+def run_pods(objects: list[dict], fields: dict[str, str], root: Path, workspace: Path, path: str) -> list[str]:
+    """Both pods as real processes, the worker first (it must wait for the master's port), in workspace
+    (their shared volume) with `python` found on path; their outputs, worker first, once both exit 0."""
+    container = job_spec(objects)["template"]["spec"]["containers"][0]
+    mounts = materialize(objects, root)
+    procs = []
+    try:
+        for index in (1, 0):
+            argv, env = pod_process(container, fields | {COMPLETION_INDEX: str(index)}, pod_dns(objects, 0), mounts)
+            assert env["NODE_RANK"] == str(index)
+            procs.append(subprocess.Popen(argv, env=env | {"PATH": path}, cwd=workspace, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    return outputs
 
 
 @pytest.mark.parametrize("flavor", ["core", "jobset"])
@@ -448,26 +600,124 @@ def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, flavor, tmp_pat
     script = REPO / "tests/scripts/ddp_sum.py"
     setup = f"setup:\n  - python -c \"import sys; print('set up by', sys.executable, '{tmp_path}')\"\n"
     objects = docs(write_yaml(SMALL.format(name="sim", port=free_port(), script=script) + setup), flavor)
-    container = job_spec(objects)["template"]["spec"]["containers"][0]
-    master_dns = pod_dns(objects, 0)
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `python` is the image's interpreter
-    procs = []
-    try:
-        for index in (1, 0):  # the worker first: it must wait for the master's port
-            argv, env = pod_process(container, {COMPLETION_INDEX: str(index), RESTART_ATTEMPT: "1"}, master_dns)
-            assert env["NODE_RANK"] == str(index) and env["HARNESS_ATTEMPT"] == {"core": "0", "jobset": "1"}[flavor]
-            procs.append(subprocess.Popen(argv, env=env | {"PATH": path}, cwd=tmp_path, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    worker, master = outputs
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    worker, master = run_pods(objects, {RESTART_ATTEMPT: "1"}, tmp_path / "root", tmp_path, path)
+    container = job_spec(objects)["template"]["spec"]["containers"][0]
+    _, env = pod_process(container, {COMPLETION_INDEX: "1", RESTART_ATTEMPT: "1"}, pod_dns(objects, 0), {})
+    assert env["HARNESS_ATTEMPT"] == {"core": "0", "jobset": "1"}[flavor]
     assert "waiting for the master's rendezvous port" in worker
     assert f"set up by {sys.executable} {tmp_path}\n" in master and "harness setup: done before" in worker
     assert "; args=['--tag', 'two words', '$(not-a-var)', '$$', '${local_rank}']" in master
     finals = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", master + worker)
     assert sorted(r for r, _ in finals) == ["0", "1"] and len({w for _, w in finals}) == 1
+
+
+@pytest.mark.parametrize("script, shipped", [
+    ("train.py", ["train.py"]),
+    ("./sub/train.py", ["sub/train.py"]),
+    ("/opt/job/train.py", []),  # the image's own: not read here, not shipped
+])
+def test_a_relative_script_is_shipped_and_run_from_the_code_directory(write_yaml, tmp_path, script, shipped):
+    (tmp_path / "sub").mkdir()
+    spec_path = small(write_yaml, script=script)
+    code = code_files(load_job(spec_path), tmp_path)
+    assert list(code) == shipped
+    objects = docs(spec_path)
+    pod = job_spec(objects)["template"]
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[-6] == (f"{CODE_DIR}/{shipped[0]}" if shipped else script)  # SMALL's 5 arguments follow it
+    volume = next(v["configMap"] for v in pod["spec"]["volumes"] if v["name"] == "spec")
+    assert [item["path"] for item in volume["items"]] == ["job.yaml", "waitport.py", *(f"code/{p}" for p in shipped)]
+    assert (CODE_DIGEST in pod["metadata"].get("annotations", {})) == bool(shipped)
+
+
+def test_files_and_binary_files_land_in_the_configmap_laid_out_by_the_volume_items(write_yaml, tmp_path):
+    write_files(tmp_path, USER_FILES | {"configs/__pycache__/run.cpython-311.pyc": b"\0", "configs/old.pyc": b"\0",
+                                        "configs/.secret": b"x", "configs/.git/HEAD": b"x", "notes.txt": b"unlisted"})
+    spec_path = write_yaml(USER_JOB.format(port=29500))
+    spec = load_job(spec_path)
+    code = code_files(spec, tmp_path)
+    assert code == USER_FILES  # the script, model.py and configs/ without caches and dot-files
+    objects = docs(spec_path)
+    configmap = by_kind(objects)["ConfigMap"]
+    assert all(re.fullmatch(r"[-._a-zA-Z0-9]+", key) for key in [*configmap["data"], *configmap["binaryData"]])
+    assert len(configmap["binaryData"]) == 1 and "init.bin" in next(iter(configmap["binaryData"]))
+    etc = Path(materialize(objects, tmp_path / "root")["/etc/harness"])
+    assert {p.relative_to(etc / "code").as_posix(): p.read_bytes() for p in (etc / "code").rglob("*")
+            if p.is_file()} == USER_FILES
+    assert (etc / "job.yaml").read_bytes() == spec_path.read_bytes()
+    assert (etc / "waitport.py").read_bytes() == (REPO / "harness/waitport.py").read_bytes()
+    template = job_spec(objects)["template"]
+    assert {"name": "spec", "mountPath": "/etc/harness", "readOnly": True} in template["spec"]["containers"][0]["volumeMounts"]
+    edited = render_manifests(spec, spec_path.read_text(), code=code | {"model.py": b"# edited\n"})
+    assert job_spec(edited)["template"]["metadata"]["annotations"][CODE_DIGEST] != \
+        template["metadata"]["annotations"][CODE_DIGEST]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("script: train.py", "script: missing.py"), "job.yaml:7:3: entrypoint.script: missing.py: not found in {dir}; "
+                                                  "run `harness render` where the script is, or give an absolute path "
+                                                  "inside the image"),
+    (("[model.py, configs/]", "[model.py, conf/]"), "job.yaml:9:19: files[1]: conf/: not found in {dir}; run "
+                                                    "`harness render` where it is, or remove it from files:"),
+    (("script: train.py", "script: ../train.py"), "job.yaml:7:3: entrypoint.script: ../train.py: a path with '..' "
+                                                  "cannot be shipped to the pods; run `harness render` in a directory "
+                                                  "that holds the script"),
+    (("[model.py, configs/]", "[model.py, linked/]"), "job.yaml:9:19: files[1]: linked/weights is not a regular file; "
+                                                      "list linked/weights under files: itself to follow the link"),
+])
+def test_code_that_cannot_be_shipped_is_a_located_error(write_yaml, tmp_path, edit, message):
+    write_files(tmp_path, USER_FILES)
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "weights").symlink_to(tmp_path / "configs" / "weights")
+    spec = load_job(write_yaml(USER_JOB.format(port=29500).replace(*edit)))
+    with pytest.raises(SpecError) as info:
+        code_files(spec, tmp_path)
+    assert message.format(dir=tmp_path) in str(info.value)
+
+
+def test_cli_refuses_missing_or_oversized_code_and_writes_nothing(write_yaml, tmp_path):
+    spec_path = write_yaml(USER_JOB.format(port=29500))
+    missing = render_in(tmp_path, "job.yaml", "--target", "k8s", "--out", "k8s")
+    assert missing.returncode == 2 and "job.yaml:7:3: entrypoint.script: train.py: not found in" in missing.stderr
+    write_files(tmp_path, USER_FILES | {"configs/big.bin": bytes(MAX_CONFIGMAP)})
+    big = render_in(tmp_path, "job.yaml", "--target", "k8s", "--out", "k8s")
+    size = MAX_CONFIGMAP + sum(map(len, USER_FILES.values())) + len(spec_path.read_bytes()) + \
+        len((REPO / "harness/waitport.py").read_bytes())
+    assert big.returncode == 2 and f"job.yaml:9:1: files: the ConfigMap own-spec would hold {size} bytes (the spec " \
+        f"and 5 shipped file(s)), over Kubernetes' limit of 1048576 (1 MiB); bake the code into the image" in big.stderr
+    assert not (tmp_path / "k8s").exists()
+
+
+def plain_python(directory: Path) -> Path:
+    """`python` as a plain Python image with torch installed has it: a venv of this interpreter whose
+    site-packages reaches this one's packages by a path-only .pth line, so that no .pth file there runs
+    (the editable install's finder of the harness is one). Returns its bin directory."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True, timeout=60)
+    site = Path(sysconfig.get_paths(vars={"base": str(directory)})["purelib"])
+    (site / "torch-here.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return directory / "bin"
+
+
+def test_a_user_script_shipped_by_the_renderer_runs_in_an_image_without_the_harness(tmp_path):
+    """The user's directory -> `harness render` there -> what the kubelet makes of the ConfigMap -> both pods,
+    run with an interpreter that has torch but cannot import the harness, on a workspace that starts empty."""
+    project, workspace = tmp_path / "project", tmp_path / "workspace"
+    write_files(project, USER_FILES | {"job.yaml": USER_JOB.format(port=free_port()).encode()})
+    workspace.mkdir()
+    rendered = render_in(project, "job.yaml", "--target", "k8s", "--out", "k8s")
+    assert rendered.returncode == 0, rendered.stderr
+    objects = list(yaml.safe_load_all((project / "k8s/own.yaml").read_text()))
+    image = plain_python(tmp_path / "image")
+    control = subprocess.run([image / "python", "-c", "import torch, harness"], cwd=workspace, capture_output=True,
+                             text=True, timeout=120)
+    assert "No module named 'harness'" in control.stderr and "torch" not in control.stderr, control.stderr
+    worker, master = run_pods(objects, {}, tmp_path / "root", workspace, f"{image}:{os.environ['PATH']}")
+    assert "waiting for the master's rendezvous port" in worker
+    code = tmp_path / "root/etc/harness/code"
+    for rank, output in (("1", worker), ("0", master)):
+        assert f"rank {rank}: harness importable: False; cwd {workspace}; PYTHONPATH {code}:/opt/site; " \
+               f"args ['--tag', 'two words']" in output, output
+    finals = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", master + worker)
+    assert sorted(r for r, _ in finals) == ["0", "1"] and len({w for _, w in finals}) == 1
+    assert list(workspace.iterdir()) == []  # the volume got no code: it came from the ConfigMap
