@@ -6,8 +6,12 @@ import json
 import re
 from pathlib import Path
 
-from conftest import REPO, assert_nothing_left, free_port, harness
+from harness.k8s import render_manifests
+from harness.slurm import batch_script
+from harness.spec import load_job
 from harness.worker_output import NO_CUDA_HINT, normalize, user_error
+
+from conftest import REPO, assert_nothing_left, free_port, harness
 
 SCRIPTS = REPO / "tests" / "scripts"
 
@@ -101,7 +105,7 @@ def test_simulated_nodes_can_each_have_a_working_directory(write_yaml, launch, t
         assert written == f"{rank} {tmp_path / f'nodes/n{rank}'}"
     plan = json.loads((run.runs_dir / run.run_id / "plan.json").read_text())
     assert [n["workdir"] for n in plan["nodes"]] == [str(tmp_path / "nodes/n0"), str(tmp_path / "nodes/n1")]
-    shared = json.loads(harness("render", str(write_yaml(f"name: shared\nnnodes: 2\nentrypoint: {{script: x.py}}\n",
+    shared = json.loads(harness("render", str(write_yaml("name: shared\nnnodes: 2\nentrypoint: {script: x.py}\n",
                                                          "shared.yaml")), "--format", "json", cwd=tmp_path).stdout)
     assert [n["workdir"] for n in shared["nodes"]] == [str(tmp_path)] * 2, "no more workdir: null"
 
@@ -136,3 +140,13 @@ def test_the_users_frame_is_the_innermost_outside_the_library():
     assert user_error(["no traceback here"]) is None
     assert normalize("[rank3]: [rank3]: [rank3]: x") == "[rank3]: x"
     assert normalize("[rank3]: [rank1]: x") == "[rank3]: [rank1]: x"
+
+
+def test_local_rank_arg_reaches_slurm_and_kubernetes_as_torchruns_macro(write_yaml):
+    """Each backend's own quoting must hand torchrun `${local_rank}` to substitute, and the job's args as written."""
+    spec = load_job(write_yaml("name: byo\nnnodes: 2\nimage: registry.example/own:1\nentrypoint:\n"
+                               "  script: /opt/code/train.py\n  local_rank_arg: --local_rank\n  args: [--lr, $x]\n"))
+    script = batch_script(spec, "job.yaml")
+    assert "  /opt/code/train.py '--local_rank=${local_rank}' --lr '$$x'\n" in script, script
+    container = render_manifests(spec, "", code={})[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][-4:] == ["/opt/code/train.py", "--local_rank=$${local_rank}", "--lr", "$$$$x"]
