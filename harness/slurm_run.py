@@ -138,9 +138,10 @@ class _Follower:
     def _pump(self, final: bool = False) -> None:
         """Print every node's new lines with its prefix, and the batch script's own (srun, harness)."""
         for record, tail in zip(self.current.records, self.current.tails, strict=True):
-            for line in tail.rest() if final else tail.lines():
-                record.tail.append(line)
-                self._print(f"[{record.node.label}] {line}")
+            for raw in tail.rest() if final else tail.lines():
+                line, show = record.take(raw)
+                if show:
+                    self._print(f"[{record.node.label}] {line}")
         for line in self.batch.rest() if final else self.batch.lines():
             self.current.batch_lines.append(line)
             self._print(f"[slurm] {line}")

@@ -52,6 +52,21 @@ class NodeRecord:
                 code = int(match.group(1))
         return rank, code
 
+    def take(self, raw: str, quiet_cpp_info: bool = False) -> tuple[str, bool]:
+        """A line of the node's output as it is logged (one rank prefix), and whether the live stream
+        shows it: not torch's C++ INFO lines when they are the harness's own watch (quiet_cpp_info), nor
+        torchrun's ChildFailedError report, which repeats what the harness reports better. Notes which
+        ranks joined the rendezvous store."""
+        line = worker_output.normalize(raw)
+        if worker_output.is_cpp_info(line):
+            if (rank := worker_output.joined_rank(line)) is not None:
+                self.joined.add(rank)
+            if quiet_cpp_info:
+                return line, False
+        self.tail.append(line)
+        self.torchrun_reporting = self.torchrun_reporting or worker_output.starts_torchrun_report(line)
+        return line, not (self.torchrun_reporting and worker_output.rank_of(line) is None)
+
     def last_lines(self, rank: int | None, count: int = TAIL_LINES) -> list[str]:
         """The failing rank's own last lines say why; the node's tail is the fallback."""
         own = [line for line in self.tail if rank is not None and line.startswith(f"[rank{rank}]:")]
@@ -96,19 +111,11 @@ class Supervisor:
             if self.log_file is not None:
                 log = stack.enter_context(open(self.log_file(record.node), "a", encoding="utf-8"))
             for raw in process.output():
-                line = worker_output.normalize(raw)
+                line, show = record.take(raw, self.quiet_cpp_info)
                 if log is not None:
                     log.write(line + "\n")
                     log.flush()
-                if worker_output.is_cpp_info(line):
-                    if (rank := worker_output.joined_rank(line)) is not None:
-                        record.joined.add(rank)
-                    if self.quiet_cpp_info:
-                        continue
-                record.tail.append(line)
-                # torchrun's ChildFailedError report repeats what the harness reports better: log only.
-                record.torchrun_reporting = record.torchrun_reporting or worker_output.starts_torchrun_report(line)
-                if record.torchrun_reporting and worker_output.rank_of(line) is None:
+                if not show:
                     continue
                 with self._print_lock:
                     self.out.write(prefix + line + "\n")

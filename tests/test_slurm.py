@@ -234,6 +234,8 @@ def test_a_failing_rank_ends_the_launch_with_the_failure_named(slurm_cluster, wr
     assert re.search(rf"harness: run {run.run_id} FAILED: first failure on node 1 \(n2, global rank 1\): exit code 1 "
                      r"after [\d.]+ s \(program\)", run.output), run.output
     assert "    [rank1]: rank 1 failing on purpose at step 20" in run.output
+    assert "ChildFailedError" not in run.output, "torchrun's own report stays in the node log"
+    assert "ChildFailedError" in (run.runs_dir / run.run_id / "node1.log").read_text()
     assert slurm_cluster.job_state(job_id_of(run)) == "FAILED"
     slurm_cluster.assert_no_job_processes()
 
