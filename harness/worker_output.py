@@ -14,7 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
-DOUBLED_PREFIX = re.compile(r"^(\[rank\d+\]: )\1")
+# torch's own prefix follows torchrun's with a blank (Python tracebacks) or without (C++ log lines).
+DOUBLED_PREFIX = re.compile(r"^(\[rank(\d+)\]: )\[rank\2\]: ?")
 # glog's INFO format, which torch's C++ logging uses: `[I1123 04:19:10.615279659 socket.cpp:955] ...`
 CPP_INFO = re.compile(r"^(\[rank\d+\]: )?\[I\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
 STORE_CONNECTED = re.compile(r"^\[rank(\d+)\]: \[I\d{4} [^]]*socket\.cpp:\d+\] \[c10d\] The client socket has "

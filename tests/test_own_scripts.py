@@ -9,7 +9,7 @@ from pathlib import Path
 from harness.k8s import render_manifests
 from harness.slurm import batch_script
 from harness.spec import load_job
-from harness.worker_output import NO_CUDA_HINT, normalize, user_error
+from harness.worker_output import NO_CUDA_HINT, is_cpp_info, normalize, user_error
 
 from conftest import REPO, assert_nothing_left, free_port, harness
 
@@ -45,12 +45,14 @@ def test_exiting_0_without_a_process_group_is_no_distributed_success(write_yaml,
 
 
 def test_a_distributed_run_is_seen_joining_and_torchs_info_log_stays_out_of_the_stream(write_yaml, launch):
-    run = launch(own_job(write_yaml, "byo_local_rank_arg.py", extra="  local_rank_arg: --local_rank\n"))
+    """DDP logs at INFO after joining too, then with torch's own rank prefix: none of it in the stream."""
+    run = launch(own_job(write_yaml, "ddp_sum.py", extra="  args: [--tag, x]\n"))
     assert run.finish() == 0, run.output
     summary = run.summary()
     assert summary["warnings"] == [] and summary["attempts"][0]["joined_ranks"] == [0, 1]
-    assert "[c10d]" not in run.output and "[I1" not in run.output
-    assert "The client socket has connected" in (run.runs_dir / run.run_id / "node0.log").read_text()
+    assert "[c10d]" not in run.output and "[I1" not in run.output and "Reducer" not in run.output, run.output
+    log = (run.runs_dir / run.run_id / "node0.log").read_text()
+    assert "The client socket has connected" in log and "[rank0]: [I" in log and "Reducer" in log
 
 
 def test_local_rank_arg_gives_every_worker_its_own_local_rank(write_yaml, launch):
@@ -140,6 +142,9 @@ def test_the_users_frame_is_the_innermost_outside_the_library():
     assert user_error(["no traceback here"]) is None
     assert normalize("[rank3]: [rank3]: [rank3]: x") == "[rank3]: x"
     assert normalize("[rank3]: [rank1]: x") == "[rank3]: [rank1]: x"
+    info = "[rank1]: [rank1]:[I1123 05:18:03.275864889 reducer.cpp:1282] Reducer: using regular allocator"
+    assert normalize(info) == "[rank1]: [I1123 05:18:03.275864889 reducer.cpp:1282] Reducer: using regular allocator"
+    assert is_cpp_info(normalize(info)) and not is_cpp_info("[rank1]: [W1123 05:18:01.1 socket.cpp:207] [c10d] x")
 
 
 def test_local_rank_arg_reaches_slurm_and_kubernetes_as_torchruns_macro(write_yaml):
