@@ -69,6 +69,11 @@ def run_details(run: RunDir) -> str:
     if failure:
         lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), rank {failure.rank}, "
                      f"{failure.description} ({failure.kind.value}: {failure.evidence})")
+        if failure.error:
+            lines.append(f"  error: {failure.error}" + (f" at {failure.error_at}" if failure.error_at else ""))
+        if failure.hint:
+            lines.append(f"  hint: {failure.hint}")
+    lines += [f"  warning: {warning}" for warning in summary.warnings]
     if summary.reason:
         lines.append(f"  not restarted: {summary.reason}")
     return "\n".join(lines) + "\n"

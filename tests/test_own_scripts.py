@@ -42,6 +42,8 @@ def test_exiting_0_without_a_process_group_is_no_distributed_success(write_yaml,
     summary = run.summary()
     assert summary["warnings"] == [warning] and summary["attempts"][0]["joined_ranks"] == []
     assert re.search(rf"harness: run {run.run_id} succeeded in \S+ s, but {re.escape(warning)}; logs in", run.output)
+    status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout
+    assert f"  warning: {warning}\n" in status, status
 
 
 def test_a_distributed_run_is_seen_joining_and_torchs_info_log_stays_out_of_the_stream(write_yaml, launch):
@@ -83,6 +85,8 @@ def test_a_deep_traceback_is_reported_by_the_users_own_frame(write_yaml, launch)
         f"harness: first failure on node {failure['node_rank']} (localhost, global rank {failure['rank']}): "
         f"exit code 1 after {failure['after_s']} s (program)",
     ], report
+    status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout
+    assert f"  error: {failure['error']} at {script}:13, in train_step\n" in status, status
     assert "ChildFailedError" not in run.output and "Root Cause" not in run.output
     log = (run.runs_dir / run.run_id / f"node{failure['node_rank']}.log").read_text()
     assert "ChildFailedError" in log and "Root Cause (first observed failure)" in log, "torchrun's report: log only"
