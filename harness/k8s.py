@@ -355,16 +355,6 @@ def _code_digest(code: Mapping[str, bytes]) -> str:
     return digest.hexdigest()
 
 
-def _in_pod(spec: JobSpec) -> JobSpec:
-    """The spec as the pods run it: a relative script is the shipped copy under CODE_DIR (its own directory
-    on sys.path, so sibling modules import), while the working directory stays the volume."""
-    script = spec.entrypoint.script
-    if script is None or script.startswith("/"):
-        return spec
-    path = f"{CODE_DIR}/{PurePosixPath(script)}"
-    return spec.model_copy(update={"entrypoint": spec.entrypoint.model_copy(update={"script": path})})
-
-
 def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core", *,
                      code: Mapping[str, bytes]) -> list[dict[str, Any]]:
     """ConfigMap (the spec, waitport.py and code: what code_files collected), PVC (data + checkpoints, so a
@@ -385,8 +375,8 @@ def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core", *,
     }
     shipped = _Shipped(items, {CODE_DIGEST: _code_digest(code)} if code else {})
     if flavor == "jobset":
-        return [configmap, pvc, _jobset(_in_pod(spec), names, nproc, shipped)]
-    return [configmap, pvc, *_core(_in_pod(spec), names, nproc, shipped)]
+        return [configmap, pvc, _jobset(spec.script_under(CODE_DIR), names, nproc, shipped)]
+    return [configmap, pvc, *_core(spec.script_under(CODE_DIR), names, nproc, shipped)]
 
 
 class _PlainDumper(yaml.SafeDumper):

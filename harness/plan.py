@@ -105,9 +105,9 @@ def resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> in
     return counts.pop()
 
 
-def torchrun_args(
+def torchrun_flags(
     spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, log_dir: str | None = None,
-    attempt: int = 0, script: str | None = None,
+    attempt: int = 0,
 ) -> list[str]:
     """torchrun's own flags for one node (without the interpreter or the entrypoint).
 
@@ -128,12 +128,28 @@ def torchrun_args(
     args += ["--max-restarts=0", "--tee=3", f"--log-line-prefix-template={LOG_LINE_PREFIX}"]
     if log_dir is not None:
         args.append(f"--log-dir={log_dir}/node{node_rank}")
+    return args
+
+
+def entrypoint_args(spec: JobSpec) -> list[str]:
+    """What torchrun runs after its flags: the module or script, then its arguments.
+
+    torchrun runs script args through string.Template (its ${local_rank} macro): `$$` keeps a `$`, and
+    local_rank_arg is the one place the macro is meant.
+    """
     entry = spec.entrypoint
-    target = ["-m", entry.module] if entry.module is not None else [script or str(entry.script)]
-    # torchrun runs script args through string.Template (its ${local_rank} macro): `$$` keeps a `$`,
-    # and local_rank_arg is the one place the macro is meant.
+    target = ["-m", entry.module] if entry.module is not None else [str(entry.script)]
     local_rank = [f"{entry.local_rank_arg}=${{local_rank}}"] if entry.local_rank_arg else []
-    return args + target + local_rank + [arg.replace("$", "$$") for arg in entry.args]
+    return target + local_rank + [arg.replace("$", "$$") for arg in entry.args]
+
+
+def torchrun_args(
+    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, log_dir: str | None = None,
+    attempt: int = 0,
+) -> list[str]:
+    """torchrun's flags for one node, then the entrypoint (without the interpreter)."""
+    return torchrun_flags(spec, run_id=run_id, master_addr=master_addr, nproc=nproc, node_rank=node_rank,
+                          log_dir=log_dir, attempt=attempt) + entrypoint_args(spec)
 
 
 def interface_env(interface: str | None) -> dict[str, str]:
@@ -192,6 +208,12 @@ def _visible_devices(devices: str | None) -> dict[str, str]:
     return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
 
 
+def local_spec(spec: JobSpec, cwd: str) -> JobSpec:
+    """The spec as simulated nodes run it: with workdirs of their own, a relative script is still the
+    launch directory's (cwd)."""
+    return spec.script_under(cwd) if spec.simulated.workdir is not None else spec
+
+
 def local_workdirs(spec: JobSpec, cwd: str) -> list[str]:
     """Each simulated node's working directory: the launch directory, or its own below it."""
     template = spec.simulated.workdir
@@ -217,20 +239,20 @@ def plan_local(
                          "here directly (or run harness itself in the image, see README)")
     nproc, devices = split_local_gpus(spec, gpu_ids)
     workdirs: list[str | None] = [None] * spec.nnodes if cwd is None else list(local_workdirs(spec, cwd))
-    script = spec.entrypoint.script
-    if cwd is not None and script is not None and spec.simulated.workdir is not None:
-        script = posixpath.join(cwd, script)
+    if cwd is not None:
+        spec = local_spec(spec, cwd)
+    setup = setup_script(spec.setup, spec.data_paths)
     nodes = tuple(
         NodePlan(
             host="localhost", address=LOCAL_MASTER, node_rank=rank, nproc=nproc, workdir=workdirs[rank],
             argv=(python, "-m", TORCHRUN_MODULE,
                   *torchrun_args(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank,
-                                log_dir=log_dir, attempt=attempt, script=script)),
+                                log_dir=log_dir, attempt=attempt)),
             env={"OMP_NUM_THREADS": str(max(1, local_cpus // (spec.nnodes * nproc)))}
             | _visible_devices(devices[rank])
             | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank, attempt=attempt,
                        supervised=True),
-            setup=setup_script(spec.setup, spec.data_paths),
+            setup=setup,
         )
         for rank in range(spec.nnodes)
     )
@@ -274,18 +296,20 @@ def plan_hosts(spec: JobSpec, hosts: list[Host], *, run_id: str, master_ip: str,
     except ValueError:
         raise UsageError(f"master address must be an IP address, got {master_ip!r}") from None
     nproc = resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
+    setup = setup_script(spec.setup, spec.data_paths)
     return Plan(run_id, spec.name, master_ip, spec.master_port, spec.nnodes, nproc, tuple(
-        _host_node(spec, host, rank, nproc, run_id, master_ip, attempt, pinned_interface(spec, host, interfaces or {}))
+        _host_node(spec, host, rank, nproc, run_id, master_ip, attempt, pinned_interface(spec, host, interfaces or {}),
+                   setup)
         for rank, host in enumerate(hosts)
     ), attempt)
 
 
 def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, master_ip: str,
-               attempt: int, interface: str | None) -> NodePlan:
+               attempt: int, interface: str | None, setup: str | None) -> NodePlan:
     """torchrun with the host's Python (argv[0]); the SSH backend may wrap it in a container."""
     args = torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt)
     env = node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt,
                    interface=interface, supervised=True)
     return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc,
                     argv=(host.python, "-m", TORCHRUN_MODULE, *args), env=env, workdir=host.workdir, ssh=host,
-                    interface=interface, setup=setup_script(spec.setup, spec.data_paths))
+                    interface=interface, setup=setup)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness import __version__
 from harness.node_setup import setup_script, with_setup
-from harness.plan import LOG_LINE_PREFIX, TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
+from harness.plan import LOG_LINE_PREFIX, TORCHRUN_MODULE, entrypoint_args, node_env, resolve_nproc, torchrun_flags
 from harness.spec import QUANTITY, JobSpec
 
 _NODE, _MASTER, _JOB, _ATTEMPT = "\0node\0", "\0master\0", "\0job\0", "\0attempt\0"
@@ -98,14 +98,11 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
     run_id = run_id or f"{spec.name}-{_JOB}"
     env = node_env(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, attempt=_ATTEMPT,
                    interface=spec.network.interface)
-    args = torchrun_args(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE)
+    flags = torchrun_flags(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE)
     if log_dir is None:  # one output file for every node: each line says its node
         prefix = f"--log-line-prefix-template={LOG_LINE_PREFIX}"
-        args = [f"--log-line-prefix-template=[node{_NODE}] {LOG_LINE_PREFIX}" if a == prefix else a for a in args]
-    entry = spec.entrypoint
-    target = len(args) - len(entry.args) - (2 if entry.module else 1) - bool(entry.local_rank_arg)  # the entrypoint
-    launcher = with_setup([spec.slurm.python, "-m", TORCHRUN_MODULE, *args[:target]],
-                          setup_script(spec.setup, spec.data_paths))
+        flags = [f"--log-line-prefix-template=[node{_NODE}] {LOG_LINE_PREFIX}" if a == prefix else a for a in flags]
+    launcher = with_setup([spec.slurm.python, "-m", TORCHRUN_MODULE, *flags], setup_script(spec.setup, spec.data_paths))
     exports = [f"export {k}={_word(v)}" for k, v in env.items() if k not in _PER_NODE and k != "MASTER_ADDR"]
     most = spec.restarts.max
     srun = f"srun --nodes={spec.nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
@@ -143,7 +140,7 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
         'export NODE_RANK="$SLURM_NODEID" PET_NODE_RANK="$SLURM_NODEID"',
         "trap '' USR1",
         f"exec {' '.join(_word(word) for word in launcher)} \\",
-        f"  {' '.join(_word(word) for word in args[target:])}",
+        f"  {' '.join(_word(word) for word in entrypoint_args(spec))}",
         "END_OF_NODE_COMMAND",
         "",
         *_warning_handler(spec),

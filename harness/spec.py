@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -418,6 +419,15 @@ class JobSpec(StrictModel):
         if value is not None and info.data.get("image") is None:
             raise ValueError("container: true runs every node in `image:`; set image (e.g. registry/harness:0.1.0)")
         return value
+
+    def script_under(self, base: str) -> JobSpec:
+        """This spec with a relative entrypoint.script taken from base, for a node whose working
+        directory is not where the script is (Kubernetes pods, simulated nodes with their own)."""
+        script = self.entrypoint.script
+        if script is None or script.startswith("/"):
+            return self
+        entry = self.entrypoint.model_copy(update={"script": posixpath.normpath(posixpath.join(base, script))})
+        return self.model_copy(update={"entrypoint": entry})
 
     @property
     def source(self) -> str | None:

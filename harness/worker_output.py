@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
 # torch's own prefix follows torchrun's with a blank (Python tracebacks) or without (C++ log lines).
-DOUBLED_PREFIX = re.compile(r"^(\[rank(\d+)\]: )\[rank\2\]: ?")
+DOUBLED_PREFIX = re.compile(r"^(\[rank(\d+)\]: )(\[rank\2\]: ?)+")
 # glog's INFO format, which torch's C++ logging uses: `[I1123 04:19:10.615279659 socket.cpp:955] ...`
 CPP_INFO = re.compile(r"^(\[rank\d+\]: )?\[I\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
 STORE_CONNECTED = re.compile(r"^\[rank(\d+)\]: \[I\d{4} [^]]*socket\.cpp:\d+\] \[c10d\] The client socket has "
@@ -37,9 +37,7 @@ NO_CUDA_HINT = ("the script asks for CUDA and this machine has none; the job's `
 
 def normalize(line: str) -> str:
     """One rank prefix, however many torch and torchrun added."""
-    while DOUBLED_PREFIX.match(line):
-        line = DOUBLED_PREFIX.sub(r"\1", line, count=1)
-    return line
+    return DOUBLED_PREFIX.sub(r"\1", line, count=1)
 
 
 def rank_of(line: str) -> int | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from harness.backends.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
 from harness.backends.base import CheckFailed, NodeProcess
 from harness.backends.node_agent import kill_run_processes
-from harness.plan import NodePlan, Plan, plan_local
+from harness.plan import NodePlan, Plan, local_spec, plan_local
 from harness.spec import JobSpec
 
 
@@ -77,12 +77,9 @@ class LocalBackend:
         (a relative script is the launch directory's)."""
         from harness.preflight.runner import run_preflight_local
 
-        script = spec.entrypoint.script
-        if script is not None and spec.simulated.workdir is not None:
-            entry = spec.entrypoint.model_copy(update={"script": str(Path.cwd() / script)})
-            spec = spec.model_copy(update={"entrypoint": entry})
+        checked = local_spec(spec, os.getcwd())
         for workdir in _workdirs(plan):
-            report = run_preflight_local(spec, self.python, workdir, timeout=spec.timeouts.connect)
+            report = run_preflight_local(checked, self.python, workdir, timeout=spec.timeouts.connect)
             if not report.ok:
                 raise CheckFailed("preflight failed, nothing was started:\n" + report.render_table())
         return plan
