@@ -37,6 +37,7 @@ from harness.payload import model as models
 from harness.payload.runtime import Runtime
 
 Log = Callable[[str], None]
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 Normalize = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -56,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-augment", action="store_true", help="no random crop and flip")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
+                   help="torch.compile the model; MODE defaults to default, and reduce-overhead adds CUDA graphs")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--ckpt-dir", type=Path, help="checkpoints: every --ckpt-every steps and each epoch end")
     p.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0: epoch ends only)")
@@ -187,7 +189,9 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         loss_carry, seconds_carry, history = state["loss_carry"], state["seconds_carry"], state["history"]
         log(f"resume: epoch {epoch + 1} step {step} (global step {global_step}) from {path}")
 
-    net = torch.compile(model) if args.compile else model
+    # Static shapes: every training batch has one shape, so a changed shape is a bug to recompile for,
+    # not a reason to switch to slower shape-generic kernels.
+    net = torch.compile(model, mode=args.compile, dynamic=False) if args.compile else model
     if rt.distributed:
         net = DDP(net, device_ids=[rt.local_rank] if cuda else None, gradient_as_bucket_view=True)
     mean = torch.tensor(ds.mean, device=rt.device).view(1, -1, 1, 1) * 255
@@ -200,7 +204,7 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         f"train: data={args.data} ({len(ds.train_y)} train / {len(ds.test_y)} test) model={args.model} "
         f"world_size={rt.world_size} device={rt.device.type} backend={rt.backend or 'none'} "
         f"global_batch={global_batch} steps/epoch={steps_per_epoch} max_steps={max_steps} "
-        f"precision={args.precision} compile={args.compile}"
+        f"precision={args.precision} compile={args.compile or 'off'}"
     )
     # Losses stay on the device; they reach the host once per log interval, checkpoint or epoch.
     loss_sum = torch.zeros((), device=rt.device)
