@@ -19,7 +19,7 @@ IMAGE ?= harness
 TAG ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' harness/__init__.py)
 IMAGE_FLAGS ?=
 
-.PHONY: setup system-packages test-packages lint test launch render k8s image push image-test bench bench-quick lock clean
+.PHONY: setup system-packages test-packages lint test test-gpu launch render k8s image push image-test bench bench-quick bench-gpu lock clean
 
 setup: system-packages $(STAMP)
 
@@ -60,6 +60,11 @@ lint: setup
 test: lint test-packages
 	$(BIN)/python -m pytest
 
+# On a CUDA machine: the payload's nccl, bf16, channels_last and compile, `harness launch` on one GPU
+# (tests/gpu; `make test` leaves them out, and each fails where torch sees no GPU).
+test-gpu: setup
+	$(BIN)/python -m pytest tests/gpu
+
 launch: setup
 	$(BIN)/harness launch $(or $(JOB),jobs/smoke.yaml) $(if $(HOSTS),--hosts $(HOSTS))
 
@@ -90,6 +95,10 @@ bench: setup test-packages
 
 bench-quick: setup test-packages
 	$(BIN)/python -m bench --quick
+
+# The GPU's share alone: throughput vs the seed recipe, batch and compile-mode tuning, DDP over NCCL.
+bench-gpu: setup
+	$(BIN)/python -m bench --gpu
 
 # Re-pin the full dependency closure (pip and setuptools included) after changing a pin in pyproject.toml.
 lock: $(STAMP)

@@ -99,6 +99,16 @@ def worker_pid(run_id: str, rank: int) -> int:
 
 
 @pytest.fixture
+def cuda() -> None:
+    """tests/gpu's: `make test-gpu` runs them, `make test` leaves them out (pyproject's norecursedirs),
+    so none skips where there is no GPU; there, each fails."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.fail("tests/gpu needs a CUDA GPU and torch sees none; `make test` is the suite for this machine")
+
+
+@pytest.fixture
 def write_yaml(tmp_path: Path):
     """Write dedented YAML to a file under tmp_path and return its path."""
 
