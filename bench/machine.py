@@ -59,6 +59,15 @@ def gpus() -> list[str]:
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
+def gpu_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
 def gpu_peak_flops(name: str) -> float | None:
     """Dense bf16 peak of a known GPU (None when this table does not know it)."""
     return next((peak for key, peak in GPU_PEAKS if key in name), None)
@@ -95,8 +104,13 @@ def describe() -> dict[str, Any]:
             "torch": torch.__version__,
             "torchvision": torchvision.__version__,
             "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+            "driver": gpu_driver(),
             "harness": harness.__version__,
         },
-        "git": {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None},
+        # BENCH_COMMIT: for a copy of the tree without .git (a lent machine), the commit it was made from.
+        "git": {"commit": git("rev-parse", "HEAD") or os.environ.get("BENCH_COMMIT"),
+                "dirty": bool(status) if status is not None else None},
         "argv": sys.argv,
     }

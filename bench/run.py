@@ -24,16 +24,22 @@ from bench import machine, procs, report
 
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
-NAMES = ("throughput", "ddp", "first_step", "preflight", "failure", "recovery", "slurm", "containers")
+NAMES = ("throughput", "tuning", "ddp", "first_step", "preflight", "failure", "recovery", "slurm", "containers")
+# What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed).
+PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp"), "full": tuple(n for n in NAMES if n != "tuning")}
+PROFILE_NAMES["quick"] = PROFILE_NAMES["full"]
 
 
 def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
-    """Every knob of a run. quick: about a minute on a 2-core CPU; full: the real model, repeats."""
+    """Every knob of a run. quick: about a minute on a 2-core CPU; full: the real model, repeats; gpu:
+    benchmarks 1, 1b and 2 on the GPU."""
     quick = name == "quick"
     cuda = device == "cuda"
-    if cuda:  # one H100-class GPU: ResNet-18 at a batch that fills it; compile only in the full run
-        throughput = {"model": "resnet18", "batch_size": 512, "log_every": 20, "intervals": 5,
-                      "repeats": 1 if quick else 2, "compile": not quick}
+    if cuda:  # one H100-class GPU: ResNet-18 at the payload's default batch; compile only in the full runs
+        from harness.payload import train as payload_train
+
+        throughput = {"model": "resnet18", "batch_size": payload_train.parse_args([]).batch_size, "log_every": 20,
+                      "intervals": 5, "repeats": 1 if quick else 2, "compile": not quick}
         ddp = {"model": "resnet18", "batch_size": 256, "log_every": 20, "intervals": 5, "precision": "bf16",
                "repeats": 1 if quick else 2}
     elif quick:  # ResNet-18 trains at ~80 img/s on 2 cores: the small model, few steps
@@ -48,6 +54,12 @@ def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
     throughput |= {"device": device, "accuracy": {"epochs": 8, "ranks": [1] if quick else [1, 2], "device": device}}
     return {
         "throughput": throughput,
+        # (per-rank batch, compile mode): every mode at the payload's default batch, the cheap ones at larger
+        # batches (max-autotune's kernel search takes minutes per shape).
+        "tuning": {"model": "resnet18", "log_every": 20, "intervals": 4, "device": device, "runs": [
+            [256, "off"], [256, "default"], [256, "reduce-overhead"], [256, "max-autotune-no-cudagraphs"],
+            [512, "off"], [512, "default"], [512, "reduce-overhead"],
+            [1024, "off"], [1024, "default"], [1024, "reduce-overhead"]]},
         "ddp": ddp | {"device": device},
         "first_step": {"repeats": 1 if quick else 3, "quick": quick},
         "preflight": {"hosts": [1, 4] if quick else [1, 4, 16], "repeats": 1 if quick else 2},
@@ -60,9 +72,9 @@ def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
 
 
 def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-    from bench import containers, ddp, launch, preflight, recovery, slurm, throughput
+    from bench import containers, ddp, launch, preflight, recovery, slurm, throughput, tuning
 
-    return {"throughput": throughput.run, "ddp": ddp.run, "first_step": launch.time_to_first_step,
+    return {"throughput": throughput.run, "tuning": tuning.run, "ddp": ddp.run, "first_step": launch.time_to_first_step,
             "preflight": preflight.run, "failure": launch.failure_propagation, "recovery": recovery.run,
             "slurm": slurm.run, "containers": containers.run}
 
@@ -79,7 +91,7 @@ def run(name: str, device: str, only: list[str]) -> dict[str, Any]:
     started = time.monotonic()
     device = resolve_device(device)
     settings = profile(name, device)
-    result: dict[str, Any] = {"schema": 1, "profile": name, "partial": only != list(NAMES),
+    result: dict[str, Any] = {"schema": 1, "profile": name, "partial": only != list(PROFILE_NAMES[name]),
                               "machine": machine.describe(), "settings": settings, "benchmarks": {}}
     for bench_name, work in benchmarks().items():
         if bench_name not in only:
@@ -115,7 +127,7 @@ def write(result: dict[str, Any], results: Path = RESULTS) -> Path:
 
 def write_docs(results: Path = RESULTS, docs: Path = DOCS) -> None:
     latest = {}
-    for name in ("full", "quick"):
+    for name in PROFILE_NAMES:
         path = results / f"latest-{name}.json"
         if path.exists():
             latest[name] = json.loads(path.read_text())
@@ -130,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="the small model, few steps, 1 and 4 hosts: about a minute on 2 cores")
     which.add_argument("--full", dest="profile", action="store_const", const="full",
                        help="ResNet-18, repeats, 16 hosts (default)")
+    which.add_argument("--gpu", dest="profile", action="store_const", const="gpu",
+                       help="benchmarks 1, 1b (batch and compile-mode tuning) and 2 on a CUDA GPU, nothing else")
     which.add_argument("--docs-only", dest="profile", action="store_const", const="docs",
                        help="only regenerate docs/benchmarks.md from bench/results/latest-*.json")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(NAMES)} (result marked partial)")
@@ -142,12 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         write_docs()
         print(f"wrote {DOCS}")
         return 0
-    only = args.only.split(",") if args.only else list(NAMES)
-    unknown = set(only) - set(NAMES)
+    name = args.profile or "full"
+    only = args.only.split(",") if args.only else list(PROFILE_NAMES[name])
+    unknown = set(only) - set(PROFILE_NAMES[name])
     if unknown:
-        p.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}: expected some of {', '.join(NAMES)}")
+        p.error(f"unknown benchmark(s) {', '.join(sorted(unknown))} for the {name} run: expected some of "
+                f"{', '.join(PROFILE_NAMES[name])}")
+    if name == "gpu" and resolve_device(args.device) != "cuda":
+        p.error("--gpu needs a CUDA GPU and torch sees none (or --device cpu was given)")
     with procs.scratch():
-        result = run(args.profile or "full", args.device, only)
+        result = run(name, args.device, only)
     path = write(result)
     print(f"wrote {path.relative_to(procs.REPO)}")
     if not result["partial"]:

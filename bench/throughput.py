@@ -85,13 +85,14 @@ def payload_rate(argv: list[str]) -> float:
     return procs.steady_images_per_second(lines)
 
 
-def payload_argv(cfg: dict[str, Any], precision: str, compile: bool) -> list[str]:
+def payload_argv(cfg: dict[str, Any], precision: str, compile: str | None) -> list[str]:
+    """One epoch of exactly the steps timed plus one warm-up interval; compile: torch.compile's mode."""
     steps = cfg["log_every"] * (1 + cfg["intervals"])
     return [
         "--data", "synthetic", "--subset", str(cfg["batch_size"] * steps), "--model", cfg["model"],
         "--batch-size", str(cfg["batch_size"]), "--epochs", "1", "--max-steps", str(steps),
         "--log-every", str(cfg["log_every"]), "--lr", "0.02", "--precision", precision,
-        "--device", cfg["device"], *(["--compile"] if compile else []),
+        "--device", cfg["device"], *(["--compile", compile] if compile else []),
     ]
 
 
@@ -108,10 +109,10 @@ def throughput_rows(cfg: dict[str, Any], device: torch.device) -> list[dict[str,
                                                train=False)},
         {"name": "payload, fp32 (the seed's settings)", "precision": "fp32", "compile": False, "channels_last": True,
          "input": "device-resident uint8, batched on-device augmentation",
-         "run": lambda: payload_rate(payload_argv(cfg, "fp32", False))},
+         "run": lambda: payload_rate(payload_argv(cfg, "fp32", None))},
         {"name": f"payload, {fast} (fast settings)", "fast": True, "precision": "bf16", "compile": cfg["compile"],
          "channels_last": True, "input": "device-resident uint8, batched on-device augmentation",
-         "run": lambda: payload_rate(payload_argv(cfg, "bf16", cfg["compile"]))},
+         "run": lambda: payload_rate(payload_argv(cfg, "bf16", "default" if cfg["compile"] else None))},
     ]
     for _ in range(cfg["repeats"]):  # interleaved: a burst of load hits one attempt, not one row
         for row in rows:
