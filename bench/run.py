@@ -39,16 +39,16 @@ def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
         from harness.payload import train as payload_train
 
         throughput = {"model": "resnet18", "batch_size": payload_train.parse_args([]).batch_size, "log_every": 20,
-                      "intervals": 5, "repeats": 1 if quick else 2, "compile": not quick}
+                      "intervals": 5, "repeats": 1 if quick else 2, "compile": None if quick else "default"}
         ddp = {"model": "resnet18", "batch_size": 256, "log_every": 20, "intervals": 5, "precision": "bf16",
                "repeats": 1 if quick else 2}
     elif quick:  # ResNet-18 trains at ~80 img/s on 2 cores: the small model, few steps
         throughput = {"model": "small", "batch_size": 128, "log_every": 3, "intervals": 4, "repeats": 2,
-                      "compile": False}
+                      "compile": None}
         ddp = {"model": "small", "batch_size": 64, "log_every": 3, "intervals": 3, "precision": "fp32", "repeats": 1}
     else:
         throughput = {"model": "resnet18", "batch_size": 32, "log_every": 2, "intervals": 4, "repeats": 2,
-                      "compile": True}
+                      "compile": "default"}
         ddp = {"model": "resnet18", "batch_size": 32, "log_every": 2, "intervals": 3, "precision": "fp32",
                "repeats": 2}
     throughput |= {"device": device, "accuracy": {"epochs": 8, "ranks": [1] if quick else [1, 2], "device": device}}
