@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,9 @@ def worker_pid(run_id: str, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} in run {run_id}")
 
 
+GPU_TESTS = REPO / "tests" / "gpu"
+
+
 @pytest.fixture
 def cuda() -> None:
     """tests/gpu's: `make test-gpu` runs them, `make test` leaves them out (pyproject's norecursedirs),
@@ -106,6 +110,18 @@ def cuda() -> None:
 
     if not torch.cuda.is_available():
         pytest.fail("tests/gpu needs a CUDA GPU and torch sees none; `make test` is the suite for this machine")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_suite(request: pytest.FixtureRequest) -> Iterator[None]:
+    """`make test` is the CPU suite: on a machine with GPUs, what it starts sees none (CUDA_VISIBLE_DEVICES
+    empty), so that it shows there what it shows in CI; tests/gpu, run on its own, sees them."""
+    if any(GPU_TESTS in item.path.parents for item in request.session.items):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
 
 
 @pytest.fixture

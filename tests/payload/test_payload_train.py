@@ -35,9 +35,8 @@ SMALL = ["--data", "synthetic", "--model", "small", "--subset", "1024", "--batch
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """No torchrun env from outside, gloo, and no GPU: these runs are the CPU's (bitwise) on any machine."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("PET_")}
-    return env | {"PYTHONUNBUFFERED": "1", "HARNESS_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""} | extra
+    return env | {"PYTHONUNBUFFERED": "1", "HARNESS_BACKEND": "gloo"} | extra
 
 
 def torchrun(nproc: int = 2, nnodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
