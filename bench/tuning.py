@@ -2,7 +2,7 @@
 
 What the fastest CIFAR trainers tune, tried side by side in one process: the per-rank batch (a
 larger one with the learning rate scaled is the same recipe) and the compile mode (none, default,
-reduce-overhead: CUDA graphs, max-autotune-no-cudagraphs: searched kernels). Each row is the
+reduce-overhead: CUDA graphs; the max-autotune modes, searched kernels, where the settings name them). Each row is the
 payload's real training loop in bf16, its steady img/s, MFU, peak GPU memory, and the seconds the
 whole run took (compilation included), so a mode's start-up cost is seen beside its speed, and the
 frames dynamo compiled (1: no recompiles, static shapes hold).
