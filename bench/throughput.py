@@ -74,6 +74,11 @@ def device_peak(device: torch.device) -> dict[str, Any]:
             "source": "best dense kernel measured on this CPU (GEMM / 3x3 conv, fp32 / bf16); datasheet peak unknown"}
 
 
+def mfu(images_per_s: float, flops_per_image: float, peak: dict[str, Any]) -> float | None:
+    """Model FLOP utilisation against device_peak's figure (None where the peak is unknown)."""
+    return round(images_per_s * flops_per_image / peak["flops"], 4) if peak["flops"] else None
+
+
 def payload_rate(argv: list[str]) -> float:
     """Run the payload's real training loop here (one process, no process group); steady img/s."""
     out = io.StringIO()
@@ -160,9 +165,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     for row in rows:
         row["vs_seed"] = round(row["images_per_s"] / base, 2)
         if not row.get("no_model"):
-            achieved = row["images_per_s"] * flops
-            row["achieved_gflop_s"] = round(achieved / 1e9, 1)
-            row["mfu"] = round(achieved / peak["flops"], 4) if peak["flops"] else None
+            row["achieved_gflop_s"] = round(row["images_per_s"] * flops / 1e9, 1)
+            row["mfu"] = mfu(row["images_per_s"], flops, peak)
     gpus = torch.cuda.device_count() if device.type == "cuda" else None
     accuracy = [time_to_accuracy(cfg["accuracy"], n) if gpus is None or n <= gpus else
                 {"ranks": n, "skipped": f"needs {n} GPUs, this machine has {gpus}"}

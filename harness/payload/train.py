@@ -37,8 +37,8 @@ from harness.payload import model as models
 from harness.payload.runtime import Runtime
 
 Log = Callable[[str], None]
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 Normalize = Callable[[torch.Tensor], torch.Tensor]
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
