@@ -39,9 +39,10 @@ def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
         from harness.payload import train as payload_train
 
         throughput = {"model": "resnet18", "batch_size": payload_train.parse_args([]).batch_size, "log_every": 20,
-                      "intervals": 5, "repeats": 1 if quick else 2, "compile": None if quick else "default"}
-        ddp = {"model": "resnet18", "batch_size": 256, "log_every": 20, "intervals": 5, "precision": "bf16",
-               "repeats": 1 if quick else 2}
+                      "intervals": 5, "repeats": 1 if quick else 2,
+                      "compile": None if quick else "reduce-overhead"}
+        ddp = {"model": "resnet18", "batch_size": throughput["batch_size"], "log_every": 20, "intervals": 5,
+               "precision": "bf16", "repeats": 1 if quick else 2}
     elif quick:  # ResNet-18 trains at ~80 img/s on 2 cores: the small model, few steps
         throughput = {"model": "small", "batch_size": 128, "log_every": 3, "intervals": 4, "repeats": 2,
                       "compile": None}
@@ -57,8 +58,8 @@ def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
         # (per-rank batch, compile mode); each compiled run costs about a minute of compilation, and the
         # max-autotune modes' kernel search minutes more per shape, so they are left to a run of their own.
         "tuning": {"model": "resnet18", "log_every": 20, "intervals": 4, "device": device, "runs": [
-            [256, "off"], [256, "default"], [256, "reduce-overhead"], [512, "default"], [512, "reduce-overhead"],
-            [1024, "off"], [1024, "default"], [1024, "reduce-overhead"]]},
+            [256, "off"], [256, "default"], [256, "reduce-overhead"], [512, "reduce-overhead"],
+            [1024, "off"], [1024, "default"], [1024, "reduce-overhead"], [2048, "reduce-overhead"]]},
         "ddp": ddp | {"device": device},
         "first_step": {"repeats": 1 if quick else 3, "quick": quick},
         "preflight": {"hosts": [1, 4] if quick else [1, 4, 16], "repeats": 1 if quick else 2},

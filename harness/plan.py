@@ -19,8 +19,10 @@ from harness.yamlsource import located
 
 LOCAL_MASTER = "127.0.0.1"
 TORCHRUN_MODULE = "torch.distributed.run"
-# torchrun prefixes worker lines with the local rank by default; ${rank} is the global rank.
+# torchrun prefixes worker lines with the local rank by default; ${rank} is the global rank. It is set by
+# environment, which every torchrun since 2.2 reads (the --log-line-prefix-template flag is newer).
 LOG_LINE_PREFIX = "[rank${rank}]: "
+LOG_LINE_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 # Where the harness supervises the nodes, torch's C++ INFO log tells it which ranks joined a process
 # group (worker_output.joined_rank), so a run that never did is not reported as a distributed success.
 STORE_WATCH_ENV = {"TORCH_CPP_LOG_LEVEL": "INFO"}
@@ -111,7 +113,7 @@ def torchrun_flags(
 ) -> list[str]:
     """torchrun's own flags for one node (without the interpreter or the entrypoint).
 
-    `--tee=3` is what makes torchrun apply the rank prefix: it echoes each worker's tee'd log lines.
+    `--tee=3` is what makes torchrun apply the rank prefix (LOG_LINE_PREFIX_ENV): it echoes each worker's tee'd log lines.
     torchrun's own restarts stay off (`--max-restarts=0`): they restart one node's workers, which a
     static rendezvous cannot take back; the harness restarts the whole job instead (spec `restarts`),
     each attempt with a rendezvous id of its own.
@@ -125,7 +127,7 @@ def torchrun_flags(
             f"--rdzv-id={run_id}" + (f"-{attempt}" if attempt else ""),
             f"--rdzv-conf=join_timeout={int(spec.timeouts.rendezvous)}",
         ]
-    args += ["--max-restarts=0", "--tee=3", f"--log-line-prefix-template={LOG_LINE_PREFIX}"]
+    args += ["--max-restarts=0", "--tee=3"]
     if log_dir is not None:
         args.append(f"--log-dir={log_dir}/node{node_rank}")
     return args
@@ -173,6 +175,7 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
         "HARNESS_RUN_ID": run_id,
         "HARNESS_ATTEMPT": str(attempt),
         "HARNESS_BACKEND": spec.backend,
+        LOG_LINE_PREFIX_ENV: LOG_LINE_PREFIX,
     }
     defaults = {"PYTHONUNBUFFERED": "1"}  # output reaches the supervisor as it happens, not at exit
     pet = {f"PET_{k}": contract[k] for k in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE")}

@@ -17,13 +17,12 @@ from pathlib import Path
 
 from harness import __version__
 from harness.node_setup import setup_script, with_setup
-from harness.plan import LOG_LINE_PREFIX, TORCHRUN_MODULE, entrypoint_args, node_env, resolve_nproc, torchrun_flags
+from harness.plan import LOG_LINE_PREFIX, LOG_LINE_PREFIX_ENV, TORCHRUN_MODULE, entrypoint_args, node_env, resolve_nproc, torchrun_flags
 from harness.spec import QUANTITY, JobSpec
 
 _NODE, _MASTER, _JOB, _ATTEMPT = "\0node\0", "\0master\0", "\0job\0", "\0attempt\0"
 _SHELL = {_NODE: '"$SLURM_NODEID"', _MASTER: '"$MASTER_ADDR"', _JOB: '"$SLURM_JOB_ID"',
           _ATTEMPT: '"${SLURM_RESTART_COUNT:-0}"'}
-_PER_NODE = ("NODE_RANK", "PET_NODE_RANK")  # set in each task from SLURM_NODEID
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal(10**3),
             "M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12), "P": Decimal(10**15),
@@ -98,12 +97,12 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
     run_id = run_id or f"{spec.name}-{_JOB}"
     env = node_env(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, attempt=_ATTEMPT,
                    interface=spec.network.interface)
-    flags = torchrun_flags(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE)
     if log_dir is None:  # one output file for every node: each line says its node
-        prefix = f"--log-line-prefix-template={LOG_LINE_PREFIX}"
-        flags = [f"--log-line-prefix-template=[node{_NODE}] {LOG_LINE_PREFIX}" if a == prefix else a for a in flags]
+        env[LOG_LINE_PREFIX_ENV] = f"[node{_NODE}] {LOG_LINE_PREFIX}"
+    flags = torchrun_flags(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE)
     launcher = with_setup([spec.slurm.python, "-m", TORCHRUN_MODULE, *flags], setup_script(spec.setup, spec.data_paths))
-    exports = [f"export {k}={_word(v)}" for k, v in env.items() if k not in _PER_NODE and k != "MASTER_ADDR"]
+    per_node = {k: v for k, v in env.items() if _NODE in v}  # set in each task from SLURM_NODEID
+    exports = [f"export {k}={_word(v)}" for k, v in env.items() if k not in per_node and k != "MASTER_ADDR"]
     most = spec.restarts.max
     srun = f"srun --nodes={spec.nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
     if log_dir is not None:
@@ -137,7 +136,7 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
         "# What every node runs; $SLURM_NODEID is each task's own. torchrun would die of the time-limit",
         "# warning (SIGUSR1): it ignores it, and the training processes catch it themselves.",
         "read -r -d '' NODE_COMMAND <<'END_OF_NODE_COMMAND'",
-        'export NODE_RANK="$SLURM_NODEID" PET_NODE_RANK="$SLURM_NODEID"',
+        f"export {' '.join(f'{k}={_word(v)}' for k, v in per_node.items())}",
         "trap '' USR1",
         f"exec {' '.join(_word(word) for word in launcher)} \\",
         f"  {' '.join(_word(word) for word in entrypoint_args(spec))}",
