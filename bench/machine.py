@@ -89,6 +89,8 @@ def describe() -> dict[str, Any]:
     import harness
 
     status = git("status", "--porcelain", "--untracked-files=no")
+    # BENCH_COMMIT: the commit a copied tree was made from (a lent machine's copy may carry a stale .git).
+    named = os.environ.get("BENCH_COMMIT")
     load = os.getloadavg()
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -109,8 +111,7 @@ def describe() -> dict[str, Any]:
             "driver": gpu_driver(),
             "harness": harness.__version__,
         },
-        # BENCH_COMMIT: for a copy of the tree without .git (a lent machine), the commit it was made from.
-        "git": {"commit": git("rev-parse", "HEAD") or os.environ.get("BENCH_COMMIT"),
-                "dirty": bool(status) if status is not None else None},
+        "git": {"commit": named or git("rev-parse", "HEAD"),
+                "dirty": None if named or status is None else bool(status)},
         "argv": sys.argv,
     }

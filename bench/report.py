@@ -88,6 +88,8 @@ def _machine(result: dict[str, Any]) -> list[str]:
         ["load average at start", " / ".join(str(x) for x in m["load_average_at_start"])],
         ["versions", f"python {v['python']}, torch {v['torch']}, torchvision {v['torchvision']}, "
                      f"harness {v['harness']}"],
+        *([["GPU stack", f"driver {v['driver']}, CUDA {v['cuda']}, cuDNN {v['cudnn']}, NCCL {v['nccl']}"]]
+          if v.get("driver") else []),
         ["commit", commit],
         ["run time", f"{result['duration_s']} s"],
     ])

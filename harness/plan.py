@@ -113,7 +113,8 @@ def torchrun_flags(
 ) -> list[str]:
     """torchrun's own flags for one node (without the interpreter or the entrypoint).
 
-    `--tee=3` is what makes torchrun apply the rank prefix (LOG_LINE_PREFIX_ENV): it echoes each worker's tee'd log lines.
+    `--tee=3` is what makes torchrun apply the rank prefix (LOG_LINE_PREFIX_ENV): it echoes each
+    worker's tee'd log lines.
     torchrun's own restarts stay off (`--max-restarts=0`): they restart one node's workers, which a
     static rendezvous cannot take back; the harness restarts the whole job instead (spec `restarts`),
     each attempt with a rendezvous id of its own.

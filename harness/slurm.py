@@ -17,7 +17,15 @@ from pathlib import Path
 
 from harness import __version__
 from harness.node_setup import setup_script, with_setup
-from harness.plan import LOG_LINE_PREFIX, LOG_LINE_PREFIX_ENV, TORCHRUN_MODULE, entrypoint_args, node_env, resolve_nproc, torchrun_flags
+from harness.plan import (
+    LOG_LINE_PREFIX,
+    LOG_LINE_PREFIX_ENV,
+    TORCHRUN_MODULE,
+    entrypoint_args,
+    node_env,
+    resolve_nproc,
+    torchrun_flags,
+)
 from harness.spec import QUANTITY, JobSpec
 
 _NODE, _MASTER, _JOB, _ATTEMPT = "\0node\0", "\0master\0", "\0job\0", "\0attempt\0"

@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
     p.add_argument("--batch-size", type=int, default=1024, help="per rank")
-    p.add_argument("--lr", type=float, default=0.8, help="peak learning rate (0.1 per 128 images of global batch)")
+    p.add_argument("--lr", type=float, default=0.4,
+                   help="peak learning rate: 0.1 per 256 images of global batch (ranks x --batch-size)")
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--warmup", type=float, default=0.2, help="fraction of steps with rising learning rate")
     p.add_argument("--no-augment", action="store_true", help="no random crop and flip")
