@@ -75,6 +75,10 @@ def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
 def _machine(result: dict[str, Any]) -> list[str]:
     m = result["machine"]
     v = m["versions"]
@@ -115,7 +119,7 @@ def _throughput(tp: dict[str, Any]) -> list[str]:
         ["path", "precision", "compile", "channels_last", "input", "img/s", "vs seed", "GFLOP/s", "MFU"],
         [[r["name"], r["precision"], r["compile"], r["channels_last"], r["input"], _num(r["images_per_s"]),
           "-" if r.get("no_model") else f"{r['vs_seed']}x", _num(r.get("achieved_gflop_s"), 1),
-          "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"] for r in tp["rows"]])
+          _percent(r.get("mfu"))] for r in tp["rows"]])
     lines += ["Time to accuracy, digits job (small model, global batch 64, from process start):", ""]
     lines += _table(
         ["ranks", "test acc >= target", "epoch", "s from start", "s of training", "final acc", "process s"],
@@ -135,7 +139,7 @@ def _tuning(t: dict[str, Any]) -> list[str]:
     return lines + _table(
         ["batch", "compile", "img/s", "MFU", "peak GPU memory GiB", "run s", "frames"],
         [[r["batch_size"], r["compile"], f"failed: `{r['error']}`", "", "", "", ""] if "error" in r else
-         [r["batch_size"], r["compile"], _num(r["images_per_s"]), "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
+         [r["batch_size"], r["compile"], _num(r["images_per_s"]), _percent(r["mfu"]),
           r["peak_memory_gib"], r["run_s"], "-" if r["compiled_frames"] is None else r["compiled_frames"]]
          for r in t["rows"]])
 
