@@ -21,8 +21,8 @@ from typing import Any
 
 from bench import procs
 from bench.launch import FIRST_STEP, PAYLOAD_ARGS, died_at, write_job
-from harness.slurm import batch_script
-from harness.spec import load_job
+from harness.spec.job import load_job
+from harness.targets.slurm.batch import batch_script
 
 
 def _job(path: Path, kind: str, target: str, args: list[str], env: dict[str, str]) -> Path:

@@ -10,20 +10,20 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from harness import __version__
-from harness.backends.base import Backend
 from harness.errors import HarnessError, UsageError
-from harness.runs import check_run_id, find_run, new_run_id, run_dir, runs_root, write_text_atomic
-from harness.spec import JobSpec, Slurm, load_job
+from harness.run.records import check_run_id, find_run, new_run_id, run_dir, runs_root, write_text_atomic
+from harness.spec.job import JobSpec, Slurm, load_job
+from harness.targets.base import Backend
 
 
 def backend_for(args: argparse.Namespace) -> Backend:
     """Simulated nodes on this machine without an inventory; SSH hosts with one."""
     if args.hosts is None:
-        from harness.backends.local import LocalBackend
+        from harness.targets.local.backend import LocalBackend
 
         return LocalBackend()
-    from harness.backends.ssh import SSHBackend, SSHOptions
-    from harness.inventory import load_inventory
+    from harness.spec.inventory import load_inventory
+    from harness.targets.ssh.backend import SSHBackend, SSHOptions
 
     options = SSHOptions(known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys,
                          preflight=not args.skip_preflight)
@@ -35,7 +35,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise UsageError("--flavor is for --target k8s")
     spec = load_job(args.job)
     if args.target == "k8s":
-        from harness.k8s import code_files, manifests_yaml
+        from harness.targets.k8s.manifests import code_files, manifests_yaml
 
         code = code_files(spec, Path.cwd())
         text = manifests_yaml(spec, Path(args.job).read_text(), args.job, args.flavor or "core", code=code)
@@ -57,11 +57,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     if args.out is not None:
         raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan or a batch script")
     if args.target == "slurm":
-        from harness.slurm import batch_script
+        from harness.targets.slurm.batch import batch_script
 
         sys.stdout.write(batch_script(spec, args.job))
         return 0
-    from harness.render import render_json, render_text
+    from harness.plan.render import render_json, render_text
 
     plan = backend_for(args).plan(spec, check_run_id(args.run_id or spec.name))
     sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
@@ -84,7 +84,7 @@ def with_slurm_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from harness import controller
+    from harness.run import controller
 
     spec = with_slurm_flags(load_job(args.job), args)
     root = runs_root(args.runs_dir)
@@ -102,25 +102,25 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return controller.start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
     if args.target == "slurm":
-        from harness.backends.srun import Allocation, SrunBackend, in_allocation
+        from harness.targets.slurm.srun import Allocation, SrunBackend, in_allocation
 
         if in_allocation(os.environ):  # salloc, or a batch script: the nodes are ours, as srun steps
             return controller.launch(SrunBackend(Allocation.from_env(os.environ)), spec, Path(args.job), root, run_id)
-        from harness import slurm_run
-        from harness.backends.slurm import SlurmClient
+        from harness.targets.slurm import scheduler as slurm_run
+        from harness.targets.slurm.client import SlurmClient
 
         return slurm_run.launch(SlurmClient(), spec, Path(args.job), root, run_id)
     return controller.launch(backend_for(args), spec, Path(args.job), root, run_id)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from harness.controller import stop_run
+    from harness.run.controller import stop_run
 
     return stop_run(find_run(runs_root(args.runs_dir), args.run_id), timeout=args.timeout)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from harness.status import status_text
+    from harness.run.status import status_text
 
     sys.stdout.write(status_text(runs_root(args.runs_dir), args.run_id))
     return 0

@@ -41,7 +41,7 @@ import podman_config
 import pytest
 import yaml
 
-from harness.inventory import Host
+from harness.spec.inventory import Host
 
 REPO = Path(__file__).resolve().parents[1]
 SSHD = "/usr/sbin/sshd"

@@ -24,7 +24,7 @@ from podman_config import IMAGE, image_store
 
 from harness.preflight.engine import ImageFacts, engine_row, image_facts, inspect_command
 from harness.preflight.report import Status
-from harness.ssh import CommandResult
+from harness.targets.ssh.transport import CommandResult
 
 from cluster import Cluster, missing_support, namespace_cluster
 from conftest import SCRIPT, STOP_GRACE, assert_nothing_left, free_port, harness, stragglers_s, worker_pid

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.container import Mount, container_argv, container_name, remove_argv, shm_bytes
 from harness.errors import UsageError
-from harness.plan import plan_local
-from harness.spec import load_job
+from harness.plan.planner import plan_local
+from harness.spec.job import load_job
+from harness.targets.ssh.container import Mount, container_argv, container_name, remove_argv, shm_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "docker" / "Dockerfile"

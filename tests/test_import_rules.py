@@ -20,11 +20,10 @@ from types import ModuleType
 
 import pytest
 
-from harness import waitport
-from harness.backends import node_agent
-from harness.backends.agent_link import agent_argv
-from harness.plan import NodePlan
-from harness.preflight import allreduce, netcheck, probe
+from harness.node import agent as node_agent
+from harness.node import allreduce, netcheck, probe, waitport
+from harness.plan.planner import NodePlan
+from harness.targets.agent_link import agent_argv
 
 REPO = Path(__file__).resolve().parent.parent
 SEALED = [sys.executable, "-I", "-S"]  # no PYTHONPATH, no cwd, no site-packages
@@ -112,7 +111,7 @@ def test_netcheck_runs_sealed(tmp_path: Path) -> None:
 
 
 def test_waitport_runs_sealed(tmp_path: Path) -> None:
-    """As Kubernetes workers run it, from the ConfigMap: `python -I /etc/harness/waitport.py HOST PORT`."""
+    """As Kubernetes workers run it, from the ConfigMap: `python -I /etc/harness/node/waitport.py HOST PORT`."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = str(server.getsockname()[1])
         up = sealed([str(waitport.__file__), "127.0.0.1", port, "--timeout", "5"], tmp_path)
@@ -123,9 +122,9 @@ def test_waitport_runs_sealed(tmp_path: Path) -> None:
 
 def test_backends_do_not_reach_back_into_the_controller_or_the_cli() -> None:
     for path in sorted((REPO / "harness" / "backends").glob("*.py")):
-        upward = imported_modules(path) & {"harness.cli", "harness.controller", "harness.supervisor", "harness.status"}
+        upward = imported_modules(path) & {"harness.cli", "harness.run.controller", "harness.run.supervisor", "harness.run.status"}
         assert upward == set(), f"{path.relative_to(REPO)} imports {sorted(upward)}"
-    result = subprocess.run([sys.executable, "-c", "import harness.backends, sys; print(sorted(m for m in sys.modules "
-                             "if m in ('harness.cli', 'harness.controller', 'harness.supervisor')))"],
+    result = subprocess.run([sys.executable, "-c", "import harness.targets, sys; print(sorted(m for m in sys.modules "
+                             "if m in ('harness.cli', 'harness.run.controller', 'harness.run.supervisor')))"],
                             capture_output=True, text=True, timeout=60)
     assert result.stdout == "[]\n", result.stderr

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.inventory import Host
-from harness.k8s import render_manifests
-from harness.plan import plan_hosts
+from harness.plan.planner import plan_hosts
+from harness.plan.render import render_text
 from harness.preflight.interfaces import defaults_checks, interface_checks
 from harness.preflight.report import Status
-from harness.render import render_text
-from harness.slurm import batch_script
-from harness.spec import JobSpec
+from harness.spec.inventory import Host
+from harness.spec.job import JobSpec
+from harness.targets.k8s.manifests import render_manifests
+from harness.targets.slurm.batch import batch_script
 
 HOSTS = [Host(name="a", address="10.0.0.1"), Host(name="b", address="10.0.0.2"), Host(name="c", address="10.0.0.3")]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from harness.errors import SpecError
-from harness.inventory import load_inventory
-from harness.plan import job_hosts
-from harness.spec import load_job
+from harness.plan.planner import job_hosts
+from harness.spec.inventory import load_inventory
+from harness.spec.job import load_job
 
 from conftest import REPO, harness
 

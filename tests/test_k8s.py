@@ -25,7 +25,8 @@ from kubeflow_trainer_api.models import (
 )
 
 from harness.errors import SpecError
-from harness.k8s import (
+from harness.spec.job import DNS1123_LABEL, load_job
+from harness.targets.k8s.manifests import (
     CODE_DIGEST,
     CODE_DIR,
     COMPLETION_INDEX,
@@ -41,7 +42,6 @@ from harness.k8s import (
     object_names,
     render_manifests,
 )
-from harness.spec import DNS1123_LABEL, load_job
 
 from conftest import REPO, free_port, harness
 
@@ -646,7 +646,7 @@ def test_files_and_binary_files_land_in_the_configmap_laid_out_by_the_volume_ite
     assert {p.relative_to(etc / "code").as_posix(): p.read_bytes() for p in (etc / "code").rglob("*")
             if p.is_file()} == USER_FILES
     assert (etc / "job.yaml").read_bytes() == spec_path.read_bytes()
-    assert (etc / "waitport.py").read_bytes() == (REPO / "harness/waitport.py").read_bytes()
+    assert (etc / "waitport.py").read_bytes() == (REPO / "harness/node/waitport.py").read_bytes()
     template = job_spec(objects)["template"]
     assert {"name": "spec", "mountPath": "/etc/harness", "readOnly": True} in template["spec"]["containers"][0]["volumeMounts"]
     edited = render_manifests(spec, spec_path.read_text(), code=code | {"model.py": b"# edited\n"})
@@ -683,7 +683,7 @@ def test_cli_refuses_missing_or_oversized_code_and_writes_nothing(write_yaml, tm
     write_files(tmp_path, USER_FILES | {"configs/big.bin": bytes(MAX_CONFIGMAP)})
     big = render_in(tmp_path, "job.yaml", "--target", "k8s", "--out", "k8s")
     size = MAX_CONFIGMAP + sum(map(len, USER_FILES.values())) + len(spec_path.read_bytes()) + \
-        len((REPO / "harness/waitport.py").read_bytes())
+        len((REPO / "harness/node/waitport.py").read_bytes())
     assert big.returncode == 2 and f"job.yaml:9:1: files: the ConfigMap own-spec would hold {size} bytes (the spec " \
         f"and 5 shipped file(s)), over Kubernetes' limit of 1048576 (1 MiB); bake the code into the image" in big.stderr
     assert not (tmp_path / "k8s").exists()

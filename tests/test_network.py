@@ -17,10 +17,10 @@ from typing import Any
 
 import yaml
 
-from harness.inventory import load_inventory
 from harness.preflight import run_preflight
 from harness.preflight.report import Check, Report, Status
-from harness.spec import load_job
+from harness.spec.inventory import load_inventory
+from harness.spec.job import load_job
 
 from cluster import Cluster
 from conftest import SCRIPT, assert_nothing_left, ddp_job, free_port

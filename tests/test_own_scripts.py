@@ -6,10 +6,10 @@ import json
 import re
 from pathlib import Path
 
-from harness.k8s import render_manifests
-from harness.slurm import batch_script
-from harness.spec import load_job
-from harness.worker_output import NO_CUDA_HINT, is_cpp_info, normalize, user_error
+from harness.run.worker_output import NO_CUDA_HINT, is_cpp_info, normalize, user_error
+from harness.spec.job import load_job
+from harness.targets.k8s.manifests import render_manifests
+from harness.targets.slurm.batch import batch_script
 
 from conftest import REPO, assert_nothing_left, free_port, harness
 

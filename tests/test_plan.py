@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.ssh import SSHBackend
 from harness.errors import UsageError
-from harness.inventory import load_inventory
-from harness.plan import NodePlan, job_hosts, plan_hosts, plan_local
-from harness.render import render_json, render_text
-from harness.shell import shell_command
-from harness.spec import load_job
+from harness.plan.planner import NodePlan, job_hosts, plan_hosts, plan_local
+from harness.plan.render import render_json, render_text
+from harness.plan.shell import shell_command
+from harness.spec.inventory import load_inventory
+from harness.spec.job import load_job
+from harness.targets.ssh.backend import SSHBackend
 
 from conftest import harness
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.inventory import load_inventory
 from harness.preflight.collective import collective_checks
 from harness.preflight.command import preflight_command
 from harness.preflight.remote import TORCH_TIMEOUT_FACTOR
 from harness.preflight.report import Check, Report, Status
 from harness.preflight.runner import run_preflight
-from harness.spec import load_job
-from harness.ssh import connect
+from harness.spec.inventory import load_inventory
+from harness.spec.job import load_job
+from harness.targets.ssh.transport import connect
 
 from cluster import Cluster
 
@@ -31,7 +31,7 @@ OLD_TORCH = "2.13.0"
 
 def _job(tmp_path: Path, nnodes: int) -> Path:
     lines = [f"name: pf{nnodes}", f"nnodes: {nnodes}", "backend: gloo", "master_port: 29500",
-             "entrypoint:", "  module: harness.preflight.allreduce"]
+             "entrypoint:", "  module: harness.node.allreduce"]
     path = tmp_path / "job.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -73,7 +73,7 @@ def test_healthy_two_hosts_full_with_collective_and_json(cluster2: Cluster, tmp_
     assert data["fingerprint"]["mismatched"] == []
     assert data["fingerprint"]["hosts"]["h1"] == data["fingerprint"]["hosts"]["h2"]
     assert data["facts"]["h2"]["hostname"] == "h2" and data["facts"]["h2"]["torch"] == torch.__version__
-    assert data["facts"]["h1"]["payload"]["path"].endswith("harness/preflight/allreduce.py")
+    assert data["facts"]["h1"]["payload"]["path"].endswith("harness/node/allreduce.py")
     assert data["notes"] == []
     table = report.render_table()
     assert table.splitlines()[1].split() == ["HOST", "CHECK", "STATUS", "DETAIL"]
@@ -280,7 +280,7 @@ def test_master_name_resolving_to_loopback_on_the_master(cluster3: Cluster, tmp_
     known = tmp_path / "known_hosts"
     known.write_text(f"h1 {cluster3.host('h1').host_key}\nh2 {cluster3.host('h2').host_key}\n")
     script = (
-        "import json, sys\nfrom harness.inventory import load_inventory\nfrom harness.spec import load_job\n"
+        "import json, sys\nfrom harness.spec.inventory import load_inventory\nfrom harness.spec.job import load_job\n"
         "from harness.preflight import run_preflight\n"
         "report = run_preflight(load_inventory(sys.argv[1]), load_job(sys.argv[2]), known_hosts=sys.argv[3],\n"
         "                       fast=True)\n"

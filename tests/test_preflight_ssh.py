@@ -1,4 +1,4 @@
-"""harness.ssh against real sshd hosts: commands, deadlines, and every class of connection failure."""
+"""harness.targets.ssh.transport against real sshd hosts: commands, deadlines, and every class of connection failure."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.shell import remote_command
-from harness.ssh import RemoteTimeout, SSHConnectError, connect
+from harness.plan.shell import remote_command
+from harness.targets.ssh.transport import RemoteTimeout, SSHConnectError, connect
 
 from cluster import Cluster
 
@@ -83,7 +83,7 @@ def test_no_route_to_an_address_without_a_host(cluster2: Cluster) -> None:
 
 def test_dns_failure_is_told_apart(cluster2: Cluster) -> None:
     script = (
-        "from harness.inventory import Host\nfrom harness.ssh import connect, SSHConnectError\n"
+        "from harness.spec.inventory import Host\nfrom harness.targets.ssh.transport import connect, SSHConnectError\n"
         "try:\n    connect(Host(name='x', address='no-such-host.invalid'), known_hosts='/dev/null', timeout=3)\n"
         "except SSHConnectError as e:\n    print(e.kind, e, sep='|')\n"
     )

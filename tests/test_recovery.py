@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.base import Outcome
 from harness.errors import SpecError
-from harness.inventory import load_inventory
-from harness.plan import NodePlan, NoSpareHosts, job_hosts
-from harness.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
-from harness.runs import Attempt, FailureKind, RunStatus
-from harness.spec import MAX_BACKOFF, Restarts, load_job
-from harness.supervisor import NodeRecord
+from harness.plan.planner import NodePlan, NoSpareHosts, job_hosts
+from harness.run.records import Attempt, FailureKind, RunStatus
+from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
+from harness.run.supervisor import NodeRecord
+from harness.spec.inventory import load_inventory
+from harness.spec.job import MAX_BACKOFF, Restarts, load_job
+from harness.targets.base import Outcome
 
 from cluster import Cluster
 from conftest import SCRIPT, STOP_GRACE, assert_nothing_left, free_port, harness, worker_pid

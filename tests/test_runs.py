@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.node_agent import start_ticks
-from harness.runs import (
+from harness.node.agent import start_ticks
+from harness.run.records import (
     Attempt,
     ControllerId,
     Failure,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.node_setup import setup_id, setup_script, with_setup
+from harness.plan.setup_script import setup_id, setup_script, with_setup
 
 from cluster import Cluster
 from conftest import assert_nothing_left, ddp_job, harness

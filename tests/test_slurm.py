@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.base import Outcome
-from harness.backends.slurm import parse_job, task_outcomes
 from harness.errors import HarnessError, SpecError
-from harness.slurm import batch_script
-from harness.spec import load_job
+from harness.spec.job import load_job
+from harness.targets.base import Outcome
+from harness.targets.slurm.batch import batch_script
+from harness.targets.slurm.client import parse_job, task_outcomes
 
 from conftest import REPO, SCRIPT, Launch, Streamed, free_port, harness
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job

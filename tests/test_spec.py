@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.errors import SpecError
-from harness.spec import Restarts, load_job
+from harness.spec.job import Restarts, load_job
 
 from conftest import REPO, harness
 

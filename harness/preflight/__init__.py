@@ -1,7 +1,7 @@
 """`harness preflight`: prove before launch that every host can run the job.
 
 Exports run_preflight, preflight_command, Report, Check and Status, imported on first use: this
-file must stay import-free so that `python -m harness.preflight.allreduce` runs on hosts that have
+file must stay import-free so that `python -m harness.node.allreduce` runs on hosts that have
 torch but not paramiko.
 """
 

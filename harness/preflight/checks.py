@@ -6,10 +6,10 @@ import ipaddress
 from collections import Counter
 from typing import Any
 
-from harness.inventory import Host
-from harness.preflight.probe import MISSING
+from harness.node.probe import MISSING
 from harness.preflight.report import Check, Status
-from harness.spec import JobSpec
+from harness.spec.inventory import Host
+from harness.spec.job import JobSpec
 
 FINGERPRINT = ("python", "torch", "torch_git", "cuda", "nccl", "torchvision", "driver", "harness", "payload")
 GIB = 1 << 30

@@ -1,7 +1,7 @@
 """`--collective`: a short all_reduce with the job's backend, through torchrun on every host.
 
 It is launched exactly as the job would be: the SSH backend plans it from the job (its entrypoint
-swapped for harness.preflight.allreduce), starts every node under the node agent over preflight's
+swapped for harness.node.allreduce), starts every node under the node agent over preflight's
 own connections, and the supervisor stops every node at the first failure or at the deadline, so
 nothing is left running.
 """
@@ -13,16 +13,16 @@ import threading
 import uuid
 from collections.abc import Mapping
 
-from harness.backends.ssh import SSHBackend
-from harness.inventory import Inventory
-from harness.plan import Plan, job_hosts
+from harness.plan.planner import Plan, job_hosts
 from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, answer_in
 from harness.preflight.report import Check, Status
-from harness.spec import Entrypoint, JobSpec
-from harness.ssh import Connection
-from harness.supervisor import Supervisor
+from harness.run.supervisor import Supervisor
+from harness.spec.inventory import Inventory
+from harness.spec.job import Entrypoint, JobSpec
+from harness.targets.ssh.backend import SSHBackend
+from harness.targets.ssh.transport import Connection
 
-MODULE = "harness.preflight.allreduce"
+MODULE = "harness.node.allreduce"
 
 
 def collective_job(spec: JobSpec | None, inventory: Inventory, seconds: float) -> JobSpec:

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from harness.errors import HarnessError, UsageError
-from harness.inventory import load_inventory
 from harness.preflight.report import Report
 from harness.preflight.runner import run_preflight
-from harness.spec import JobSpec, load_job
+from harness.spec.inventory import load_inventory
+from harness.spec.job import JobSpec, load_job
 
 
 def preflight_command(hosts_path: str | Path | None, job_path: str | Path | None = None, *, json_out: bool = False,
@@ -39,8 +39,8 @@ def preflight_command(hosts_path: str | Path | None, job_path: str | Path | None
 
 
 def _in_allocation(hosts_path: str | Path | None, spec: JobSpec | None, collective: bool, timeout: float) -> Report:
-    from harness.backends.srun import Allocation, in_allocation
     from harness.preflight.runner import run_preflight_srun
+    from harness.targets.slurm.srun import Allocation, in_allocation
 
     if hosts_path is not None:
         raise UsageError("--target slurm checks the nodes of the Slurm allocation it runs in; give no inventory")

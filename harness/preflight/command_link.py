@@ -14,10 +14,10 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
-from harness.backends.srun import Allocation
-from harness.inventory import Host
-from harness.shell import remote_command
-from harness.ssh import CommandResult, RemoteTimeout
+from harness.plan.shell import remote_command
+from harness.spec.inventory import Host
+from harness.targets.slurm.srun import Allocation
+from harness.targets.ssh.transport import CommandResult, RemoteTimeout
 
 
 class CommandProcess:

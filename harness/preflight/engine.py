@@ -12,14 +12,14 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from harness.backends.container import container_argv
-from harness.inventory import Host
+from harness.plan.shell import remote_command
 from harness.preflight.checks import majority
 from harness.preflight.remote import Link, Process, on_hosts
 from harness.preflight.report import Check, Status
-from harness.shell import remote_command
-from harness.spec import JobSpec
-from harness.ssh import CommandResult
+from harness.spec.inventory import Host
+from harness.spec.job import JobSpec
+from harness.targets.ssh.container import container_argv
+from harness.targets.ssh.transport import CommandResult
 
 # Printed between the engine's answers, so that one command per host tells both apart.
 _SEPARATOR = "--harness-image--"

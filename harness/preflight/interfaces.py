@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from harness.inventory import Host
-from harness.plan import pinned_interface
+from harness.plan.planner import pinned_interface
 from harness.preflight.checks import Facts, is_loopback, majority
 from harness.preflight.report import Check, Status
-from harness.spec import JobSpec
+from harness.spec.inventory import Host
+from harness.spec.job import JobSpec
 
 NCCL_PASSED_OVER = ("docker", "lo", "virbr")
 ROUTE = "route"

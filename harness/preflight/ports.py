@@ -15,11 +15,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from harness.preflight import netcheck
+from harness.node import netcheck
 from harness.preflight.interfaces import Pin, Reached, extra_target
 from harness.preflight.remote import Link, Process, first_answer, on_hosts, run_script, start_script
 from harness.preflight.report import Check, Status
-from harness.ssh import RemoteTimeout
+from harness.targets.ssh.transport import RemoteTimeout
 
 CONNECT_TIMEOUT = 3.0
 MASTER = "master"

@@ -16,8 +16,8 @@ from types import ModuleType
 from typing import Any, Protocol, TypeVar
 
 from harness.errors import HarnessError
-from harness.inventory import Host
-from harness.ssh import CommandResult, RemoteTimeout
+from harness.spec.inventory import Host
+from harness.targets.ssh.transport import CommandResult, RemoteTimeout
 
 MARKER = "HARNESS_PREFLIGHT_ANSWER="
 TORCH_TIMEOUT_FACTOR = 6  # steps that import torch (full probe, collective) get this many `timeout`s

@@ -13,10 +13,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from harness.backends.srun import Allocation
-from harness.inventory import Host, Inventory
-from harness.plan import LOCAL_MASTER, job_hosts
-from harness.preflight import probe
+from harness.node import probe
+from harness.plan.planner import LOCAL_MASTER, job_hosts
 from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
 from harness.preflight.collective import collective_checks
 from harness.preflight.command_link import CommandLink, srun_link
@@ -25,8 +23,10 @@ from harness.preflight.interfaces import default_targets, defaults_checks, inter
 from harness.preflight.ports import network_checks
 from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, ScriptError, on_hosts, run_script
 from harness.preflight.report import Check, Report, Status
-from harness.spec import JobSpec
-from harness.ssh import Connection, SSHConnectError, connect
+from harness.spec.inventory import Host, Inventory
+from harness.spec.job import JobSpec
+from harness.targets.slurm.srun import Allocation
+from harness.targets.ssh.transport import Connection, SSHConnectError, connect
 
 DEFAULT_MASTER_PORT: int = JobSpec.model_fields["master_port"].default
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.yamlsource import load_document
+from harness.spec.yamlsource import load_document
 
 from conftest import REPO, assert_nothing_left, harness
 

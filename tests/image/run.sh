@@ -115,7 +115,7 @@ base_ca_bundle_intact() {
 }
 
 cli_and_waitport() {
-    in_image harness --version && in_image python -m harness.waitport --help >/dev/null
+    in_image harness --version && in_image python -m harness.node.waitport --help >/dev/null
 }
 
 # In a private network namespace (loopback only) the job's fixed master_port 29500 cannot collide
@@ -137,7 +137,7 @@ check "labels equal the pins in requirements.lock; user 1000:1000, entrypoint ha
 check "runs as uid 1000 in a writable /workspace; python and harness from /opt/venv" user_and_path
 check "no pip config, secret, pip cache, local index or build tree left in the image" nothing_of_the_build_left
 check "the base's own CA bundle is untouched by the build's cacert secret" base_ca_bundle_intact
-check "harness --version and python -m harness.waitport run" cli_and_waitport
+check "harness --version and python -m harness.node.waitport run" cli_and_waitport
 check "harness launch jobs/smoke.yaml (2 nodes, gloo) succeeds inside the image" smoke_job
 
 # The same image under podman, an engine users have: state of its own at a short path (podman 4.3

@@ -9,8 +9,8 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 
-from harness.node_setup import with_setup
-from harness.plan import NodePlan
+from harness.plan.planner import NodePlan
+from harness.plan.setup_script import with_setup
 
 
 def _shell_word(text: str) -> str:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Protocol
 
 from harness.errors import HarnessError
-from harness.plan import NodePlan, Plan
-from harness.spec import JobSpec
+from harness.plan.planner import NodePlan, Plan
+from harness.spec.job import JobSpec
 
 
 @dataclass(frozen=True)

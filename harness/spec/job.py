@@ -20,8 +20,8 @@ from pydantic import (
 )
 
 from harness.errors import short_repr
-from harness.validation import StrictModel, validate
-from harness.yamlsource import YamlInt, as_written, load_document, source_text
+from harness.spec.validation import StrictModel, validate
+from harness.spec.yamlsource import YamlInt, as_written, load_document, source_text
 
 # Patterns are used with fullmatch: `$` would also match before a trailing newline ("x\n").
 DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")

@@ -9,9 +9,9 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from harness.errors import SpecError, short_repr
-from harness.spec import DNS1123_LABEL, InterfaceName
-from harness.validation import StrictModel, validate
-from harness.yamlsource import Document, load_document
+from harness.spec.job import DNS1123_LABEL, InterfaceName
+from harness.spec.validation import StrictModel, validate
+from harness.spec.yamlsource import Document, load_document
 
 
 class HostDefaults(StrictModel):

@@ -14,12 +14,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from harness.backends.base import NodeProcess, Outcome
-from harness.backends.node_agent import EXIT_MARKER
-from harness.plan import NodePlan
-from harness.shell import shell_command
+from harness.node.agent import EXIT_MARKER
+from harness.plan.planner import NodePlan
+from harness.plan.shell import shell_command
+from harness.targets.base import NodeProcess, Outcome
 
-AGENT_SOURCE = (Path(__file__).parent / "node_agent.py").read_text(encoding="utf-8")
+AGENT_SOURCE = (Path(__file__).parents[1] / "node" / "agent.py").read_text(encoding="utf-8")
 OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may take to be read
 PING_SECONDS = 2.0  # how often the controller tells each agent it is still there
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from harness import worker_output
-from harness.backends.base import NodeProcess, Outcome
-from harness.plan import NodePlan
+from harness.plan.planner import NodePlan
+from harness.run import worker_output
+from harness.targets.base import NodeProcess, Outcome
 
 TAIL_LINES = 20
 # torchrun's ChildFailedError report names the root-cause rank; use it when present.

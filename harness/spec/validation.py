@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import ErrorDetails
 
 from harness.errors import Problem, SpecError
-from harness.yamlsource import Document, KeyPath, YamlFloat, YamlInt, as_written
+from harness.spec.yamlsource import Document, KeyPath, YamlFloat, YamlInt, as_written
 
 Model = TypeVar("Model", bound=BaseModel)
 

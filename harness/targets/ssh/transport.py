@@ -25,8 +25,8 @@ from typing import NamedTuple
 import paramiko
 
 from harness.errors import HarnessError
-from harness.inventory import Host
-from harness.shell import remote_command
+from harness.plan.shell import remote_command
+from harness.spec.inventory import Host
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 CONNECT_KINDS = (

@@ -12,10 +12,10 @@ import re
 import signal
 from dataclasses import dataclass
 
-from harness.node_setup import FAILED as SETUP_FAILED
-from harness.runs import Attempt, FailureKind
-from harness.spec import MAX_BACKOFF, Restarts
-from harness.supervisor import NodeRecord
+from harness.plan.setup_script import FAILED as SETUP_FAILED
+from harness.run.records import Attempt, FailureKind
+from harness.run.supervisor import NodeRecord
+from harness.spec.job import MAX_BACKOFF, Restarts
 
 # A worker's error when a peer (process, host or link) went away: a consequence, not a cause.
 PEER_LOST = re.compile(

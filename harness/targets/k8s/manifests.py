@@ -26,10 +26,10 @@ from typing import Any, Literal
 import yaml
 
 from harness import __version__
-from harness.node_setup import setup_script, with_setup
-from harness.plan import TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
-from harness.spec import JobSpec
-from harness.yamlsource import KeyPath, located
+from harness.plan.planner import TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
+from harness.plan.setup_script import setup_script, with_setup
+from harness.spec.job import JobSpec
+from harness.spec.yamlsource import KeyPath, located
 
 Flavor = Literal["core", "jobset"]
 MAX_NAME = 63
@@ -38,7 +38,7 @@ SPEC_DIR = "/etc/harness"  # the ConfigMap, read-only: job.yaml, waitport.py and
 CODE_SUBDIR = "code"
 CODE_DIR = f"{SPEC_DIR}/{CODE_SUBDIR}"  # the shipped code: not under WORKDIR, which the volume hides
 WAITPORT = f"{SPEC_DIR}/waitport.py"
-WAITPORT_SOURCE = (Path(__file__).parent / "waitport.py").read_text(encoding="utf-8")
+WAITPORT_SOURCE = (Path(__file__).parents[2] / "node" / "waitport.py").read_text(encoding="utf-8")
 MAX_CONFIGMAP = 1 << 20  # Kubernetes' limit on a ConfigMap's data and binaryData together, in bytes
 CODE_DIGEST = "harness/code-sha256"  # pod template annotation: which code the pods were given
 CONTAINER = "torchrun"

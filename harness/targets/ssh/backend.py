@@ -17,16 +17,16 @@ from pathlib import Path
 
 import paramiko
 
-from harness.backends.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
-from harness.backends.base import CheckFailed, NodeProcess
-from harness.backends.container import in_containers
 from harness.errors import short_repr
-from harness.inventory import Host, Inventory
-from harness.plan import NodePlan, Plan, job_hosts, plan_hosts
-from harness.shell import remote_command
-from harness.spec import JobSpec
-from harness.ssh import Connection, connect
-from harness.yamlsource import located
+from harness.plan.planner import NodePlan, Plan, job_hosts, plan_hosts
+from harness.plan.shell import remote_command
+from harness.spec.inventory import Host, Inventory
+from harness.spec.job import JobSpec
+from harness.spec.yamlsource import located
+from harness.targets.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
+from harness.targets.base import CheckFailed, NodeProcess
+from harness.targets.ssh.container import in_containers
+from harness.targets.ssh.transport import Connection, connect
 
 KEEPALIVE_INTERVAL = 2.0  # seconds between liveness questions to each host; timeouts.connect is the answer limit
 

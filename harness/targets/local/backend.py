@@ -11,11 +11,11 @@ import os
 import sys
 from pathlib import Path
 
-from harness.backends.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
-from harness.backends.base import CheckFailed, NodeProcess
-from harness.backends.node_agent import kill_run_processes
-from harness.plan import NodePlan, Plan, local_spec, plan_local
-from harness.spec import JobSpec
+from harness.node.agent import kill_run_processes
+from harness.plan.planner import NodePlan, Plan, local_spec, plan_local
+from harness.spec.job import JobSpec
+from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
+from harness.targets.base import CheckFailed, NodeProcess
 
 
 def local_gpu_ids(spec: JobSpec) -> list[str]:

@@ -5,10 +5,10 @@
 - node_agent.py: the program every node runs under, on every backend (stdlib only);
 - agent_link.py: the controller's end of the agent's protocol.
 
-Nothing here imports the CLI or the supervisor: the run controller (harness.controller) drives a
+Nothing here imports the CLI or the supervisor: the run controller (harness.run.controller) drives a
 backend, not the other way round. See docs/architecture.md.
 """
 
-from harness.backends.base import Backend, CheckFailed, NodeProcess, Outcome
+from harness.targets.base import Backend, CheckFailed, NodeProcess, Outcome
 
 __all__ = ["Backend", "CheckFailed", "NodeProcess", "Outcome"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 
-from harness.plan import NodePlan, Plan
-from harness.shell import shell_command
+from harness.plan.planner import NodePlan, Plan
+from harness.plan.shell import shell_command
 
 
 def _interface(plan: Plan, node: NodePlan) -> str:

@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from harness.errors import HarnessError, UsageError
-from harness.inventory import Host, Inventory
-from harness.node_setup import setup_script
-from harness.spec import JobSpec
-from harness.yamlsource import located
+from harness.plan.setup_script import setup_script
+from harness.spec.inventory import Host, Inventory
+from harness.spec.job import JobSpec
+from harness.spec.yamlsource import located
 
 LOCAL_MASTER = "127.0.0.1"
 TORCHRUN_MODULE = "torch.distributed.run"

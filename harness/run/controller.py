@@ -21,14 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
-from harness import worker_output
-from harness.backends.base import Backend, CheckFailed, Outcome
-from harness.backends.node_agent import is_alive, kill_run_processes, start_ticks
 from harness.errors import HarnessError
-from harness.plan import STORE_WATCH_ENV, NoSpareHosts, Plan
-from harness.recovery import NodeFailure, attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
-from harness.render import render_json, render_text
-from harness.runs import (
+from harness.node.agent import is_alive, kill_run_processes, start_ticks
+from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
+from harness.plan.render import render_json, render_text
+from harness.run import worker_output
+from harness.run.records import (
     Attempt,
     ControllerId,
     Failure,
@@ -41,8 +39,10 @@ from harness.runs import (
     run_dir,
     write_text_atomic,
 )
-from harness.spec import JobSpec
-from harness.supervisor import NodeRecord, Supervisor
+from harness.run.recovery import NodeFailure, attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
+from harness.run.supervisor import NodeRecord, Supervisor
+from harness.spec.job import JobSpec
+from harness.targets.base import Backend, CheckFailed, Outcome
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 DETACH_STARTUP_TIMEOUT = 300.0
@@ -344,7 +344,7 @@ def stop_run(run: RunDir, timeout: float) -> int:
         print(f"run {run.run_id} stopped")
         return EXIT_OK
     if state.scheduler_job is not None:  # the batch system owns the processes: it ends them
-        from harness.backends.slurm import SlurmClient
+        from harness.targets.slurm.client import SlurmClient
 
         SlurmClient().cancel(int(state.scheduler_job))
         done = f"cancelled Slurm job {state.scheduler_job}"

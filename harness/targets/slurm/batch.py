@@ -16,8 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from harness import __version__
-from harness.node_setup import setup_script, with_setup
-from harness.plan import (
+from harness.plan.planner import (
     LOG_LINE_PREFIX,
     LOG_LINE_PREFIX_ENV,
     TORCHRUN_MODULE,
@@ -26,7 +25,8 @@ from harness.plan import (
     resolve_nproc,
     torchrun_flags,
 )
-from harness.spec import QUANTITY, JobSpec
+from harness.plan.setup_script import setup_script, with_setup
+from harness.spec.job import QUANTITY, JobSpec
 
 _NODE, _MASTER, _JOB, _ATTEMPT = "\0node\0", "\0master\0", "\0job\0", "\0attempt\0"
 _SHELL = {_NODE: '"$SLURM_NODEID"', _MASTER: '"$MASTER_ADDR"', _JOB: '"$SLURM_JOB_ID"',

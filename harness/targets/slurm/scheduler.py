@@ -21,16 +21,25 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
-from harness.backends.base import Outcome
-from harness.backends.node_agent import start_ticks
-from harness.backends.slurm import SlurmClient, SlurmJob, task_outcomes
-from harness.controller import failure_of, finish, node_result, say, stopped_status
-from harness.plan import NodePlan, resolve_nproc
-from harness.recovery import attempt_failures, attempt_kind
-from harness.runs import Attempt, ControllerId, RunDir, RunState, RunStatus, create_run_dir, run_dir, write_text_atomic
-from harness.slurm import batch_log, batch_script
-from harness.spec import JobSpec
-from harness.supervisor import NodeRecord
+from harness.node.agent import start_ticks
+from harness.plan.planner import NodePlan, resolve_nproc
+from harness.run.controller import failure_of, finish, node_result, say, stopped_status
+from harness.run.records import (
+    Attempt,
+    ControllerId,
+    RunDir,
+    RunState,
+    RunStatus,
+    create_run_dir,
+    run_dir,
+    write_text_atomic,
+)
+from harness.run.recovery import attempt_failures, attempt_kind
+from harness.run.supervisor import NodeRecord
+from harness.spec.job import JobSpec
+from harness.targets.base import Outcome
+from harness.targets.slurm.batch import batch_log, batch_script
+from harness.targets.slurm.client import SlurmClient, SlurmJob, task_outcomes
 
 POLL_SECONDS = 0.5  # how often the job's state is asked for and the logs are read
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
 
 from harness.errors import UsageError
-from harness.node_setup import with_setup
-from harness.plan import Plan
-from harness.spec import QUANTITY, ContainerEngine, JobSpec
+from harness.plan.planner import Plan
+from harness.plan.setup_script import with_setup
+from harness.spec.job import QUANTITY, ContainerEngine, JobSpec
 
 # All GPUs: docker through the NVIDIA container toolkit's runtime hook, podman through the toolkit's
 # CDI spec (`nvidia-ctk cdi generate`; podman ignores --gpus).

@@ -16,13 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.backends.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
-from harness.backends.base import NodeProcess
-from harness.backends.slurm import SlurmClient
 from harness.errors import UsageError
-from harness.inventory import Host
-from harness.plan import NodePlan, NoSpareHosts, Plan, plan_hosts
-from harness.spec import JobSpec
+from harness.plan.planner import NodePlan, NoSpareHosts, Plan, plan_hosts
+from harness.spec.inventory import Host
+from harness.spec.job import JobSpec
+from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
+from harness.targets.base import NodeProcess
+from harness.targets.slurm.client import SlurmClient
 
 
 def in_allocation(env: Mapping[str, str]) -> bool:

@@ -1,7 +1,8 @@
 """The Slurm client: sbatch, scontrol and scancel, and what their answers mean. Parsing is pure.
 
-Slurm owns a submitted job's processes, so this backend has no nodes to signal: the harness submits
-the batch script (harness.slurm), follows the job's state, and cancels it (harness.slurm_run).
+Slurm owns a submitted job's processes, so there are no nodes to signal: the sbatch scheduler
+(scheduler.py) submits the batch script (batch.py), follows the job's state and cancels it through
+this client.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.backends.base import CheckFailed, Outcome
 from harness.errors import HarnessError
+from harness.targets.base import CheckFailed, Outcome
 
 CLIENT_TIMEOUT = 60.0  # slurmctld answers in milliseconds; a minute means it is gone
 # Every state a job ends in; COMPLETING (processes still being ended) is not one of them.

@@ -1,0 +1,1 @@
+"""Run control: one controller drives a target through a run; supervision, recovery, the run record, status."""

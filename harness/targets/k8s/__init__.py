@@ -1,0 +1,1 @@
+"""Kubernetes: manifests rendered from the spec (core objects or a JobSet)."""

@@ -1,0 +1,1 @@
+"""Simulated nodes on this machine."""

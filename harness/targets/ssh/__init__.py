@@ -1,0 +1,1 @@
+"""SSH hosts: the paramiko transport, the backend, and container nodes on hosts."""
