@@ -38,7 +38,7 @@ FAST = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from harness.spec.inventory import load_inventory
-from harness.preflight import run_preflight
+from harness.preflight.runner import run_preflight
 from harness.spec.job import load_job
 begun = time.monotonic()
 report = run_preflight(load_inventory(sys.argv[2]), load_job(sys.argv[3]), known_hosts=sys.argv[4], fast=True)

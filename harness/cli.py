@@ -1,143 +1,20 @@
-"""The `harness` command: render, launch, stop, status, preflight, prepare."""
+"""The `harness` command: render, launch, stop, status, preflight, prepare.
+
+This module parses the command line and dispatches to harness.commands, nothing more.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
+from collections.abc import Callable
 
-from pydantic import ValidationError
+from harness import __version__, commands
+from harness.errors import HarnessError
+from harness.spec.job import SLURM_OPTIONS
 
-from harness import __version__
-from harness.errors import HarnessError, UsageError
-from harness.run.records import check_run_id, find_run, new_run_id, run_dir, runs_root, write_text_atomic
-from harness.spec.job import JobSpec, Slurm, load_job
-from harness.targets.base import Backend
-
-
-def backend_for(args: argparse.Namespace) -> Backend:
-    """Simulated nodes on this machine without an inventory; SSH hosts with one."""
-    if args.hosts is None:
-        from harness.targets.local.backend import LocalBackend
-
-        return LocalBackend()
-    from harness.spec.inventory import load_inventory
-    from harness.targets.ssh.backend import SSHBackend, SSHOptions
-
-    options = SSHOptions(known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys,
-                         preflight=not args.skip_preflight)
-    return SSHBackend(load_inventory(args.hosts), options)
-
-
-def cmd_render(args: argparse.Namespace) -> int:
-    if args.flavor is not None and args.target != "k8s":
-        raise UsageError("--flavor is for --target k8s")
-    spec = load_job(args.job)
-    if args.target == "k8s":
-        from harness.targets.k8s.manifests import code_files, manifests_yaml
-
-        code = code_files(spec, Path.cwd())
-        text = manifests_yaml(spec, Path(args.job).read_text(), args.job, args.flavor or "core", code=code)
-        if args.out is None:
-            sys.stdout.write(text)
-            return 0
-        out = Path(args.out) / f"{spec.name}.yaml"
-        if out.parent.exists() and not out.parent.is_dir():
-            raise UsageError(f"--out {args.out} is a file; give the directory to write {out.name} into")
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(out, text)
-        except OSError as exc:
-            raise HarnessError(f"cannot write {out}: {exc.strerror}") from None
-        # Client-side apply copies each object into an annotation, which may hold 256 KiB: too little for code.
-        apply = "kubectl apply --server-side" if code else "kubectl apply"
-        print(f"wrote {out}; apply with: {apply} -f {os.path.join(args.out, '')}")
-        return 0
-    if args.out is not None:
-        raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan or a batch script")
-    if args.target == "slurm":
-        from harness.targets.slurm.batch import batch_script
-
-        sys.stdout.write(batch_script(spec, args.job))
-        return 0
-    from harness.plan.render import render_json, render_text
-
-    plan = backend_for(args).plan(spec, check_run_id(args.run_id or spec.name))
-    sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
-    return 0
-
-
-SLURM_FLAGS = ("partition", "account", "qos", "time", "constraint")  # launch flags that override slurm:
-
-
-def with_slurm_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:
-    """The spec with `--partition P`-style flags in its slurm: section, validated as the file's values are."""
-    given = {key: value for key in SLURM_FLAGS if (value := getattr(args, key)) is not None}
-    if given and args.target != "slurm":
-        raise UsageError(f"--{next(iter(given))} is for --target slurm")
-    try:
-        return spec.model_copy(update={"slurm": Slurm.model_validate(spec.slurm.model_dump() | given)})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise UsageError(f"--{first['loc'][0]}: {first['msg'].removeprefix('Value error, ')}") from None
-
-
-def cmd_launch(args: argparse.Namespace) -> int:
-    from harness.run import controller
-
-    spec = with_slurm_flags(load_job(args.job), args)
-    root = runs_root(args.runs_dir)
-    if args.target == "slurm" and args.hosts:
-        raise UsageError("--hosts is for SSH hosts; with --target slurm, Slurm picks the nodes")
-    if args.detach:
-        run = run_dir(root, new_run_id(spec.name))
-        argv = [sys.executable, "-m", "harness.cli", "launch", args.job, "--runs-dir", str(root), "--run-id",
-                run.run_id, "--target", args.target]
-        argv += ["--hosts", args.hosts] if args.hosts else []
-        argv += ["--known-hosts", args.known_hosts] if args.known_hosts else []
-        argv += [flag for flag, on in (("--skip-preflight", args.skip_preflight),
-                                       ("--accept-new-host-keys", args.accept_new_host_keys)) if on]
-        argv += [f"--{key}={getattr(args, key)}" for key in SLURM_FLAGS if getattr(args, key) is not None]
-        return controller.start_detached(argv, run)
-    run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
-    if args.target == "slurm":
-        from harness.targets.slurm.srun import Allocation, SrunBackend, in_allocation
-
-        if in_allocation(os.environ):  # salloc, or a batch script: the nodes are ours, as srun steps
-            return controller.launch(SrunBackend(Allocation.from_env(os.environ)), spec, Path(args.job), root, run_id)
-        from harness.targets.slurm import scheduler as slurm_run
-        from harness.targets.slurm.client import SlurmClient
-
-        return slurm_run.launch(SlurmClient(), spec, Path(args.job), root, run_id)
-    return controller.launch(backend_for(args), spec, Path(args.job), root, run_id)
-
-
-def cmd_stop(args: argparse.Namespace) -> int:
-    from harness.run.controller import stop_run
-
-    return stop_run(find_run(runs_root(args.runs_dir), args.run_id), timeout=args.timeout)
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from harness.run.status import status_text
-
-    sys.stdout.write(status_text(runs_root(args.runs_dir), args.run_id))
-    return 0
-
-
-def cmd_preflight(args: argparse.Namespace) -> int:
-    from harness.preflight import preflight_command
-
-    return preflight_command(args.hosts, args.job, json_out=args.json, collective=args.collective,
-                             accept_new_host_keys=args.accept_new_host_keys, known_hosts=args.known_hosts,
-                             timeout=args.timeout, slurm=args.target == "slurm")
-
-
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from harness.payload import prepare
-
-    return prepare.main(args.passthrough)
+# What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir).
+_NOT_RERUN = {"detach", "run_id", "runs_dir"}
 
 
 def _seconds(text: str) -> float:
@@ -151,10 +28,28 @@ def _seconds(text: str) -> float:
     return value
 
 
+def command_line(verb: argparse.ArgumentParser, args: argparse.Namespace, leave_out: set[str]) -> list[str]:
+    """The words that parse back to args under verb's parser: every argument it defines, at its parsed
+    value (options only where they differ from their default), but those named in leave_out."""
+    words: list[str] = []
+    for action in verb._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in leave_out or isinstance(action, argparse._HelpAction) or value == action.default:
+            continue
+        if not action.option_strings:
+            words.append(str(value))
+        elif isinstance(action, argparse._StoreTrueAction):
+            words.append(action.option_strings[0])
+        else:
+            words.append(f"{action.option_strings[0]}={value}")
+    return words
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="harness", description=__doc__)
+    top = argparse.ArgumentParser(prog="harness", description=__doc__.split("\n\n")[0])
     top.add_argument("--version", action="version", version=f"harness {__version__}")
     verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB")
+    top.set_defaults(verbs=verbs)
 
     render = verbs.add_parser("render", help="print every node's exact torchrun command without running anything")
     render.add_argument("job", help="job spec, e.g. jobs/cifar.yaml")
@@ -169,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
                         help="with --target k8s: core (default): Service + Indexed Job, no CRDs; jobset: a JobSet "
                              "that restarts the whole job up to restarts.max times (needs the JobSet controller)")
     render.set_defaults(known_hosts=None, accept_new_host_keys=False, skip_preflight=True)  # nothing connects
-    render.set_defaults(func=cmd_render)
+    render.set_defaults(func=commands.render)
 
     runs_dir = argparse.ArgumentParser(add_help=False)
     runs_dir.add_argument("--runs-dir", help="where run records live (default: $HARNESS_RUNS_DIR or ./runs)")
@@ -187,18 +82,18 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--target", choices=("torchrun", "slurm"), default="torchrun",
                         help="torchrun: simulated nodes, or SSH hosts with --hosts (default); slurm: submit a batch "
                              "job with sbatch and follow it")
-    for key in SLURM_FLAGS:
+    for key in SLURM_OPTIONS:
         launch.add_argument(f"--{key}", help=f"with --target slurm: overrides slurm.{key} of the job")
-    launch.set_defaults(func=cmd_launch)
+    launch.set_defaults(func=commands.launch)
 
     stop = verbs.add_parser("stop", parents=[runs_dir], help="stop a running run (from any terminal)")
     stop.add_argument("run_id")
     stop.add_argument("--timeout", type=_seconds, default=15.0, help="seconds to wait for the run to end")
-    stop.set_defaults(func=cmd_stop)
+    stop.set_defaults(func=commands.stop)
 
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
     status.add_argument("run_id", nargs="?")
-    status.set_defaults(func=cmd_status)
+    status.set_defaults(func=commands.status)
     preflight = verbs.add_parser("preflight", help="prove before launch that every host can run the job")
     preflight.add_argument("hosts", nargs="?", help="host inventory, e.g. hosts.yaml (none with --target slurm)")
     preflight.add_argument("--target", choices=("ssh", "slurm"), default="ssh",
@@ -212,11 +107,11 @@ def parser() -> argparse.ArgumentParser:
     preflight.add_argument("--accept-new-host-keys", action="store_true",
                            help="trust and record keys of hosts not yet in known_hosts")
     preflight.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per step")
-    preflight.set_defaults(func=cmd_preflight)
+    preflight.set_defaults(func=commands.preflight)
 
     prepare = verbs.add_parser("prepare", add_help=False, help="download and verify CIFAR-10 once, before training "
                                "(harness prepare --data-dir DIR; --help for options)")
-    prepare.set_defaults(func=cmd_prepare)
+    prepare.set_defaults(func=commands.prepare)
     return top
 
 
@@ -226,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     if passthrough and args.verb != "prepare":
         top.error(f"unrecognized arguments: {' '.join(passthrough)}")
     args.passthrough = passthrough
+    args.rerun = [args.verb, *command_line(args.verbs.choices[args.verb], args, _NOT_RERUN)]
+    func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return int(args.func(args))
+        return int(func(args))
     except HarnessError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
         return exc.exit_code

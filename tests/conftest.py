@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.node.agent import run_processes
+from harness.node.proctable import run_processes
 
 # Fixtures for every module: namespace clusters (cluster2/3, slurm_cluster/3), the uninterrupted payload run.
 pytest_plugins = ("cluster", "slurm_cluster", "resume_job")

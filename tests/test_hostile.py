@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli
-from harness.node.agent import is_alive, start_ticks
+from harness.node.proctable import is_alive, start_ticks
 
 from conftest import REPO, assert_nothing_left, ddp_job, harness
 

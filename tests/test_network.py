@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from harness.preflight import run_preflight
+from harness.preflight.runner import run_preflight
 from harness.preflight.report import Check, Report, Status
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job

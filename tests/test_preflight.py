@@ -281,7 +281,7 @@ def test_master_name_resolving_to_loopback_on_the_master(cluster3: Cluster, tmp_
     known.write_text(f"h1 {cluster3.host('h1').host_key}\nh2 {cluster3.host('h2').host_key}\n")
     script = (
         "import json, sys\nfrom harness.spec.inventory import load_inventory\nfrom harness.spec.job import load_job\n"
-        "from harness.preflight import run_preflight\n"
+        "from harness.preflight.runner import run_preflight\n"
         "report = run_preflight(load_inventory(sys.argv[1]), load_job(sys.argv[2]), known_hosts=sys.argv[3],\n"
         "                       fast=True)\n"
         "print(json.dumps(report.to_json()))\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.node.agent import start_ticks
+from harness.node.proctable import start_ticks
 from harness.run.records import (
     Attempt,
     ControllerId,

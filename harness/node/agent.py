@@ -1,12 +1,14 @@
 """The node agent: runs one node's command and owns its whole process tree, on every backend.
 
-Every node of every controller-supervised backend runs under this agent: a local process of the
-controller, or a process on an SSH host. It is started as
+Every node of every controller-supervised target runs under this agent: a local process of the
+controller, a process on an SSH host, or an srun step's task. It is started as
 
-    python -I -S -c "<this file>" RUN_ID NODE_RANK ATTEMPT GRACE SILENCE COMMAND [CLEANUP]
+    python -I -S -c "$BOOT" harness-agent RUN_ID node NODE_RANK attempt ATTEMPT
 
-so it imports nothing but the standard library (not even site-packages): hosts need Python, not
-the harness. The protocol, on the agent's own stdin and stdout:
+and reads itself, and its arguments GRACE SILENCE COMMAND [CLEANUP], from the first line of its
+stdin (harness.node.boot), so it imports nothing but the standard library (not even
+site-packages): hosts need Python, not the harness. The protocol, on the rest of its stdin and
+on its stdout:
 - `TERM` from the controller: SIGTERM to the node's process group;
 - `KILL`: SIGKILL to the group, then a sweep of every process whose environment carries this
   run's HARNESS_RUN_ID, NODE_RANK and HARNESS_ATTEMPT (torchrun starts its workers in sessions of
@@ -20,8 +22,7 @@ the harness. The protocol, on the agent's own stdin and stdout:
 - stdout carries the node's combined output, then one line `EXIT_MARKER CODE` once the node has
   ended (a negative CODE is the signal that ended it).
 
-The helpers that find a run's processes by its run id (never by a name pattern) live here too, so
-the controller's `harness stop` and the agent sweep the same way.
+The agent finds its node's processes through harness.node.proctable, as `harness stop` does.
 """
 
 from __future__ import annotations
@@ -36,86 +37,11 @@ import sys
 import threading
 import time
 
+from harness.node.proctable import kill_run_processes, process_tree, signal_all
+
 EXIT_MARKER = "\x1eharness-node-exit"
 PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
-
-
-def run_processes(run_id: str, node_rank: str | None = None, attempt: str | None = None) -> list[int]:
-    """PIDs whose environment says they belong to run_id (and node_rank and attempt, when given)."""
-    wanted = {f"HARNESS_RUN_ID={run_id}".encode()}
-    if node_rank is not None:
-        wanted.add(f"NODE_RANK={node_rank}".encode())
-    if attempt is not None:
-        wanted.add(f"HARNESS_ATTEMPT={attempt}".encode())
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                environ = set(handle.read().split(b"\0"))
-        except OSError:
-            continue
-        if wanted <= environ:
-            found.append(int(entry))
-    return found
-
-
-def kill_run_processes(run_id: str, node_rank: str | None = None, attempt: str | None = None,
-                       sig: int = signal.SIGKILL) -> list[int]:
-    """Signal every process of the run (of one node of one attempt, when given); returns the PIDs signalled."""
-    return _signal_all(run_processes(run_id, node_rank, attempt), sig)
-
-
-def _process_tree(pid: int) -> tuple[list[int], list[int]]:
-    """(every living process below pid, pid's dead children), from one reading of the process table."""
-    children: dict[int, list[int]] = {}
-    zombies = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(int(entry))):
-            if fields[0] != b"Z":
-                children.setdefault(int(fields[1]), []).append(int(entry))
-            elif int(fields[1]) == pid:
-                zombies.append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found, zombies
-
-
-def _signal_all(pids: list[int], sig: int) -> list[int]:
-    signalled = []
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-            signalled.append(pid)
-        except (ProcessLookupError, PermissionError):  # gone, or another uid's (e.g. in a container)
-            continue
-    return signalled
-
-
-def _stat(pid: int) -> list[bytes] | None:
-    """Fields of /proc/PID/stat after the command name (state is [0], start time is [19])."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def start_ticks(pid: int) -> int | None:
-    """The kernel's start time of pid: with the pid it identifies a process even after pid reuse."""
-    fields = _stat(pid)
-    return int(fields[19]) if fields else None
-
-
-def is_alive(pid: int, ticks: int | None) -> bool:
-    """The same process (not a reused pid) and still running (an exited, unreaped zombie is not)."""
-    fields = _stat(pid)
-    return fields is not None and ticks is not None and int(fields[19]) == ticks and fields[0] != b"Z"
 
 
 class Agent:
@@ -144,8 +70,8 @@ class Agent:
         agent, which as a subreaper adopts the orphans of double forks that also dropped the run id."""
         deadline = time.monotonic() + SWEEP_SECONDS
         while True:
-            below, dead = _process_tree(os.getpid())
-            killed = kill_run_processes(self.run_id, self.node_rank, self.attempt) + _signal_all(below, signal.SIGKILL)
+            below, dead = process_tree(os.getpid())
+            killed = kill_run_processes(self.run_id, self.node_rank, self.attempt) + signal_all(below, signal.SIGKILL)
             if not killed or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)

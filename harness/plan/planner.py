@@ -29,20 +29,14 @@ STORE_WATCH_ENV = {"TORCH_CPP_LOG_LEVEL": "INFO"}
 
 
 @dataclass(frozen=True)
-class NodePlan:
-    """One torchrun agent: where it runs and exactly what it executes."""
+class Node:
+    """One node of a job: where it runs and which ranks it holds. What the harness knows of a node
+    that a scheduler started (NodePlan: one the harness starts itself)."""
 
     host: str
     address: str
     node_rank: int
     nproc: int
-    argv: tuple[str, ...]
-    env: dict[str, str]
-    workdir: str | None = None
-    ssh: Host | None = field(default=None, compare=False)
-    cleanup: tuple[str, ...] = ()  # run on the host after a forced stop (e.g. remove the node's container)
-    interface: str | None = None  # pinned for gloo and NCCL (see interface_env)
-    setup: str | None = None  # the job's setup: script, run in workdir with env before argv (node_setup.py)
 
     @property
     def ranks(self) -> range:
@@ -52,6 +46,19 @@ class NodePlan:
     @property
     def label(self) -> str:
         return f"node{self.node_rank}"
+
+
+@dataclass(frozen=True)
+class NodePlan(Node):
+    """One torchrun agent: where it runs and exactly what it executes."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    workdir: str | None = None
+    ssh: Host | None = field(default=None, compare=False)
+    cleanup: tuple[str, ...] = ()  # run on the host after a forced stop (e.g. remove the node's container)
+    interface: str | None = None  # pinned for gloo and NCCL (see interface_env)
+    setup: str | None = None  # the job's setup: script, run in workdir with env before argv (setup_script.py)
 
 
 @dataclass(frozen=True)
@@ -274,15 +281,22 @@ def job_hosts(spec: JobSpec, inventory: Inventory, down: frozenset[str] = frozen
     if len(hosts) < spec.nnodes:
         raise located(inventory.path, ("hosts",), f"the job needs nnodes={spec.nnodes} hosts but the inventory "
                                                   f"lists {len(hosts)}; add hosts or lower nnodes")
-    healthy = [h for h in hosts if h.name not in down]
-    if len(healthy) < spec.nnodes:
-        names = ", ".join(h.name for h in healthy) or "none"
+    by_name = {host.name: host for host in hosts}
+    names = take_healthy(list(by_name), spec.nnodes, down, what="host(s)", pool="the inventory's",
+                         fix=f"add hosts to {inventory.path} or lower nnodes")
+    return [by_name[name] for name in names]
+
+
+def take_healthy(names: list[str], nnodes: int, down: frozenset[str], *, what: str, pool: str, fix: str) -> list[str]:
+    """The first nnodes names that are not down, in order: the ones past nnodes are spares, taken in
+    order when one is down. Else NoSpareHosts, saying what is down and what is left of the pool."""
+    healthy = [name for name in names if name not in down]
+    if len(healthy) < nnodes:
         raise NoSpareHosts(
-            f"host(s) down: {', '.join(sorted(down))}, and no spare left: the job needs nnodes={spec.nnodes} "
-            f"hosts, {len(healthy)} of the inventory's {len(hosts)} are healthy ({names}); "
-            f"add hosts to {inventory.path} or lower nnodes"
+            f"{what} down: {', '.join(sorted(down))}, and no spare left: the job needs nnodes={nnodes} {what[:4]}s, "
+            f"{len(healthy)} of {pool} {len(names)} are healthy ({', '.join(healthy) or 'none'}); {fix}"
         )
-    return healthy[: spec.nnodes]
+    return healthy[:nnodes]
 
 
 def pinned_interface(spec: JobSpec, host: Host, found: Mapping[str, str]) -> str | None:

@@ -14,10 +14,11 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
+from harness.node.boot import BOOT
 from harness.plan.shell import remote_command
 from harness.spec.inventory import Host
+from harness.targets.command import CommandResult, RemoteTimeout
 from harness.targets.slurm.srun import Allocation
-from harness.targets.ssh.transport import CommandResult, RemoteTimeout
 
 
 class CommandProcess:
@@ -58,6 +59,11 @@ class CommandProcess:
             return self._lines.get(timeout=timeout)
         except queue.Empty:
             raise self._timed_out(timeout) from None
+
+    def write(self, data: bytes) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(data.decode())
+        self._proc.stdin.flush()
 
     def close_stdin(self) -> None:
         assert self._proc.stdin is not None
@@ -108,16 +114,18 @@ class CommandLink:
     def start(self, command: str, *, timeout: float) -> CommandProcess:
         return CommandProcess(self, command)
 
-    def run(self, command: str, *, timeout: float) -> CommandResult:
+    def run(self, command: str, *, stdin: bytes = b"", timeout: float) -> CommandResult:
         process = CommandProcess(self, command)
         try:
+            if stdin:
+                process.write(stdin)
             process.close_stdin()
             return process.wait(timeout)
         finally:
             process.close()
 
-    def python_command(self, source: str, args: Sequence[str] = ()) -> str:
-        return remote_command([self._host.python, "-c", source, *args])
+    def python_command(self, args: Sequence[str]) -> str:
+        return remote_command([self._host.python, "-c", BOOT, *args])
 
     def close(self) -> None:
         """Nothing stays open between commands."""

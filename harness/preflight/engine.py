@@ -12,14 +12,15 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from harness.node.boot import BOOT
 from harness.plan.shell import remote_command
 from harness.preflight.checks import majority
 from harness.preflight.remote import Link, Process, on_hosts
 from harness.preflight.report import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
+from harness.targets.command import CommandResult
 from harness.targets.ssh.container import container_argv
-from harness.targets.ssh.transport import CommandResult
 
 # Printed between the engine's answers, so that one command per host tells both apart.
 _SEPARATOR = "--harness-image--"
@@ -126,17 +127,19 @@ class InImage:
     def peer_ip(self) -> str:
         return self._link.peer_ip
 
-    def run(self, command: str, *, timeout: float) -> CommandResult:
-        return self._link.run(command, timeout=timeout)
+    def run(self, command: str, *, stdin: bytes = b"", timeout: float) -> CommandResult:
+        return self._link.run(command, stdin=stdin, timeout=timeout)
 
     def start(self, command: str, *, timeout: float) -> Process:
         return self._link.start(command, timeout=timeout)
 
-    def python_command(self, source: str, args: Sequence[str] = ()) -> str:
+    def python_command(self, args: Sequence[str]) -> str:
+        """The image's Python, with the container's stdin attached: the script arrives there."""
         assert self._spec.image is not None and self._spec.container is not None
-        argv = container_argv(self._spec.image, ["python", "-c", source, *args], {}, self.host.workdir,
+        argv = container_argv(self._spec.image, ["python", "-c", BOOT, *args], {}, self.host.workdir,
                               self._name, node_rank=self._index, gpus=bool(self.host.gpus),
-                              shm_size=self._spec.resources.shm_size, engine=self._spec.container.engine)
+                              shm_size=self._spec.resources.shm_size, engine=self._spec.container.engine,
+                              interactive=True)
         return remote_command(argv)
 
     def close(self) -> None:

@@ -1,8 +1,9 @@
-"""Run this package's self-contained scripts (probe, netcheck) on a host and read their JSON answer.
+"""Run the node-side scripts (harness.node: probe, netcheck) on a host and read their JSON answer.
 
-The script's source travels in the command line (`python -c`), so the host needs no harness install
-and its stdin stays free (netcheck's listener serves until stdin closes). The answer is the one
-stdout line after a marker, so whatever else the host prints (warnings, banners) does not matter.
+A script travels as the first line of its stdin (harness.node.boot), so the host needs no harness
+install, its command line stays short, and the rest of its stdin is its own (netcheck's listener
+serves until stdin closes). The answer is the one stdout line after a marker, so whatever else the
+host prints (warnings, banners) does not matter.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, TypeVar
 
 from harness.errors import HarnessError
+from harness.node.boot import shipped
 from harness.spec.inventory import Host
-from harness.targets.ssh.transport import CommandResult, RemoteTimeout
+from harness.targets.command import CommandResult, RemoteTimeout
 
 MARKER = "HARNESS_PREFLIGHT_ANSWER="
 TORCH_TIMEOUT_FACTOR = 6  # steps that import torch (full probe, collective) get this many `timeout`s
@@ -31,6 +32,8 @@ class Process(Protocol):
     def connection(self) -> Link: ...
 
     def read_line(self, timeout: float) -> str | None: ...
+
+    def write(self, data: bytes) -> None: ...
 
     def close_stdin(self) -> None: ...
 
@@ -48,11 +51,12 @@ class Link(Protocol):
     @property
     def peer_ip(self) -> str: ...
 
-    def run(self, command: str, *, timeout: float) -> CommandResult: ...
+    def run(self, command: str, *, stdin: bytes = b"", timeout: float) -> CommandResult: ...
 
     def start(self, command: str, *, timeout: float) -> Process: ...
 
-    def python_command(self, source: str, args: Sequence[str] = ()) -> str: ...
+    def python_command(self, args: Sequence[str]) -> str:
+        """The shell line that runs this host's Python on BOOT (harness.node.boot) with args."""
 
     def close(self) -> None: ...
 
@@ -61,9 +65,10 @@ class ScriptError(HarnessError):
     """A remote script did not answer: the host's python is missing, crashed, or ran out of time."""
 
 
-def _command(connection: Link, script: ModuleType, args: list[str]) -> str:
-    source = Path(script.__file__ or "").read_text(encoding="utf-8")
-    return connection.python_command(source, [MARKER, *args])
+def _command(connection: Link, script: ModuleType, args: list[str]) -> tuple[str, bytes]:
+    """The command line (it names the script, for `ps`) and the stdin line that carries the script."""
+    name = script.__name__.removeprefix("harness.node.")
+    return connection.python_command([f"harness-{name}"]), shipped(name, [MARKER, *args])
 
 
 def answer_in(text: str) -> dict[str, Any] | None:
@@ -102,7 +107,8 @@ def failure(connection: Link, result: CommandResult) -> ScriptError:
 def run_script(connection: Link, script: ModuleType, args: list[str], *, timeout: float) -> dict[str, Any]:
     """Run script to completion and return its answer, or raise ScriptError saying why there is none."""
     try:
-        result = connection.run(_command(connection, script, args), timeout=timeout)
+        command, program = _command(connection, script, args)
+        result = connection.run(command, stdin=program, timeout=timeout)
     except RemoteTimeout as exc:
         raise ScriptError(f"{connection.host.name}: {script.__name__} gave no answer within {timeout:g}s") from exc
     answer = answer_in(result.stdout)
@@ -113,7 +119,10 @@ def run_script(connection: Link, script: ModuleType, args: list[str], *, timeout
 
 def start_script(connection: Link, script: ModuleType, args: list[str], *, timeout: float) -> Process:
     """Start a script that answers and then keeps running (until its stdin closes)."""
-    return connection.start(_command(connection, script, args), timeout=timeout)
+    command, program = _command(connection, script, args)
+    process = connection.start(command, timeout=timeout)
+    process.write(program)
+    return process
 
 
 def first_answer(process: Process, *, timeout: float) -> dict[str, Any]:

@@ -7,21 +7,19 @@ each has a deadline: connect and network steps `timeout`, the probe `timeout` (f
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
-from harness.node import probe
-from harness.plan.planner import LOCAL_MASTER, job_hosts
+from harness.plan.planner import job_hosts
 from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
 from harness.preflight.collective import collective_checks
-from harness.preflight.command_link import CommandLink, srun_link
+from harness.preflight.command_link import srun_link
 from harness.preflight.engine import InImage, image_checks
 from harness.preflight.interfaces import default_targets, defaults_checks, interface_checks
+from harness.preflight.local import probe_host
 from harness.preflight.ports import network_checks
-from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, ScriptError, on_hosts, run_script
+from harness.preflight.remote import Link, on_hosts
 from harness.preflight.report import Check, Report, Status
 from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
@@ -45,47 +43,6 @@ def _ssh_row(host: Host, result: Connection | Exception, seconds: float) -> Chec
            else "host key verified")
     user = host.user or result.transport.get_username()
     return Check(host.name, "ssh", Status.PASS, f"{user}@{host.address}:{host.port} in {seconds:.2f}s, {key}")
-
-
-def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None, fast: bool,
-                  peers: Mapping[str, str]) -> str:
-    entry = spec.entrypoint if spec else None
-    return json.dumps({
-        "import_torch": not fast,
-        "workdir": workdir,
-        "entrypoint": ({"module": entry.module} if entry.module else {"script": entry.script}) if entry else None,
-        "master_address": master_address,
-        "data_paths": spec.data_paths if spec else [],
-        "peers": dict(peers),
-    })
-
-
-def _probe(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float,
-           peers: Mapping[str, str]) -> dict[str, Any]:
-    limit = timeout if fast else timeout * TORCH_TIMEOUT_FACTOR
-    config = _probe_config(connection.host.workdir, master.address, spec, fast, peers)
-    return run_script(connection, probe, [config], timeout=limit)
-
-
-def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: float = 10.0) -> Report:
-    """The fast checks of the job's files for simulated nodes: the same probe, run here with the nodes'
-    python in their working directory, and the same rows (entrypoint, torch, data_paths) as over SSH."""
-    started = time.monotonic()
-    report = Report(hosts=[{"name": "localhost", "address": LOCAL_MASTER, "master": True}],
-                    job={"name": spec.name, "backend": spec.backend, "nnodes": spec.nnodes,
-                         "master_port": spec.master_port})
-    here = Host(name="localhost", address=LOCAL_MASTER, python=python, workdir=str(workdir))
-    try:
-        facts = _probe(CommandLink(here), here, spec, True, timeout, {})
-    except ScriptError as exc:
-        report.checks.append(Check("localhost", "fingerprint", Status.FAIL, f"probe failed: {exc}",
-                                   "run harness with a Python that has torch"))
-    else:
-        report.facts = {"localhost": facts}
-        rows, report.fingerprint, report.mismatched = fingerprint_checks(report.facts, "localhost")
-        report.checks += rows + data_checks(report.facts, spec.data_paths, "localhost", bool(spec.setup))
-    report.seconds = time.monotonic() - started
-    return report
 
 
 def run_preflight(inventory: Inventory, spec: JobSpec | None = None, *, known_hosts: Path | str | None = None,
@@ -178,7 +135,7 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
         probe_links = {name: InImage(connections[name], spec, i) for i, name in enumerate(ready)}
         fix = f"`{spec.container.engine} run --rm --entrypoint python {spec.image} --version` on the host says why"
     addresses = {name: connection.peer_ip for name, connection in connections.items()}
-    probed = on_hosts(lambda name: _probe(probe_links[name], master, spec, fast, timeout, addresses), probe_links)
+    probed = on_hosts(lambda name: probe_host(probe_links[name], master, spec, fast, timeout, addresses), probe_links)
     facts = {name: answer for name, answer in probed.items() if isinstance(answer, dict)}
     for name, answer in probed.items():
         if not isinstance(answer, dict):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from harness.run.controller import controller_alive
 from harness.run.records import Attempt, RecordError, RunDir, RunState, RunStatus, find_run, list_runs
+from harness.run.stop import controller_alive
 
 
 def live_status(state: RunState) -> RunStatus:

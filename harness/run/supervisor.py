@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from harness.plan.planner import NodePlan
+from harness.plan.planner import Node
 from harness.run import worker_output
 from harness.targets.base import NodeProcess, Outcome
 
@@ -30,7 +30,9 @@ ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 @dataclass
 class NodeRecord:
-    node: NodePlan
+    """One node of an attempt as the controller saw it: its lines, how and when it ended."""
+
+    node: Node
     started: float
     ended: float | None = None
     outcome: Outcome | None = None
@@ -81,7 +83,7 @@ class Supervisor:
 
     grace: float
     out: IO[str] = sys.stdout
-    log_file: Callable[[NodePlan], Path] | None = None
+    log_file: Callable[[Node], Path] | None = None
     quiet_cpp_info: bool = False
     records: list[NodeRecord] = field(default_factory=list)
     first_failure: NodeRecord | None = None

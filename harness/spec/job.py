@@ -278,6 +278,10 @@ def _sbatch_line(value: Any) -> str:
 SlurmName = Annotated[str, PlainValidator(_slurm_name)]
 
 
+# The slurm: keys that are sbatch options of the same name, and `harness launch` flags that override them.
+SLURM_OPTIONS = ("partition", "account", "qos", "time", "constraint")
+
+
 class Slurm(StrictModel):
     """What the job asks of Slurm (`--target slurm`); `harness launch` flags override these.
     python: the interpreter with torch on the compute nodes; workdir: where the job runs there

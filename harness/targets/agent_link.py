@@ -1,7 +1,8 @@
-"""The controller's end of the node agent protocol (node_agent.py), whatever carries the bytes.
+"""The controller's end of the node agent protocol (harness.node.agent), whatever carries the bytes.
 
-A backend starts the agent with `agent_argv` (a local pipe, an SSH channel) and wraps the stream
-in an AgentNode subclass; the supervisor then sees one NodeProcess contract on every backend.
+A target starts the agent with `agent_argv` (a local pipe, an SSH channel, an srun step) and wraps
+the stream in an AgentNode subclass; `start_all` sends the agent itself as the first line of its
+stdin (harness.node.boot), and the supervisor then sees one NodeProcess contract on every target.
 """
 
 from __future__ import annotations
@@ -12,23 +13,29 @@ import subprocess
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
 
 from harness.node.agent import EXIT_MARKER
+from harness.node.boot import BOOT, shipped
 from harness.plan.planner import NodePlan
 from harness.plan.shell import shell_command
 from harness.targets.base import NodeProcess, Outcome
 
-AGENT_SOURCE = (Path(__file__).parents[1] / "node" / "agent.py").read_text(encoding="utf-8")
 OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may take to be read
 PING_SECONDS = 2.0  # how often the controller tells each agent it is still there
 
 
-def agent_argv(python: str, node: NodePlan, grace: float, silence: float) -> list[str]:
+def agent_argv(python: str, node: NodePlan) -> list[str]:
     """The agent under `python -I -S`: no site-packages, so it can only ever use the standard library.
-    silence: seconds without a word from the controller after which the agent stops its node."""
-    return [python, "-I", "-S", "-c", AGENT_SOURCE, *_identity(node).values(), f"{grace:g}", f"{silence:g}",
-            shell_command(node), shlex.join(node.cleanup)]
+    Its code and the node's command come on stdin (agent_program): `ps` shows the run and the node."""
+    return [python, "-I", "-S", "-c", BOOT, "harness-agent", node.env["HARNESS_RUN_ID"], "node",
+            node.env["NODE_RANK"], "attempt", node.env["HARNESS_ATTEMPT"]]
+
+
+def agent_program(node: NodePlan, grace: float, silence: float) -> bytes:
+    """The first line of the agent's stdin: the agent, and what it runs. silence: seconds without a
+    word from the controller after which the agent stops its node."""
+    return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", shell_command(node),
+                             shlex.join(node.cleanup)])
 
 
 def agent_silence(connect_timeout: float) -> float:
@@ -47,12 +54,15 @@ def agent_env(node: NodePlan) -> dict[str, str]:
     return _identity(node)
 
 
-def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode]) -> list[NodeProcess]:
-    """Every node or none: if one cannot start, the ones already started are killed."""
+def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode], grace: float,
+              silence: float) -> list[NodeProcess]:
+    """Every node or none: if one cannot start, the ones already started are killed. Each agent gets
+    its program first (grace: its TERM-to-KILL seconds; silence: see agent_program)."""
     started: list[AgentNode] = []
     try:
         for node in nodes:
             started.append(start(node))
+            started[-1].boot(agent_program(node, grace, silence))
     except BaseException:
         for process in started:
             process.kill()
@@ -107,6 +117,11 @@ class AgentNode(ABC):
             self._agent_lost()
             return Outcome(exit_code=None, error=lost)
         return Outcome.from_returncode(self._exit_code)
+
+    def boot(self, program: bytes) -> None:
+        """Send the agent its program; an agent that died at once is reported by wait(), not here."""
+        with self._send_lock, contextlib.suppress(OSError, EOFError):
+            self._send(program)
 
     def _word(self, word: str) -> None:
         with self._send_lock, contextlib.suppress(OSError, EOFError):  # an ended agent needs no word

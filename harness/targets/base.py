@@ -1,25 +1,32 @@
-"""The backend interface: what every backend implements, and the node process contract.
+"""The two target interfaces, and the node process contract. One run controller drives both
+(harness.run.controller; docs/architecture.md):
 
-Two shapes of backend (docs/architecture.md):
 - controller-supervised (`Backend`): the harness starts every node itself, each under the node
-  agent, and supervises it (local processes, SSH hosts, later srun steps in an allocation);
-- scheduler-owned: a batch system owns the processes (Kubernetes, sbatch), so there is no node
-  to signal. Such a backend will offer `submit(spec, run_id) -> job id`, `describe(job id) ->
-  phase + reason`, `logs(job id) -> lines` and `cancel(job id)`, and the controller follows the
-  job's phase instead of supervising nodes. None exists yet (Kubernetes is render-only).
+  agent, and supervises it (simulated nodes, SSH hosts, srun steps inside an allocation);
+- scheduler-owned (`Scheduler`): a batch system owns the processes (sbatch; Kubernetes next), so
+  there is no node to signal: the controller submits, follows what `describe` says, reads the node
+  logs, and cancels -- the verbs of TorchX's Scheduler.
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from harness.errors import HarnessError
 from harness.plan.planner import NodePlan, Plan
+from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
+
+# The checks a target passes before it starts anything (preflight's fast checks, handed in by whoever
+# builds the target: targets never import preflight). Each raises CheckFailed; nothing is started.
+HostsCheck = Callable[[list[Host], JobSpec], Mapping[str, str]]
+"""Hosts about to run the job -> the network interface found per host name (to pin in the plan)."""
+WorkdirCheck = Callable[[JobSpec, Path], None]
+"""The job's files as seen from one working directory of this machine (simulated nodes)."""
 
 
 @dataclass(frozen=True)
@@ -96,3 +103,55 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release what start opened (connections); the nodes have ended by then. Called after every
         attempt: the next attempt starts afresh."""
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What a scheduler is asked to run, exactly as it will be submitted (a dry run is this value)."""
+
+    text: str  # e.g. the sbatch script
+    file_name: str  # kept under this name in the run directory, and submitted from there
+    nnodes: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A submitted job as its scheduler describes it, in the scheduler's own words where it has them."""
+
+    state: str  # PENDING, RUNNING, COMPLETED, ...
+    reason: str | None  # why it waits, or how it ended; None when nothing holds it
+    attempt: int  # the scheduler's restarts (requeues) so far
+    hosts: tuple[str, ...]  # its nodes in node-rank order, once it has them
+    where: str  # the same in the scheduler's own notation (n[1-2]), as users know it
+    finished: bool
+    succeeded: bool
+    never_starts: str | None = None  # why a pending job can never start
+    exit_code: str | None = None
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """A scheduler-owned target. The run controller calls prepare -> submit, then describe until the
+    job has finished (cancel on a stop), reading every node's log and the scheduler's own output."""
+
+    name: str  # recorded as the run's mode: "slurm"
+
+    def prepare(self, spec: JobSpec, spec_path: Path, run_id: str, run_path: Path) -> Submission:
+        """The submission, checked with the scheduler (it can ever run); nothing is submitted. Raises
+        CheckFailed or UsageError."""
+
+    def submit(self, submission: Submission, path: Path) -> str:
+        """Submit the submission kept at path; the job's id."""
+
+    def describe(self, job_id: str) -> JobStatus: ...
+
+    def own_log(self, run_path: Path, job_id: str) -> Path:
+        """Where the scheduler writes its own lines about the job (srun's reports), beside the node logs."""
+
+    def node_outcomes(self, own_lines: list[str], ended: JobStatus | None) -> tuple[dict[int, Outcome], Outcome]:
+        """How the nodes of an attempt ended, from the scheduler's own lines: the nodes it reports by
+        node rank, the first failure first, and how every other node ended (ended: None when the attempt
+        was requeued)."""
+
+    def cancel(self, job_id: str) -> None: ...

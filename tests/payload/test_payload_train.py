@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.node.agent import is_alive
+from harness.node.proctable import is_alive
 from harness.payload import checkpoint
 from harness.payload.model import build
 

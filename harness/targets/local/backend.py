@@ -11,11 +11,11 @@ import os
 import sys
 from pathlib import Path
 
-from harness.node.agent import kill_run_processes
+from harness.node.proctable import kill_run_processes
 from harness.plan.planner import NodePlan, Plan, local_spec, plan_local
 from harness.spec.job import JobSpec
 from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
-from harness.targets.base import CheckFailed, NodeProcess
+from harness.targets.base import NodeProcess, WorkdirCheck
 
 
 def local_gpu_ids(spec: JobSpec) -> list[str]:
@@ -34,8 +34,8 @@ def local_gpu_ids(spec: JobSpec) -> list[str]:
 class LocalAgentNode(ChildAgentNode):
     """The agent as a child process of the controller."""
 
-    def __init__(self, node: NodePlan, grace: float, silence: float, python: str) -> None:
-        super().__init__(node, agent_argv(python, node, grace, silence), os.environ | agent_env(node))
+    def __init__(self, node: NodePlan, python: str) -> None:
+        super().__init__(node, agent_argv(python, node), os.environ | agent_env(node))
 
     def _wait_agent(self) -> str:
         how = self._child_ended()
@@ -60,8 +60,9 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, python: str = sys.executable) -> None:
+    def __init__(self, python: str = sys.executable, check: WorkdirCheck | None = None) -> None:
         self.python = python
+        self._check = check
 
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
@@ -73,21 +74,18 @@ class LocalBackend:
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """A missing script, module or data path fails before any node starts, not as N identical
-        tracebacks: the SSH backend's fast checks, on this machine, in every node's working directory
-        (a relative script is the launch directory's)."""
-        from harness.preflight.runner import run_preflight_local
-
-        checked = local_spec(spec, os.getcwd())
-        for workdir in _workdirs(plan):
-            report = run_preflight_local(checked, self.python, workdir, timeout=spec.timeouts.connect)
-            if not report.ok:
-                raise CheckFailed("preflight failed, nothing was started:\n" + report.render_table())
+        tracebacks: the check handed in (preflight's fast checks), in every node's working directory (a
+        relative script is the launch directory's)."""
+        if self._check is not None:
+            checked = local_spec(spec, os.getcwd())
+            for workdir in _workdirs(plan):
+                self._check(checked, workdir)
         return plan
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         _workdirs(plan)
-        silence = agent_silence(spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: LocalAgentNode(node, spec.timeouts.stop_grace, silence, self.python))
+        return start_all(plan.nodes, lambda node: LocalAgentNode(node, self.python), spec.timeouts.stop_grace,
+                         agent_silence(spec.timeouts.connect))
 
     def close(self) -> None:
         """Nothing to release: each agent's pipes close when it ends."""

@@ -26,7 +26,7 @@ from harness.plan.planner import (
     torchrun_flags,
 )
 from harness.plan.setup_script import setup_script, with_setup
-from harness.spec.job import QUANTITY, JobSpec
+from harness.spec.job import QUANTITY, SLURM_OPTIONS, JobSpec
 
 _NODE, _MASTER, _JOB, _ATTEMPT = "\0node\0", "\0master\0", "\0job\0", "\0attempt\0"
 _SHELL = {_NODE: '"$SLURM_NODEID"', _MASTER: '"$MASTER_ADDR"', _JOB: '"$SLURM_JOB_ID"',
@@ -82,7 +82,7 @@ def sbatch_options(spec: JobSpec, log_dir: Path | None = None) -> list[str]:
     if spec.resources.gpus:
         options.append(f"--gpus-per-node={spec.resources.gpus}")
     slurm = spec.slurm
-    for key in ("partition", "account", "qos", "time", "constraint"):
+    for key in SLURM_OPTIONS:
         if (value := getattr(slurm, key)) is not None:
             options.append(f"--{key}={value}")
     if slurm.workdir is not None:

@@ -9,17 +9,16 @@ record are the controller's, as on every controller-supervised backend.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.plan.planner import NodePlan, NoSpareHosts, Plan, plan_hosts
+from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
+from harness.targets.address import Unresolvable, is_loopback, resolve_ip
 from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
 from harness.targets.base import NodeProcess
 from harness.targets.slurm.client import SlurmClient
@@ -33,14 +32,11 @@ def in_allocation(env: Mapping[str, str]) -> bool:
 def _ipv4(name: str, address: str) -> str:
     """The node's IPv4 address, from Slurm's NodeAddr or, when that is a name, from the resolver."""
     try:
-        ip = str(ipaddress.ip_address(address))
-    except ValueError:
-        try:
-            ip = str(socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0])
-        except OSError as exc:
-            raise UsageError(f"Slurm node {name}: its address {address!r} does not resolve here ({exc}); "
-                             f"fix its DNS or /etc/hosts entry") from None
-    if ipaddress.ip_address(ip).is_loopback:
+        ip, _ = resolve_ip(address, ipv4_only=True)
+    except Unresolvable as exc:
+        raise UsageError(f"Slurm node {name}: its address {address!r} does not resolve here ({exc}); "
+                         f"fix its DNS or /etc/hosts entry") from None
+    if is_loopback(ip):
         raise UsageError(f"Slurm node {name} resolves to {ip}, a loopback address the other nodes cannot reach; "
                          f"fix its /etc/hosts or DNS entry")
     return ip
@@ -49,13 +45,13 @@ def _ipv4(name: str, address: str) -> str:
 class SrunAgentNode(ChildAgentNode):
     """The agent as the one task of an srun step on its node; srun is the controller's child."""
 
-    def __init__(self, node: NodePlan, allocation: Allocation, grace: float, silence: float, python: str) -> None:
+    def __init__(self, node: NodePlan, allocation: Allocation, python: str) -> None:
         # The agent's identity goes to the task only: srun itself, on this machine, must not look like a
         # process of the node to a sweep (the agent sweeps its node's processes when it ends).
         identity = ",".join(f"{key}={value}" for key, value in agent_env(node).items())
         srun = allocation.step(node.host, f"--job-name={node.env['HARNESS_RUN_ID']}-node{node.node_rank}",
                                f"--export=ALL,{identity}")
-        super().__init__(node, [*srun, *agent_argv(python, node, grace, silence)], os.environ)
+        super().__init__(node, [*srun, *agent_argv(python, node)], os.environ)
 
     def _wait_agent(self) -> str:
         how = self._child_ended()
@@ -119,12 +115,9 @@ class SrunBackend:
         nodes = self.allocation.nodes
         if (error := self.allocation.too_small(spec.nnodes)) is not None:
             raise error
-        healthy = [name for name in nodes if name not in down]
-        if len(healthy) < spec.nnodes:
-            raise NoSpareHosts(f"node(s) down: {', '.join(sorted(down))}, and no spare left in allocation "
-                               f"{self.allocation.job_id}: the job needs nnodes={spec.nnodes}, {len(healthy)} of its "
-                               f"{len(nodes)} nodes are healthy")
-        hosts = self.allocation.hosts(healthy[: spec.nnodes], spec)
+        names = take_healthy(nodes, spec.nnodes, down, what="node(s)", pool=f"allocation {self.allocation.job_id}'s",
+                             fix="ask for more nodes (salloc --nodes) or lower nnodes")
+        hosts = self.allocation.hosts(names, spec)
         return plan_hosts(spec, hosts, run_id=run_id, master_ip=hosts[0].address, attempt=attempt)
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
@@ -133,9 +126,8 @@ class SrunBackend:
         return plan
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
-        silence = agent_silence(spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, spec.timeouts.stop_grace,
-                                                                 silence, node.argv[0]))
+        return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, node.argv[0]),
+                         spec.timeouts.stop_grace, agent_silence(spec.timeouts.connect))
 
     def close(self) -> None:
         """Nothing to release: each srun ends with its step."""

@@ -8,8 +8,6 @@ agent stops its node. `container:` wraps every node in `docker run` or `podman r
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -23,8 +21,9 @@ from harness.plan.shell import remote_command
 from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
 from harness.spec.yamlsource import located
+from harness.targets.address import Unresolvable, is_loopback, resolve_ip
 from harness.targets.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
-from harness.targets.base import CheckFailed, NodeProcess
+from harness.targets.base import HostsCheck, NodeProcess
 from harness.targets.ssh.container import in_containers
 from harness.targets.ssh.transport import Connection, connect
 
@@ -35,37 +34,29 @@ def resolve_master_ip(inventory: Inventory, master: Host) -> str:
     """MASTER_ADDR must be an IP: hostnames resolve differently per node (127.0.1.1, IPv6-only)."""
     where = inventory.key_path(master, "address")
     try:
-        ip = ipaddress.ip_address(master.address)
-    except ValueError:
-        pass
-    else:
-        if ip.is_loopback and len(inventory.hosts) > 1:
-            raise located(inventory.path, where, f"the master's address {ip} is loopback; the other hosts cannot "
-                                                 f"reach it there, write the master's routable IP")
-        return str(ip)
-    try:
-        infos = socket.getaddrinfo(master.address, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        reason = getattr(exc, "strerror", None) or exc
+        ip, looked_up = resolve_ip(master.address)
+    except Unresolvable as exc:
         raise located(inventory.path, where, f"master address {short_repr(master.address)} does not resolve "
-                                             f"({reason}); write its IP address") from None
-    ips = sorted({str(info[4][0]) for info in infos}, key=lambda ip: ":" in ip)
-    if ipaddress.ip_address(ips[0]).is_loopback:
-        raise located(inventory.path, where, f"master address {short_repr(master.address)} resolves to loopback "
-                                             f"{ips[0]} here; the other hosts cannot reach that, write the master's "
-                                             f"routable IP")
-    return ips[0]
+                                             f"({exc}); write its IP address") from None
+    if not is_loopback(ip) or (not looked_up and len(inventory.hosts) == 1):
+        return ip
+    if not looked_up:
+        raise located(inventory.path, where, f"the master's address {ip} is loopback; the other hosts cannot "
+                                             f"reach it there, write the master's routable IP")
+    raise located(inventory.path, where, f"master address {short_repr(master.address)} resolves to loopback "
+                                         f"{ip} here; the other hosts cannot reach that, write the master's "
+                                         f"routable IP")
 
 
 class SSHAgentNode(AgentNode):
     """The agent on a remote host, reached through one SSH session channel."""
 
-    def __init__(self, node: NodePlan, connection: Connection, grace: float, silence: float) -> None:
+    def __init__(self, node: NodePlan, connection: Connection) -> None:
         super().__init__(node)
         assert node.ssh is not None
         self._channel = connection.transport.open_session()
         self._channel.set_combine_stderr(True)
-        argv = agent_argv(node.ssh.python, node, grace, silence)
+        argv = agent_argv(node.ssh.python, node)
         self._channel.exec_command(remote_command(argv, env=agent_env(node)))
         self._connection = connection
 
@@ -96,23 +87,24 @@ class SSHAgentNode(AgentNode):
 
 @dataclass(frozen=True)
 class SSHOptions:
-    """How to reach the hosts: host keys (never trusted silently) and whether to preflight first."""
+    """How to reach the hosts: host keys (never trusted silently)."""
 
     known_hosts: str | Path | None = None
     accept_new_host_keys: bool = False
-    preflight: bool = True
 
 
 class SSHBackend:
     """Nodes on the inventory's hosts, master first. Connections may be lent by the caller (preflight's
-    collective reuses its own); lent ones are left open at close."""
+    collective reuses its own); lent ones are left open at close. check: what the hosts must pass
+    before a plan starts on them (preflight's fast checks; None: start without)."""
 
     name = "ssh"
 
     def __init__(self, inventory: Inventory, options: SSHOptions = SSHOptions(),
-                 connections: dict[str, Connection] | None = None) -> None:
+                 connections: dict[str, Connection] | None = None, check: HostsCheck | None = None) -> None:
         self.inventory = inventory
         self.options = options
+        self._check = check
         self._lent = dict(connections or {})
         self._opened: dict[str, Connection] = {}
 
@@ -130,21 +122,13 @@ class SSHBackend:
         return in_containers(plan, spec) if spec.container is not None else plan
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
-        """Preflight's fast checks on the plan's hosts (no torch import, no collective); the plan comes
-        back with the network interface they found per host pinned."""
-        if not self.options.preflight:
+        """The check on the plan's hosts; the plan comes back with the network interface it found per
+        host pinned."""
+        if self._check is None:
             return plan
-        from harness.preflight.runner import run_preflight  # preflight's collective imports this module
-
         hosts = [node.ssh for node in plan.nodes if node.ssh is not None]
-        report = run_preflight(self.inventory.model_copy(update={"hosts": hosts, "master": hosts[0].name}), spec,
-                               known_hosts=self.options.known_hosts,
-                               accept_new_host_keys=self.options.accept_new_host_keys, fast=True,
-                               timeout=spec.timeouts.connect)
-        if not report.ok:
-            raise CheckFailed("preflight failed, nothing was started (use --skip-preflight to launch anyway):\n"
-                              + report.render_table(), hosts=frozenset(c.host for c in report.failures))
-        return self.pinned_plan(spec, plan.run_id, hosts, plan.attempt, report.interfaces, plan.master_addr)
+        interfaces = self._check(hosts, spec)
+        return self.pinned_plan(spec, plan.run_id, hosts, plan.attempt, interfaces, plan.master_addr)
 
     def _connect_all(self, nodes: tuple[NodePlan, ...], timeout: float) -> dict[str, Connection]:
         """A connection per host, opened in parallel; the first error once every attempt has ended."""
@@ -173,9 +157,8 @@ class SSHBackend:
         connections = self._connect_all(plan.nodes, spec.timeouts.connect)
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
-        silence = agent_silence(spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host], spec.timeouts.stop_grace,
-                                                               silence))
+        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host]),
+                         spec.timeouts.stop_grace, agent_silence(spec.timeouts.connect))
 
     def close(self) -> None:
         for connection in self._opened.values():

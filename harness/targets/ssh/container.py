@@ -105,6 +105,7 @@ def container_argv(
     mounts: Sequence[Mount] = (),
     user: str | None = None,
     engine: ContainerEngine = "docker",
+    interactive: bool = False,
 ) -> list[str]:
     """The `docker run` command line that runs argv (e.g. python -m torch.distributed.run ...) in image.
 
@@ -116,7 +117,8 @@ def container_argv(
       paths in the job (data/, checkpoints/) land on the host; None keeps the image's /workspace,
       whose files go with the container;
     - every env entry is passed with --env, values verbatim (no shell is involved);
-    - user (e.g. "1001:1001") runs the job as the owner of workdir instead of the image's uid 1000.
+    - user (e.g. "1001:1001") runs the job as the owner of workdir instead of the image's uid 1000;
+    - interactive keeps the container's stdin open (a preflight script arrives on it).
     """
     if not argv:
         raise ValueError("argv must name the program to run")
@@ -126,6 +128,8 @@ def container_argv(
         f"--label={RUN_ID_LABEL}={run_id}", f"--label={NODE_RANK_LABEL}={node_rank}",
         "--network=host",
     ]
+    if interactive:
+        args.append("--interactive")
     if gpus:
         # Only where the host has GPUs: docker refuses --gpus without the NVIDIA runtime, and an engine
         # that may not raise memlock refuses the ulimit. Pinned memory without a cap is NVIDIA's advice for NCCL.

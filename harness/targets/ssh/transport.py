@@ -20,13 +20,14 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import paramiko
 
 from harness.errors import HarnessError
+from harness.node.boot import BOOT, shipped
 from harness.plan.shell import remote_command
 from harness.spec.inventory import Host
+from harness.targets.command import CommandResult, RemoteTimeout
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 CONNECT_KINDS = (
@@ -38,46 +39,6 @@ _KNOWN_HOSTS_LOCK = threading.Lock()
 # paramiko logs handshake failures through the root logger's last-resort handler; we classify them.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
-# Runs remotely: TERM the process, give it `grace` seconds, then KILL whatever is left of its tree.
-# The tree is taken before the TERM, because children of a dead parent are re-parented and lost.
-_KILL_TREE = """
-import os, signal, sys, time
-root, grace = int(sys.argv[1]), float(sys.argv[2])
-def children():
-    kids = {}
-    for entry in filter(str.isdigit, os.listdir('/proc')):
-        try:
-            with open(f'/proc/{entry}/stat') as f:
-                ppid = int(f.read().rsplit(')', 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        kids.setdefault(ppid, []).append(int(entry))
-    return kids
-def tree(kids, pid):
-    found = [pid]
-    for child in kids.get(pid, []):
-        found += tree(kids, child)
-    return found
-doomed = set(tree(children(), root))
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
-if alive(root):
-    os.kill(root, signal.SIGTERM)
-deadline = time.monotonic() + grace
-while alive(root) and time.monotonic() < deadline:
-    time.sleep(0.05)
-for pid in doomed | set(tree(children(), root)):
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-"""
-
-
 class SSHConnectError(HarnessError):
     """A host could not be reached or authenticated: `kind` (one of CONNECT_KINDS), a reason, the fix."""
 
@@ -88,23 +49,6 @@ class SSHConnectError(HarnessError):
         self.reason = reason
         self.fix = fix
         super().__init__(f"{host.name}: {reason}" + (f"; {fix}" if fix else ""))
-
-
-class RemoteTimeout(HarnessError):
-    """A remote command overran its deadline; it was stopped, and what it printed is kept."""
-
-    def __init__(self, host: Host, command: str, timeout: float, stdout: str, stderr: str) -> None:
-        self.host = host
-        self.command = command
-        self.stdout = stdout
-        self.stderr = stderr
-        super().__init__(f"{host.name}: command did not finish within {timeout:g}s and was stopped: {command[:120]}")
-
-
-class CommandResult(NamedTuple):
-    status: int
-    stdout: str
-    stderr: str
 
 
 def known_hosts_name(address: str, port: int) -> str:
@@ -286,7 +230,7 @@ class Connection:
         channel.exec_command(f"echo {_PID_PREFIX.decode()}$$; exec sh -c {shlex.quote(command)}")
         return RemoteProcess(self, channel, command)
 
-    def run(self, command: str, *, stdin: bytes | str = b"", timeout: float) -> CommandResult:
+    def run(self, command: str, *, stdin: bytes = b"", timeout: float) -> CommandResult:
         """Run command to completion: (exit status, stdout, stderr), or RemoteTimeout once stopped."""
         process = self.start(command, timeout=timeout)
         try:
@@ -297,9 +241,9 @@ class Connection:
         finally:
             process.close()
 
-    def python_command(self, source: str, args: Sequence[str] = (), *, workdir: str | None = None) -> str:
-        """The shell line that runs a Python snippet with this host's interpreter (stdin stays free)."""
-        return remote_command([self.host.python, "-c", source, *args], workdir=workdir)
+    def python_command(self, args: Sequence[str]) -> str:
+        """The shell line that runs this host's Python on BOOT: the program comes on stdin."""
+        return remote_command([self.host.python, "-c", BOOT, *args])
 
     def _ask(self, answered: threading.Event) -> None:
         """sshd answers every global request that wants a reply (this one with "unknown request")."""
@@ -329,8 +273,8 @@ class RemoteProcess:
         self._err = bytearray()
         self._decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(2)]
 
-    def write(self, data: bytes | str) -> None:
-        self.channel.sendall(data.encode() if isinstance(data, str) else data)
+    def write(self, data: bytes) -> None:
+        self.channel.sendall(data)
 
     def close_stdin(self) -> None:
         self.channel.shutdown_write()
@@ -415,8 +359,9 @@ class RemoteProcess:
         """SIGTERM the remote process, SIGKILL its whole tree after grace seconds, close the channel."""
         if self.pid is not None and not self.channel.exit_status_ready() and self.connection.transport.is_active():
             killer = self.connection.start(
-                self.connection.python_command(_KILL_TREE, [str(self.pid), str(grace)]), timeout=grace + 5
+                self.connection.python_command(["harness-kill-tree", str(self.pid)]), timeout=grace + 5
             )
+            killer.write(shipped("kill_tree", [str(self.pid), str(grace)]))
             killer.close_stdin()
             killer._wait_until(time.monotonic() + grace + 5)
             killer.close()

@@ -1,0 +1,153 @@
+"""What each verb of `harness` does with its parsed arguments (cli.py parses and dispatches): build the
+target a run needs, with preflight's checks handed to it, and call the renderer, the run controller,
+status or preflight."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from harness.errors import HarnessError, UsageError
+from harness.run.records import check_run_id, find_run, new_run_id, run_dir, runs_root, write_text_atomic
+from harness.spec.job import SLURM_OPTIONS, JobSpec, Slurm, load_job
+from harness.targets.base import Backend, Scheduler
+
+
+def backend_for(args: argparse.Namespace) -> Backend:
+    """Simulated nodes on this machine without an inventory; SSH hosts with one. Unless
+    --skip-preflight, each is handed preflight's fast checks to pass before it starts nodes."""
+    check = not args.skip_preflight
+    if args.hosts is None:
+        from harness.preflight.local import workdir_gate
+        from harness.targets.local.backend import LocalBackend
+
+        return LocalBackend(sys.executable, check=workdir_gate(sys.executable))
+    from harness.preflight.gates import hosts_gate
+    from harness.spec.inventory import load_inventory
+    from harness.targets.ssh.backend import SSHBackend, SSHOptions
+
+    inventory = load_inventory(args.hosts)
+    options = SSHOptions(known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys)
+    return SSHBackend(inventory, options, check=hosts_gate(inventory, options) if check else None)
+
+
+def scheduler_for(mode: str) -> Scheduler:
+    """The scheduler a run's mode names (the run record keeps the mode)."""
+    if mode != "slurm":
+        raise UsageError(f"no scheduler for runs of mode {mode!r}")
+    from harness.targets.slurm.scheduler import SbatchScheduler
+
+    return SbatchScheduler()
+
+
+def render(args: argparse.Namespace) -> int:
+    if args.flavor is not None and args.target != "k8s":
+        raise UsageError("--flavor is for --target k8s")
+    spec = load_job(args.job)
+    if args.target == "k8s":
+        return _write_manifests(args, spec)
+    if args.out is not None:
+        raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan or a batch script")
+    if args.target == "slurm":
+        from harness.targets.slurm.batch import batch_script
+
+        sys.stdout.write(batch_script(spec, args.job))
+        return 0
+    from harness.plan.render import render_json, render_text
+
+    plan = backend_for(args).plan(spec, check_run_id(args.run_id or spec.name))
+    sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
+    return 0
+
+
+def _write_manifests(args: argparse.Namespace, spec: JobSpec) -> int:
+    from harness.targets.k8s.manifests import code_files, manifests_yaml
+
+    code = code_files(spec, Path.cwd())
+    text = manifests_yaml(spec, Path(args.job).read_text(), args.job, args.flavor or "core", code=code)
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out) / f"{spec.name}.yaml"
+    if out.parent.exists() and not out.parent.is_dir():
+        raise UsageError(f"--out {args.out} is a file; give the directory to write {out.name} into")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out, text)
+    except OSError as exc:
+        raise HarnessError(f"cannot write {out}: {exc.strerror}") from None
+    # Client-side apply copies each object into an annotation, which may hold 256 KiB: too little for code.
+    apply = "kubectl apply --server-side" if code else "kubectl apply"
+    print(f"wrote {out}; apply with: {apply} -f {os.path.join(args.out, '')}")
+    return 0
+
+
+def with_slurm_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:
+    """The spec with `--partition P`-style flags in its slurm: section, validated as the file's values are."""
+    given = {key: value for key in SLURM_OPTIONS if (value := getattr(args, key)) is not None}
+    if given and args.target != "slurm":
+        raise UsageError(f"--{next(iter(given))} is for --target slurm")
+    try:
+        return spec.model_copy(update={"slurm": Slurm.model_validate(spec.slurm.model_dump() | given)})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UsageError(f"--{first['loc'][0]}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def launch(args: argparse.Namespace) -> int:
+    """args.rerun: these arguments as a command line without --detach, which a detached run re-runs."""
+    from harness.run import controller
+
+    spec = with_slurm_flags(load_job(args.job), args)
+    root = runs_root(args.runs_dir)
+    if args.target == "slurm" and args.hosts:
+        raise UsageError("--hosts is for SSH hosts; with --target slurm, Slurm picks the nodes")
+    if args.detach:
+        from harness.run.detach import start_detached
+
+        run = run_dir(root, new_run_id(spec.name))
+        argv = [sys.executable, "-m", "harness.cli", *args.rerun, "--runs-dir", str(root), "--run-id", run.run_id]
+        return start_detached(argv, run)
+    run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
+    return controller.launch(_target(args), spec, Path(args.job), root, run_id)
+
+
+def _target(args: argparse.Namespace) -> Backend | Scheduler:
+    if args.target != "slurm":
+        return backend_for(args)
+    from harness.targets.slurm.srun import Allocation, SrunBackend, in_allocation
+
+    if in_allocation(os.environ):  # salloc, or a batch script: the nodes are ours, as srun steps
+        return SrunBackend(Allocation.from_env(os.environ))
+    return scheduler_for("slurm")
+
+
+def stop(args: argparse.Namespace) -> int:
+    from harness.run.stop import stop_run
+
+    return stop_run(find_run(runs_root(args.runs_dir), args.run_id), args.timeout, scheduler_for)
+
+
+def status(args: argparse.Namespace) -> int:
+    from harness.run.status import status_text
+
+    sys.stdout.write(status_text(runs_root(args.runs_dir), args.run_id))
+    return 0
+
+
+def preflight(args: argparse.Namespace) -> int:
+    from harness.preflight.command import preflight_command
+
+    return preflight_command(args.hosts, args.job, json_out=args.json, collective=args.collective,
+                             accept_new_host_keys=args.accept_new_host_keys, known_hosts=args.known_hosts,
+                             timeout=args.timeout, slurm=args.target == "slurm")
+
+
+def prepare(args: argparse.Namespace) -> int:
+    from harness.payload import prepare
+
+    return prepare.main(args.passthrough)

@@ -1,0 +1,72 @@
+"""How node code reaches a node: on the standard input of the Python that runs it, not on its
+command line, so that `ps` on a node shows a short line naming what runs.
+
+    python [-I -S] -c "$BOOT" LABEL...      stdin: one line (`shipped`), then the program's own input
+
+BOOT reads that one line (byte by byte, so nothing after it is consumed), which holds a module of
+harness.node and the sibling modules it imports, and runs the module as __main__ with the
+arguments the line carries; LABEL is for `ps` only (e.g. the run id and node rank). The rest of
+stdin is the program's: the node agent's protocol, a network check's "stop" at end of file.
+Nothing is written to the node's disk, and the node needs nothing but Python's standard library.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+from pathlib import Path
+
+BOOT = "import sys;exec(sys.stdin.buffer.raw.readline())"
+PACKAGE = "harness.node"
+_HERE = Path(__file__).parent
+
+# Runs on the node, from the shipped line: the siblings become modules of a harness.node package of
+# their own, then the program runs as __main__.
+_LOADER = """
+import sys, types
+for name in ("harness", "harness.node"):
+    sys.modules.setdefault(name, types.ModuleType(name)).__path__ = []
+def load(name, source, as_name):
+    module = types.ModuleType(as_name)
+    module.__file__ = "<shipped harness.node." + name + ">"
+    sys.modules[as_name] = module
+    setattr(sys.modules["harness.node"], name, module)
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+for name, source in SIBLINGS:
+    load(name, source, "harness.node." + name)
+sys.argv = ARGV
+load(MAIN[0], MAIN[1], "__main__")
+"""
+
+
+def siblings(name: str) -> list[str]:
+    """The modules of harness.node that `name` imports, and theirs, dependencies first."""
+    order: list[str] = []
+
+    def visit(module: str) -> None:
+        tree = ast.parse((_HERE / f"{module}.py").read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == PACKAGE:
+                needed = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{PACKAGE}."):
+                needed = [(node.module or "").removeprefix(f"{PACKAGE}.")]
+            else:
+                continue
+            for sibling in needed:
+                if sibling not in order:
+                    visit(sibling)
+                    order.append(sibling)
+
+    visit(name)
+    return order
+
+
+def shipped(name: str, args: Sequence[str]) -> bytes:
+    """The stdin line that runs harness.node.<name> with args under BOOT: one line, since every
+    newline in the sources is escaped by repr."""
+    def source(module: str) -> str:
+        return (_HERE / f"{module}.py").read_text(encoding="utf-8")
+
+    program = (f"SIBLINGS = {[(s, source(s)) for s in siblings(name)]!r}\n"
+               f"ARGV = {[name, *args]!r}\nMAIN = {(name, source(name))!r}\n{_LOADER}")
+    return f"exec({program!r})\n".encode()

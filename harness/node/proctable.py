@@ -1,0 +1,90 @@
+"""The process table, read from /proc: a run's processes by their environment, a process's
+descendants, and a pid's identity across reuse. Standard library only (it is shipped to nodes).
+
+A run's processes are found by the HARNESS_RUN_ID (and NODE_RANK, HARNESS_ATTEMPT) in their
+environment, never by a name pattern: the node agent sweeps its node this way, `harness stop`
+a run whose controller is gone, and the tests what a run left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def run_processes(run_id: str, node_rank: str | None = None, attempt: str | None = None) -> list[int]:
+    """PIDs whose environment says they belong to run_id (and node_rank and attempt, when given)."""
+    wanted = {f"HARNESS_RUN_ID={run_id}".encode()}
+    if node_rank is not None:
+        wanted.add(f"NODE_RANK={node_rank}".encode())
+    if attempt is not None:
+        wanted.add(f"HARNESS_ATTEMPT={attempt}".encode())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = set(handle.read().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= environ:
+            found.append(int(entry))
+    return found
+
+
+def kill_run_processes(run_id: str, node_rank: str | None = None, attempt: str | None = None,
+                       sig: int = signal.SIGKILL) -> list[int]:
+    """Signal every process of the run (of one node of one attempt, when given); returns the PIDs signalled."""
+    return signal_all(run_processes(run_id, node_rank, attempt), sig)
+
+
+def process_tree(pid: int) -> tuple[list[int], list[int]]:
+    """(every living process below pid, pid's dead children), from one reading of the process table."""
+    children: dict[int, list[int]] = {}
+    zombies = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(int(entry))):
+            if fields[0] != b"Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+            elif int(fields[1]) == pid:
+                zombies.append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found, zombies
+
+
+def signal_all(pids: list[int], sig: int) -> list[int]:
+    """Send sig to each pid that still exists and is ours to signal; returns those signalled."""
+    signalled = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+            signalled.append(pid)
+        except (ProcessLookupError, PermissionError):  # gone, or another uid's (e.g. in a container)
+            continue
+    return signalled
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """Fields of /proc/PID/stat after the command name (state is [0], start time is [19])."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """The kernel's start time of pid: with the pid it identifies a process even after pid reuse."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def is_alive(pid: int, ticks: int | None) -> bool:
+    """The same process (not a reused pid) and still running (an exited, unreaped zombie is not)."""
+    fields = _stat(pid)
+    return fields is not None and ticks is not None and int(fields[19]) == ticks and fields[0] != b"Z"

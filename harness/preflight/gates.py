@@ -1,0 +1,28 @@
+"""Preflight's fast checks as the gate SSH hosts pass before any node starts on them: built here and
+handed to the target (targets never import preflight), which calls it on every attempt's plan. The
+gate of simulated nodes is preflight.local.workdir_gate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from harness.preflight.runner import run_preflight
+from harness.spec.inventory import Host, Inventory
+from harness.spec.job import JobSpec
+from harness.targets.base import CheckFailed, HostsCheck
+from harness.targets.ssh.backend import SSHOptions
+
+
+def hosts_gate(inventory: Inventory, options: SSHOptions) -> HostsCheck:
+    """The fast checks (no torch import, no collective) on the hosts an attempt is about to use."""
+
+    def check(hosts: list[Host], spec: JobSpec) -> Mapping[str, str]:
+        report = run_preflight(inventory.model_copy(update={"hosts": hosts, "master": hosts[0].name}), spec,
+                               known_hosts=options.known_hosts, accept_new_host_keys=options.accept_new_host_keys,
+                               fast=True, timeout=spec.timeouts.connect)
+        if not report.ok:
+            raise CheckFailed("preflight failed, nothing was started (use --skip-preflight to launch anyway):\n"
+                              + report.render_table(), hosts=frozenset(c.host for c in report.failures))
+        return report.interfaces
+
+    return check

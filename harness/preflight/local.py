@@ -1,0 +1,74 @@
+"""The probe on one host, and preflight's fast checks for simulated nodes on this machine: the job's
+files seen from each node's working directory, with the rows an SSH host would get. Kept apart from
+the SSH runner so that a local launch loads neither paramiko nor the supervisor."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from harness.node import probe
+from harness.plan.planner import LOCAL_MASTER
+from harness.preflight.checks import data_checks, fingerprint_checks
+from harness.preflight.command_link import CommandLink
+from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, ScriptError, run_script
+from harness.preflight.report import Check, Report, Status
+from harness.spec.inventory import Host
+from harness.spec.job import JobSpec
+from harness.targets.base import CheckFailed, WorkdirCheck
+
+
+def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None, fast: bool,
+                  peers: Mapping[str, str]) -> str:
+    entry = spec.entrypoint if spec else None
+    return json.dumps({
+        "import_torch": not fast,
+        "workdir": workdir,
+        "entrypoint": ({"module": entry.module} if entry.module else {"script": entry.script}) if entry else None,
+        "master_address": master_address,
+        "data_paths": spec.data_paths if spec else [],
+        "peers": dict(peers),
+    })
+
+
+def probe_host(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float,
+           peers: Mapping[str, str]) -> dict[str, Any]:
+    limit = timeout if fast else timeout * TORCH_TIMEOUT_FACTOR
+    config = _probe_config(connection.host.workdir, master.address, spec, fast, peers)
+    return run_script(connection, probe, [config], timeout=limit)
+
+
+def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: float = 10.0) -> Report:
+    """The fast checks of the job's files for simulated nodes: the same probe, run here with the nodes'
+    python in their working directory, and the same rows (entrypoint, torch, data_paths) as over SSH."""
+    started = time.monotonic()
+    report = Report(hosts=[{"name": "localhost", "address": LOCAL_MASTER, "master": True}],
+                    job={"name": spec.name, "backend": spec.backend, "nnodes": spec.nnodes,
+                         "master_port": spec.master_port})
+    here = Host(name="localhost", address=LOCAL_MASTER, python=python, workdir=str(workdir))
+    try:
+        facts = probe_host(CommandLink(here), here, spec, True, timeout, {})
+    except ScriptError as exc:
+        report.checks.append(Check("localhost", "fingerprint", Status.FAIL, f"probe failed: {exc}",
+                                   "run harness with a Python that has torch"))
+    else:
+        report.facts = {"localhost": facts}
+        rows, report.fingerprint, report.mismatched = fingerprint_checks(report.facts, "localhost")
+        report.checks += rows + data_checks(report.facts, spec.data_paths, "localhost", bool(spec.setup))
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def workdir_gate(python: str) -> WorkdirCheck:
+    """The probe's checks of the job's files (entrypoint, torch, data_paths) with the nodes' Python,
+    as the gate a local launch passes before its nodes start."""
+
+    def check(spec: JobSpec, workdir: Path) -> None:
+        report = run_preflight_local(spec, python, workdir, timeout=spec.timeouts.connect)
+        if not report.ok:
+            raise CheckFailed("preflight failed, nothing was started:\n" + report.render_table())
+
+    return check

@@ -1,0 +1,36 @@
+"""`harness launch --detach`: the run's controller in a session of its own, outliving the terminal."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from harness.run.records import RunDir
+
+DETACH_STARTUP_TIMEOUT = 300.0
+
+
+def start_detached(argv: Sequence[str], run: RunDir, timeout: float = DETACH_STARTUP_TIMEOUT) -> int:
+    """Start `harness launch` (argv) in a session of its own, so the run outlives this terminal, and
+    return once its run record exists; if it fails before that, show its output and its exit status."""
+    run.path.mkdir(parents=True)
+    with open(run.controller_log, "w") as log:
+        controller = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not run.state_file.exists() and controller.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not run.state_file.exists():
+        sys.stderr.write(run.controller_log.read_text())
+        if controller.poll() is None:
+            controller.kill()
+        code = controller.wait()
+        shutil.rmtree(run.path, ignore_errors=True)  # no run started: leave no directory `status` cannot list
+        return code
+    print(f"run {run.run_id} started in the background (controller pid {controller.pid})\n"
+          f"  follow: tail -f {run.controller_log}\n  status: harness status {run.run_id}\n"
+          f"  stop:   harness stop {run.run_id}")
+    return 0

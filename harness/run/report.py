@@ -1,0 +1,60 @@
+"""The run's report on the terminal: what the controller says while it runs, and at the end."""
+
+from __future__ import annotations
+
+from typing import IO
+
+from harness.run.records import Failure, RunDir, RunStatus, RunSummary
+
+
+def say(out: IO[str], message: str) -> None:
+    out.write(f"harness: {message}\n")
+    out.flush()
+
+
+def _describe(failure: Failure) -> str:
+    """Where and how: `node 1 (h2, global rank 1): exit code 1 after 3.2 s`, then the class and the
+    evidence when they add to that."""
+    first, last = failure.ranks[0], failure.ranks[-1]
+    who = f"global rank {failure.rank}" if failure.rank is not None else \
+        f"global rank {first}" if first == last else f"global ranks {first}-{last}"
+    text = f"node {failure.node_rank} ({failure.host}, {who}): {failure.description} after {failure.after_s} s"
+    extra = "" if failure.evidence in (failure.description, f"rank {failure.rank} {failure.description}") \
+        else f": {failure.evidence}"
+    return f"{text} ({failure.kind.value}{extra})"
+
+
+def report(out: IO[str], summary: RunSummary, run: RunDir) -> None:
+    if len(summary.attempts) > 1:
+        for attempt in summary.attempts:
+            recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
+            how = f"failed on {_describe(attempt.failures[0])}" if attempt.failures else attempt.status.value
+            say(out, f"attempt {attempt.attempt} on {', '.join(attempt.hosts)}{recovered}: {how}")
+    failure = summary.first_failure
+    if summary.status is RunStatus.SUCCEEDED:
+        warned = "".join(f", but {warning}" for warning in summary.warnings)
+        say(out, f"run {summary.run_id} succeeded in {summary.duration_s} s{warned}; logs in {run.path}/")
+    elif failure is not None:
+        if failure.error is not None:  # what the user must change first: the exception and their own frame
+            say(out, f"run {summary.run_id} FAILED: {failure.error}")
+            if failure.error_at is not None:
+                out.write(f"    at {failure.error_at}\n" + (f"        {failure.error_source}\n"
+                                                           if failure.error_source else ""))
+            say(out, f"first failure on {_describe(failure)}")
+        else:
+            say(out, f"run {summary.run_id} FAILED: first failure on {_describe(failure)}")
+        if failure.hint:
+            say(out, f"hint: {failure.hint}")
+        if summary.reason:
+            say(out, f"not restarted: {summary.reason}")
+        say(out, f"last lines of node{failure.node_rank}" + (f", rank {failure.rank}:" if failure.rank is not None
+                                                             else ":"))
+        for line in failure.last_lines[-10:]:
+            out.write(f"    {line}\n")
+        last = summary.attempts[-1].attempt
+        say(out, f"full logs: {run.log_file(failure.node_rank, last)}; summary: {run.summary_file}")
+    elif summary.reason:
+        say(out, f"run {summary.run_id} FAILED: {summary.reason}")
+    else:
+        say(out, f"run {summary.run_id} {summary.status.value}: every node stopped; logs in {run.path}/")
+    out.flush()

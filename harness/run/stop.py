@@ -1,0 +1,46 @@
+"""`harness stop`: ask a run's controller to stop its nodes, from any terminal; when the controller is
+gone, end what it left directly (the run's processes on this machine, or its scheduler's job)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from harness.node.proctable import is_alive, kill_run_processes
+from harness.run.records import RunDir, RunState, RunStatus
+from harness.targets.base import Scheduler
+
+
+def controller_alive(state: RunState) -> bool:
+    return is_alive(state.controller.pid, state.controller.start_ticks)
+
+
+def stop_run(run: RunDir, timeout: float, scheduler_for: Callable[[str], Scheduler]) -> int:
+    """0 once the run has ended, 1 when its controller did not stop in time. scheduler_for: the run's
+    scheduler by its mode, for a run whose job a scheduler owns."""
+    state = run.read_state()
+    if state.status is not RunStatus.RUNNING:
+        print(f"run {run.run_id} already ended: {state.status.value}")
+        return 0
+    if controller_alive(state):
+        run.stop_marker.touch()
+        os.kill(state.controller.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while controller_alive(state):
+            if time.monotonic() > deadline:
+                print(f"harness: run {run.run_id}: controller {state.controller.pid} did not stop within {timeout} s")
+                return 1
+            time.sleep(0.1)
+        print(f"run {run.run_id} stopped")
+        return 0
+    if state.scheduler_job is not None:  # the batch system owns the processes: it ends them
+        scheduler_for(state.mode).cancel(state.scheduler_job)
+        done = f"cancelled {state.mode.capitalize()} job {state.scheduler_job}"
+    else:
+        done = f"ended {len(kill_run_processes(run.run_id))} leftover process(es)"
+    run.write_state(replace(state, status=RunStatus.STOPPED, ended_at=time.time()))
+    print(f"run {run.run_id}: controller was gone; {done}")
+    return 0
