@@ -14,10 +14,8 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
-from harness.node.boot import BOOT
-from harness.plan.shell import remote_command
 from harness.spec.inventory import Host
-from harness.targets.command import CommandResult, RemoteTimeout
+from harness.targets.command import CommandResult, RemoteTimeout, python_line, run_to_end
 from harness.targets.slurm.srun import Allocation
 
 
@@ -115,17 +113,10 @@ class CommandLink:
         return CommandProcess(self, command)
 
     def run(self, command: str, *, stdin: bytes = b"", timeout: float) -> CommandResult:
-        process = CommandProcess(self, command)
-        try:
-            if stdin:
-                process.write(stdin)
-            process.close_stdin()
-            return process.wait(timeout)
-        finally:
-            process.close()
+        return run_to_end(CommandProcess(self, command), stdin, timeout)
 
     def python_command(self, args: Sequence[str]) -> str:
-        return remote_command([self._host.python, "-c", BOOT, *args])
+        return python_line(self._host.python, args)
 
     def close(self) -> None:
         """Nothing stays open between commands."""

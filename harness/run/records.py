@@ -251,11 +251,6 @@ class RunDir:
     def spec_copy(self) -> Path:
         return self.path / "spec.yaml"
 
-    @property
-    def batch_script(self) -> Path:
-        """What `harness launch --target slurm` submitted."""
-        return self.path / "job.sbatch"
-
     def plan_json(self, attempt: int = 0) -> Path:
         return self.path / f"plan{_attempt_suffix(attempt)}.json"
 

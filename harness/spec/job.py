@@ -369,10 +369,10 @@ class JobSpec(StrictModel):
     `container: {engine: podman}`), so that every host runs identical software whatever it has
     installed. data_paths: files or directories (relative to each node's workdir) that every node
     needs; preflight checks they exist and are identical. setup: shell commands that prepare a node's
-    workdir (e.g. the data) before torchrun starts, once per workdir (node_setup.py). files: more of
+    workdir (e.g. the data) before torchrun starts, once per workdir (plan/setup_script.py). files: more of
     the job's code for Kubernetes pods (files or directories, relative to where `harness render` runs),
-    shipped with a relative entrypoint.script in the job's ConfigMap (k8s.py); other backends run where
-    the code already is.
+    shipped with a relative entrypoint.script in the job's ConfigMap (targets/k8s/manifests.py); other
+    targets run where the code already is.
     """
 
     name: str

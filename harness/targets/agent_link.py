@@ -45,7 +45,7 @@ def agent_silence(connect_timeout: float) -> float:
 
 
 def _identity(node: NodePlan) -> dict[str, str]:
-    """What the node's processes carry in their environment: run, node and attempt (node_agent sweeps)."""
+    """What the node's processes carry in their environment: run, node and attempt (the agent sweeps by them)."""
     return {key: node.env[key] for key in ("HARNESS_RUN_ID", "NODE_RANK", "HARNESS_ATTEMPT")}
 
 

@@ -3,9 +3,12 @@ result, or its overrun."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 from harness.errors import HarnessError
+from harness.node.boot import BOOT
+from harness.plan.shell import remote_command
 from harness.spec.inventory import Host
 
 
@@ -24,3 +27,32 @@ class CommandResult(NamedTuple):
     status: int
     stdout: str
     stderr: str
+
+
+class Started(Protocol):
+    """A command started on a host, whatever carries it."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def close_stdin(self) -> None: ...
+
+    def wait(self, timeout: float) -> CommandResult: ...
+
+    def close(self) -> None: ...
+
+
+def run_to_end(process: Started, stdin: bytes, timeout: float) -> CommandResult:
+    """Feed a started command its whole stdin and wait for its end (RemoteTimeout once stopped)."""
+    try:
+        if stdin:
+            process.write(stdin)
+        process.close_stdin()
+        return process.wait(timeout)
+    finally:
+        process.close()
+
+
+def python_line(python: str, args: Sequence[str]) -> str:
+    """The shell line that runs python on BOOT (harness.node.boot): the program comes on its stdin,
+    args only label it for `ps`."""
+    return remote_command([python, "-c", BOOT, *args])

@@ -1,6 +1,7 @@
 """SSH backend: one node per inventory host, each under the node agent on its host.
 
-The agent is sent as source and run with the host's own Python, so hosts need no harness install.
+The agent is sent on its stdin (harness.node.boot) and run with the host's own Python, so hosts need
+no harness install.
 One SSH session channel per node carries the node's output back, the controller's TERM/KILL words
 there, and the node's exit code back again; a dropped connection closes the agent's stdin, and the
 agent stops its node. `container:` wraps every node in `docker run` or `podman run` (container.py).

@@ -24,10 +24,9 @@ from pathlib import Path
 import paramiko
 
 from harness.errors import HarnessError
-from harness.node.boot import BOOT, shipped
-from harness.plan.shell import remote_command
+from harness.node.boot import shipped
 from harness.spec.inventory import Host
-from harness.targets.command import CommandResult, RemoteTimeout
+from harness.targets.command import CommandResult, RemoteTimeout, python_line, run_to_end
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 CONNECT_KINDS = (
@@ -232,18 +231,10 @@ class Connection:
 
     def run(self, command: str, *, stdin: bytes = b"", timeout: float) -> CommandResult:
         """Run command to completion: (exit status, stdout, stderr), or RemoteTimeout once stopped."""
-        process = self.start(command, timeout=timeout)
-        try:
-            if stdin:
-                process.write(stdin)
-            process.close_stdin()
-            return process.wait(timeout)
-        finally:
-            process.close()
+        return run_to_end(self.start(command, timeout=timeout), stdin, timeout)
 
     def python_command(self, args: Sequence[str]) -> str:
-        """The shell line that runs this host's Python on BOOT: the program comes on stdin."""
-        return remote_command([self.host.python, "-c", BOOT, *args])
+        return python_line(self.host.python, args)
 
     def _ask(self, answered: threading.Event) -> None:
         """sshd answers every global request that wants a reply (this one with "unknown request")."""
