@@ -247,7 +247,7 @@ def plan_local(
     """
     if spec.container is not None:
         raise UsageError("container: true runs nodes in the image over SSH (--hosts); simulated nodes run "
-                         "here directly (or run harness itself in the image, see README)")
+                         "here directly (or run harness itself in the image, see docs/containers.md)")
     nproc, devices = split_local_gpus(spec, gpu_ids)
     workdirs: list[str | None] = [None] * spec.nnodes if cwd is None else list(local_workdirs(spec, cwd))
     if cwd is not None:

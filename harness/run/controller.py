@@ -72,7 +72,7 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_path: Path, runs_roo
                 run.write_state(replace(course.state, status=RunStatus.ERROR, error=str(exc), ended_at=time.time()))
                 course.failed()
                 raise
-        return finish(run, course.state, attempts, stop, reason, out)
+        return _finish(run, course.state, attempts, stop, reason, out)
     finally:
         course.close()
 
@@ -273,8 +273,8 @@ def _not_distributed(attempt: Attempt) -> str | None:
             f"init_process_group reached the rendezvous store at MASTER_ADDR:MASTER_PORT)")
 
 
-def finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threading.Event, reason: str | None,
-            out: IO[str]) -> int:
+def _finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threading.Event, reason: str | None,
+             out: IO[str]) -> int:
     last = attempts[-1] if attempts else None
     if stop.is_set():
         status, code, reason = stopped_status(run), EXIT_INTERRUPTED, None
