@@ -7,9 +7,10 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # System packages the tests need: sshd, network namespaces and firewalls for the multi-host cluster.
 APT_PACKAGES := openssh-server openssh-client iproute2 iptables
-# Only the tests need these: the Slurm cluster of tests/slurm_cluster.py (daemons started by the tests, never at
-# boot); buildah and debootstrap build the image (tests/image/), podman runs it on the namespace hosts.
-TEST_APT_PACKAGES := slurmctld slurmd slurm-client munge buildah debootstrap podman runc conmon catatonit
+# Only the tests need these: the Slurm cluster of testbed/slurm_cluster.py (daemons started by the tests, never
+# at boot); buildah and debootstrap build the image (tests/image/), podman runs it on the namespace hosts; jq is
+# piped into by an example of docs/cli.md that tests/integration/test_doc_examples.py runs.
+TEST_APT_PACKAGES := slurmctld slurmd slurm-client munge buildah debootstrap podman runc conmon catatonit jq
 JOB ?=
 HOSTS ?=
 
@@ -19,7 +20,7 @@ IMAGE ?= harness
 TAG ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' harness/__init__.py)
 IMAGE_FLAGS ?=
 
-.PHONY: setup system-packages test-packages lint test test-gpu launch render k8s image push image-test bench bench-quick bench-gpu lock clean
+.PHONY: setup system-packages test-packages lint test test-fast test-gpu launch render k8s image push image-test bench bench-quick bench-gpu lock clean
 
 setup: system-packages $(STAMP)
 
@@ -54,11 +55,16 @@ $(STAMP): pyproject.toml requirements.lock
 
 # Lint and types first (seconds), then the suite: real hosts, daemons and jobs (minutes).
 lint: setup
-	$(BIN)/ruff check harness tests bench docker
+	$(BIN)/ruff check harness tests bench docker testbed
 	$(BIN)/mypy
 
 test: lint test-packages
 	$(BIN)/python -m pytest
+
+# The unit tier alone (tests/unit, under a minute): no root, daemons, clusters or launches, no lint.
+# `make test` runs it too, with tests/integration (the clusters of testbed/, real launches and training).
+test-fast: setup
+	$(BIN)/python -m pytest tests/unit
 
 # On a CUDA machine: the payload's nccl, bf16, channels_last and compile, `harness launch` on one GPU
 # (tests/gpu; `make test` leaves them out, and each fails where torch sees no GPU).

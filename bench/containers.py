@@ -1,6 +1,6 @@
 """Benchmark 8: what a container costs a node at start-up. The same 2-node job over SSH on 2 sshd hosts
-in network namespaces (tests/cluster.py), each host with podman and the image tests/image/build.sh
-makes (tests/podman_config.py; needs root and `make test-packages`), launched bare (the hosts' Python)
+in network namespaces (testbed/cluster.py), each host with podman and the image tests/image/build.sh
+makes (testbed/podman_config.py; needs root and `make test-packages`), launched bare (the hosts' Python)
 and with `container: {engine: podman}`, interleaved.
 
 - Launch to first step: from the command's start to rank 0's first progress line; both include the
@@ -19,6 +19,8 @@ from typing import Any
 
 from bench import procs
 from bench.launch import FIRST_STEP, PAYLOAD_ARGS, write_job
+from testbed import cluster as cluster_module
+from testbed import podman_config as podman
 
 
 def _launch(job: Path, hosts: Path, known_hosts: Path, runs: Path) -> float:
@@ -37,8 +39,6 @@ def _engine_floor(cluster: Any, image: str) -> float:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    cluster_module = procs.tests_module("cluster")
-    podman = procs.tests_module("podman_config")
     reason = cluster_module.missing_support()
     if reason:
         raise RuntimeError(f"no namespace cluster on this machine: {reason}")

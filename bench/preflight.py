@@ -1,5 +1,5 @@
 """Benchmark 4: preflight fan-out. `harness preflight HOSTS --job JOB` over 1, 4, 16 real sshd hosts
-(tests/cluster.py: network namespaces, each host with a management and a data network, an interface
+(testbed/cluster.py: network namespaces, each host with a management and a data network, an interface
 that routes nowhere and Debian's 127.0.1.1 hostname line), and the fast checks that every
 `harness launch --hosts` runs first (run_preflight(fast=True), no torch import on the hosts).
 
@@ -25,10 +25,10 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from bench import machine, procs
+from testbed import cluster
 
 GIB_PER_HOST = 0.7  # a full probe imports torch on every host at once (about 0.55 GiB each)
 BASELINE = "5829465"  # the last commit before the interface checks (issue 15)
@@ -44,11 +44,6 @@ begun = time.monotonic()
 report = run_preflight(load_inventory(sys.argv[2]), load_job(sys.argv[3]), known_hosts=sys.argv[4], fast=True)
 print(json.dumps({"seconds": time.monotonic() - begun, "report": report.to_json()}))
 """
-
-
-def cluster_module() -> ModuleType:
-    """tests/cluster.py, the namespace-cluster library the tests use (it needs root, iproute2, sshd)."""
-    return procs.tests_module("cluster")
 
 
 def machine_cpu_s() -> float:
@@ -103,7 +98,6 @@ def _failed(report: dict[str, Any]) -> set[str]:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    cluster = cluster_module()
     reason = cluster.missing_support()
     if reason:
         return {"skipped": reason}

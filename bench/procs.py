@@ -8,7 +8,6 @@ exactly what this benchmark started, never anything found by name.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import re
 import shutil
@@ -22,20 +21,11 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import ModuleType
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "NODE_RANK", "NNODES", "NPROC_PER_NODE")
-
-
-def tests_module(name: str) -> ModuleType:
-    """A helper library of tests/ (cluster, slurm_cluster, ...): the hosts the tests build, for benchmarks."""
-    tests = str(REPO / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    return importlib.import_module(name)
 
 
 _scratch: Path | None = None

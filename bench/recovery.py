@@ -2,7 +2,7 @@
 how long from the kill to the first training step of the next attempt, and where that time goes.
 
 Two failures: on simulated nodes, rank 1's worker is SIGKILLed (as the OOM killer would); on a
-3-host namespace cluster (tests/cluster.py, needs root), every process of h2 is SIGKILLed, sshd
+3-host namespace cluster (testbed/cluster.py, needs root), every process of h2 is SIGKILLed, sshd
 included, so the spare h3 takes its place. The phases come from the arrival times of the lines the
 harness and rank 0 print (bench/procs.Proc):
   detection   kill -> `harness: node1 ... failed`
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
-from bench.preflight import cluster_module
+from testbed.cluster import missing_support, namespace_cluster
 
 STEP = re.compile(r"\[rank0\]: epoch \d+/\d+ step (\d+)/(\d+) ")
 RESUMED = re.compile(r"\[rank0\]: resume: epoch \d+ step (\d+) ")
@@ -100,8 +100,7 @@ def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
 
 @contextmanager
 def _cluster() -> Iterator[Any]:
-    module = cluster_module()
-    with module.namespace_cluster(3) as cluster:
+    with namespace_cluster(3) as cluster:
         yield cluster
 
 
@@ -118,7 +117,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         runs = [_one(Path(tmp), _worker_of_rank_1, kill_at, every, []) for _ in range(repeats)]
         rows.append(_row("simulated nodes: rank 1's worker SIGKILLed", runs, every))
-        reason = cluster_module().missing_support()
+        reason = missing_support()
         if reason:
             notes.append(f"SSH row left out: {reason}")
         else:

@@ -1,6 +1,6 @@
 """Benchmark 7: Slurm. `harness launch --target slurm` against the same job submitted with plain
 sbatch (the rendered script: what a careful hand-written one does), on a 2-node Slurm cluster of
-network namespaces on this machine (tests/slurm_cluster.py; needs root and `make test-packages`).
+network namespaces on this machine (testbed/slurm_cluster.py; needs root and `make test-packages`).
 
 - Submit to first step: from the command's start to rank 0's first progress line (the harness
   streams it from the node log it polls every 0.5 s; for sbatch, this benchmark polls the output
@@ -23,6 +23,7 @@ from bench import procs
 from bench.launch import FIRST_STEP, PAYLOAD_ARGS, died_at, write_job
 from harness.spec.job import load_job
 from harness.targets.slurm.batch import batch_script
+from testbed.slurm_cluster import FINISHED, SlurmCluster, missing_support
 
 
 def _job(path: Path, kind: str, target: str, args: list[str], env: dict[str, str]) -> Path:
@@ -68,7 +69,7 @@ def _first_step_harness(env: dict[str, str], job: Path, tmp: Path) -> float:
 
 def _job_end(cluster: Any, job_id: int, until: float) -> float | None:
     while time.monotonic() < until:
-        if cluster.job_state(job_id) in procs.tests_module("slurm_cluster").FINISHED:
+        if cluster.job_state(job_id) in FINISHED:
             return time.monotonic()
         time.sleep(0.02)
     return None
@@ -116,11 +117,10 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    module = procs.tests_module("slurm_cluster")
-    reason = module.missing_support()
+    reason = missing_support()
     if reason:
         raise RuntimeError(f"no Slurm cluster on this machine: {reason}")
-    with module.SlurmCluster(2) as cluster, tempfile.TemporaryDirectory(prefix="bench-slurm-") as scratch:
+    with SlurmCluster(2) as cluster, tempfile.TemporaryDirectory(prefix="bench-slurm-") as scratch:
         tmp = Path(scratch)
         env = procs.clean_env(SLURM_CONF=cluster.env["SLURM_CONF"], PATH=cluster.env["PATH"])
         cluster.run(["srun", "--nodes=2", "true"])  # a fresh slurmctld schedules its first job seconds late

@@ -20,8 +20,9 @@ import pytest
 
 from harness.node.proctable import run_processes
 
-# Fixtures for every module: namespace clusters (cluster2/3, slurm_cluster/3), the uninterrupted payload run.
-pytest_plugins = ("cluster", "slurm_cluster", "resume_job")
+# Fixtures for every module: namespace clusters (cluster2/3, slurm_cluster/3, from testbed/), the uninterrupted
+# payload run; each is built when a test first asks for it (tests/unit asks for none), never at import.
+pytest_plugins = ("testbed.cluster", "testbed.slurm_cluster", "resume_job")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,6 +59,11 @@ def harness(*args: str, cwd: Path = REPO, timeout: float = 120,
     """The real `harness` command, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env)
+
+
+# A job that renders on any machine: the hostile-input tests (unit/test_hostile.py,
+# integration/test_hostile_launches.py) edit it.
+DEMO_JOB = "name: demo\nnnodes: 2\nmaster_port: 29400\nentrypoint:\n  module: harness.payload.train\n  args: [--x]\n"
 
 
 JOB = """

@@ -60,6 +60,7 @@ class Agent:
         self._kill_lock = threading.Lock()
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
         self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdin=subprocess.DEVNULL)
+        # A command the OS refuses to run (too long, no /bin/sh) raises here: main() reports it.
 
     def signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -125,7 +126,13 @@ class Agent:
 def main(argv: list[str]) -> None:
     run_id, node_rank, attempt, grace, silence, command = argv[:6]
     cleanup = argv[6] if len(argv) > 6 else ""
-    code = Agent(run_id, node_rank, attempt, float(grace), float(silence), command, cleanup).run()
+    try:
+        agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), command, cleanup)
+    except OSError as exc:
+        sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
+        code = 127
+    else:
+        code = agent.run()
     try:
         sys.stdout.write(f"{EXIT_MARKER} {code}\n")
         sys.stdout.flush()

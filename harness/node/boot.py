@@ -20,17 +20,15 @@ BOOT = "import sys;exec(sys.stdin.buffer.raw.readline())"
 PACKAGE = "harness.node"
 _HERE = Path(__file__).parent
 
-# Runs on the node, from the shipped line: the siblings become modules of a harness.node package of
-# their own, then the program runs as __main__.
+# Runs on the node, from the shipped line: each sibling becomes the module harness.node.NAME (and no
+# harness package is made up: a probe must still find the node's real one), then the program runs as
+# __main__. Node code therefore imports its siblings as `from harness.node.NAME import ...`.
 _LOADER = """
 import sys, types
-for name in ("harness", "harness.node"):
-    sys.modules.setdefault(name, types.ModuleType(name)).__path__ = []
 def load(name, source, as_name):
     module = types.ModuleType(as_name)
     module.__file__ = "<shipped harness.node." + name + ">"
     sys.modules[as_name] = module
-    setattr(sys.modules["harness.node"], name, module)
     exec(compile(source, module.__file__, "exec"), module.__dict__)
 for name, source in SIBLINGS:
     load(name, source, "harness.node." + name)
@@ -46,14 +44,14 @@ def siblings(name: str) -> list[str]:
     def visit(module: str) -> None:
         tree = ast.parse((_HERE / f"{module}.py").read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == PACKAGE:
-                needed = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{PACKAGE}."):
-                needed = [(node.module or "").removeprefix(f"{PACKAGE}.")]
-            else:
-                continue
-            for sibling in needed:
-                if sibling not in order:
+            imported = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            for name in imported:
+                if name == PACKAGE or (name.startswith(f"{PACKAGE}.") and not isinstance(node, ast.ImportFrom)):
+                    raise ValueError(f"harness/node/{module}.py: import a sibling as `from {PACKAGE}.NAME import "
+                                     f"...`, which works where it is shipped")
+                sibling = name.removeprefix(f"{PACKAGE}.")
+                if sibling != name and sibling not in order:
                     visit(sibling)
                     order.append(sibling)
 

@@ -5,7 +5,7 @@ flushed and fsynced, renamed over its final name with os.replace and the folder 
 at any moment leaves either the complete new file or none, never a truncated `ckpt-*.pt`.
 
 Test hook: with HARNESS_PAYLOAD_STALL_SAVE=<file name> in the env, writing that checkpoint stops
-halfway through its temporary file and waits to be killed (tests/payload kill a run mid-write).
+halfway through its temporary file and waits to be killed (tests/unit/payload kill a run mid-write).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ stdin (harness.node.boot), and the supervisor then sees one NodeProcess contract
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import shlex
 import subprocess
 import threading
@@ -22,6 +24,8 @@ from harness.targets.base import NodeProcess, Outcome
 
 OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may take to be read
 PING_SECONDS = 2.0  # how often the controller tells each agent it is still there
+# Linux's longest single argument to execve (32 pages of 4 KiB): the node's shell line is one (`sh -c LINE`).
+MAX_ARG_STRLEN = 32 * 4096
 
 
 def agent_argv(python: str, node: NodePlan) -> list[str]:
@@ -34,7 +38,10 @@ def agent_argv(python: str, node: NodePlan) -> list[str]:
 def agent_program(node: NodePlan, grace: float, silence: float) -> bytes:
     """The first line of the agent's stdin: the agent, and what it runs. silence: seconds without a
     word from the controller after which the agent stops its node."""
-    return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", shell_command(node),
+    command = shell_command(node)
+    if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
+        raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
+    return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", command,
                              shlex.join(node.cleanup)])
 
 

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_probe import check_steps_make_no_host_sync, compile_counts
 
 from conftest import Streamed, free_port
+from train_probe import check_steps_make_no_host_sync, compile_counts
 
 pytestmark = pytest.mark.usefixtures("cuda")
 

@@ -142,9 +142,9 @@ check "harness launch jobs/smoke.yaml (2 nodes, gloo) succeeds inside the image"
 
 # The same image under podman, an engine users have: state of its own at a short path (podman 4.3
 # wants a runroot under 50 characters), the build's store as a read-only image store; the settings
-# are the namespace hosts' (tests/podman_config.py says why each is needed on this machine).
+# are the namespace hosts' (testbed/podman_config.py says why each is needed on this machine).
 podman_state=$(mktemp -d /tmp/hxpodman.XXXXXX)
-"$PYTHON" "$repo/tests/podman_config.py" "$podman_state" "$CACHE/storage"
+"$PYTHON" "$repo/testbed/podman_config.py" "$podman_state" "$CACHE/storage"
 export CONTAINERS_CONF=$podman_state/containers.conf CONTAINERS_STORAGE_CONF=$podman_state/storage.conf \
     CONTAINERS_REGISTRIES_CONF=$podman_state/registries.conf
 

@@ -23,8 +23,7 @@ from harness.preflight.runner import run_preflight
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job
 from harness.targets.ssh.transport import connect
-
-from cluster import Cluster
+from testbed.cluster import Cluster
 
 OLD_TORCH = "2.13.0"
 
@@ -246,16 +245,6 @@ def test_command_accepts_new_host_keys_only_when_asked(cluster2: Cluster, tmp_pa
     out = capsys.readouterr().out
     assert re.search(r"h2 +ssh +PASS +root@\S+:22 in [\d.]+s, new host key SHA256:\S+ added to known_hosts", out)
     assert sorted(known.read_text().splitlines()) == sorted(f"{h.address} {h.host_key}" for h in cluster2.hosts)
-
-
-def test_command_exit_2_for_a_bad_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    hosts = tmp_path / "hosts.yaml"
-    hosts.write_text("hosts:\n  - name: Bad_Name\n    address: 10.250.0.9\n")
-    assert preflight_command(hosts, None, json_out=True, collective=False, accept_new_host_keys=False,
-                             known_hosts=None) == 2
-    captured = capsys.readouterr()
-    assert json.loads(captured.out)["ok"] is False
-    assert f"{hosts}:2:5: hosts[0]: host name must be a DNS-1123 label" in captured.err
 
 
 def test_hostname_resolving_to_loopback_is_a_warning_because_the_launch_pins_the_interface(

@@ -10,8 +10,7 @@ import pytest
 
 from harness.plan.shell import remote_command
 from harness.targets.ssh.transport import RemoteTimeout, SSHConnectError, connect
-
-from cluster import Cluster
+from testbed.cluster import Cluster
 
 
 def _connect(cluster: Cluster, name: str = "h1", *, known_hosts: Path | None = None, timeout: float = 5.0,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import SlurmCluster, missing_support, process_name
+from testbed.slurm_cluster import SlurmCluster, missing_support, process_name
 
 # Each task resolves both nodes by name and opens a TCP connection to the other node's slurmd.
 PROBE = """

@@ -1,15 +1,12 @@
-"""Kubernetes manifests: valid for the real API schemas, consistent, and a working job when run."""
+"""Kubernetes manifests: valid for the real API schemas, consistent with each other and with the
+controllers' failure policies (the pods run as rendered: tests/integration/test_k8s_pods.py)."""
 
 from __future__ import annotations
 
-import base64
 import os
 import re
-import struct
 import subprocess
 import sys
-import sysconfig
-import textwrap
 import typing
 from pathlib import Path
 from typing import Any
@@ -44,6 +41,19 @@ from harness.targets.k8s.manifests import (
 )
 
 from conftest import REPO, free_port, harness
+from k8s_jobs import (
+    SMALL,
+    USER_FILES,
+    USER_JOB,
+    by_kind,
+    docs,
+    in_pod,
+    job_spec,
+    materialize,
+    pod_dns,
+    render_in,
+    write_files,
+)
 
 K8S_VERSION = "1.37.0"
 # The JobSet API: kubeflow-trainer-api 2.3.0 (pinned in the test extra) carries models generated from the
@@ -52,95 +62,6 @@ K8S_VERSION = "1.37.0"
 # (pkg/constants RestartsKey, set as label and annotation on every pod), not in the API types.
 RESTART_ATTEMPT_KEY = "jobset.sigs.k8s.io/restart-attempt"
 DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-SMALL = """
-name: {name}
-nnodes: 2
-backend: gloo
-master_port: {port}
-image: registry.example/harness:0.1.0
-entrypoint:
-  script: {script}
-  args: [--tag, "two words", "$(not-a-var)", "$$", "${{local_rank}}"]
-env:
-  STEPS: "6"
-"""
-# A user's own job, as a directory `harness render` runs in: a DDP script, the module beside it and its
-# configs (text and binary), listed under files:. Pods get it from the ConfigMap alone.
-USER_FILES = {
-    "train.py": textwrap.dedent("""\
-        import importlib.util
-        import json
-        import os
-        import struct
-        import sys
-        from pathlib import Path
-
-        import torch
-        import torch.distributed as dist
-
-        from model import build  # model.py, beside this script
-
-        here = Path(__file__).parent
-        config = json.loads((here / "configs" / "run.json").read_text())
-        init = struct.unpack("<5f", (here / "configs" / "weights" / "init.bin").read_bytes()[1:])
-        dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        print(f"rank {rank}: harness importable: {importlib.util.find_spec('harness') is not None}; "
-              f"cwd {os.getcwd()}; PYTHONPATH {os.environ.get('PYTHONPATH')}; args {sys.argv[1:]}", flush=True)
-        model = torch.nn.parallel.DistributedDataParallel(build(init))
-        opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
-        target = torch.tensor([1.0, -2.0, 3.0, 0.5])
-        for step in range(config["steps"]):
-            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step * 2 + rank))
-            loss = ((model(x).squeeze(1) - x @ target) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        weights = model.module.weight.detach().flatten().tolist()
-        print(f"rank {rank} final loss {loss.item():.4f} weights {weights}", flush=True)
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(0)  # as tests/scripts/ddp_sum.py: no finalization under a gloo thread
-        """).encode(),
-    "model.py": textwrap.dedent("""\
-        import torch
-
-
-        def build(init):
-            layer = torch.nn.Linear(4, 1)
-            with torch.no_grad():
-                layer.weight.copy_(torch.tensor([init[:4]]))
-                layer.bias.fill_(init[4])
-            return layer
-        """).encode(),
-    "configs/run.json": b'{"steps": 6, "lr": 0.05}\n',
-    "configs/weights/init.bin": b"\xff" + struct.pack("<5f", 0.5, -0.5, 0.25, 1.0, 0.0),  # not UTF-8: binaryData
-}
-USER_JOB = """
-name: own
-nnodes: 2
-backend: gloo
-master_port: {port}
-image: python:3.11-slim
-entrypoint:
-  script: train.py
-  args: [--tag, "two words"]
-files: [model.py, configs/]
-env:
-  PYTHONPATH: /opt/site
-"""
-
-
-def write_files(directory: Path, files: dict[str, bytes]) -> None:
-    for name, content in files.items():
-        (directory / name).parent.mkdir(parents=True, exist_ok=True)
-        (directory / name).write_bytes(content)
-
-
-def docs(spec_path: Path, flavor: str = "core") -> list[dict]:
-    """The manifests `harness render` makes in the spec's directory (its code read from there)."""
-    spec = load_job(spec_path)
-    return render_manifests(spec, spec_path.read_text(), flavor, code=code_files(spec, spec_path.parent))
 
 
 def small(write_yaml, extra: str = "", script: str = "train.py", name: str = "small", port: int = 29500) -> Path:
@@ -149,11 +70,6 @@ def small(write_yaml, extra: str = "", script: str = "train.py", name: str = "sm
     if not script.startswith("/"):
         (path.parent / script).write_text("print('hello')\n")
     return path
-
-
-def render_in(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`harness render` run in directory (where the job's code is), with this checkout's harness."""
-    return harness("render", *args, cwd=directory, env=os.environ | {"PYTHONPATH": str(REPO)})
 
 
 def cifar(flavor: str) -> list[dict]:
@@ -169,26 +85,6 @@ def template_as_job(jobset: dict) -> dict:
     name = f"{jobset['metadata']['name']}-{replicated['name']}-0"
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, **replicated["template"]["metadata"]},
             "spec": replicated["template"]["spec"]}
-
-
-def by_kind(objects: list[dict]) -> dict[str, dict]:
-    return {o["kind"]: o for o in objects}
-
-
-def pod_dns(objects: list[dict], index: int) -> str:
-    """Pod `index`'s DNS name as the cluster makes it: hostname (core: the Job's pod hostname
-    `<job>-<index>`; JobSet: `<jobset>-<replicatedJob>-<jobIndex>-<index>`) + its Service (subdomain)."""
-    kinds = by_kind(objects)
-    if "JobSet" in kinds:
-        jobset = kinds["JobSet"]
-        hostname = f"{jobset['metadata']['name']}-{jobset['spec']['replicatedJobs'][0]['name']}-0-{index}"
-        return f"{hostname}.{jobset['spec']['network']['subdomain']}"
-    return f"{kinds['Job']['metadata']['name']}-{index}.{kinds['Service']['metadata']['name']}"
-
-
-def job_spec(objects: list[dict]) -> dict:
-    kinds = by_kind(objects)
-    return kinds["Job"]["spec"] if "Job" in kinds else kinds["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]
 
 
 def test_committed_manifests_match_a_fresh_render():
@@ -504,114 +400,6 @@ def test_cli_flavor_usage_errors(write_yaml, args, message):
     assert result.returncode == 2 and message in result.stderr and result.stdout == ""
 
 
-def kubelet_expand(text: str, env: dict[str, str]) -> str:
-    """The kubelet's $(VAR) expansion: `$$` is a literal `$`, unknown references stay as written."""
-    out, i = [], 0
-    while i < len(text):
-        if text.startswith("$$", i):
-            out.append("$")
-            i += 2
-        elif text.startswith("$(", i) and (end := text.find(")", i)) != -1:
-            name = text[i + 2:end]
-            out.append(env.get(name, text[i:end + 1]))
-            i = end + 1
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
-
-
-def materialize(objects: list[dict], root: Path) -> dict[str, str]:
-    """What the kubelet writes for the pod's ConfigMap volume: every item's value at its path under the
-    mount, here under root. Returns mount path -> the directory standing for it."""
-    configmap = by_kind(objects)["ConfigMap"]
-    pod = job_spec(objects)["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    mounts = {}
-    for mount in pod["containers"][0]["volumeMounts"]:
-        source = volumes[mount["name"]].get("configMap")
-        if source is None:
-            continue
-        assert source["name"] == configmap["metadata"]["name"] and mount["readOnly"]
-        local = root / mount["mountPath"].lstrip("/")
-        for item in source["items"]:
-            assert not item["path"].startswith("/") and ".." not in item["path"].split("/")  # the API's rules
-            target = local / item["path"]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if item["key"] in configmap["data"]:
-                target.write_bytes(configmap["data"][item["key"]].encode())
-            else:
-                target.write_bytes(base64.b64decode(configmap["binaryData"][item["key"]]))
-        mounts[mount["mountPath"]] = str(local)
-    return mounts
-
-
-def in_pod(text: str, mounts: dict[str, str]) -> str:
-    """text with each mount path swapped for the directory that stands for it here."""
-    for mount_path, local in mounts.items():
-        text = text.replace(mount_path, local)
-    return text
-
-
-def pod_process(container: dict, fields: dict[str, str], master_dns: str,
-                mounts: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """What the kubelet would exec in a pod whose downward-API fields have these values, with the master's
-    DNS name mapped to loopback and the ConfigMap's mount paths to where materialize wrote them."""
-    env: dict[str, str] = {}
-    for entry in container["env"]:
-        if "valueFrom" in entry:
-            env[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
-        else:
-            env[entry["name"]] = kubelet_expand(entry["value"], env)
-    argv = [kubelet_expand(a, env) for a in container["command"] + container["args"]]
-    swap = mounts | {master_dns: "127.0.0.1"}
-    argv = [in_pod(a, swap) for a in argv]
-    env = {k: in_pod(v, swap) for k, v in env.items()}
-    assert container["workingDir"] == "/workspace"
-    return argv, env
-
-
-def run_pods(objects: list[dict], fields: dict[str, str], root: Path, workspace: Path, path: str) -> list[str]:
-    """Both pods as real processes, the worker first (it must wait for the master's port), in workspace
-    (their shared volume) with `python` found on path; their outputs, worker first, once both exit 0."""
-    container = job_spec(objects)["template"]["spec"]["containers"][0]
-    mounts = materialize(objects, root)
-    procs = []
-    try:
-        for index in (1, 0):
-            argv, env = pod_process(container, fields | {COMPLETION_INDEX: str(index)}, pod_dns(objects, 0), mounts)
-            assert env["NODE_RANK"] == str(index)
-            procs.append(subprocess.Popen(argv, env=env | {"PATH": path}, cwd=workspace, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    return outputs
-
-
-@pytest.mark.parametrize("flavor", ["core", "jobset"])
-def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, flavor, tmp_path):
-    """Both pods' command, args and env exactly as written; only the kubelet's substitutions applied. The
-    job's setup runs once on the volume they share (here: one directory)."""
-    script = REPO / "tests/scripts/ddp_sum.py"
-    setup = f"setup:\n  - python -c \"import sys; print('set up by', sys.executable, '{tmp_path}')\"\n"
-    objects = docs(write_yaml(SMALL.format(name="sim", port=free_port(), script=script) + setup), flavor)
-    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `python` is the image's interpreter
-    worker, master = run_pods(objects, {RESTART_ATTEMPT: "1"}, tmp_path / "root", tmp_path, path)
-    container = job_spec(objects)["template"]["spec"]["containers"][0]
-    _, env = pod_process(container, {COMPLETION_INDEX: "1", RESTART_ATTEMPT: "1"}, pod_dns(objects, 0), {})
-    assert env["HARNESS_ATTEMPT"] == {"core": "0", "jobset": "1"}[flavor]
-    assert "waiting for the master's rendezvous port" in worker
-    assert f"set up by {sys.executable} {tmp_path}\n" in master and "harness setup: done before" in worker
-    assert "; args=['--tag', 'two words', '$(not-a-var)', '$$', '${local_rank}']" in master
-    finals = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", master + worker)
-    assert sorted(r for r, _ in finals) == ["0", "1"] and len({w for _, w in finals}) == 1
-
-
 @pytest.mark.parametrize("script, shipped", [
     ("train.py", ["train.py"]),
     ("./sub/train.py", ["sub/train.py"]),
@@ -687,37 +475,3 @@ def test_cli_refuses_missing_or_oversized_code_and_writes_nothing(write_yaml, tm
     assert big.returncode == 2 and f"job.yaml:9:1: files: the ConfigMap own-spec would hold {size} bytes (the spec " \
         f"and 5 shipped file(s)), over Kubernetes' limit of 1048576 (1 MiB); bake the code into the image" in big.stderr
     assert not (tmp_path / "k8s").exists()
-
-
-def plain_python(directory: Path) -> Path:
-    """`python` as a plain Python image with torch installed has it: a venv of this interpreter whose
-    site-packages reaches this one's packages by a path-only .pth line, so that no .pth file there runs
-    (the editable install's finder of the harness is one). Returns its bin directory."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True, timeout=60)
-    site = Path(sysconfig.get_paths(vars={"base": str(directory)})["purelib"])
-    (site / "torch-here.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return directory / "bin"
-
-
-def test_a_user_script_shipped_by_the_renderer_runs_in_an_image_without_the_harness(tmp_path):
-    """The user's directory -> `harness render` there -> what the kubelet makes of the ConfigMap -> both pods,
-    run with an interpreter that has torch but cannot import the harness, on a workspace that starts empty."""
-    project, workspace = tmp_path / "project", tmp_path / "workspace"
-    write_files(project, USER_FILES | {"job.yaml": USER_JOB.format(port=free_port()).encode()})
-    workspace.mkdir()
-    rendered = render_in(project, "job.yaml", "--target", "k8s", "--out", "k8s")
-    assert rendered.returncode == 0, rendered.stderr
-    objects = list(yaml.safe_load_all((project / "k8s/own.yaml").read_text()))
-    image = plain_python(tmp_path / "image")
-    control = subprocess.run([image / "python", "-c", "import torch, harness"], cwd=workspace, capture_output=True,
-                             text=True, timeout=120)
-    assert "No module named 'harness'" in control.stderr and "torch" not in control.stderr, control.stderr
-    worker, master = run_pods(objects, {}, tmp_path / "root", workspace, f"{image}:{os.environ['PATH']}")
-    assert "waiting for the master's rendezvous port" in worker
-    code = tmp_path / "root/etc/harness/code"
-    for rank, output in (("1", worker), ("0", master)):
-        assert f"rank {rank}: harness importable: False; cwd {workspace}; PYTHONPATH {code}:/opt/site; " \
-               f"args ['--tag', 'two words']" in output, output
-    finals = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", master + worker)
-    assert sorted(r for r, _ in finals) == ["0", "1"] and len({w for _, w in finals}) == 1
-    assert list(workspace.iterdir()) == []  # the volume got no code: it came from the ConfigMap

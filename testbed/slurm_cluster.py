@@ -1,7 +1,7 @@
 """A real Slurm cluster on this machine, for tests: slurmctld and one slurmd per node, each in a namespace.
 
 Every compute node n1..nK is a network namespace on a private bridge (10.250.N.0/24, chosen like
-tests/cluster.py does, so the two kinds of cluster never overlap) with its own address, hostname (UTS
+testbed/cluster.py does, so the two kinds of cluster never overlap) with its own address, hostname (UTS
 namespace) and /etc/hosts naming every node and the controller; slurmctld runs in a namespace of its
 own ("ctl"), because slurmctld and slurmd listen on 0.0.0.0 and would clash with another cluster in the
 root namespace. munged runs in the root namespace with its own key and socket, which every namespace
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, _free_subnet, _ip, _subnet_lock
+from testbed.cluster import Cluster, _free_subnet, _ip, _subnet_lock
 
 DAEMON_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"  # slurmd, slurmctld and munged live in sbin
 TOOLS = ("ip", "iptables", "unshare", "munged", "munge", "slurmctld", "slurmd", "sbatch", "srun", "squeue",
@@ -217,7 +217,8 @@ class SlurmCluster:
             "Waittime=0",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
-            *(f"NodeName={n.name} NodeAddr={n.address} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN" for n in self.nodes),
+            *(f"NodeName={n.name} NodeAddr={n.address} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
+              for n in self.nodes),
             f"PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP",
         ]
         self.conf.write_text("\n".join(lines) + "\n")

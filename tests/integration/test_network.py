@@ -17,12 +17,12 @@ from typing import Any
 
 import yaml
 
-from harness.preflight.runner import run_preflight
 from harness.preflight.report import Check, Report, Status
+from harness.preflight.runner import run_preflight
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job
+from testbed.cluster import Cluster
 
-from cluster import Cluster
 from conftest import SCRIPT, assert_nothing_left, ddp_job, free_port
 
 

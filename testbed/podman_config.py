@@ -6,7 +6,7 @@ Why podman and not a dockerd per host: podman has no daemon, so a host's engine 
 tests/image/build.sh made, in place, as a read-only additional image store: one 6 GB image serves
 all hosts, where each dockerd would need its own loaded copy.
 
-  python podman_config.py DIR [IMAGE_STORE]   writes DIR/containers.conf and DIR/storage.conf
+  python testbed/podman_config.py DIR [IMAGE_STORE]   writes DIR/containers.conf and DIR/storage.conf
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Container jobs for real: podman on every namespace host, the image docker/Dockerfile builds
 (podman_config.image_store), torchrun and gloo inside it.
 
-Each host's podman sees the build's image store read-only (tests/podman_config.py says why podman),
+Each host's podman sees the build's image store read-only (testbed/podman_config.py says why podman),
 so a host "without the image" is one whose storage.conf drops that store.
 """
 
@@ -13,20 +13,16 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import podman_config
 import pytest
-from podman_config import IMAGE, image_store
 
-from harness.preflight.engine import ImageFacts, engine_row, image_facts, inspect_command
-from harness.preflight.report import Status
-from harness.targets.ssh.transport import CommandResult
+from testbed import podman_config
+from testbed.cluster import Cluster, missing_support, namespace_cluster
+from testbed.podman_config import IMAGE, image_store
 
-from cluster import Cluster, missing_support, namespace_cluster
 from conftest import SCRIPT, STOP_GRACE, assert_nothing_left, free_port, harness, stragglers_s, worker_pid
 
 
@@ -203,32 +199,6 @@ def test_preflight_reads_the_versions_inside_the_image(podman_cluster, tmp_path)
     assert report["facts"]["h1"]["cuda"] == labels["harness.cuda"]
     assert report["fingerprint"]["mismatched"] == []
     assert_no_container(podman_cluster)
-
-
-def _engine_answer(engine: str, env: dict[str, str]) -> tuple[ImageFacts, int]:
-    """What preflight's one command per host gets from a real engine CLI on this machine."""
-    result = subprocess.run(["/bin/sh", "-c", inspect_command(engine, IMAGE)], capture_output=True, text=True,
-                            env=env, timeout=60)
-    return image_facts(CommandResult(result.returncode, result.stdout, result.stderr)), result.returncode
-
-
-@pytest.mark.skipif(shutil.which("docker") is None, reason="no docker CLI on this machine")
-def test_a_docker_without_its_daemon_fails_the_engine_check(tmp_path):
-    """The docker CLI pointed at a socket nobody serves (nothing is sent anywhere)."""
-    env = dict(os.environ, DOCKER_HOST=f"unix://{tmp_path}/no-daemon.sock", DOCKER_CONFIG=str(tmp_path))
-    facts, status = _engine_answer("docker", env)
-    row = engine_row("h1", "docker", facts, status)
-    assert row.status is Status.FAIL and facts.version is None and facts.image_id is None
-    assert "docker does not answer: Cannot connect to the Docker daemon" in row.reason
-    assert "is dockerd running" in row.reason and row.fix == "check `docker version` on h1"
-
-
-def test_an_engine_that_is_not_installed_is_named(tmp_path):
-    facts, status = _engine_answer("podman", dict(os.environ, PATH=str(tmp_path)))
-    row = engine_row("h2", "podman", facts, status)
-    assert status == 127 and row.status is Status.FAIL
-    assert row.reason == "podman is not installed (`podman`: command not found)"
-    assert "install podman on h2" in (row.fix or "")
 
 
 def test_a_different_image_under_the_same_name_fails_preflight(podman_cluster, tmp_path):

@@ -22,7 +22,7 @@ from harness.plan.planner import plan_local
 from harness.spec.job import load_job
 from harness.targets.ssh.container import Mount, container_argv, container_name, remove_argv, shm_bytes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 IGNORE_FILE = REPO / "docker" / "Dockerfile.dockerignore"
 LOCK = REPO / "requirements.lock"

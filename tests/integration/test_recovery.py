@@ -1,5 +1,5 @@
-"""Runs that survive failures: classification, restart decisions, real restarts on simulated nodes,
-and lost hosts replaced by spares on a namespace cluster."""
+"""Runs that survive failures, for real: restarts on simulated nodes, and lost hosts replaced by spares
+on a namespace cluster (the rules they follow: tests/unit/test_recovery_rules.py)."""
 
 from __future__ import annotations
 
@@ -8,147 +8,12 @@ import os
 import re
 import signal
 import time
-from collections import deque
 from pathlib import Path
 
-import pytest
+from testbed.cluster import Cluster
 
-from harness.errors import SpecError
-from harness.plan.planner import NodePlan, NoSpareHosts, job_hosts
-from harness.run.records import Attempt, FailureKind, RunStatus
-from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
-from harness.run.supervisor import NodeRecord
-from harness.spec.inventory import load_inventory
-from harness.spec.job import MAX_BACKOFF, Restarts, load_job
-from harness.targets.base import Outcome
-
-from cluster import Cluster
 from conftest import SCRIPT, STOP_GRACE, assert_nothing_left, free_port, harness, worker_pid
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
-
-# --- what a failure is -------------------------------------------------------------------------------
-
-# torchrun's own report for a worker that failed by itself (rank 1 here), as it prints it.
-ROOT_CAUSE = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-22_16:38:57
-  host      : localhost
-  rank      : {rank} (local_rank: 0)
-  exitcode  : {code} (pid: 5990)
-  error_file: <N/A>"""
-GLOO_PEER = ("[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:23772: "
-             "Connection reset by peer.")
-
-
-def record(node_rank: int, outcome: Outcome, ended: float, lines: list[str] = (), *, rank: int | None = None,
-           code: int | None = None) -> NodeRecord:
-    node = NodePlan(host=f"h{node_rank + 1}", address="10.0.0.1", node_rank=node_rank, nproc=1, argv=("x",), env={})
-    tail = list(lines) + (ROOT_CAUSE.format(rank=rank, code=code).splitlines() if rank is not None else [])
-    return NodeRecord(node, started=0.0, ended=ended, outcome=outcome, tail=deque(tail))
-
-
-def test_a_killed_worker_is_infra_and_the_peer_error_it_caused_is_a_consequence():
-    """The peer's gloo error often arrives first; the cause is still the rank killed by SIGKILL."""
-    peer = record(0, Outcome(1), ended=1.0, lines=[GLOO_PEER], rank=0, code=1)
-    killed = record(1, Outcome(1), ended=1.2, rank=1, code=-9)
-    failures = attempt_failures([peer, killed], stopping_since=1.0)
-    assert [(f.record.node.node_rank, f.kind, f.consequence) for f in failures] == [
-        (1, FailureKind.INFRA, False), (0, FailureKind.PROGRAM, True)]
-    assert failures[0].evidence == "rank 1 killed by SIGKILL"
-    assert attempt_kind(failures) is FailureKind.INFRA
-
-
-def test_a_lost_host_is_infra_and_marks_the_host_down():
-    lost = record(1, Outcome(None, error="connection to h2 (10.0.0.2) lost (ssh status -1)"), ended=2.0)
-    [failure] = attempt_failures([lost], stopping_since=None)
-    assert (failure.kind, failure.host_down, failure.evidence) == (FailureKind.INFRA, True, lost.outcome.error)
-
-
-def test_an_exception_is_a_program_failure():
-    raised = record(1, Outcome(1), ended=1.0, lines=["[rank1]: ValueError: bad batch"], rank=1, code=1)
-    [failure] = attempt_failures([raised], stopping_since=None)
-    assert (failure.kind, failure.evidence) == (FailureKind.PROGRAM, "rank 1 exit code 1")
-    assert attempt_kind([failure]) is FailureKind.PROGRAM
-
-
-def test_nodes_the_supervisor_stopped_are_not_failures():
-    """After the stop began, a node without a worker failure of its own only obeyed the stop (torchrun
-    ends with a SignalException on TERM; a KILL after the grace leaves no report at all)."""
-    cause = record(1, Outcome(1), ended=1.0, lines=["[rank1]: ValueError: x"], rank=1, code=1)
-    stopped = record(0, Outcome(1), ended=1.5, lines=[
-        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 5960 got signal: 15"])
-    killed = record(2, Outcome(None, signal=signal.SIGKILL), ended=4.0)
-    failures = attempt_failures([stopped, cause, killed], stopping_since=1.0)
-    assert [f.record.node.node_rank for f in failures] == [1]
-
-
-def test_a_signal_before_the_stop_and_a_rendezvous_timeout_are_infra():
-    killed = record(0, Outcome(None, signal=signal.SIGKILL), ended=0.5)
-    timeout = record(1, Outcome(1), ended=0.6, rank=1, code=1, lines=[
-        "[rank1]: torch.distributed.DistStoreError: Timed out after 901 seconds waiting for clients. 1/2 clients joined."])
-    failures = attempt_failures([killed, timeout], stopping_since=None)
-    assert [(f.kind, f.evidence.split(":")[0]) for f in failures] == [
-        (FailureKind.INFRA, "torchrun killed by SIGKILL"), (FailureKind.INFRA, "rendezvous timed out")]
-
-
-def test_only_lost_peers_means_a_peer_vanished():
-    """Every node reports a lost peer and none a cause: the cause left no trace (a host cut off)."""
-    failures = attempt_failures([record(0, Outcome(1), ended=1.0, lines=[GLOO_PEER], rank=0, code=1)], None)
-    assert attempt_kind(failures) is FailureKind.INFRA
-
-
-def _attempt(kind: FailureKind) -> Attempt:
-    return Attempt(attempt=0, hosts=["h1"], status=RunStatus.FAILED, started_at=0, ended_at=1, nodes=[], failures=[],
-                   kind=kind, down=[], preflight_s=0)
-
-
-@pytest.mark.parametrize(("restarts", "kinds", "expected"), [
-    (Restarts(), [FailureKind.INFRA], "restarts are off"),
-    (Restarts(max=2), [FailureKind.INFRA], None),
-    (Restarts(max=2), [FailureKind.PROGRAM], "the program failed"),
-    (Restarts(max=2, on="any"), [FailureKind.PROGRAM], None),
-    (Restarts(max=2), [FailureKind.INFRA, FailureKind.INFRA], None),
-    (Restarts(max=2), [FailureKind.INFRA] * 3, "every restart is used up (restarts.max: 2)"),
-])
-def test_restart_decision(restarts, kinds, expected):
-    reason = no_restart_reason(restarts, [_attempt(k) for k in kinds])
-    assert reason == expected or (expected is not None and reason is not None and reason.startswith(expected))
-
-
-def test_backoff_doubles_up_to_the_cap():
-    assert [backoff_seconds(Restarts(backoff=5), n) for n in range(3)] == [5, 10, 20]
-    assert backoff_seconds(Restarts(backoff=200), 3) == MAX_BACKOFF
-
-
-# --- the spec and the spares -------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("text", "expected"), [
-    ("max_restarts: 2\n", "job.yaml:4:1: max_restarts: max_restarts (torchrun's per-node restarts) is not used"),
-    ("restarts: {max: -1}\n", "restarts.max: Input should be greater than or equal to 0"),
-    ("restarts: {on: crash}\n", "restarts.on: Input should be 'infra' or 'any'"),
-    ("restarts: {backoff: .inf}\n", "restarts.backoff: expected a finite number of seconds"),
-    ("restarts: {max: 1, retries: 2}\n", "restarts.retries: unknown key 'retries'"),
-])
-def test_bad_restarts_are_located(write_yaml, text, expected):
-    with pytest.raises(SpecError) as caught:
-        load_job(write_yaml("name: a\nnnodes: 2\nentrypoint: {module: m}\n" + text))
-    assert expected in str(caught.value)
-
-
-HOSTS = "hosts:\n" + "".join(f"  - {{name: h{i}, address: 10.0.0.{i}}}\n" for i in range(1, 5))
-
-
-def test_spares_take_the_place_of_down_hosts_in_file_order(write_yaml):
-    spec = load_job(write_yaml("name: a\nnnodes: 2\nentrypoint: {module: m}\n"))
-    inventory = load_inventory(write_yaml(HOSTS, "hosts.yaml"))
-    assert [h.name for h in job_hosts(spec, inventory)] == ["h1", "h2"]
-    assert [h.name for h in job_hosts(spec, inventory, frozenset({"h2"}))] == ["h1", "h3"]
-    assert [h.name for h in job_hosts(spec, inventory, frozenset({"h1", "h3"}))] == ["h2", "h4"]  # a new master
-    with pytest.raises(NoSpareHosts, match=r"host\(s\) down: h1, h2, h3, and no spare left: .* 1 of the "
-                                           r"inventory's 4 are healthy \(h4\)"):
-        job_hosts(spec, inventory, frozenset({"h1", "h2", "h3"}))
-
 
 # --- real restarts on simulated nodes ----------------------------------------------------------------
 

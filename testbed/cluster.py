@@ -3,14 +3,16 @@
 Every host is a network namespace on a private bridge (10.250.N.0/24, no default route, so nothing
 leaves the machine) with its own address, hostname (UTS namespace), /etc/hosts, resolver (loopback
 only), iptables and Debian sshd. With multi_nic, each host also has a data network (eth1, on a second
-bridge), an interface that routes nowhere (extra0) and Debian's `127.0.1.1 <hostname>` line. The root namespace owns the bridge's .1 address and plays the
-controller. Tests get an ordinary hosts.yaml and known_hosts for it, so SSH, preflight and launch
-run against real TCP, real firewalls and a real sshd. Names carry the pid, so two runs coexist;
-everything is torn down on exit, also when setup or a test fails.
+bridge), an interface that routes nowhere (extra0) and Debian's `127.0.1.1 <hostname>` line. The root
+namespace owns the bridge's .1 address and plays the controller. Tests get an ordinary hosts.yaml and
+known_hosts for it, so SSH, preflight and launch run against real TCP, real firewalls and a real sshd.
+Names carry the pid, so two runs coexist; everything is torn down on exit, also when setup or a test
+fails.
 
-Use from a test module (conftest.py loads this module as a plugin, so its fixtures are everywhere):
+Use from a test module (tests/conftest.py loads this module as a plugin, so its fixtures are
+everywhere; the benchmarks use Cluster directly):
 
-    from cluster import Cluster
+    from testbed.cluster import Cluster
 
     def test_x(cluster2: Cluster, tmp_path):
         hosts = cluster2.write_inventory(tmp_path / "hosts.yaml")
@@ -37,11 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import podman_config
 import pytest
 import yaml
 
 from harness.spec.inventory import Host
+from testbed import podman_config
 
 REPO = Path(__file__).resolve().parents[1]
 SSHD = "/usr/sbin/sshd"
@@ -78,7 +80,7 @@ def _cgroup_mounts() -> str:
     `ip netns exec` mounts a fresh /sys, without /sys/fs/cgroup, and runc cannot start a container
     without the cgroup mounts (`no cgroup mount found in mountinfo`).
     """
-    steps = []
+    steps: list[str] = []
     for line in Path("/proc/1/mounts").read_text().splitlines():
         source, target, kind, options = line.split()[:4]
         if target == "/sys/fs/cgroup" and kind == "tmpfs":

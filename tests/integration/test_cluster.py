@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, missing_support, namespace_cluster
+from testbed.cluster import Cluster, missing_support, namespace_cluster
 
 CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], 22), timeout=3).close(); print('ok')"
 

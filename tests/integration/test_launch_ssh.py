@@ -8,7 +8,8 @@ import signal
 import time
 from pathlib import Path
 
-from cluster import Cluster
+from testbed.cluster import Cluster
+
 from conftest import STOP_GRACE, assert_nothing_left, ddp_job, harness, leftover, stragglers_s, worker_pid
 
 

@@ -21,7 +21,7 @@ from harness.targets.ssh.backend import SSHBackend
 
 from conftest import harness
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 JOB = """
 name: golden
 nnodes: {nnodes}

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
+import harness
 from harness.node import agent, allreduce, netcheck, probe, waitport
 from harness.node.boot import BOOT, shipped, siblings
 from harness.plan.planner import NodePlan
 from harness.targets.agent_link import agent_argv, agent_program
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "harness"
 SEALED = [sys.executable, "-I", "-S"]  # no PYTHONPATH, no cwd, no site-packages
 # What beyond the standard library and harness.node each node module may import: the full probe
@@ -83,7 +84,7 @@ def test_no_import_cycle_anywhere_in_the_harness() -> None:
 
     def visit(module: str, path: list[str]) -> None:
         if module in path:
-            cycle = path[path.index(module):] + [module]
+            cycle = [*path[path.index(module):], module]
             pytest.fail(f"import cycle: {' -> '.join(cycle)}")
         if module in done:
             return
@@ -155,7 +156,7 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ["proctable"]
+    assert siblings("agent") == siblings("kill_tree") == ["proctable"]
     assert siblings("probe") == siblings("netcheck") == []
     assert shipped("agent", ["x"]).count(b"\n") == 1, "the program must be one line: BOOT reads one"
 
@@ -186,6 +187,17 @@ def test_preflight_probe_runs_sealed(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     facts = json.loads(result.stdout.removeprefix("ANSWER="))
     assert (facts["torch"], facts["harness"], facts["workdir_exists"]) == (probe.MISSING, probe.MISSING, True)
+
+
+def test_shipped_code_leaves_the_nodes_own_harness_visible() -> None:
+    """The probe, shipped, still finds the harness of its workdir (no made-up `harness` package hides it)."""
+    config = {"import_torch": False, "workdir": str(REPO), "entrypoint": {"module": "harness.node.allreduce"},
+              "master_address": "127.0.0.1", "data_paths": []}
+    result = subprocess.run([sys.executable, "-c", BOOT, "harness-probe"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60, input=shipped("probe", ["ANSWER=", json.dumps(config)]).decode())
+    facts = json.loads(result.stdout.removeprefix("ANSWER="))
+    assert facts["harness"] == harness.__version__, result.stderr
+    assert facts["payload"]["path"] == str(HARNESS / "node" / "allreduce.py"), facts["payload"]
 
 
 def test_netcheck_runs_sealed(tmp_path: Path) -> None:

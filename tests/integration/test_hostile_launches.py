@@ -1,0 +1,53 @@
+"""Hostile and careless input that gets as far as `harness launch` (the rest: tests/unit/test_hostile.py):
+nothing outlives the run, the program's own exit code is reported, refusals are one line."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from harness.node.proctable import is_alive, start_ticks
+
+from conftest import DEMO_JOB as JOB
+from conftest import REPO, assert_nothing_left, ddp_job, harness
+
+
+def test_a_daemon_that_drops_the_run_id_does_not_outlive_the_run(write_yaml, launch, tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+    text = ddp_job(write_yaml).read_text().replace(str(REPO / "tests" / "scripts" / "ddp_sum.py"),
+                                                   str(REPO / "tests" / "scripts" / "escape.py"))
+    text = re.sub(r"env:.*", f"env: {{DAEMON_PID_FILE: '{pid_file}'}}", text.replace("nnodes: 2", "nnodes: 1"))
+    run = launch(write_yaml(text))
+    assert run.finish() == 0, run.output
+    pid = int(pid_file.read_text())
+    ticks = start_ticks(pid)
+    assert b"HARNESS_RUN_ID" not in Path(f"/proc/{pid}/environ").read_bytes() if ticks else True
+    deadline = time.monotonic() + 10
+    while is_alive(pid, ticks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not is_alive(pid, ticks), f"daemon {pid} outlived its run"
+
+
+def test_a_programs_own_exit_code_is_the_reported_one(write_yaml, launch):
+    run = launch(ddp_job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="2", FAIL_CODE="3"))
+    assert run.finish() == 1, run.output
+    failure = run.summary()["first_failure"]
+    assert (failure["rank"], failure["rank_exit_code"], failure["description"]) == (1, 3, "exit code 3")
+    assert "FAILED: first failure on node 1 (localhost, global rank 1): exit code 3" in run.output
+    assert_nothing_left(run.run_id)
+
+
+def test_an_argument_list_too_long_for_the_os_is_one_line_exit_1(write_yaml, tmp_path):
+    job = write_yaml(JOB.replace("args: [--x]", "args: [" + "a" * 300_000 + "]"))
+    result = harness("launch", str(job), "--runs-dir", str(tmp_path / "runs"))
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().endswith("harness: error: could not start the nodes: Argument list too long")
+    assert "Traceback" not in result.stderr
+
+
+def test_detach_with_a_missing_script_leaves_no_run_directory(write_yaml, tmp_path):
+    job = write_yaml(JOB.replace("module: harness.payload.train", "script: missing.py"))
+    result = harness("launch", str(job), "--detach", "--runs-dir", str(tmp_path / "runs"))
+    assert result.returncode == 1 and "entrypoint missing.py: " in result.stderr and "does not exist" in result.stderr
+    assert list((tmp_path / "runs").iterdir()) == []

@@ -1,0 +1,55 @@
+"""Bring your own script, without running it: its traceback read for the user's own frame, and its
+--local_rank argument as the Slurm and Kubernetes renderers hand it to torchrun (the scripts run through
+`harness launch` for real: tests/integration/test_own_scripts.py)."""
+
+from __future__ import annotations
+
+from harness.run.worker_output import is_cpp_info, normalize, user_error
+from harness.spec.job import load_job
+from harness.targets.k8s.manifests import render_manifests
+from harness.targets.slurm.batch import batch_script
+
+
+def test_the_users_frame_is_the_innermost_outside_the_library():
+    chained = [
+        "Traceback (most recent call last):",
+        '  File "/srv/train.py", line 3, in <module>',
+        "    load()",
+        "KeyError: 'x'",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "/srv/train.py", line 9, in <module>',
+        "    main()",
+        '  File "/srv/model.py", line 40, in forward',
+        "    return self.net(x)",
+        '  File "/usr/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1775, in _call_impl',
+        "    return forward_call(*args, **kwargs)",
+        '  File "<frozen runpy>", line 88, in _run_code',
+        "ValueError: bad shape",
+        "  extra detail",
+    ]
+    error = user_error(chained)
+    assert error is not None
+    assert (error.exception, error.where, error.source) == ("ValueError: bad shape", "/srv/model.py:40, in forward",
+                                                            "return self.net(x)")
+    library_only = ['  File "/opt/venv/lib/python3.11/site-packages/torch/x.py", line 2, in f', "    g()"]
+    only = user_error(["Traceback (most recent call last):", *library_only, "RuntimeError: boom"])
+    assert only is not None and only.where == "/opt/venv/lib/python3.11/site-packages/torch/x.py:2, in f"
+    assert user_error(["no traceback here"]) is None
+    assert normalize("[rank3]: [rank3]: [rank3]: x") == "[rank3]: x"
+    assert normalize("[rank3]: [rank1]: x") == "[rank3]: [rank1]: x"
+    info = "[rank1]: [rank1]:[I1123 05:18:03.275864889 reducer.cpp:1282] Reducer: using regular allocator"
+    assert normalize(info) == "[rank1]: [I1123 05:18:03.275864889 reducer.cpp:1282] Reducer: using regular allocator"
+    assert is_cpp_info(normalize(info)) and not is_cpp_info("[rank1]: [W1123 05:18:01.1 socket.cpp:207] [c10d] x")
+
+
+def test_local_rank_arg_reaches_slurm_and_kubernetes_as_torchruns_macro(write_yaml):
+    """Each backend's own quoting must hand torchrun `${local_rank}` to substitute, and the job's args as written."""
+    spec = load_job(write_yaml("name: byo\nnnodes: 2\nimage: registry.example/own:1\nentrypoint:\n"
+                               "  script: /opt/code/train.py\n  local_rank_arg: --local_rank\n  args: [--lr, $x]\n"))
+    script = batch_script(spec, "job.yaml")
+    assert "  /opt/code/train.py '--local_rank=${local_rank}' --lr '$$x'\n" in script, script
+    container = render_manifests(spec, "", code={})[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][-4:] == ["/opt/code/train.py", "--local_rank=$${local_rank}", "--lr", "$$$$x"]
