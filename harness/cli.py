@@ -31,18 +31,20 @@ def _seconds(text: str) -> float:
 def command_line(verb: argparse.ArgumentParser, args: argparse.Namespace, leave_out: set[str]) -> list[str]:
     """The words that parse back to args under verb's parser: every argument it defines, at its parsed
     value (options only where they differ from their default), but those named in leave_out."""
-    words: list[str] = []
+    options: list[str] = []
+    positionals: list[str] = []
     for action in verb._actions:
         value = getattr(args, action.dest, None)
         if action.dest in leave_out or isinstance(action, argparse._HelpAction) or value == action.default:
             continue
         if not action.option_strings:
-            words.append(str(value))
+            positionals.append(str(value))
         elif isinstance(action, argparse._StoreTrueAction):
-            words.append(action.option_strings[0])
+            options.append(action.option_strings[0])
         else:
-            words.append(f"{action.option_strings[0]}={value}")
-    return words
+            options.append(f"{action.option_strings[0]}={value}")
+    # A positional that looks like an option (a job file named -x.yaml) parses only after `--`.
+    return [*options, *(["--"] if any(word.startswith("-") for word in positionals) else []), *positionals]
 
 
 def parser() -> argparse.ArgumentParser:

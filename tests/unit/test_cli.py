@@ -1,0 +1,59 @@
+"""The command line: every verb documents itself, and a detached launch re-runs exactly the arguments
+it was given (cli.command_line), from the parser's own definition rather than a second list of flags."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from harness import cli
+
+VERBS = ["render", "launch", "stop", "status", "preflight"]
+
+
+def _parsed(argv: list[str]) -> argparse.Namespace:
+    args, rest = cli.parser().parse_known_args(argv)
+    assert rest == []
+    return args
+
+
+def _rerun(argv: list[str]) -> list[str]:
+    args = _parsed(argv)
+    return [args.verb, *cli.command_line(args.verbs.choices[args.verb], args, {"detach", "run_id", "runs_dir"})]
+
+
+@pytest.mark.parametrize("argv", [
+    ["launch", "jobs/smoke.yaml"],
+    ["launch", "job.yaml", "--hosts", "h.yaml", "--known-hosts", "kh", "--accept-new-host-keys", "--skip-preflight"],
+    ["launch", "jobs/cifar.yaml", "--target", "slurm", "--partition", "gpu", "--time", "01:00:00", "--qos=-odd"],
+    ["launch", "a b.yaml", "--hosts=--weird=name.yaml"],
+    ["launch", "--hosts", "h.yaml", "--", "-odd.yaml"],
+])
+def test_a_detached_launch_re_runs_what_it_was_given(argv: list[str]) -> None:
+    detached = [argv[0], "--detach", "--runs-dir", "r", "--run-id", "x", *argv[1:]]
+    given, again = vars(_parsed(detached)), vars(_parsed(_rerun(detached)))
+    left_out = {"detach", "run_id", "runs_dir", "verbs"}  # verbs: the parser itself, not an argument
+    assert {k: v for k, v in again.items() if k not in left_out} == {k: v for k, v in given.items() if k not in left_out}
+    assert "--detach" not in _rerun(detached)
+
+
+def test_a_new_launch_flag_is_re_run_without_being_listed_again() -> None:
+    """The rerun reads the parser: every option the launch verb defines round-trips."""
+    launch = cli.parser()._subparsers._group_actions[0].choices["launch"]
+    options = [a for a in launch._actions if a.option_strings and a.dest not in {"help", "detach", "run_id", "runs_dir"}]
+    assert {a.dest for a in options} >= {"hosts", "known_hosts", "skip_preflight", "target", "partition"}
+    for action in options:
+        value = [] if isinstance(action, argparse._StoreTrueAction) else \
+            [action.choices[-1] if action.choices else "v"]
+        rerun = _rerun(["launch", "j.yaml", action.option_strings[0], *value])
+        assert len(rerun) == 3 and rerun[1].startswith(action.option_strings[0]), (action.dest, rerun)
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_names_itself_in_its_help(verb: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "harness.cli", verb, "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith(f"usage: harness {verb}"), result.stderr
