@@ -37,9 +37,13 @@ BASELINE_FAILS = {"resolve"}  # what today's preflight fails on these hosts: own
 FAST = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from harness.spec.inventory import load_inventory
 from harness.preflight.runner import run_preflight
-from harness.spec.job import load_job
+try:
+    from harness.spec.inventory import load_inventory
+    from harness.spec.job import load_job
+except ImportError:  # a tree from before the layout of issue 27 (BASELINE)
+    from harness.inventory import load_inventory
+    from harness.spec import load_job
 begun = time.monotonic()
 report = run_preflight(load_inventory(sys.argv[2]), load_job(sys.argv[3]), known_hosts=sys.argv[4], fast=True)
 print(json.dumps({"seconds": time.monotonic() - begun, "report": report.to_json()}))
