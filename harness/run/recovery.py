@@ -67,13 +67,17 @@ def node_failure(record: NodeRecord, stopping_since: float | None) -> NodeFailur
     if outcome.signal is not None:
         return NodeFailure(record, rank, code, FailureKind.INFRA, f"torchrun killed by {_signal_name(outcome.signal)}")
     who = f"rank {rank}" if rank is not None else "a worker"
-    if code is not None and code < 0:
-        return NodeFailure(record, rank, code, FailureKind.INFRA, f"{who} killed by {_signal_name(-code)}")
     own = record.last_lines(rank)
+    lost = next((line for line in reversed(own) if PEER_LOST.search(line)), None)
+    if code is not None and code < 0:
+        if -code == signal.SIGABRT and lost:  # gloo aborts a rank whose peer went away: the cause is elsewhere
+            return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} killed by SIGABRT after losing a "
+                               f"peer: {lost.strip()[:200]}", consequence=True)
+        return NodeFailure(record, rank, code, FailureKind.INFRA, f"{who} killed by {_signal_name(-code)}")
     if timeout := next((line for line in reversed(own) if RDZV_TIMEOUT.search(line)), None):
         return NodeFailure(record, rank, code, FailureKind.INFRA, f"rendezvous timed out: {timeout.strip()[:200]}")
     exit_text = f"exit code {code}" if code is not None else outcome.describe()
-    if lost := next((line for line in reversed(own) if PEER_LOST.search(line)), None):
+    if lost:
         return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text} after losing a peer: "
                            f"{lost.strip()[:200]}", consequence=True)
     return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text}")

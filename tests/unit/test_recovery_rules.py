@@ -50,6 +50,19 @@ def test_a_killed_worker_is_infra_and_the_peer_error_it_caused_is_a_consequence(
     assert attempt_kind(failures) is FailureKind.INFRA
 
 
+def test_a_rank_gloo_aborts_after_its_peer_failed_is_a_consequence_not_infra():
+    """Seen on a busy machine: rank 1 exits 1 on purpose; gloo aborts rank 0 (SIGABRT) 30 ms later, before
+    the supervisor's stop. The program failed; rank 0's abort is what followed."""
+    failed = record(1, Outcome(1), ended=1.0, lines=["[rank1]: rank 1 failing on purpose at step 3"], rank=1, code=1)
+    aborted = record(0, Outcome(1), ended=1.03, lines=[GLOO_PEER, "[rank0]: terminate called without an active "
+                                                                  "exception"], rank=0, code=-signal.SIGABRT)
+    failures = attempt_failures([aborted, failed], stopping_since=1.05)
+    assert [(f.record.node.node_rank, f.kind, f.consequence) for f in failures] == [
+        (1, FailureKind.PROGRAM, False), (0, FailureKind.PROGRAM, True)]
+    assert failures[1].evidence.startswith("rank 0 killed by SIGABRT after losing a peer: ")
+    assert attempt_kind(failures) is FailureKind.PROGRAM
+
+
 def test_a_lost_host_is_infra_and_marks_the_host_down():
     lost = record(1, Outcome(None, error="connection to h2 (10.0.0.2) lost (ssh status -1)"), ended=2.0)
     [failure] = attempt_failures([lost], stopping_since=None)
