@@ -64,7 +64,9 @@ def node_failure(record: NodeRecord, stopping_since: float | None) -> NodeFailur
     if rank is None and any(line.startswith(SETUP_FAILED) for line in record.last_lines(None)[-2:]):
         return NodeFailure(record, None, None, FailureKind.PROGRAM, f"the job's setup failed, {outcome.describe()}; "
                                                                     f"torchrun was not started")
-    if outcome.signal is not None:
+    # torchrun killed by a signal is infra, unless the signal is the supervisor's own stop reaching a node
+    # whose worker had already failed: then that worker's end says what happened.
+    if outcome.signal is not None and not (stopped and outcome.signal in (signal.SIGTERM, signal.SIGKILL)):
         return NodeFailure(record, rank, code, FailureKind.INFRA, f"torchrun killed by {_signal_name(outcome.signal)}")
     who = f"rank {rank}" if rank is not None else "a worker"
     own = record.last_lines(rank)

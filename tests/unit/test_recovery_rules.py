@@ -63,6 +63,20 @@ def test_a_rank_gloo_aborts_after_its_peer_failed_is_a_consequence_not_infra():
     assert attempt_kind(failures) is FailureKind.PROGRAM
 
 
+def test_a_node_the_stop_ended_after_gloo_aborted_its_rank_is_a_consequence():
+    """The same race, later: the supervisor's TERM ended node 0's torchrun (SIGTERM) after gloo had aborted
+    its rank 0; torchrun's report names rank 0. The stop's own signal is no infra failure."""
+    failed = record(1, Outcome(1), ended=1.0, lines=["[rank1]: rank 1 failing on purpose at step 3"], rank=1, code=1)
+    lines = [GLOO_PEER, "[rank0]: terminate called without an active exception"]
+    stopped = record(0, Outcome(None, signal=signal.SIGTERM), ended=1.04, lines=lines, rank=0, code=-signal.SIGABRT)
+    failures = attempt_failures([stopped, failed], stopping_since=1.01)
+    assert [(f.record.node.node_rank, f.kind, f.consequence) for f in failures] == [
+        (1, FailureKind.PROGRAM, False), (0, FailureKind.PROGRAM, True)]
+    assert attempt_kind(failures) is FailureKind.PROGRAM
+    killed = record(0, Outcome(None, signal=signal.SIGKILL), ended=0.5, rank=0, code=-signal.SIGKILL)
+    assert attempt_failures([killed], stopping_since=1.01)[0].evidence == "torchrun killed by SIGKILL"
+
+
 def test_a_lost_host_is_infra_and_marks_the_host_down():
     lost = record(1, Outcome(None, error="connection to h2 (10.0.0.2) lost (ssh status -1)"), ended=2.0)
     [failure] = attempt_failures([lost], stopping_since=None)
