@@ -44,9 +44,11 @@ class RunStatus(StrEnum):
 
 class FailureKind(StrEnum):
     """infra: the machines failed the program (a lost host or connection, a signal, a rendezvous that
-    timed out); program: the program itself exited non-zero. `restarts.on: infra` retries only infra."""
+    timed out); hang: the job made no progress for health.stall seconds and was stopped; program: the
+    program itself failed. restarts.on lists the kinds that are retried (spec.job.FAILURE_KINDS)."""
 
     INFRA = "infra"
+    HANG = "hang"
     PROGRAM = "program"
 
 

@@ -107,8 +107,10 @@ def no_restart_reason(restarts: Restarts, attempts: list[Attempt]) -> str | None
     done = len(attempts) - 1
     if restarts.max == 0:
         return "restarts are off (restarts.max: 0)"
-    if last.kind is FailureKind.PROGRAM and restarts.on == "infra":
-        return "the program failed (not the infrastructure), and restarts.on is infra"
+    if last.kind is not None and last.kind not in restarts.on:
+        what = {FailureKind.PROGRAM: "the program failed (not the infrastructure)", FailureKind.HANG: "the job hung",
+                FailureKind.INFRA: "the infrastructure failed"}[last.kind]
+        return f"{what}, and restarts.on is {', '.join(restarts.on)}"
     if done >= restarts.max:
         return f"every restart is used up (restarts.max: {restarts.max})"
     return None

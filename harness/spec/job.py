@@ -230,15 +230,44 @@ def _removed_max_restarts(value: Any) -> None:
     )
 
 
+FAILURE_KINDS = ("infra", "hang", "program")  # how an attempt can fail (run/recovery.py classes it)
+
+
+def _failure_kinds(value: Any) -> tuple[str, ...]:
+    """One kind, `any`, or a list of kinds: the set of failure kinds that are restarted."""
+    expected = f"one of {', '.join(FAILURE_KINDS)} or any, or a list of them, e.g. [infra, hang]"
+    kinds = [value] if isinstance(value, str) else value
+    if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
+        raise ValueError(f"expected {expected}, got {as_written(value)}")
+    if "any" in kinds:
+        return FAILURE_KINDS
+    if unknown := [k for k in kinds if k not in FAILURE_KINDS]:
+        raise ValueError(f"expected {expected}, got {short_repr(unknown[0])}")
+    return tuple(k for k in FAILURE_KINDS if k in kinds)
+
+
 class Restarts(StrictModel):
     """Whole-job restarts by the harness: every node stops, then a new attempt starts (same run id,
     HARNESS_ATTEMPT + 1, a fresh rendezvous) after backoff x 2^(restarts so far) seconds, at most
-    MAX_BACKOFF. on: infra retries only failures of the machines (a lost host or connection, a
-    process killed by a signal, a rendezvous timeout); any also retries a program that exits non-zero."""
+    MAX_BACKOFF. on: the failure kinds that are restarted (normalised to a tuple of FAILURE_KINDS):
+    infra, failures of the machines (a lost host or connection, a process killed by a signal, a
+    rendezvous timeout); hang, a job that made no progress for health.stall seconds; program, a
+    program that fails by itself; any, all three."""
 
     max: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
-    on: Literal["infra", "any"] = "infra"
+    on: Annotated[tuple[str, ...], PlainValidator(_failure_kinds)] = ("infra",)
     backoff: Annotated[Seconds, Field(ge=0, le=MAX_BACKOFF)] = 5
+
+
+class Health(StrictModel):
+    """What the harness watches while a job runs (run/health.py). stall: seconds a rank may make no
+    progress (no CPU time used, in it or its children) before the job counts as hung: every rank's
+    stack is captured, the job stopped and the attempt classed `hang`; 0 turns the watch off. slow: a
+    rank that its peers wait for at least this percentage of the time, for a minute, is named as
+    slow; 0 turns it off."""
+
+    stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
+    slow: Annotated[Seconds, Field(ge=0, le=100)] = 20
 
 
 SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]+", re.ASCII)
@@ -390,6 +419,7 @@ class JobSpec(StrictModel):
     # Kept only to point a spec that still uses it at `restarts` (see _removed_max_restarts).
     max_restarts: Annotated[None, PlainValidator(_removed_max_restarts)] = None
     timeouts: Timeouts = Field(default_factory=Timeouts)
+    health: Health = Field(default_factory=Health)
     container: Annotated[Container | None, BeforeValidator(_container)] = None
     network: Network = Field(default_factory=Network)
     simulated: Simulated = Field(default_factory=Simulated)

@@ -229,11 +229,11 @@ def _core(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped) -
 def _failure_rules(spec: JobSpec) -> list[dict[str, Any]]:
     """restarts.on as JobSet failure-policy rules, read from the Job's failure reason (POD_FAILURE_POLICY).
 
-    any: every failure restarts the set. infra: a program failure (PodFailurePolicy) fails the set,
-    anything else restarts it. Each restart counts against maxRestarts (= restarts.max).
+    program among the kinds: every failure restarts the set. Otherwise a program failure
+    (PodFailurePolicy) fails the set, anything else restarts it (Kubernetes cannot tell a hang). Each restart counts against maxRestarts (= restarts.max).
     """
     restart = {"name": "restartOnFailure", "action": "RestartJobSet"}
-    if spec.restarts.on == "any":
+    if "program" in spec.restarts.on:
         return [restart]
     return [{"name": "failOnProgramFailure", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]},
             restart | {"name": "restartOnInfraFailure"}]
