@@ -5,7 +5,7 @@ controller, a process on an SSH host, or an srun step's task. It is started as
 
     python -I -S -c "$BOOT" harness-agent RUN_ID node NODE_RANK attempt ATTEMPT
 
-and reads itself, and its arguments GRACE SILENCE COMMAND [CLEANUP], from the first line of its
+and reads itself, and its arguments GRACE SILENCE WATCH COMMAND [CLEANUP], from the first line of its
 stdin (harness.node.boot), so it imports nothing but the standard library (not even
 site-packages): hosts need Python, not the harness. The protocol, on the rest of its stdin and
 on its stdout:
@@ -16,11 +16,18 @@ on its stdout:
   touch the next attempt's node on the same machine), repeated until none is left, then CLEANUP
   once (e.g. removing the node's container, which a SIGKILLed `docker run` leaves behind);
 - `PING`: nothing to do; the controller says it every few seconds;
+- `STACKS TAG`: every rank's Python stack (harness.node.stacks), answered as messages (below);
 - end of stdin, or SILENCE seconds without a word: the controller or its connection is gone (a
   host cut off by a dropped network stays silent instead of closing). TERM, GRACE seconds, then
   KILL: a lost controller never leaves a job running;
-- stdout carries the node's combined output, then one line `EXIT_MARKER CODE` once the node has
-  ended (a negative CODE is the signal that ended it).
+- stdout carries the node's combined output, the agent's messages, then the message `node-exit CODE`
+  once the node has ended (a negative CODE is the signal that ended it).
+
+Messages are lines that begin with MESSAGE, each written by one write(2) of at most PIPE_BUF bytes
+so that no worker's output can split one (a worker's unfinished line may precede it: the reader
+splits it off): `MESSAGE health JSON` every WATCH seconds ({rank: [pid, state, cpu s, busy s]},
+harness.node.ranks; WATCH 0: none), and for STACKS, `MESSAGE stacks TAG RANK PART LAST CHUNK` (the
+rank's JSON cut into chunks), then `MESSAGE stacks-done TAG`.
 
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import select
 import signal
@@ -38,8 +46,11 @@ import threading
 import time
 
 from harness.node.proctable import kill_run_processes, process_tree, signal_all
+from harness.node.ranks import as_seen, find_ranks, sample, source_line
+from harness.node.stacks import dump, py_spy_path
 
-EXIT_MARKER = "\x1eharness-node-exit"
+MESSAGE = "\x1eharness-"
+CHUNK = 3000  # characters of a message's JSON per line: every line stays within PIPE_BUF (4096)
 PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
 
@@ -47,14 +58,16 @@ SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear wh
 class Agent:
     """One node's command in a session of its own, and the means to end all of it."""
 
-    def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, command: str,
-                 cleanup: str) -> None:
+    def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, watch: float,
+                 command: str, cleanup: str) -> None:
         self.run_id = run_id
         self.node_rank = node_rank
         self.attempt = attempt
         self.grace = grace
         self.silence = silence
+        self.watch = watch
         self.cleanup = cleanup
+        self.ranks: dict[int, int] = {}  # rank -> pid, as last found
         self.ended = threading.Event()
         self._cleaned = False
         self._kill_lock = threading.Lock()
@@ -105,6 +118,9 @@ class Agent:
                     self.signal_group(signal.SIGTERM)
                 elif word.strip() == b"KILL":
                     self.kill()
+                elif word.startswith(b"STACKS "):
+                    tag = word.split()[1].decode(errors="replace")
+                    threading.Thread(target=self.send_stacks, args=(tag,), daemon=True).start()
         if not readable and not self.ended.is_set():
             with contextlib.suppress(OSError):
                 sys.stdout.write(f"harness node agent: no word from the controller for {self.silence:g} s: "
@@ -114,8 +130,48 @@ class Agent:
         self.ended.wait(self.grace)
         self.kill()
 
+    def watch_ranks(self) -> None:
+        """Every WATCH seconds, how far each rank has run (what the controller judges hangs and slow ranks by)."""
+        while not self.ended.wait(self.watch):
+            below, _ = process_tree(os.getpid())
+            self.ranks = find_ranks(below, self.run_id) or self.ranks
+            samples = sorted(sample(self.ranks, below).items())
+            for first in range(0, len(samples), 40):  # 40 ranks' samples stay well within a line's PIPE_BUF
+                say(f"health {json.dumps({'t': time.time(), 'ranks': dict(samples[first:first + 40])})}")
+
+    def send_stacks(self, tag: str) -> None:
+        """Every rank's stack, read in parallel; each frame with its source line as this node has it."""
+        below, _ = process_tree(os.getpid())
+        ranks = find_ranks(below, self.run_id) or self.ranks
+        states = sample(ranks, below)
+        py_spy = py_spy_path()
+        answers: dict[int, object] = {}
+
+        def read(rank: int, pid: int) -> None:
+            threads = dump(pid, py_spy) if py_spy else "py-spy is not installed beside the job's Python or on PATH"
+            if isinstance(threads, list):
+                for thread in threads:
+                    for frame in thread["frames"]:
+                        frame["code"] = source_line(pid, frame["file"], frame["line"])
+                        frame["file"] = as_seen(pid, frame["file"])
+            answers[rank] = {"pid": pid, "state": states.get(rank, [pid, "gone"])[1], "threads": threads}
+
+        readers = [threading.Thread(target=read, args=item, daemon=True) for item in ranks.items()]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join()
+        for rank, answer in sorted(answers.items()):
+            text = json.dumps(answer)
+            parts = [text[i:i + CHUNK] for i in range(0, len(text), CHUNK)]
+            for number, part in enumerate(parts):
+                say(f"stacks {tag} {rank} {number} {int(number == len(parts) - 1)} {part}")
+        say(f"stacks-done {tag}")
+
     def run(self) -> int:
         threading.Thread(target=self.obey_controller, daemon=True).start()
+        if self.watch > 0:
+            threading.Thread(target=self.watch_ranks, daemon=True).start()
         code = self.child.wait()
         self.ended.set()
         with self._kill_lock:  # not while a KILL runs the cleanup, a child of ours with our environment
@@ -123,21 +179,28 @@ class Agent:
         return code
 
 
+_SAY_LOCK = threading.Lock()
+
+
+def say(message: str) -> None:
+    """One message line in one write(2): atomic on the pipe, whatever the workers write meanwhile."""
+    data = f"{MESSAGE}{message}\n".encode()
+    with _SAY_LOCK, contextlib.suppress(OSError):
+        sys.stdout.flush()
+        os.write(1, data)
+
+
 def main(argv: list[str]) -> None:
-    run_id, node_rank, attempt, grace, silence, command = argv[:6]
-    cleanup = argv[6] if len(argv) > 6 else ""
+    run_id, node_rank, attempt, grace, silence, watch, command = argv[:7]
+    cleanup = argv[7] if len(argv) > 7 else ""
     try:
-        agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), command, cleanup)
+        agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup)
     except OSError as exc:
         sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
         code = 127
     else:
         code = agent.run()
-    try:
-        sys.stdout.write(f"{EXIT_MARKER} {code}\n")
-        sys.stdout.flush()
-    except OSError:  # the controller is gone; there is nobody to tell
-        pass
+    say(f"node-exit {code}")  # when the controller is gone, there is nobody to tell
     os._exit(code if code >= 0 else 128 - code)  # no exit-time flush into a closed pipe
 
 

@@ -4,7 +4,9 @@ Runs on the host with the inventory's `python:` (stdlib only: the host may lack 
 torch) and prints one JSON answer after the marker given as argv[1]; argv[2] is its JSON config:
 import_torch (authoritative NCCL version and torch's own GPU count, at the price of importing
 torch), workdir, entrypoint ({"module": ...} or {"script": ...} or null), master_address, peers
-(host name -> address: the kernel's route to each).
+(host name -> address: the kernel's route to each), stacks (default true: whether py-spy can read a
+Python process here, as the node agent will read its ranks'). With stacks_only it answers that alone:
+a container job's host, where the agent runs while the probe proper runs inside the image.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import platform
 import re
+import select
 import shutil
 import socket
 import struct
@@ -27,12 +30,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness.node.stacks import dump, py_spy_path
+
 MISSING = "missing"
 NONE = "none"
 # <linux/sockios.h>, <net/if.h>; struct ifreq is 40 bytes: the name, then a 24-byte union.
 SIOCGIFCONF, SIOCGIFFLAGS, SIOCGIFMTU = 0x8912, 0x8913, 0x8921
 IFF_UP, IFF_LOOPBACK = 0x1, 0x8
 IFREQ = 40
+# The stack check's test process: says it is up (a dump while the interpreter starts fails), then idles.
+STACKS_CHILD = "import sys, time; sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(30)"
+STACKS_START_SECONDS = 5.0
+CAP_SYS_PTRACE = 19  # <linux/capability.h>
 
 
 def _dist_version(name: str) -> str:
@@ -257,7 +266,80 @@ def _dataset(path: str, full: bool) -> dict[str, Any]:
             "compared": "contents" if contents else "names and sizes"}
 
 
+def _ptrace_scope() -> int | None:
+    """kernel.yama.ptrace_scope (None: no Yama): 1 lets a process read only its own descendants."""
+    try:
+        return int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _cap_sys_ptrace() -> bool | None:
+    """Whether this process holds CAP_SYS_PTRACE (root outside a container; inside one, --cap-add SYS_PTRACE)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _py_spy_version(py_spy: str) -> str:
+    try:
+        said = subprocess.run([py_spy, "--version"], capture_output=True, text=True, timeout=5, check=False,
+                              stdin=subprocess.DEVNULL).stdout.split()
+    except (subprocess.SubprocessError, OSError):
+        return "unknown"
+    return said[-1] if said else "unknown"
+
+
+def _read_a_stack(py_spy: str) -> str | None:
+    """Dump a test Python started here, as the agent dumps its ranks: py-spy is then that process's
+    sibling, not its parent (which is what kernel.yama.ptrace_scope=1 refuses). None: read, with frames."""
+    child = subprocess.Popen([sys.executable, "-I", "-S", "-c", STACKS_CHILD], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert child.stdout is not None
+        if not select.select([child.stdout], [], [], STACKS_START_SECONDS)[0] or not child.stdout.readline():
+            return f"the test process {sys.executable} did not start within {STACKS_START_SECONDS:g} s"
+        threads = dump(child.pid, py_spy)
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    if isinstance(threads, str):
+        return threads
+    if not any(thread["frames"] for thread in threads):
+        return "py-spy found no Python frames in the test process"
+    return None
+
+
+def _stacks() -> dict[str, Any]:
+    """Can the node agent read its ranks' Python stacks here? py-spy where the agent looks for it (beside
+    this Python, else on PATH), a real dump of a test process, and what decides ptrace rights (for the fix)."""
+    found = py_spy_path(sys.executable)
+    facts: dict[str, Any] = {
+        "python": sys.executable, "py_spy": found, "version": None, "readable": False, "error": None,
+        "uid": os.geteuid(), "ptrace_scope": _ptrace_scope(), "cap_sys_ptrace": _cap_sys_ptrace(),
+        "container": os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv"),
+    }
+    if found is None:
+        facts["error"] = f"py-spy is neither beside {sys.executable} nor on PATH"
+        return facts
+    facts["version"] = _py_spy_version(found)
+    try:
+        facts["error"] = _read_a_stack(found)
+    except OSError as exc:
+        facts["error"] = f"cannot start the test process {sys.executable}: {exc.strerror or exc}"
+    facts["readable"] = facts["error"] is None
+    return facts
+
+
 def probe(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("stacks_only"):
+        return {"python_executable": sys.executable, "stacks": _stacks()}
     workdir = os.path.expanduser(config.get("workdir") or "~")
     workdir_ok = os.path.isdir(workdir)
     if workdir_ok:
@@ -281,6 +363,7 @@ def probe(config: dict[str, Any]) -> dict[str, Any]:
         "master_resolves": _addresses(config["master_address"]),
         "self_resolves": _addresses(socket.gethostname()),
         "network": _network(config.get("peers", {})),
+        "stacks": _stacks() if config.get("stacks", True) else None,
     }
     shm = Path("/dev/shm")
     if shm.is_dir():

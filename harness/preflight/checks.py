@@ -1,4 +1,5 @@
-"""Verdicts from the probes' facts: software parity across hosts, GPUs, /dev/shm, disk, name resolution."""
+"""Verdicts from the probes' facts: software parity across hosts, GPUs, /dev/shm, disk, stack capture, name
+resolution."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ GIB = 1 << 30
 SHM_WARN = 1 * GIB
 DISK_FAIL = 1 * GIB
 DISK_WARN = 10 * GIB
+PY_SPY = "py-spy==0.4.3"  # pyproject's pin: what the node agent reads the ranks' Python stacks with
+NO_STACKS = "hang verdicts and `harness stacks` will have no Python stacks from this host (the job itself runs)"
 
 Facts = dict[str, Any]
 
@@ -131,6 +134,46 @@ def _disk(host: str, facts: Facts) -> Check:
     if free < DISK_WARN:
         return Check(host, "disk", Status.WARN, f"only {size(free)} free in {workdir}", fix)
     return Check(host, "disk", Status.PASS, f"{size(free)} free in {workdir}")
+
+
+def _ptrace_fix(host: str, stacks: Facts) -> str:
+    """How to give py-spy the right to read the ranks, from what the probe saw of ptrace rights on the host."""
+    scope, path = stacks.get("ptrace_scope"), stacks["py_spy"]
+    grant = f"or run the agent as root, or grant py-spy the capability (`setcap cap_sys_ptrace+ep {path}`)"
+    if stacks.get("container") and not stacks.get("cap_sys_ptrace"):
+        return (f"{host} is a container without CAP_SYS_PTRACE: start it with `--cap-add SYS_PTRACE` (Kubernetes: "
+                f"securityContext.capabilities.add: [SYS_PTRACE])")
+    if scope == 3:
+        return (f"kernel.yama.ptrace_scope is 3 on {host} (no process may read another until reboot): set it to 0 "
+                f"in /etc/sysctl.d/ and reboot")
+    if scope in (1, 2) and not stacks.get("cap_sys_ptrace"):
+        return (f"`sysctl kernel.yama.ptrace_scope=0` on {host} (it is {scope}: "
+                + ("a process may read only its own descendants, and py-spy is the ranks' sibling" if scope == 1
+                   else "only CAP_SYS_PTRACE may read another process") + f"), {grant}")
+    return (f"py-spy needs ptrace rights over the ranks: the same user with kernel.yama.ptrace_scope=0, root, or "
+            f"CAP_SYS_PTRACE (`--cap-add SYS_PTRACE` in a container); `{path} dump --pid PID` on {host} says more")
+
+
+def stacks_check(host: str, facts: Facts) -> Check:
+    """py-spy found where the node agent looks for it, and able to read a Python process on the host: the agent
+    needs both to show every rank's stack when a job hangs. Without them the job still runs, so: a warning."""
+    stacks = facts.get("stacks")
+    if not stacks:
+        return Check(host, "stacks", Status.SKIP, "not checked")
+    python, details = stacks["python"], {k: v for k, v in stacks.items() if k != "error"}
+    if stacks.get("failed"):
+        return Check(host, "stacks", Status.WARN, f"{stacks['failed']}; {NO_STACKS}",
+                     f"set `python:` in the inventory to a Python of {host} itself (the node agent runs there, "
+                     f"outside the container)", details)
+    if stacks["py_spy"] is None:
+        return Check(host, "stacks", Status.WARN, f"{stacks['error']}: {NO_STACKS}",
+                     f"`{python} -m pip install {PY_SPY}` on {host} (the node agent looks for py-spy beside that "
+                     f"Python, then on PATH)", details)
+    if not stacks["readable"]:
+        return Check(host, "stacks", Status.WARN, f"py-spy {stacks['version']} ({stacks['py_spy']}) cannot read a "
+                     f"Python process: {stacks['error']}; {NO_STACKS}", _ptrace_fix(host, stacks), details)
+    return Check(host, "stacks", Status.PASS,
+                 f"py-spy {stacks['version']} ({stacks['py_spy']}) read the stack of a test process", None, details)
 
 
 def resource_checks(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> list[Check]:

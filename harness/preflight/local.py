@@ -12,7 +12,7 @@ from typing import Any
 
 from harness.node import probe
 from harness.plan.planner import LOCAL_MASTER
-from harness.preflight.checks import data_checks, fingerprint_checks
+from harness.preflight.checks import data_checks, fingerprint_checks, stacks_check
 from harness.preflight.command_link import CommandLink
 from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, ScriptError, run_script
 from harness.preflight.report import Check, Report, Status
@@ -20,9 +20,11 @@ from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.base import CheckFailed, WorkdirCheck
 
+STACKS_ONLY = json.dumps({"stacks_only": True})  # the probe's config on a container job's host
+
 
 def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None, fast: bool,
-                  peers: Mapping[str, str]) -> str:
+                  peers: Mapping[str, str], stacks: bool = True) -> str:
     entry = spec.entrypoint if spec else None
     return json.dumps({
         "import_torch": not fast,
@@ -31,14 +33,23 @@ def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None
         "master_address": master_address,
         "data_paths": spec.data_paths if spec else [],
         "peers": dict(peers),
+        "stacks": stacks,
     })
 
 
 def probe_host(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float,
-           peers: Mapping[str, str]) -> dict[str, Any]:
+               peers: Mapping[str, str], *, host_link: Link | None = None) -> dict[str, Any]:
+    """The probe's facts of one host. host_link: the host itself when connection runs the probe inside the
+    job's image; the stack check runs there, since the node agent that reads the ranks' stacks runs there."""
     limit = timeout if fast else timeout * TORCH_TIMEOUT_FACTOR
-    config = _probe_config(connection.host.workdir, master.address, spec, fast, peers)
-    return run_script(connection, probe, [config], timeout=limit)
+    config = _probe_config(connection.host.workdir, master.address, spec, fast, peers, stacks=host_link is None)
+    facts = run_script(connection, probe, [config], timeout=limit)
+    if host_link is not None:
+        try:
+            facts["stacks"] = run_script(host_link, probe, [STACKS_ONLY], timeout=timeout)["stacks"]
+        except (ScriptError, OSError) as exc:
+            facts["stacks"] = {"python": host_link.host.python, "failed": f"the probe on the host failed: {exc}"}
+    return facts
 
 
 def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: float = 10.0) -> Report:
@@ -58,6 +69,7 @@ def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: f
         report.facts = {"localhost": facts}
         rows, report.fingerprint, report.mismatched = fingerprint_checks(report.facts, "localhost")
         report.checks += rows + data_checks(report.facts, spec.data_paths, "localhost", bool(spec.setup))
+        report.checks.append(stacks_check("localhost", facts))
     report.seconds = time.monotonic() - started
     return report
 

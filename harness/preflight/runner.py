@@ -12,7 +12,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from harness.plan.planner import job_hosts
-from harness.preflight.checks import data_checks, fingerprint_checks, job_backend, resolve_checks, resource_checks
+from harness.preflight.checks import (
+    data_checks,
+    fingerprint_checks,
+    job_backend,
+    resolve_checks,
+    resource_checks,
+    stacks_check,
+)
 from harness.preflight.collective import collective_checks
 from harness.preflight.command_link import srun_link
 from harness.preflight.engine import InImage, image_checks
@@ -128,6 +135,7 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
     """Every check on the linked hosts (master first). pins: whether the launch pins the interface found
     (SSH) or only reports it (inside a Slurm allocation)."""
     probe_links: Mapping[str, Link] = connections
+    in_image = spec is not None and spec.container is not None
     fix = "set `python:` in the inventory to an interpreter that runs on the host"
     if spec is not None and spec.container is not None:
         rows, ready = image_checks(connections, spec, master.name, timeout)
@@ -135,7 +143,9 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
         probe_links = {name: InImage(connections[name], spec, i) for i, name in enumerate(ready)}
         fix = f"`{spec.container.engine} run --rm --entrypoint python {spec.image} --version` on the host says why"
     addresses = {name: connection.peer_ip for name, connection in connections.items()}
-    probed = on_hosts(lambda name: probe_host(probe_links[name], master, spec, fast, timeout, addresses), probe_links)
+    # A container job's probe runs in the image, but its stack check on the host: the node agent runs there.
+    probed = on_hosts(lambda name: probe_host(probe_links[name], master, spec, fast, timeout, addresses,
+                                              host_link=connections[name] if in_image else None), probe_links)
     facts = {name: answer for name, answer in probed.items() if isinstance(answer, dict)}
     for name, answer in probed.items():
         if not isinstance(answer, dict):
@@ -146,7 +156,7 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
     backend = job_backend(spec, facts)
     hosts = {h.name: h for h in inventory.hosts}
     for name, found in facts.items():
-        report.checks += resource_checks(hosts[name], found, spec, backend)
+        report.checks += [*resource_checks(hosts[name], found, spec, backend), stacks_check(name, found)]
     report.checks += resolve_checks(facts, master)
     rows, chosen = interface_checks(facts, [hosts[name] for name in connections], spec, pins)
     report.checks += rows

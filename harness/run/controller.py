@@ -30,9 +30,11 @@ from harness.node.proctable import start_ticks
 from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.plan.render import render_json, render_text
 from harness.run.follow import Follower
+from harness.run.health import HealthWatch
 from harness.run.records import (
     Attempt,
     ControllerId,
+    FailureKind,
     RunDir,
     RunState,
     RunStatus,
@@ -43,7 +45,7 @@ from harness.run.records import (
 )
 from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
 from harness.run.report import report, say
-from harness.run.results import failure_of, node_result, stopped_status
+from harness.run.results import failure_of, hang_failure, node_result, stopped_status
 from harness.run.supervisor import Supervisor
 from harness.spec.job import JobSpec
 from harness.targets.base import Backend, CheckFailed, Scheduler
@@ -225,9 +227,12 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
              before: list[Attempt], out: IO[str]) -> Attempt:
     """Start every node of plan, supervise them to their end, and say how this attempt went."""
     watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes)
+    watching = spec.health.stall > 0 or spec.health.slow > 0
     sup = Supervisor(grace=spec.timeouts.stop_grace, out=out,
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
-                     quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys())
+                     quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys(),
+                     health=HealthWatch(spec.health.stall, spec.health.slow) if watching else None, run=run,
+                     attempt=plan.attempt)
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     hosts = ", ".join(n.host for n in plan.nodes)
     sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "
@@ -246,15 +251,17 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     ended = time.time()
     found = attempt_failures(sup.records, sup.stopping_since)
     failures = [failure_of(f, started, ended) for f in found]
+    if sup.hang is not None:
+        failures.insert(0, hang_failure(sup, started))
     if stop.is_set():
         status = stopped_status(run)
     else:
-        status = RunStatus.FAILED if sup.first_failure is not None else RunStatus.SUCCEEDED
+        status = RunStatus.FAILED if sup.first_failure is not None or sup.hang else RunStatus.SUCCEEDED
     previous_failure = before[-1].failures[0] if before and before[-1].failures else None
     return Attempt(
         attempt=plan.attempt, hosts=[n.host for n in plan.nodes], status=status, started_at=started, ended_at=ended,
         nodes=[node_result(r, run, plan.attempt) for r in sup.records], failures=failures,
-        kind=attempt_kind(found) if status is RunStatus.FAILED else None,
+        kind=(FailureKind.HANG if sup.hang else attempt_kind(found)) if status is RunStatus.FAILED else None,
         down=sorted({f.host for f in failures if f.host_down}), preflight_s=round(preflight_s, 3),
         teardown_s=round(ended - sup.stopping_since, 3) if sup.stopping_since else None,
         recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)

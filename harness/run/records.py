@@ -264,6 +264,16 @@ class RunDir:
         """Logs a backend keeps of its own (torchrun's per-worker files on local nodes)."""
         return self.path / "torchrun"
 
+    @property
+    def stacks(self) -> Path:
+        """Stacks read from the ranks: attempt-N/ for a hang, and what `harness stacks` asked for."""
+        return self.path / "stacks"
+
+    @property
+    def health_file(self) -> Path:
+        """The running attempt's health as the controller judges it (slow ranks, a hang's verdict)."""
+        return self.path / "health.json"
+
     def log_file(self, node_rank: int, attempt: int = 0) -> Path:
         """Each attempt's own file (never overwritten): node1.log, then node1.attempt1.log, ..."""
         return self.path / f"node{node_rank}{_attempt_suffix(attempt)}.log"

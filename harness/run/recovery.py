@@ -4,6 +4,13 @@ A failure on one node shows up on its peers too (gloo's "Connection closed by pe
 errors), often first. So every node that failed on its own is classified, the peers' errors are
 recognised as consequences, and the attempt is infra if any node failed at the infra level.
 Nodes that ended because the supervisor stopped them are not failures.
+
+A rank the kernel's OOM killer ended is infra: the machine ran out of memory, and the next attempt may
+not (a spare host, a host no longer shared with another job, a container given more); a program that
+needs more than any host has fails on every attempt and uses up restarts.max, with the hint to lower
+its demand. What the program does wrong whatever machine runs it is program: its own exception (even
+when the process then ends by a signal), a collective mismatch, the same failure at the same place
+on two attempts in a row.
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ import signal
 from dataclasses import dataclass
 
 from harness.plan.setup_script import FAILED as SETUP_FAILED
-from harness.run.records import Attempt, FailureKind
+from harness.run import worker_output
+from harness.run.records import Attempt, Failure, FailureKind
 from harness.run.supervisor import NodeRecord
 from harness.spec.job import MAX_BACKOFF, Restarts
 
@@ -25,6 +33,17 @@ PEER_LOST = re.compile(
 )
 # The rendezvous did not complete: a node never came, or the store stopped answering.
 RDZV_TIMEOUT = re.compile(r"RendezvousTimeoutError|DistStoreError|Socket Timeout|timed out after \d+")
+# The ranks called different collectives, or the same one with different sizes: a bug in the program
+# (gloo aborts the rank: SIGABRT), however it ends.
+COLLECTIVE_MISMATCH = re.compile(
+    r"collective mismatch|mismatch between collectives|Detected mismatch|Mismatched collective|"
+    r"Received data size doesn't match expected size",
+    re.IGNORECASE,
+)
+# A place in source code: `train.py:42`, `pair.cc:464`.
+SOURCE_PLACE = re.compile(r"\w\.(py|c|cc|cpp|cu|h|hpp):\d+")
+OOM_HINT = ("the kernel ran out of memory for this rank: lower the batch size (or the data loader's workers and "
+            "prefetching), run fewer processes per node, or use hosts (or a container limit) with more memory")
 
 
 @dataclass(frozen=True)
@@ -39,6 +58,7 @@ class NodeFailure:
     evidence: str
     host_down: bool = False
     consequence: bool = False
+    hint: str | None = None  # advice the evidence alone gives (the OOM killer's record)
 
 
 def _signal_name(number: int) -> str:
@@ -71,18 +91,39 @@ def node_failure(record: NodeRecord, stopping_since: float | None) -> NodeFailur
     who = f"rank {rank}" if rank is not None else "a worker"
     own = record.last_lines(rank)
     lost = next((line for line in reversed(own) if PEER_LOST.search(line)), None)
+    exit_text = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else \
+        f"exit code {code}" if code is not None else outcome.describe()
+    if mismatch := next((line for line in reversed(own) if COLLECTIVE_MISMATCH.search(line)), None):
+        return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text}: a collective mismatch: "
+                           f"{_message(mismatch)}")
+    if rank is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL) and (oom := record.oom.get(rank)):
+        return NodeFailure(record, rank, code, FailureKind.INFRA, f"{who} killed by the kernel's OOM killer: "
+                           f"{oom.strip()[:300]}", hint=OOM_HINT)
     if code is not None and code < 0:
         if -code == signal.SIGABRT and lost:  # gloo aborts a rank whose peer went away: the cause is elsewhere
             return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} killed by SIGABRT after losing a "
                                f"peer: {lost.strip()[:200]}", consequence=True)
-        return NodeFailure(record, rank, code, FailureKind.INFRA, f"{who} killed by {_signal_name(-code)}")
+        error = worker_output.user_error(worker_output.rank_lines(record.tail, rank)) if rank is not None \
+            else None
+        # Only another process or the kernel sends SIGKILL; any other end after the user's own exception
+        # (gloo's threads abort an interpreter that is going down) follows from that exception.
+        if error is not None and -code != signal.SIGKILL and not PEER_LOST.search(error.exception):
+            where = f" at {error.where}" if error.where else ""
+            return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} raised {error.exception[:200]}"
+                               f"{where}, then was {exit_text}")
+        return NodeFailure(record, rank, code, FailureKind.INFRA, f"{who} {exit_text}")
     if timeout := next((line for line in reversed(own) if RDZV_TIMEOUT.search(line)), None):
         return NodeFailure(record, rank, code, FailureKind.INFRA, f"rendezvous timed out: {timeout.strip()[:200]}")
-    exit_text = f"exit code {code}" if code is not None else outcome.describe()
     if lost:
         return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text} after losing a peer: "
                            f"{lost.strip()[:200]}", consequence=True)
     return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text}")
+
+
+def _message(line: str) -> str:
+    """A rank's line without its prefix and C++'s `what():`, at most 300 characters."""
+    text = worker_output.RANK_PREFIX.sub("", line).strip()
+    return text.removeprefix("what():").strip()[:300]
 
 
 def attempt_failures(records: list[NodeRecord], stopping_since: float | None) -> list[NodeFailure]:
@@ -101,12 +142,34 @@ def attempt_kind(failures: list[NodeFailure]) -> FailureKind | None:
     return FailureKind.PROGRAM
 
 
+def failure_place(failure: Failure) -> str | None:
+    """Where a failure happened, when it says: a hang's verdict (where the ranks were), the exception's
+    type at the innermost frame of the user's code, or evidence naming a place in source code (gloo's
+    `pair.cc:464`). None for a failure that names no place (a killed rank, a lost host)."""
+    if failure.kind is FailureKind.HANG:
+        return failure.evidence
+    if failure.error_at is not None:
+        return f"{(failure.error or 'an exception').split(':')[0]} at {failure.error_at}"
+    return failure.evidence if SOURCE_PLACE.search(failure.evidence) else None
+
+
+def repeated_failure(attempts: list[Attempt]) -> str | None:
+    """Where the last two attempts both failed first, when that is the same place: the same failure
+    twice in a row is the program's, however it was classed, since a third attempt meets it again."""
+    if len(attempts) < 2 or not attempts[-1].failures or not attempts[-2].failures:
+        return None
+    place = failure_place(attempts[-1].failures[0])
+    return place if place is not None and place == failure_place(attempts[-2].failures[0]) else None
+
+
 def no_restart_reason(restarts: Restarts, attempts: list[Attempt]) -> str | None:
     """Why the last failed attempt is the run's last, or None when the run goes on."""
     last = attempts[-1]
     done = len(attempts) - 1
     if restarts.max == 0:
         return "restarts are off (restarts.max: 0)"
+    if FailureKind.PROGRAM not in restarts.on and (place := repeated_failure(attempts)):
+        return f"the same failure at the same place twice: {place}"
     if last.kind is not None and last.kind not in restarts.on:
         what = {FailureKind.PROGRAM: "the program failed (not the infrastructure)", FailureKind.HANG: "the job hung",
                 FailureKind.INFRA: "the infrastructure failed"}[last.kind]

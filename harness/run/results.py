@@ -7,9 +7,9 @@ import signal
 import time
 
 from harness.run import worker_output
-from harness.run.records import Failure, NodeResult, RunDir, RunStatus
+from harness.run.records import Failure, FailureKind, NodeResult, RunDir, RunStatus
 from harness.run.recovery import NodeFailure
-from harness.run.supervisor import NodeRecord
+from harness.run.supervisor import NodeRecord, Supervisor
 from harness.targets.base import Outcome
 
 
@@ -33,14 +33,23 @@ def failure_of(found: NodeFailure, started_at: float, now: float) -> Failure:
         else record.outcome.describe()
     own = worker_output.rank_lines(record.tail, found.rank) if found.rank is not None else []
     error = worker_output.user_error(own)
+    exception = error.exception if error else worker_output.cpp_exception(own)
     return Failure(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks),
         rank=found.rank, rank_exit_code=found.rank_exit_code, exit_code=record.outcome.exit_code,
         description=description, after_s=round((record.ended or now) - started_at, 3),
         last_lines=record.last_lines(found.rank), kind=found.kind, evidence=found.evidence, host_down=found.host_down,
-        error=error.exception if error else None, error_at=error.where if error else None,
-        error_source=error.source if error else None, hint=worker_output.hint(own or record.tail),
+        error=exception, error_at=error.where if error else None,
+        error_source=error.source if error else None, hint=found.hint or worker_output.hint(own or record.tail),
     )
+
+
+def summary_error(first_failure: Failure | None, reason: str | None) -> str | None:
+    """What a failed run's summary says went wrong: the first failure's exception, else its evidence,
+    else why no attempt could run (reason); None only when nothing failed."""
+    if first_failure is not None:
+        return first_failure.error or first_failure.evidence
+    return reason
 
 
 def stopped_status(run: RunDir) -> RunStatus:
@@ -48,3 +57,16 @@ def stopped_status(run: RunDir) -> RunStatus:
     return RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
 
 
+
+
+def hang_failure(sup: Supervisor, started_at: float) -> Failure:
+    """The hang as the attempt's first failure: on the first odd rank's node, its verdict as evidence."""
+    assert sup.hang is not None
+    odd = sup.hang.odd[0] if sup.hang.odd else None
+    record = next((r for r in sup.records if odd in r.node.ranks), sup.records[0])
+    return Failure(
+        node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks), rank=odd,
+        rank_exit_code=None, exit_code=None, description="hung",
+        after_s=round((sup.hang_at or started_at) - started_at, 3),
+        last_lines=record.last_lines(odd), kind=FailureKind.HANG, evidence=sup.hang.text,
+    )

@@ -5,7 +5,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from harness.run.records import Attempt, RecordError, RunDir, RunState, RunStatus, find_run, list_runs
+from harness.node.proctable import run_processes
+from harness.run.records import (
+    Attempt,
+    Failure,
+    NodeResult,
+    RecordError,
+    RunDir,
+    RunState,
+    RunStatus,
+    find_run,
+    list_runs,
+)
 from harness.run.stop import controller_alive
 
 
@@ -58,13 +69,14 @@ def run_details(run: RunDir) -> str:
         if state.attempt:
             lines.append(f"  attempt {state.attempt} (restarted {state.attempt} time(s); `harness status` shows the "
                          f"earlier attempts once the run has ended)")
-        lines += [f"  node{rank} on {host}: running; log {run.log_file(rank, state.attempt)}"
-                  for rank, host in enumerate(state.hosts)]
+        lines += [f"  node{rank} on {host}: {_unrecorded_end(state, status, rank)}; log "
+                  f"{run.log_file(rank, state.attempt)}" for rank, host in enumerate(state.hosts)]
         return "\n".join(lines) + "\n"
     if len(summary.attempts) > 1:
         lines += [_attempt_line(attempt) for attempt in summary.attempts]
-    lines += [f"  node{node.node_rank} on {node.host}: {node.describe()} after {node.duration_s} s; log {node.log}"
-              for node in summary.nodes]
+    failed = {f.node_rank: f for f in summary.attempts[-1].failures} if summary.attempts else {}
+    lines += [f"  node{n.node_rank} on {n.host}: {_recorded_end(n, failed.get(n.node_rank), summary.status)} after "
+              f"{n.duration_s} s; log {n.log}" for n in summary.nodes]
     failure = summary.first_failure
     if failure:
         lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), rank {failure.rank}, "
@@ -77,6 +89,37 @@ def run_details(run: RunDir) -> str:
     if summary.reason:
         lines.append(f"  not restarted: {summary.reason}")
     return "\n".join(lines) + "\n"
+
+
+def _recorded_end(node: NodeResult, failure: Failure | None, status: RunStatus) -> str:
+    """How a node of an ended run ended: its failing rank's own code (torchrun's is 1), or the harness's
+    stop when it did not fail by itself."""
+    if failure is not None:
+        return "failed: " + (f"rank {failure.rank} " if failure.rank is not None else "") + failure.description
+    if node.exit_code == 0:
+        return "succeeded (exit 0)"
+    why = {RunStatus.STOPPED: "by `harness stop`", RunStatus.INTERRUPTED: "on Ctrl-C or SIGTERM to the controller"}
+    return f"stopped {why.get(status, 'by the harness after the first failure')} ({node.describe()})"
+
+
+def _unrecorded_end(state: RunState, status: RunStatus, node_rank: int) -> str:
+    """A node of a run without a summary: running while its controller is, else what this machine's
+    process table shows of it (a local run's nodes run here; a remote node's agent stops it once the
+    controller's connection closes)."""
+    if status is RunStatus.RUNNING:
+        return "running"
+    if state.mode != "local":
+        return f"{status.value}: its controller is gone, so its end is not recorded (its node agent stops it when " \
+               f"the controller's connection closes)"
+    left = run_processes(state.run_id, str(node_rank), str(state.attempt))
+    if left:
+        return f"{len(left)} process(es) of it still running without a controller: `harness stop {state.run_id}` " \
+               f"ends them"
+    if status is RunStatus.LOST:
+        return "lost (its controller was killed; no process of it is left)"
+    if status is RunStatus.STOPPED:
+        return "stopped by `harness stop` after its controller was lost; no process of it is left"
+    return f"ended with its controller ({status.value}); no process of it is left"
 
 
 def _attempt_line(attempt: Attempt) -> str:

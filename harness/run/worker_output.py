@@ -22,6 +22,9 @@ STORE_CONNECTED = re.compile(r"^\[rank(\d+)\]: \[I\d{4} [^]]*socket\.cpp:\d+\] \
                              r"connected")
 # torchrun's own failure report begins with its elastic agent's error or warning log line.
 TORCHRUN_REPORT = re.compile(r"^[EW]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distributed/elastic/")
+# A C++ exception nothing caught (gloo's enforce, in its own threads): std::terminate's two lines.
+CPP_TERMINATE = re.compile(r"^terminate called after throwing an instance of '(?P<type>[^']+)'$")
+CPP_WHAT = re.compile(r"^\s*what\(\):\s*(?P<what>.*)$")
 FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
 # Where the standard library and installed packages live: not the user's code.
 NOT_USER_CODE = re.compile(r"^<|/site-packages/|/dist-packages/|/lib/python\d\.\d+/")
@@ -106,6 +109,15 @@ def user_error(lines: Sequence[str]) -> UserError | None:
         return UserError(exception)
     file, number, function, source = ours[-1]
     return UserError(exception, file, number, function, source)
+
+
+def cpp_exception(lines: Sequence[str]) -> str | None:
+    """`TYPE: what()` of the last C++ exception that terminated the process, from one rank's unprefixed
+    lines: such a process leaves no Python traceback."""
+    for i in range(len(lines) - 1, -1, -1):
+        if (match := CPP_TERMINATE.match(lines[i])) and i + 1 < len(lines) and (what := CPP_WHAT.match(lines[i + 1])):
+            return f"{match['type']}: {what['what']}"
+    return None
 
 
 def hint(lines: Iterable[str]) -> str | None:

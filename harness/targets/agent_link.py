@@ -10,18 +10,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import queue
 import shlex
 import subprocess
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from harness.node.agent import EXIT_MARKER
+from harness.node.agent import MESSAGE
 from harness.node.boot import BOOT, shipped
 from harness.plan.planner import NodePlan
 from harness.plan.shell import shell_command
+from harness.spec.job import JobSpec
 from harness.targets.base import NodeProcess, Outcome
 
+_MESSAGE = MESSAGE.encode()
 OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may take to be read
 PING_SECONDS = 2.0  # how often the controller tells each agent it is still there
 # Linux's longest single argument to execve (32 pages of 4 KiB): the node's shell line is one (`sh -c LINE`).
@@ -35,13 +38,14 @@ def agent_argv(python: str, node: NodePlan) -> list[str]:
             node.env["NODE_RANK"], "attempt", node.env["HARNESS_ATTEMPT"]]
 
 
-def agent_program(node: NodePlan, grace: float, silence: float) -> bytes:
+def agent_program(node: NodePlan, grace: float, silence: float, watch: float) -> bytes:
     """The first line of the agent's stdin: the agent, and what it runs. silence: seconds without a
-    word from the controller after which the agent stops its node."""
+    word from the controller after which the agent stops its node; watch: seconds between its health
+    samples (0: none)."""
     command = shell_command(node)
     if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
-    return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", command,
+    return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
                              shlex.join(node.cleanup)])
 
 
@@ -49,6 +53,14 @@ def agent_silence(connect_timeout: float) -> float:
     """How long an agent waits for a word before it takes the controller for gone: several pings and
     a connection timeout's worth of margin, so that a busy controller is never mistaken for a lost one."""
     return max(5 * PING_SECONDS, 3 * connect_timeout)
+
+
+def watch_seconds(spec: JobSpec) -> float:
+    """How often agents sample their ranks: a twentieth of health.stall, from 1 to 5 s, so that a hang
+    is seen within a few samples of the stall; every 5 s for slow ranks alone; 0 when neither is watched."""
+    if spec.health.stall > 0:
+        return min(5.0, max(1.0, spec.health.stall / 20))
+    return 5.0 if spec.health.slow > 0 else 0.0
 
 
 def _identity(node: NodePlan) -> dict[str, str]:
@@ -61,15 +73,15 @@ def agent_env(node: NodePlan) -> dict[str, str]:
     return _identity(node)
 
 
-def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode], grace: float,
-              silence: float) -> list[NodeProcess]:
+def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec) -> list[NodeProcess]:
     """Every node or none: if one cannot start, the ones already started are killed. Each agent gets
-    its program first (grace: its TERM-to-KILL seconds; silence: see agent_program)."""
+    its program first (see agent_program)."""
     started: list[AgentNode] = []
+    grace, silence, watch = spec.timeouts.stop_grace, agent_silence(spec.timeouts.connect), watch_seconds(spec)
     try:
         for node in nodes:
             started.append(start(node))
-            started[-1].boot(agent_program(node, grace, silence))
+            started[-1].boot(agent_program(node, grace, silence, watch))
     except BaseException:
         for process in started:
             process.kill()
@@ -84,6 +96,7 @@ class AgentNode(ABC):
 
     def __init__(self, node: NodePlan) -> None:
         self.node = node
+        self.messages: queue.Queue[tuple[str, str]] = queue.Queue()  # (kind, rest) of the agent's messages
         self._exit_code: int | None = None
         self._output_done = threading.Event()
         self._send_lock = threading.Lock()
@@ -105,13 +118,24 @@ class AgentNode(ABC):
         """The agent ended without reporting, so it may not have stopped its node: what the backend can do."""
 
     def output(self) -> Iterator[str]:
+        """The node's lines; the agent's messages go to self.messages (node-exit is kept as the exit
+        code). A message may follow a worker's unfinished line: that part joins the worker's next line."""
+        unfinished = b""
         try:
             for raw in self._lines():
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                if line.startswith(EXIT_MARKER):
-                    self._exit_code = int(line.split()[-1])
+                at = raw.find(_MESSAGE)
+                if at < 0:
+                    yield (unfinished + raw).decode("utf-8", errors="replace").rstrip("\r\n")
+                    unfinished = b""
                     continue
-                yield line
+                unfinished += raw[:at]
+                kind, _, rest = raw[at + len(_MESSAGE):].decode("utf-8", errors="replace").rstrip("\r\n").partition(" ")
+                if kind == "node-exit":
+                    self._exit_code = int(rest)
+                else:
+                    self.messages.put((kind, rest))
+            if unfinished:
+                yield unfinished.decode("utf-8", errors="replace")
         except (OSError, EOFError):
             return
         finally:
@@ -141,6 +165,9 @@ class AgentNode(ABC):
 
     def terminate(self) -> None:
         self._word("TERM")
+
+    def request_stacks(self, tag: str) -> None:
+        self._word(f"STACKS {tag}")
 
     def kill(self) -> None:
         self._word("KILL")

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import queue
 import signal
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class NodeProcess(Protocol):
     """One started node (a torchrun agent under the node agent), whatever backend runs it."""
 
     node: NodePlan
+    messages: queue.Queue[tuple[str, str]]  # the node agent's messages: (kind, rest), e.g. ("health", JSON)
 
     def output(self) -> Iterator[str]:
         """Lines of the node's combined stdout/stderr until its output ends."""
@@ -70,6 +72,9 @@ class NodeProcess(Protocol):
 
     def kill(self) -> None:
         """Force every process of the node to end (SIGKILL, a sweep by run id, the node's cleanup)."""
+
+    def request_stacks(self, tag: str) -> None:
+        """Ask the node for every rank's stacks: answered as `stacks` messages, then `stacks-done TAG`."""
 
 
 class CheckFailed(HarnessError):

@@ -6,8 +6,8 @@
 # Proves: the Dockerfile builds (multi-stage, cache and secret mounts, the .dockerignore allowlist);
 # pyproject's pins install from requirements.lock, and torch really reports the CUDA and NCCL
 # versions the labels claim (the build checks both itself); the image runs as uid 1000 with
-# `python` and `harness` on PATH; `harness launch jobs/smoke.yaml` (2 nodes, gloo, CPU) succeeds
-# inside it; no build-time pip setting, CA bundle or local index is left in it.
+# `python`, `harness` and the locked `py-spy` on PATH; `harness launch jobs/smoke.yaml` (2 nodes,
+# gloo, CPU) succeeds inside it; no build-time pip setting, CA bundle or local index is left in it.
 # Cannot prove: anything about python:3.11-slim-bookworm itself (it cannot be pulled here; the base
 # is swapped through the BASE build arg), GPUs, the NVIDIA container toolkit or NCCL traffic.
 #
@@ -118,6 +118,12 @@ cli_and_waitport() {
     in_image harness --version && in_image python -m harness.node.waitport --help >/dev/null
 }
 
+# py-spy, pinned like every dependency, beside the image's python (where the node agent looks for it first).
+py_spy_beside_python() {
+    [ "$(in_image sh -c 'command -v py-spy; py-spy --version')" \
+        = "$(printf '/opt/venv/bin/py-spy\npy-spy %s' "$(sed -n 's/^py-spy==//p' "$repo/requirements.lock")")" ]
+}
+
 # In a private network namespace (loopback only) the job's fixed master_port 29500 cannot collide
 # with anything else on this machine, and nothing can leave it.
 smoke_job() {
@@ -138,6 +144,7 @@ check "runs as uid 1000 in a writable /workspace; python and harness from /opt/v
 check "no pip config, secret, pip cache, local index or build tree left in the image" nothing_of_the_build_left
 check "the base's own CA bundle is untouched by the build's cacert secret" base_ca_bundle_intact
 check "harness --version and python -m harness.node.waitport run" cli_and_waitport
+check "py-spy --version: the locked py-spy in /opt/venv/bin, beside python" py_spy_beside_python
 check "harness launch jobs/smoke.yaml (2 nodes, gloo) succeeds inside the image" smoke_job
 
 # The same image under podman, an engine users have: state of its own at a short path (podman 4.3

@@ -194,6 +194,9 @@ def test_preflight_reads_the_versions_inside_the_image(podman_cluster, tmp_path)
         assert rows[(host, "engine")]["reason"].startswith("podman 4.")
         assert rows[(host, "image")]["status"] == "pass"
         assert report["facts"][host]["python_executable"] == "/opt/venv/bin/python"
+        # ...but stacks on the host: the node agent, and so py-spy, runs there, outside the container
+        assert report["facts"][host]["stacks"]["python"] == podman_cluster.python
+        assert rows[(host, "stacks")]["status"] == "pass", rows[(host, "stacks")]
     labels = json.loads(podman_cluster.podman("h1", "image", "inspect", IMAGE).stdout)[0]["Labels"]
     assert report["facts"]["h1"]["torch"].split("+")[0] == labels["harness.torch"]
     assert report["facts"]["h1"]["cuda"] == labels["harness.cuda"]

@@ -29,15 +29,23 @@ def test_two_nodes_train_over_gloo(write_yaml, launch):
 
 
 def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
-    """Rank 1 exits 1 while rank 0 is blocked for an hour: the harness must end rank 0, fast."""
-    run = launch(job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="3", HANG_AT_STEP="3", STEPS="1000"))
+    """Rank 1 exits 3 while rank 0 is blocked for an hour: the harness must end rank 0, fast. The live line,
+    the report and `harness status` all give rank 1's own exit code, 3 (torchrun's own is 1)."""
+    run = launch(job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="3", FAIL_CODE="3", HANG_AT_STEP="3", STEPS="1000"))
     assert run.finish() == 1, run.output
     summary = run.summary()
     failure = summary["first_failure"]
-    assert (summary["status"], failure["node_rank"], failure["rank"], failure["exit_code"]) == ("failed", 1, 1, 1)
+    assert (summary["status"], failure["node_rank"], failure["rank"], failure["exit_code"], failure["rank_exit_code"]) \
+        == ("failed", 1, 1, 1, 3)
     assert any("failing on purpose" in line for line in failure["last_lines"])
     assert stragglers_s(summary) < 5.0, summary
-    assert "FAILED: first failure on node 1 (localhost, global rank 1): exit code 1" in run.output
+    assert "harness: node1 on localhost failed (rank 1 exit code 3); stopping the other nodes" in run.output
+    assert "FAILED: first failure on node 1 (localhost, global rank 1): exit code 3" in run.output
+    status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout
+    assert re.search(r"  node0 on localhost: stopped by the harness after the first failure \(.*\) after ", status)
+    assert "  node1 on localhost: failed: rank 1 exit code 3 after " in status, status
+    assert "  first failure: node1 (localhost), rank 1, exit code 3 (program: rank 1 exit code 3)" in status, status
+    assert "exit 1" not in status and "exit code 1" not in run.output, "torchrun's code is not the rank's"
     assert_nothing_left(run.run_id)
 
 
@@ -50,6 +58,11 @@ def test_ctrl_c_stops_every_node_and_exits_130(write_yaml, launch):
     assert run.finish(timeout=15) == 130, run.output
     assert run.summary()["status"] == "interrupted"
     assert_nothing_left(run_id)
+    status = harness("status", run_id, "--runs-dir", str(run.runs_dir)).stdout
+    assert status.startswith(f"run {run_id}: interrupted"), status
+    for node in (0, 1):
+        assert f"  node{node} on localhost: stopped on Ctrl-C or SIGTERM to the controller (" in status, status
+    assert "running" not in status, status
 
 
 def test_stop_and_status_from_another_terminal(write_yaml, launch):
@@ -64,6 +77,9 @@ def test_stop_and_status_from_another_terminal(write_yaml, launch):
     assert_nothing_left(run.run_id)
     detail = harness("status", run.run_id, *runs)
     assert f"run {run.run_id}: stopped" in detail.stdout
+    for node in (0, 1):
+        assert f"  node{node} on localhost: stopped by `harness stop` (" in detail.stdout, detail.stdout
+    assert "running" not in detail.stdout, detail.stdout
     assert harness("stop", run.run_id, *runs).stdout.strip() == f"run {run.run_id} already ended: stopped"
     assert harness("stop", "no-such-run", *runs).returncode == 2
 
@@ -75,7 +91,16 @@ def test_killed_controller_takes_its_nodes_along(write_yaml, launch):
     os.kill(run.proc.pid, signal.SIGKILL)
     run.finish()
     assert_nothing_left(run.run_id, within=STOP_GRACE + 2)
-    assert harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout.startswith(f"run {run.run_id}: lost")
+    runs = ["--runs-dir", str(run.runs_dir)]
+    status = harness("status", run.run_id, *runs).stdout
+    assert status.startswith(f"run {run.run_id}: lost"), status
+    for node in (0, 1):
+        assert f"  node{node} on localhost: lost (its controller was killed; no process of it is left); log" in status
+    assert "running" not in status, status
+    assert harness("stop", run.run_id, *runs).returncode == 0
+    status = harness("status", run.run_id, *runs).stdout
+    assert status.startswith(f"run {run.run_id}: stopped") and "running" not in status, status
+    assert "  node1 on localhost: stopped by `harness stop` after its controller was lost" in status, status
 
 
 def test_a_killed_node_agent_fails_the_run_and_leaves_nothing(write_yaml, launch):
@@ -119,7 +144,9 @@ def test_detached_run_outlives_the_launch_and_obeys_stop(write_yaml, tmp_path):
     deadline = time.monotonic() + 90
     while not summary.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert harness("status", run_id, *runs).stdout.startswith(f"run {run_id}: succeeded")
+    status = harness("status", run_id, *runs).stdout
+    assert status.startswith(f"run {run_id}: succeeded"), status
+    assert "  node0 on localhost: succeeded (exit 0)" in status and "  node1 on localhost: succeeded (exit 0)" in status
     assert "[node1] [rank1]: rank 1 final loss" in (tmp_path / "runs" / run_id / "controller.log").read_text()
 
     started = harness("launch", str(job(write_yaml, STEPS="100000", STEP_SECONDS="0.05")), "--detach", *runs)

@@ -51,8 +51,8 @@ def _row(report: Report, host: str, check: str) -> Check:
 def test_healthy_two_hosts_full_with_collective_and_json(cluster2: Cluster, tmp_path: Path) -> None:
     report = _preflight(cluster2, tmp_path, collective=True)
     assert report.ok, report.render_table()
-    names = ["ssh", "fingerprint", "gpus", "shm", "disk", "resolve", "interface", "master_port", "data_plane",
-             "defaults", "collective"]
+    names = ["ssh", "fingerprint", "gpus", "shm", "disk", "stacks", "resolve", "interface", "master_port",
+             "data_plane", "defaults", "collective"]
     assert [c.name for c in report.checks if c.host == "h1"] == names
     assert {c.status for c in report.checks} <= {Status.PASS, Status.SKIP}
     assert _row(report, "h2", "gpus").reason == "the job runs on CPU (backend gloo, resources.gpus 0); 0 GPUs found"
@@ -76,7 +76,12 @@ def test_healthy_two_hosts_full_with_collective_and_json(cluster2: Cluster, tmp_
     assert data["notes"] == []
     table = report.render_table()
     assert table.splitlines()[1].split() == ["HOST", "CHECK", "STATUS", "DETAIL"]
-    assert table.splitlines()[-1].startswith("PASSED: 22 checks")
+    assert table.splitlines()[-1].startswith("PASSED: 24 checks")
+    # the agent's py-spy (the venv's, beside the inventory's python) read a process on each namespace host
+    py_spy = str(Path(sys.executable).parent / "py-spy")
+    for host in ("h1", "h2"):
+        assert _row(report, host, "stacks").reason == f"py-spy 0.4.3 ({py_spy}) read the stack of a test process"
+        assert data["facts"][host]["stacks"]["python"] == sys.executable
     cluster2.assert_only_sshd_left()
 
 
@@ -183,6 +188,15 @@ def test_different_torch_fails_naming_hosts_and_versions(cluster2: Cluster, tmp_
     assert re.search(rf"\n  torch +{re.escape(torch.__version__)} +{re.escape(OLD_TORCH)}\+cpu\n", table)
     assert re.search(r"\n  torchvision +\S+ +missing\n", table)
     assert report.facts["h2"]["python_executable"] == old_torch_python
+    # that venv has no py-spy, nor has the SSH session's PATH: the job would run, without stacks on a hang
+    stacks = _row(report, "h2", "stacks")
+    assert (stacks.status, stacks.reason) == (
+        Status.WARN, f"py-spy is neither beside {old_torch_python} nor on PATH: hang verdicts and `harness stacks` "
+                     f"will have no Python stacks from this host (the job itself runs)")
+    assert stacks.fix == (f"`{old_torch_python} -m pip install py-spy==0.4.3` on h2 (the node agent looks for py-spy "
+                          f"beside that Python, then on PATH)")
+    assert _row(report, "h1", "stacks").status is Status.PASS
+    assert re.search(rf"\nh2 +stacks +WARN +py-spy is neither beside {re.escape(old_torch_python)} nor on PATH", table)
 
 
 def test_unreachable_host_fails_alone(cluster2: Cluster, tmp_path: Path) -> None:

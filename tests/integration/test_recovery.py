@@ -61,6 +61,25 @@ def test_a_program_error_is_not_retried_under_on_infra(write_yaml, launch):
     assert_nothing_left(run.run_id)
 
 
+def test_a_collective_mismatch_is_a_program_failure_named_and_not_retried_under_on_infra(write_yaml, launch):
+    """gloo aborts the rank (SIGABRT); the harness names the mismatch, and restarting would only meet it again."""
+    job = write_yaml(f"name: mismatch\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\n"
+                     f"entrypoint: {{script: {SCRIPT.parent / 'ddp_mismatch.py'}}}\n"
+                     f"restarts: {{max: 2, on: infra, backoff: 0}}\n")
+    run = launch(job)
+    assert run.finish(timeout=120) == 1, run.output
+    summary = run.summary()
+    assert [a["kind"] for a in summary["attempts"]] == ["program"], summary["attempts"]
+    failure = summary["first_failure"]
+    assert failure["kind"] == "program" and "collective mismatch" in failure["evidence"], failure
+    assert "Received data size doesn't match expected size" in failure["error"], failure
+    assert re.search(r"harness: node\d on localhost failed \(rank \d killed by SIGABRT\); stopping", run.output), \
+        run.output
+    assert "not restarted: the program failed (not the infrastructure), and restarts.on is infra" in run.output
+    assert f"run {run.run_id} FAILED: {failure['error']}" in run.output
+    assert_nothing_left(run.run_id)
+
+
 def test_on_any_retries_a_program_error_then_names_both_failures(write_yaml, launch):
     run = launch(sum_job(write_yaml, "{max: 1, on: any, backoff: 0.2}", FAIL_RANK="1", FAIL_AT_STEP="3"))
     assert run.finish(timeout=120) == 1, run.output

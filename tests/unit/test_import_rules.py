@@ -156,8 +156,10 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == siblings("kill_tree") == ["proctable"]
-    assert siblings("probe") == siblings("netcheck") == []
+    assert siblings("agent") == ["proctable", "ranks", "stacks"]
+    assert siblings("kill_tree") == ["proctable"]
+    assert siblings("probe") == ["stacks"]
+    assert siblings("netcheck") == []
     assert shipped("agent", ["x"]).count(b"\n") == 1, "the program must be one line: BOOT reads one"
 
 
@@ -172,12 +174,12 @@ def test_node_agent_runs_sealed_with_a_short_command_line(tmp_path: Path) -> Non
     process = subprocess.Popen(argv, cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT)
     assert process.stdout is not None and process.stdin is not None
-    process.stdin.write(agent_program(node, grace=1, silence=60))
+    process.stdin.write(agent_program(node, grace=1, silence=60, watch=0))
     process.stdin.flush()
     output = process.stdout.read().decode()
     assert process.wait(timeout=60) == 3
     process.stdin.close()
-    assert output == f"hello\n{agent.EXIT_MARKER} 3\n"
+    assert output == f"hello\n{agent.MESSAGE}node-exit 3\n"
 
 
 def test_preflight_probe_runs_sealed(tmp_path: Path) -> None:

@@ -10,8 +10,16 @@ import pytest
 
 from harness.errors import SpecError
 from harness.plan.planner import NodePlan, NoSpareHosts, job_hosts
-from harness.run.records import Attempt, FailureKind, RunStatus
-from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
+from harness.run.records import Attempt, Failure, FailureKind, RunStatus
+from harness.run.recovery import (
+    OOM_HINT,
+    attempt_failures,
+    attempt_kind,
+    backoff_seconds,
+    no_restart_reason,
+    repeated_failure,
+)
+from harness.run.results import failure_of, summary_error
 from harness.run.supervisor import NodeRecord
 from harness.spec.inventory import load_inventory
 from harness.spec.job import MAX_BACKOFF, Restarts, load_job
@@ -116,9 +124,111 @@ def test_only_lost_peers_means_a_peer_vanished():
     assert attempt_kind(failures) is FailureKind.INFRA
 
 
-def _attempt(kind: FailureKind) -> Attempt:
-    return Attempt(attempt=0, hosts=["h1"], status=RunStatus.FAILED, started_at=0, ended_at=1, nodes=[], failures=[],
-                   kind=kind, down=[], preflight_s=0)
+# gloo's own words when ranks pair different collectives (torch 2.15, two ranks, all_reduce of 3 vs 5 floats).
+GLOO_MISMATCH = [
+    "[rank1]: terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+    "[rank1]:   what():  [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:464] "
+    "op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected size. Is there a "
+    "distributed collective mismatch in your code?",
+]
+TRACEBACK = ["[rank1]: Traceback (most recent call last):",
+             '[rank1]:   File "/job/train.py", line 12, in step',
+             "[rank1]:     batch = next(loader)",
+             "[rank1]: ValueError: bad batch"]
+# The kernel's record of an OOM kill in a memory cgroup (/dev/kmsg's message, as harness.node.oom returns it).
+OOM_LINE = ("Memory cgroup out of memory: Killed process 18307 (python3) total-vm:528572kB, anon-rss:72192kB, "
+            "file-rss:6648kB, shmem-rss:0kB, UID:0 pgtables:212kB oom_score_adj:0")
+
+
+def test_a_collective_mismatch_is_the_programs_failure_named_as_such():
+    """gloo aborts the rank (SIGABRT): not infra; its peer, which lost it, is the consequence."""
+    aborted = record(1, Outcome(1), ended=1.0, lines=["[rank1]: rank 1 up", *GLOO_MISMATCH], rank=1,
+                     code=-signal.SIGABRT)
+    peer = record(0, Outcome(1), ended=1.02, lines=[GLOO_PEER], rank=0, code=1)
+    found = attempt_failures([peer, aborted], stopping_since=1.01)
+    assert [(f.record.node.node_rank, f.kind, f.consequence) for f in found] == [
+        (1, FailureKind.PROGRAM, False), (0, FailureKind.PROGRAM, True)]
+    assert found[0].evidence.startswith("rank 1 killed by SIGABRT: a collective mismatch: [enforce fail at ")
+    assert found[0].evidence.endswith("Is there a distributed collective mismatch in your code?")
+    assert attempt_kind(found) is FailureKind.PROGRAM
+    failure = failure_of(found[0], started_at=0.0, now=1.1)
+    assert failure.error is not None and failure.error.startswith("gloo::EnforceNotMet: [enforce fail at ")
+    assert failure.description == "killed by SIGABRT" and summary_error(failure, None) == failure.error
+
+
+def test_the_users_exception_is_program_even_when_a_signal_ended_the_rank():
+    """SIGABRT after a traceback (gloo's threads abort a dying interpreter) follows from the exception;
+    SIGKILL comes from outside (a person, the OOM killer): the kill is the cause."""
+    aborted = record(1, Outcome(1), ended=1.0, lines=TRACEBACK, rank=1, code=-signal.SIGABRT)
+    [failure] = attempt_failures([aborted], stopping_since=None)
+    assert (failure.kind, failure.evidence) == (
+        FailureKind.PROGRAM, "rank 1 raised ValueError: bad batch at /job/train.py:12, in step, then was killed by "
+                             "SIGABRT")
+    killed = record(1, Outcome(1), ended=1.0, lines=TRACEBACK, rank=1, code=-signal.SIGKILL)
+    assert attempt_failures([killed], stopping_since=None)[0].kind is FailureKind.INFRA
+
+
+def test_a_rank_the_oom_killer_ended_is_named_with_the_kernels_line_and_a_hint():
+    node = record(1, Outcome(1), ended=1.0, lines=["[rank1]: step 3"], rank=1, code=-signal.SIGKILL)
+    node.oom[1] = OOM_LINE
+    [found] = attempt_failures([node], stopping_since=None)
+    assert (found.kind, found.evidence) == (FailureKind.INFRA, f"rank 1 killed by the kernel's OOM killer: {OOM_LINE}")
+    failure = failure_of(found, started_at=0.0, now=1.1)
+    assert failure.hint == OOM_HINT and "lower the batch size" in failure.hint
+    node.oom.clear()  # no record of the kernel's: an ordinary kill
+    assert attempt_failures([node], stopping_since=None)[0].evidence == "rank 1 killed by SIGKILL"
+
+
+def test_a_failed_runs_summary_error_is_never_empty():
+    raised = failure_of(attempt_failures([record(1, Outcome(1), ended=1.0, lines=TRACEBACK, rank=1, code=1)],
+                                         None)[0], 0.0, 1.0)
+    assert summary_error(raised, "restarts are off") == "ValueError: bad batch"
+    killed = failure_of(attempt_failures([record(1, Outcome(1), ended=1.0, rank=1, code=-9)], None)[0], 0.0, 1.0)
+    assert summary_error(killed, None) == "rank 1 killed by SIGKILL"
+    assert summary_error(None, "attempt 1 could not start: host(s) down") == "attempt 1 could not start: host(s) down"
+
+
+def _attempt(kind: FailureKind, failure: Failure | None = None) -> Attempt:
+    return Attempt(attempt=0, hosts=["h1"], status=RunStatus.FAILED, started_at=0, ended_at=1, nodes=[],
+                   failures=[failure] if failure else [], kind=kind, down=[], preflight_s=0)
+
+
+def _failure(kind: FailureKind, evidence: str, error: str | None = None, error_at: str | None = None) -> Failure:
+    return Failure(node_rank=1, host="h2", ranks=[1], rank=1, rank_exit_code=1, exit_code=1, description="exit code 1",
+                   after_s=1.0, last_lines=[], kind=kind, evidence=evidence, error=error, error_at=error_at)
+
+
+HANG = "hang: rank 1 (node1, h2) in time.sleep at train.py:42 in load_batch; rank 0 waits in all_reduce at train.py:55"
+MISMATCH = ("rank 1 killed by SIGABRT: a collective mismatch: [enforce fail at gloo/transport/tcp/pair.cc:464] "
+            "op.preamble.length <= op.nbytes. 8 vs 4.")
+
+
+@pytest.mark.parametrize(("on", "first", "second", "expected"), [
+    # the same hang twice, under on: [infra, hang]: a third attempt hangs there again
+    ("[infra, hang]", _failure(FailureKind.HANG, HANG), _failure(FailureKind.HANG, HANG),
+     f"the same failure at the same place twice: {HANG}"),
+    ("[infra, hang]", _failure(FailureKind.HANG, HANG), _failure(FailureKind.HANG, HANG.replace(":42", ":43")), None),
+    # the same exception at the same frame of the user's code (its message may differ: sizes, addresses)
+    ("any", _failure(FailureKind.PROGRAM, "rank 1 exit code 1", "ValueError: bad batch 7", "train.py:12, in step"),
+     _failure(FailureKind.PROGRAM, "rank 1 exit code 1", "ValueError: bad batch 9", "train.py:12, in step"), None),
+    ("[infra, hang]",
+     _failure(FailureKind.INFRA, "rank 1 killed by SIGSEGV", "ValueError: bad batch 7", "train.py:12, in step"),
+     _failure(FailureKind.INFRA, "rank 1 killed by SIGSEGV", "ValueError: bad batch 9", "train.py:12, in step"),
+     "the same failure at the same place twice: ValueError at train.py:12, in step"),
+    # evidence naming a place in source code
+    ("infra", _failure(FailureKind.INFRA, MISMATCH), _failure(FailureKind.INFRA, MISMATCH),
+     f"the same failure at the same place twice: {MISMATCH}"),
+    # a kill names no place: it may well not happen again
+    ("infra", _failure(FailureKind.INFRA, "rank 1 killed by SIGKILL"), _failure(FailureKind.INFRA,
+                                                                                "rank 1 killed by SIGKILL"), None),
+])
+def test_the_same_failure_at_the_same_place_twice_is_not_restarted_again(on, first, second, expected):
+    """Under on: any the program's failures are retried by request; the place is still found."""
+    restarts = Restarts(max=3, on=on.strip("[]").split(", ") if on.startswith("[") else on)
+    attempts = [_attempt(first.kind, first), _attempt(second.kind, second)]
+    assert no_restart_reason(restarts, attempts) == expected
+    if on == "any":
+        assert repeated_failure(attempts) == "ValueError at train.py:12, in step"
 
 
 @pytest.mark.parametrize(("restarts", "kinds", "expected"), [

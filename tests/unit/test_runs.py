@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from harness.run.records import (
     create_run_dir,
     list_runs,
 )
+from harness.run.status import run_details
 
 from conftest import harness
 
@@ -103,3 +106,41 @@ def test_a_record_with_a_wrong_status_is_refused(tmp_path: Path) -> None:
     run.state_file.write_text(run.state_file.read_text().replace('"succeeded"', '"exploded"'))
     with pytest.raises(RecordError, match=r"status: Input should be 'running', 'succeeded'"):
         run.read_state()
+
+
+def test_status_shows_each_nodes_real_end_and_the_failing_ranks_own_code(tmp_path: Path) -> None:
+    """A node that failed: its rank's own code (torchrun's is 1); the other: stopped by the harness."""
+    run = create_run_dir(tmp_path, "job-failed")
+    state = _state("job-failed", RunStatus.FAILED, 1000.0, ControllerId(1, 1))
+    failed = _summary(state, run)
+    failure = replace(failed.first_failure, rank_exit_code=3, description="exit code 3")
+    stopped = NodeResult(node_rank=0, host="localhost", ranks=[0, 1], exit_code=None, signal="SIGTERM", error=None,
+                         duration_s=4.6, log=str(run.log_file(0)))
+    nodes = [stopped, failed.nodes[0]]
+    run.write_state(state)
+    run.write_summary(replace(failed, nodes=nodes, first_failure=failure,
+                              attempts=[replace(failed.attempts[0], nodes=nodes, failures=[failure])]))
+    detail = run_details(run)
+    assert "  node0 on localhost: stopped by the harness after the first failure (signal SIGTERM) after 4.6 s" in detail
+    assert "  node1 on localhost: failed: rank 3 exit code 3 after 4.5 s" in detail, detail
+    assert "running" not in detail
+
+
+def test_status_of_a_lost_run_reads_its_nodes_from_the_process_table(tmp_path: Path) -> None:
+    """No summary, the controller gone: a node with no process left is lost; one with a process left says
+    so and how to end it."""
+    run = create_run_dir(tmp_path, "job-lost")
+    run.write_state(_state("job-lost", RunStatus.RUNNING, 1000.0, _ended_process()))
+    env = {**os.environ, "HARNESS_RUN_ID": "job-lost", "NODE_RANK": "1", "HARNESS_ATTEMPT": "0"}
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    try:
+        detail = run_details(run)
+    finally:
+        left.kill()
+        left.wait()
+    assert detail.startswith("run job-lost: lost"), detail
+    assert "  node0 on localhost: lost (its controller was killed; no process of it is left); log" in detail, detail
+    assert ("  node1 on localhost: 1 process(es) of it still running without a controller: `harness stop job-lost` "
+            "ends them; log") in detail, detail
+    run.write_state(replace(run.read_state(), status=RunStatus.STOPPED))  # what `harness stop` of a lost run leaves
+    assert "  node1 on localhost: stopped by `harness stop` after its controller was lost" in run_details(run)

@@ -230,7 +230,8 @@ def _failure_rules(spec: JobSpec) -> list[dict[str, Any]]:
     """restarts.on as JobSet failure-policy rules, read from the Job's failure reason (POD_FAILURE_POLICY).
 
     program among the kinds: every failure restarts the set. Otherwise a program failure
-    (PodFailurePolicy) fails the set, anything else restarts it (Kubernetes cannot tell a hang). Each restart counts against maxRestarts (= restarts.max).
+    (PodFailurePolicy) fails the set, anything else restarts it (Kubernetes cannot tell a hang).
+    Each restart counts against maxRestarts (= restarts.max).
     """
     restart = {"name": "restartOnFailure", "action": "RestartJobSet"}
     if "program" in spec.restarts.on:

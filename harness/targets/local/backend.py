@@ -14,7 +14,7 @@ from pathlib import Path
 from harness.node.proctable import kill_run_processes
 from harness.plan.planner import NodePlan, Plan, local_spec, plan_local
 from harness.spec.job import JobSpec
-from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
+from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, start_all
 from harness.targets.base import NodeProcess, WorkdirCheck
 
 
@@ -84,8 +84,7 @@ class LocalBackend:
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         _workdirs(plan)
-        return start_all(plan.nodes, lambda node: LocalAgentNode(node, self.python), spec.timeouts.stop_grace,
-                         agent_silence(spec.timeouts.connect))
+        return start_all(plan.nodes, lambda node: LocalAgentNode(node, self.python), spec)
 
     def close(self) -> None:
         """Nothing to release: each agent's pipes close when it ends."""

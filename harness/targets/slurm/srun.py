@@ -19,7 +19,7 @@ from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
-from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, agent_silence, start_all
+from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, start_all
 from harness.targets.base import NodeProcess
 from harness.targets.slurm.client import SlurmClient
 
@@ -126,8 +126,7 @@ class SrunBackend:
         return plan
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
-        return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, node.argv[0]),
-                         spec.timeouts.stop_grace, agent_silence(spec.timeouts.connect))
+        return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, node.argv[0]), spec)
 
     def close(self) -> None:
         """Nothing to release: each srun ends with its step."""

@@ -23,7 +23,7 @@ from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
 from harness.spec.yamlsource import located
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
-from harness.targets.agent_link import AgentNode, agent_argv, agent_env, agent_silence, start_all
+from harness.targets.agent_link import AgentNode, agent_argv, agent_env, start_all
 from harness.targets.base import HostsCheck, NodeProcess
 from harness.targets.ssh.container import in_containers
 from harness.targets.ssh.transport import Connection, connect
@@ -158,8 +158,7 @@ class SSHBackend:
         connections = self._connect_all(plan.nodes, spec.timeouts.connect)
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host]),
-                         spec.timeouts.stop_grace, agent_silence(spec.timeouts.connect))
+        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host]), spec)
 
     def close(self) -> None:
         for connection in self._opened.values():

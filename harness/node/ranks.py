@@ -1,0 +1,103 @@
+"""A node's ranks as the kernel sees them: which processes are torchrun's workers, and how much each
+has run. Standard library only (shipped to nodes with the agent).
+
+A rank is a process below the agent whose environment carries this run's id and a RANK that its
+parent's does not (a DataLoader worker inherits its rank's RANK; torchrun has none). What the
+controller judges progress and slowness by (run/health.py):
+- cpu: CPU seconds of the rank and every process below it (its DataLoader workers compute for it);
+- busy: seconds its main thread was on a CPU or waiting for one (schedstat): a rank that waits in a
+  collective is asleep, so its peers' waiting shows as their lower busy share;
+- state: the main thread's scheduler state (R running, S sleeping, D disk, T stopped, Z zombie).
+"""
+
+from __future__ import annotations
+
+import os
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return dict(item.partition(b"=")[::2] for item in handle.read().split(b"\0") if item)
+    except OSError:
+        return {}
+
+
+def _stat(pid: int) -> list[bytes]:
+    """Fields after the command name: state [0], ppid [1], utime [11], stime [12]."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def find_ranks(below: list[int], run_id: str) -> dict[int, int]:
+    """{global rank: pid} among the processes below the agent."""
+    run = run_id.encode()
+    rank_of: dict[int, bytes] = {}
+    for pid in below:
+        env = _environ(pid)
+        if env.get(b"HARNESS_RUN_ID") == run and b"RANK" in env:
+            rank_of[pid] = env[b"RANK"]
+    found = {}
+    for pid, rank in rank_of.items():
+        fields = _stat(pid)
+        if fields and rank_of.get(int(fields[1])) != rank and rank.isdigit():
+            found[int(rank)] = pid
+    return found
+
+
+def _children(below: list[int]) -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for pid in below:
+        if fields := _stat(pid):
+            tree.setdefault(int(fields[1]), []).append(pid)
+    return tree
+
+
+def sample(ranks: dict[int, int], below: list[int]) -> dict[int, list[object]]:
+    """{rank: [pid, state, cpu seconds, busy seconds]} for the ranks still there."""
+    tree = _children(below)
+    found: dict[int, list[object]] = {}
+    for rank, pid in ranks.items():
+        own = _stat(pid)
+        if not own:
+            continue
+        cpu, stack = 0, [pid]
+        while stack:
+            member = stack.pop()
+            fields = own if member == pid else _stat(member)
+            if fields:
+                cpu += int(fields[11]) + int(fields[12])
+            stack.extend(tree.get(member, []))
+        try:
+            with open(f"/proc/{pid}/schedstat", "rb") as handle:
+                on_cpu, waiting = (int(v) for v in handle.read().split()[:2])
+        except (OSError, ValueError):
+            on_cpu = waiting = 0
+        found[rank] = [pid, own[0].decode(), round(cpu / CLOCK_TICKS, 2), round((on_cpu + waiting) / 1e9, 3)]
+    return found
+
+
+def as_seen(pid: int, path: str) -> str:
+    """A frame's file relative to the rank's working directory when it is below it (train.py:42)."""
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return path
+    return path[len(cwd) + 1:] if path.startswith(cwd.rstrip("/") + "/") else path
+
+
+def source_line(pid: int, path: str, line: int) -> str:
+    """The text of a frame's line, as the rank sees the file (through its root: a container's own)."""
+    try:
+        with open(f"/proc/{pid}/root{path}", encoding="utf-8", errors="replace") as handle:
+            for number, text in enumerate(handle, 1):
+                if number == line:
+                    return text.strip()[:160]
+    except OSError:
+        pass
+    return ""

@@ -1,0 +1,261 @@
+"""A running job's health, judged from what the node agents sample (harness.node.ranks) and the stacks
+they read (harness.node.stacks). Pure: samples and stacks in, judgements and words out.
+
+Progress is CPU time, not output: a rank that computes without printing uses CPU; a rank that waits
+in a collective, sleeps, or is stopped does not (gloo waits asleep). A rank without progress for
+health.stall seconds means the job is hung -- whatever its peers print -- and the stacks then say who
+is the odd one out: a rank that ended, a stopped rank, a rank outside torch's collectives while its
+peers wait in one, or a minority in a different collective. A slow rank is the one its peers wait
+for: its main thread is busy (on a CPU or queued for one) while theirs sleep (see docs/health.md).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.plan.planner import Node
+
+IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU over the stall window made no progress
+SLOW_WINDOW = 20.0  # seconds over which each rank's busy share is measured
+SLOW_CONFIRM = 30.0  # seconds a rank must stay slow before it is named (and well again before it is cleared)
+# Frames inside these parts of torch are a rank waiting for its peers (a collective, DDP's backward).
+WAITING = re.compile(r"torch/(distributed|autograd|nn/parallel)/")
+WRAPPERS = ("wrapper", "_fn", "inner", "decorate_context", "wrapped")
+LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python3[.\d]*/|^<")
+STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)", "t": "traced",
+          "Z": "a zombie", "gone": "gone"}
+
+
+@dataclass
+class _Rank:
+    node: Node
+    pid: int
+    state: str
+    samples: deque[tuple[float, float, float]] = field(default_factory=deque)  # (t, cpu s, busy s)
+    slow_since: float | None = None
+    well_since: float | None = None
+    named_slow: float | None = None  # the percentage it was named with
+
+
+@dataclass
+class HealthWatch:
+    """Every rank's recent samples. stall: seconds without progress that make a hang (0: off); slow: the
+    percentage of time its peers must wait for a rank before it is named (0: off)."""
+
+    stall: float
+    slow: float
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    ended: set[int] = field(default_factory=set)  # node ranks that have ended
+
+    def observe(self, node: Node, payload: Mapping[str, Any]) -> None:
+        t = float(payload["t"])
+        for key, (pid, state, cpu, busy) in payload["ranks"].items():
+            rank = self.ranks.setdefault(int(key), _Rank(node, pid, state))
+            rank.pid, rank.state = pid, state
+            rank.samples.append((t, float(cpu), float(busy)))
+            keep = max(self.stall, SLOW_WINDOW) + 30
+            while rank.samples and rank.samples[0][0] < t - keep:
+                rank.samples.popleft()
+
+    def node_ended(self, node_rank: int) -> None:
+        self.ended.add(node_rank)
+
+    def _live(self) -> dict[int, _Rank]:
+        return {r: v for r, v in self.ranks.items() if v.node.node_rank not in self.ended}
+
+    def stalled(self) -> list[int]:
+        """Ranks of running nodes that used (almost) no CPU over the last `stall` seconds."""
+        if self.stall <= 0:
+            return []
+        found = []
+        for number, rank in sorted(self._live().items()):
+            last = rank.samples[-1] if rank.samples else None
+            before = [s for s in rank.samples if last and s[0] <= last[0] - self.stall]
+            if last and before and (last[1] - before[-1][1]) < IDLE_SHARE * (last[0] - before[-1][0]):
+                found.append(number)
+        return found
+
+    def busy_shares(self) -> dict[int, float]:
+        """Each live rank's main-thread busy share over the last SLOW_WINDOW seconds (1: never waits)."""
+        shares = {}
+        for number, rank in self._live().items():
+            if len(rank.samples) < 2:
+                continue
+            last = rank.samples[-1]
+            first = next((s for s in rank.samples if s[0] >= last[0] - SLOW_WINDOW), None)
+            if first is not None and last[0] - first[0] >= SLOW_WINDOW / 2:
+                shares[number] = min(1.0, (last[2] - first[2]) / (last[0] - first[0]))
+        return shares
+
+    def slow_changes(self, now: float) -> list[tuple[int, float | None]]:
+        """Ranks newly named slow (rank, percent its peers wait for it), or cleared (rank, None)."""
+        if self.slow <= 0:
+            return []
+        shares = self.busy_shares()
+        changes: list[tuple[int, float | None]] = []
+        for number, share in shares.items():
+            peers = [1 - s for r, s in shares.items() if r != number]
+            if not peers:
+                continue
+            waited = 100 * (statistics.median(peers) - (1 - share))
+            rank = self.ranks[number]
+            if waited >= self.slow:
+                rank.well_since = None
+                rank.slow_since = rank.slow_since or now
+                if rank.named_slow is None and now - rank.slow_since >= SLOW_CONFIRM:
+                    rank.named_slow = waited
+                    changes.append((number, waited))
+            else:
+                rank.slow_since = None
+                rank.well_since = rank.well_since or now
+                if rank.named_slow is not None and now - rank.well_since >= SLOW_CONFIRM:
+                    rank.named_slow = None
+                    changes.append((number, None))
+        return changes
+
+    def slow_ranks(self) -> dict[int, float]:
+        return {r: v.named_slow for r, v in self.ranks.items() if v.named_slow is not None}
+
+
+# --- stacks ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankStack:
+    """One rank's stacks as its node read them: threads (py-spy's, frames innermost first, each with its
+    source line), or why they could not be read."""
+
+    rank: int
+    node: Node
+    pid: int
+    state: str
+    threads: list[dict[str, Any]] | None
+    error: str | None = None
+
+    @classmethod
+    def from_answer(cls, rank: int, node: Node, answer: Mapping[str, Any]) -> RankStack:
+        threads = answer["threads"]
+        if isinstance(threads, str):
+            return cls(rank, node, answer["pid"], answer["state"], None, threads)
+        return cls(rank, node, answer["pid"], answer["state"], threads)
+
+    def main_frames(self) -> list[dict[str, Any]]:
+        threads = self.threads or []
+        main = next((t for t in threads if t.get("tid") == self.pid), None) or \
+            next((t for t in threads if t.get("name") == "MainThread"), None) or (threads[0] if threads else None)
+        return list(main["frames"]) if main else []
+
+    def waiting(self) -> bool:
+        """In one of torch's waits for peers (a collective, DDP's backward)."""
+        return any(WAITING.search(f["file"]) for f in self.main_frames())
+
+    def where(self) -> str:
+        """Where its main thread is, in the user's terms: the torch call it is in, and the user's line."""
+        frames = self.main_frames()
+        if not frames:
+            return f"(no stack: {self.error})" if self.error else "(no stack)"
+        user = next((f for f in frames if not LIBRARY.search(f["file"])), None)
+        inner = frames[0]
+        if user is None:
+            return f"in {inner['name']} at {_short(inner['file'])}:{inner['line']}"
+        place = f"at {_short(user['file'])}:{user['line']} in {user['name']}"
+        if inner is user:
+            return f"{place}: {user['code']}" if user.get("code") else place
+        return f"in {_call_name(frames, user)} {place}"
+
+    def text(self) -> str:
+        """The stacks as py-spy dump shows them, with each frame's source line."""
+        head = f"rank {self.rank} ({self.node.label} on {self.node.host}), pid {self.pid}, {_state(self.state)}"
+        if self.threads is None:
+            return f"{head}\n    stacks unavailable: {self.error}\n"
+        lines = [head]
+        for thread in self.threads:
+            lines.append(f"Thread {thread.get('tid')} ({'active' if thread.get('active') else 'idle'}): "
+                         f"\"{thread.get('name')}\"")
+            for frame in thread["frames"]:
+                lines.append(f"    {frame['name']} ({_short(frame['file'])}:{frame['line']})")
+                if frame.get("code"):
+                    lines.append(f"        {frame['code']}")
+        return "\n".join(lines) + "\n"
+
+
+def _short(path: str) -> str:
+    """A library file from its package on (torch/distributed/...), the user's file as written."""
+    match = re.search(r"/(?:site|dist)-packages/(.*)$", path)
+    return match.group(1) if match else path
+
+
+def _call_name(frames: list[dict[str, Any]], user: dict[str, Any]) -> str:
+    """The library function the user's frame called: the outermost frame inside it that is not a
+    decorator's wrapper (torch wraps its collectives in loggers)."""
+    inside = frames[:frames.index(user)]
+    named = [f for f in inside if f["name"].rsplit(".", 1)[-1] not in WRAPPERS and "<locals>" not in f["name"]]
+    return (named or inside)[-1]["name"]
+
+
+def _state(state: str) -> str:
+    return STATES.get(state, state)
+
+
+def ranks_text(numbers: Iterable[int]) -> str:
+    numbers = sorted(numbers)
+    return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {','.join(map(str, numbers))}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Who a hang is about. odd: the ranks at fault, where it can tell; text: the one line said everywhere
+    (after "hang: ")."""
+
+    text: str
+    odd: list[int]
+
+
+def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[int, tuple[Node, str]]) -> Verdict:
+    """ended: ranks whose node had already ended -> (node, how). The odd ranks first, then the rest."""
+    odd: dict[int, str] = {}
+    for rank, (node, how) in ended.items():
+        odd[rank] = f"({node.label} on {node.host}) had ended ({how})"
+    live = {r: s for r, s in stacks.items() if r not in odd}
+    for rank, stack in live.items():
+        if stack.state in ("T", "t"):
+            odd[rank] = f"({stack.node.label} on {stack.node.host}) is {_state(stack.state)} {stack.where()}"
+        elif stack.threads is not None and not stack.waiting():
+            odd[rank] = f"({stack.node.label} on {stack.node.host}) {stack.where()}"
+    waiters = {r: s for r, s in live.items() if r not in odd}
+    groups: dict[str, list[int]] = {}
+    for rank, stack in sorted(waiters.items()):
+        groups.setdefault(stack.where(), []).append(rank)
+    parts = [f"rank {rank} {what}" for rank, what in sorted(odd.items())]
+    if not odd and len(groups) > 1:
+        biggest = max(len(g) for g in groups.values())
+        minority = [r for g in groups.values() if len(g) < biggest for r in g]
+        if len(minority) < len(waiters):
+            odd.update({r: "" for r in minority})
+        ordered = sorted(groups.items(), key=lambda item: len(item[1]))
+    else:
+        ordered = list(groups.items())
+    parts += [f"{ranks_text(g)} {'waits' if len(g) == 1 else 'wait'} {where}" for where, g in ordered]
+    if not odd and len(groups) == 1:
+        parts.append("no rank is behind the others: suspect the network between the nodes, or a peer's host")
+    return Verdict(f"no progress for {stall:g} s: " + "; ".join(parts), sorted(odd))
+
+
+def grouped(stacks: Iterable[RankStack]) -> str:
+    """Every rank's stacks, ranks with the same stacks shown once (as `py-spy dump` / `ray stack` do)."""
+    groups: dict[str, list[RankStack]] = {}
+    for stack in sorted(stacks, key=lambda s: s.rank):
+        body = stack.text().split("\n", 1)[1]
+        key = re.sub(r"Thread \d+ ", "Thread ", body)
+        groups.setdefault(key, []).append(stack)
+    blocks = []
+    for members in groups.values():
+        where = ", ".join(f"{s.rank} ({s.node.label} on {s.node.host}, pid {s.pid}, {_state(s.state)})"
+                          for s in members)
+        blocks.append(f"{ranks_text(s.rank for s in members)}: {where}\n{members[0].text().split(chr(10), 1)[1]}")
+    return "\n".join(blocks)
