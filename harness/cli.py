@@ -1,4 +1,4 @@
-"""The `harness` command: render, launch, stop, status, preflight, prepare.
+"""The `harness` command: render, launch, stop, stacks, status, preflight, prepare.
 
 This module parses the command line and dispatches to harness.commands, nothing more.
 """
@@ -92,6 +92,12 @@ def parser() -> argparse.ArgumentParser:
     stop.add_argument("run_id")
     stop.add_argument("--timeout", type=_seconds, default=15.0, help="seconds to wait for the run to end")
     stop.set_defaults(func=commands.stop)
+
+    stacks = verbs.add_parser("stacks", parents=[runs_dir],
+                              help="every rank's Python stack of a running run, alike ones grouped (the job goes on)")
+    stacks.add_argument("run_id")
+    stacks.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the nodes' answer")
+    stacks.set_defaults(func=commands.stacks)
 
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
     status.add_argument("run_id", nargs="?")

@@ -132,6 +132,13 @@ def stop(args: argparse.Namespace) -> int:
     return stop_run(find_run(runs_root(args.runs_dir), args.run_id), args.timeout, scheduler_for)
 
 
+def stacks(args: argparse.Namespace) -> int:
+    from harness.run.stacks import run_stacks
+
+    sys.stdout.write(run_stacks(find_run(runs_root(args.runs_dir), args.run_id), args.timeout))
+    return 0
+
+
 def status(args: argparse.Namespace) -> int:
     from harness.run.status import status_text
 

@@ -1,0 +1,46 @@
+"""`harness stacks RUN_ID`: every rank's Python stack of a running job, from every node, ranks with the
+same stack shown once. The run's controller holds the link to every node agent, so this leaves a
+request in the run's stacks directory; the controller's supervisor asks every agent, which reads its
+ranks with py-spy (a pause of milliseconds per rank: the job goes on), and writes the answer beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from harness.errors import UsageError
+from harness.plan.planner import Node
+from harness.run.health import RankStack, grouped
+from harness.run.records import RunDir, RunStatus
+from harness.run.stop import controller_alive
+
+ANSWER_SECONDS = 30.0  # the supervisor looks every half second; the nodes answer within STACKS_SECONDS
+
+
+def run_stacks(run: RunDir, timeout: float = ANSWER_SECONDS) -> str:
+    """The grouped stacks of run's ranks now; UsageError when the run is not running under a controller."""
+    state = run.read_state()
+    if state.status is not RunStatus.RUNNING or not controller_alive(state):
+        raise UsageError(f"run {run.run_id} is not running ({state.status.value}); the stacks of a hang are kept "
+                         f"in {run.stacks}/attempt-N/")
+    if state.scheduler_job is not None:
+        raise UsageError(f"run {run.run_id} is a {state.mode} job: its scheduler owns its processes, so the harness "
+                         f"cannot reach its ranks (its nodes' logs are in {run.path}/)")
+    tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    run.stacks.mkdir(exist_ok=True)
+    request = run.stacks / f"request-{tag}"
+    request.touch()
+    deadline = time.monotonic() + timeout
+    while request.exists():
+        if time.monotonic() > deadline or not controller_alive(state):
+            request.unlink(missing_ok=True)
+            raise UsageError(f"run {run.run_id}: its controller did not answer within {timeout:g} s")
+        time.sleep(0.1)
+    answer = json.loads((run.stacks / tag / "stacks.json").read_text(encoding="utf-8"))
+    stacks = [RankStack(int(rank), Node(host=a["host"], address=a["host"], node_rank=a["node"], nproc=0), a["pid"],
+                        a["state"], a["threads"], a["error"]) for rank, a in answer.items()]
+    if not stacks:
+        return f"run {run.run_id}: no rank is running yet\n"
+    return grouped(stacks) + f"\n(kept in {run.stacks / tag}/)\n"
