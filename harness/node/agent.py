@@ -25,9 +25,13 @@ on its stdout:
 
 Messages are lines that begin with MESSAGE, each written by one write(2) of at most PIPE_BUF bytes
 so that no worker's output can split one (a worker's unfinished line may precede it: the reader
-splits it off): `MESSAGE health JSON` every WATCH seconds ({rank: [pid, state, cpu s, busy s]},
-harness.node.ranks; WATCH 0: none), and for STACKS, `MESSAGE stacks TAG RANK PART LAST CHUNK` (the
-rank's JSON cut into chunks), then `MESSAGE stacks-done TAG`.
+splits it off):
+- `MESSAGE health JSON` every WATCH seconds ({rank: [pid, state, cpu s, busy s]}, harness.node.ranks;
+  WATCH 0: none);
+- for STACKS, `MESSAGE stacks TAG RANK PART LAST CHUNK` (the rank's JSON cut into chunks), then
+  `MESSAGE stacks-done TAG`;
+- `MESSAGE oom JSON` before the exit, when the kernel's OOM killer ended a rank found by the watch
+  ({rank: the kernel's line}, harness.node.oom).
 
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does.
 """
@@ -45,6 +49,7 @@ import sys
 import threading
 import time
 
+from harness.node.oom import oom_counts, oom_kills
 from harness.node.proctable import kill_run_processes, process_tree, signal_all
 from harness.node.ranks import as_seen, find_ranks, sample, source_line
 from harness.node.stacks import dump, py_spy_path
@@ -68,6 +73,9 @@ class Agent:
         self.watch = watch
         self.cleanup = cleanup
         self.ranks: dict[int, int] = {}  # rank -> pid, as last found
+        self.seen: dict[int, int] = {}  # pid -> rank, of every rank found (for the OOM killer's record)
+        self.began = time.time()
+        self.oom_before = oom_counts()
         self.ended = threading.Event()
         self._cleaned = False
         self._kill_lock = threading.Lock()
@@ -135,6 +143,7 @@ class Agent:
         while not self.ended.wait(self.watch):
             below, _ = process_tree(os.getpid())
             self.ranks = find_ranks(below, self.run_id) or self.ranks
+            self.seen.update({pid: rank for rank, pid in self.ranks.items()})
             samples = sorted(sample(self.ranks, below).items())
             for first in range(0, len(samples), 40):  # 40 ranks' samples stay well within a line's PIPE_BUF
                 say(f"health {json.dumps({'t': time.time(), 'ranks': dict(samples[first:first + 40])})}")
@@ -176,6 +185,8 @@ class Agent:
         self.ended.set()
         with self._kill_lock:  # not while a KILL runs the cleanup, a child of ours with our environment
             self._sweep()  # workers that outlived their torchrun, daemons the job left behind
+        if code != 0 and (killed := oom_kills(self.seen, self.began, self.oom_before)):
+            say(f"oom {json.dumps(killed)}")
         return code
 
 

@@ -13,12 +13,22 @@ Nothing is written to the node's disk, and the node needs nothing but Python's s
 from __future__ import annotations
 
 import ast
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 BOOT = "import sys;exec(sys.stdin.buffer.raw.readline())"
 PACKAGE = "harness.node"
 _HERE = Path(__file__).parent
+# Preflight ships a script to every host from a thread each. CPython 3.11 keeps ast.parse's recursion
+# depth per interpreter, not per thread: two parses at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (python/cpython#106905), so one parse at a time.
+_PARSING = threading.Lock()
+
+
+def _tree(module: str) -> ast.Module:
+    with _PARSING:
+        return ast.parse((_HERE / f"{module}.py").read_text(encoding="utf-8"))
 
 # Runs on the node, from the shipped line: each sibling becomes the module harness.node.NAME (and no
 # harness package is made up: a probe must still find the node's real one), then the program runs as
@@ -42,8 +52,7 @@ def siblings(name: str) -> list[str]:
     order: list[str] = []
 
     def visit(module: str) -> None:
-        tree = ast.parse((_HERE / f"{module}.py").read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
+        for node in ast.walk(_tree(module)):
             imported = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                 [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             for name in imported:

@@ -45,7 +45,7 @@ from harness.run.records import (
 )
 from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
 from harness.run.report import report, say
-from harness.run.results import failure_of, hang_failure, node_result, stopped_status
+from harness.run.results import failure_of, hang_failure, node_result, stopped_status, summary_error
 from harness.run.supervisor import Supervisor
 from harness.spec.job import JobSpec
 from harness.targets.base import Backend, CheckFailed, Scheduler
@@ -292,11 +292,12 @@ def _finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threadi
     ended = time.time()
     warnings = [not_distributed] if status is RunStatus.SUCCEEDED and last is not None and \
         (not_distributed := _not_distributed(last)) else []
+    first_failure = last.failures[0] if last and last.failures and status is RunStatus.FAILED else None
     summary = RunSummary(
         run_id=state.run_id, name=state.name, status=status, exit_code=code, started_at=state.started_at,
         ended_at=ended, duration_s=round(ended - state.started_at, 3), nodes=last.nodes if last else [],
-        first_failure=last.failures[0] if last and last.failures and status is RunStatus.FAILED else None,
-        attempts=attempts, reason=reason, warnings=warnings,
+        first_failure=first_failure, attempts=attempts, reason=reason, warnings=warnings,
+        error=summary_error(first_failure, reason) if status is RunStatus.FAILED else None,
     )
     run.write_summary(summary)
     run.write_state(replace(state, status=status, ended_at=ended))

@@ -243,6 +243,9 @@ def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[i
     parts += [f"{ranks_text(g)} {'waits' if len(g) == 1 else 'wait'} {where}" for where, g in ordered]
     if not odd and len(groups) == 1:
         parts.append("no rank is behind the others: suspect the network between the nodes, or a peer's host")
+    elif not odd and len(groups) > 1:
+        parts.append("the ranks wait in different collectives: the program calls them in a different order on "
+                     "different ranks")
     return Verdict(f"no progress for {stall:g} s: " + "; ".join(parts), sorted(odd))
 
 

@@ -153,6 +153,7 @@ class RunSummary:
     first_failure: Failure | None  # the cause that ended the run (the last attempt's)
     attempts: list[Attempt]
     reason: str | None = None  # why the run ended without another attempt, when it failed
+    error: str | None = None  # what went wrong, in one line, for a failed run (never None then)
     warnings: list[str] = field(default_factory=list)  # e.g. a success that never ran distributed
 
 

@@ -142,12 +142,15 @@ def attempt_kind(failures: list[NodeFailure]) -> FailureKind | None:
     return FailureKind.PROGRAM
 
 
+HOST_PART = re.compile(r" \(node\d+ on [^()]*\)")  # a hang verdict's "(node1 on h2)"
+
+
 def failure_place(failure: Failure) -> str | None:
     """Where a failure happened, when it says: a hang's verdict (where the ranks were), the exception's
     type at the innermost frame of the user's code, or evidence naming a place in source code (gloo's
     `pair.cc:464`). None for a failure that names no place (a killed rank, a lost host)."""
-    if failure.kind is FailureKind.HANG:
-        return failure.evidence
+    if failure.kind is FailureKind.HANG:  # where the ranks were, not on which hosts (a spare may replace one)
+        return HOST_PART.sub("", failure.evidence)
     if failure.error_at is not None:
         return f"{(failure.error or 'an exception').split(':')[0]} at {failure.error_at}"
     return failure.evidence if SOURCE_PLACE.search(failure.evidence) else None

@@ -68,5 +68,6 @@ def hang_failure(sup: Supervisor, started_at: float) -> Failure:
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks), rank=odd,
         rank_exit_code=None, exit_code=None, description="hung",
         after_s=round((sup.hang_at or started_at) - started_at, 3),
-        last_lines=record.last_lines(odd), kind=FailureKind.HANG, evidence=sup.hang.text,
+        last_lines=record.last_lines(odd if odd is not None else record.node.ranks[0]), kind=FailureKind.HANG,
+        evidence=sup.hang.text,
     )

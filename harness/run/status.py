@@ -74,7 +74,9 @@ def run_details(run: RunDir) -> str:
         return "\n".join(lines) + "\n"
     if len(summary.attempts) > 1:
         lines += [_attempt_line(attempt) for attempt in summary.attempts]
-    failed = {f.node_rank: f for f in summary.attempts[-1].failures} if summary.attempts else {}
+    failed: dict[int, Failure] = {}  # each node's first failure (a hang's verdict comes first)
+    for f in summary.attempts[-1].failures if summary.attempts else []:
+        failed.setdefault(f.node_rank, f)
     lines += [f"  node{n.node_rank} on {n.host}: {_recorded_end(n, failed.get(n.node_rank), summary.status)} after "
               f"{n.duration_s} s; log {n.log}" for n in summary.nodes]
     failure = summary.first_failure
@@ -99,7 +101,8 @@ def _recorded_end(node: NodeResult, failure: Failure | None, status: RunStatus) 
     if node.exit_code == 0:
         return "succeeded (exit 0)"
     why = {RunStatus.STOPPED: "by `harness stop`", RunStatus.INTERRUPTED: "on Ctrl-C or SIGTERM to the controller"}
-    return f"stopped {why.get(status, 'by the harness after the first failure')} ({node.describe()})"
+    how = node.error or f"torchrun's {node.describe()}"
+    return f"stopped {why.get(status, 'by the harness after the first failure')} ({how})"
 
 
 def _unrecorded_end(state: RunState, status: RunStatus, node_rank: int) -> str:

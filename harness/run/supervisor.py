@@ -137,6 +137,8 @@ class Supervisor:
                         with self._answer_lock:
                             answer = json.loads("".join(parts.pop((tag, int(rank)))))
                             self._answers.setdefault(tag, {})[int(rank)] = answer
+                elif kind == "oom":
+                    record.oom.update({int(rank): line for rank, line in json.loads(rest).items()})
                 elif kind == "stacks-done":
                     with self._answer_lock:
                         self._answered.setdefault(rest, set()).add(record.node.node_rank)

@@ -156,7 +156,7 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ["proctable", "ranks", "stacks"]
+    assert siblings("agent") == ["oom", "proctable", "ranks", "stacks"]
     assert siblings("kill_tree") == ["proctable"]
     assert siblings("probe") == ["stacks"]
     assert siblings("netcheck") == []

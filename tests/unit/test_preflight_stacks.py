@@ -182,3 +182,4 @@ def test_the_probe_kills_and_reaps_its_test_process_and_can_skip_the_check():
     config = {"master_address": "127.0.0.1", "workdir": str(REPO), "stacks": False}
     assert run_script(CommandLink(_host(sys.executable)), probe, [json.dumps(config)], timeout=30)["stacks"] is None
     assert stacks_check("h1", {"stacks": None}).status is Status.SKIP
+

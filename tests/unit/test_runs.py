@@ -121,7 +121,8 @@ def test_status_shows_each_nodes_real_end_and_the_failing_ranks_own_code(tmp_pat
     run.write_summary(replace(failed, nodes=nodes, first_failure=failure,
                               attempts=[replace(failed.attempts[0], nodes=nodes, failures=[failure])]))
     detail = run_details(run)
-    assert "  node0 on localhost: stopped by the harness after the first failure (signal SIGTERM) after 4.6 s" in detail
+    assert ("  node0 on localhost: stopped by the harness after the first failure (torchrun's signal SIGTERM) after "
+            "4.6 s") in detail, detail
     assert "  node1 on localhost: failed: rank 3 exit code 3 after 4.5 s" in detail, detail
     assert "running" not in detail
 
