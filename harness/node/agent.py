@@ -157,13 +157,15 @@ class Agent:
         answers: dict[int, object] = {}
 
         def read(rank: int, pid: int) -> None:
-            threads = dump(pid, py_spy) if py_spy else "py-spy is not installed beside the job's Python or on PATH"
+            state = states.get(rank, [pid, "gone"])[1]
+            threads = dump(pid, py_spy, stopped=state in ("T", "t")) if py_spy else \
+                "py-spy is not installed beside the job's Python or on PATH"
             if isinstance(threads, list):
                 for thread in threads:
                     for frame in thread["frames"]:
                         frame["code"] = source_line(pid, frame["file"], frame["line"])
                         frame["file"] = as_seen(pid, frame["file"])
-            answers[rank] = {"pid": pid, "state": states.get(rank, [pid, "gone"])[1], "threads": threads}
+            answers[rank] = {"pid": pid, "state": state, "threads": threads}
 
         readers = [threading.Thread(target=read, args=item, daemon=True) for item in ranks.items()]
         for reader in readers:

@@ -3,7 +3,8 @@ rank's cooperation or a change to its script, even when it is stopped or stuck i
 library only (it is shipped to nodes); py-spy itself is a binary of the node's Python environment.
 
 py-spy reads the process's memory (process_vm_readv, i.e. ptrace rights over it): root, or the
-same user with kernel.yama.ptrace_scope <= 1, or CAP_SYS_PTRACE inside a container. Preflight checks it.
+same user with kernel.yama.ptrace_scope 0 (at 1 only a process's ancestors may, and py-spy is the
+ranks' sibling), or CAP_SYS_PTRACE. Preflight checks it.
 """
 
 from __future__ import annotations
@@ -26,18 +27,22 @@ def py_spy_path(python: str = sys.executable) -> str | None:
     return shutil.which("py-spy")
 
 
-def dump(pid: int, py_spy: str) -> list[dict[str, Any]] | str:
+def dump(pid: int, py_spy: str, stopped: bool = False) -> list[dict[str, Any]] | str:
     """Every thread of pid with its frames, innermost first (py-spy's JSON), or why it could not be read.
-    py-spy pauses the process for the few milliseconds the read takes, so the stack is consistent."""
+    py-spy pauses the process for the few milliseconds the read takes, so the stack is consistent; a
+    stopped process (SIGSTOP) cannot move, and py-spy cannot pause it again: it is read as it is."""
+    argv = [py_spy, "dump", "--pid", str(pid), "--json", *(["--nonblocking"] if stopped else [])]
     try:
-        done = subprocess.run([py_spy, "dump", "--pid", str(pid), "--json"], capture_output=True, text=True,
-                              timeout=DUMP_SECONDS, check=False, stdin=subprocess.DEVNULL)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=DUMP_SECONDS, check=False,
+                              stdin=subprocess.DEVNULL, env={**os.environ, "RUST_BACKTRACE": "0"})
     except subprocess.TimeoutExpired:
         return f"py-spy did not answer within {DUMP_SECONDS:g} s"
     except OSError as exc:
         return f"py-spy could not run: {exc.strerror or exc}"
     if done.returncode != 0:
-        return (done.stderr.strip().splitlines() or [f"py-spy exited with {done.returncode}"])[-1]
+        said = [line.strip() for line in done.stderr.splitlines()  # not a backtrace's indented frames
+                if line.strip() and not line.startswith((" ", "\t", "stack backtrace"))]
+        return " ".join(said) or f"py-spy exited with {done.returncode}"
     try:
         threads = json.loads(done.stdout)
     except ValueError:

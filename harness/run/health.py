@@ -16,13 +16,14 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from harness.plan.planner import Node
 
-IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU over the stall window made no progress
+IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU between two samples made no progress
 SLOW_WINDOW = 20.0  # seconds over which each rank's busy share is measured
-SLOW_CONFIRM = 30.0  # seconds a rank must stay slow before it is named (and well again before it is cleared)
+SLOW_CONFIRM = 20.0  # seconds a rank must stay slow before it is named (and well again before it is cleared)
 # Frames inside these parts of torch are a rank waiting for its peers (a collective, DDP's backward).
 WAITING = re.compile(r"torch/(distributed|autograd|nn/parallel)/")
 WRAPPERS = ("wrapper", "_fn", "inner", "decorate_context", "wrapped")
@@ -69,14 +70,18 @@ class HealthWatch:
         return {r: v for r, v in self.ranks.items() if v.node.node_rank not in self.ended}
 
     def stalled(self) -> list[int]:
-        """Ranks of running nodes that used (almost) no CPU over the last `stall` seconds."""
+        """Ranks of running nodes that made no progress in any sample interval of the last `stall` seconds
+        (each used less than IDLE_SHARE of a CPU), so that "no progress for `stall` s" is literally true."""
         if self.stall <= 0:
             return []
         found = []
         for number, rank in sorted(self._live().items()):
-            last = rank.samples[-1] if rank.samples else None
-            before = [s for s in rank.samples if last and s[0] <= last[0] - self.stall]
-            if last and before and (last[1] - before[-1][1]) < IDLE_SHARE * (last[0] - before[-1][0]):
+            if not rank.samples or rank.samples[0][0] > rank.samples[-1][0] - self.stall:
+                continue  # not watched for `stall` seconds yet
+            since = next(i for i in range(len(rank.samples) - 1, -1, -1)
+                         if rank.samples[i][0] <= rank.samples[-1][0] - self.stall)
+            window = list(rank.samples)[since:]
+            if all(b[1] - a[1] <= IDLE_SHARE * (b[0] - a[0]) for a, b in pairwise(window)):
                 found.append(number)
         return found
 

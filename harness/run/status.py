@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def run_details(run: RunDir) -> str:
                          f"earlier attempts once the run has ended)")
         lines += [f"  node{rank} on {host}: {_unrecorded_end(state, status, rank)}; log "
                   f"{run.log_file(rank, state.attempt)}" for rank, host in enumerate(state.hosts)]
+        if status is RunStatus.RUNNING:
+            lines += _health_lines(run, state)
         return "\n".join(lines) + "\n"
     if len(summary.attempts) > 1:
         lines += [_attempt_line(attempt) for attempt in summary.attempts]
@@ -91,6 +94,19 @@ def run_details(run: RunDir) -> str:
     if summary.reason:
         lines.append(f"  not restarted: {summary.reason}")
     return "\n".join(lines) + "\n"
+
+
+def _health_lines(run: RunDir, state: RunState) -> list[str]:
+    """What the controller's health watch says of the running attempt: slow ranks, a hang being stopped."""
+    try:
+        health = json.loads(run.health_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if health.get("attempt") != state.attempt:
+        return []
+    lines = [f"  slow: rank {rank}: its peers wait for it {waited:g}% of the time"
+             for rank, waited in sorted(health.get("slow", {}).items(), key=lambda item: int(item[0]))]
+    return lines + ([f"  {health['hang']}"] if health.get("hang") else [])
 
 
 def _recorded_end(node: NodeResult, failure: Failure | None, status: RunStatus) -> str:

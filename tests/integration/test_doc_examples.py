@@ -51,7 +51,13 @@ RUN: dict[str, Expect] = {
     "harness render jobs/smoke.yaml": Expect(output=True),
     "harness launch jobs/smoke.yaml --detach": Expect(),
     "harness status": Expect(),
+    "harness stacks smoke-20261121-101500-3fa2c1": Expect(),
     "harness stop smoke-20261121-101500-3fa2c1": Expect(),
+    # docs/health.md
+    "harness launch stuck.yaml": Expect(status=1, output=True),  # the hang, found and explained
+    "harness launch stuck.yaml --detach": Expect(),
+    "harness stacks stuck-20261121-101500-3fa2c1": Expect(),
+    "harness stop stuck-20261121-101500-3fa2c1": Expect(),
     # docs/cli.md
     "harness render jobs/cifar.yaml --hosts hosts.example.yaml --format json | jq '.nodes[].argv'": Expect(),  # jq: a test package (make test-packages)
     "harness launch jobs/cifar.yaml": Expect(status=2, output=True),  # refused: nccl and no GPU

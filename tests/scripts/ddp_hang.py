@@ -1,6 +1,7 @@
 """A gloo job with the faults that hang real jobs, chosen by env: FAULT (sleep: FAULT_RANK sleeps in
 its data loading at step FAULT_STEP; skip: FAULT_RANK skips an all_reduce and goes on to the final barrier; silent:
-every rank computes for SILENT_SECONDS without printing or a collective, then ends), STEPS."""
+every rank computes for SILENT_SECONDS without printing or a collective, then ends), STEPS, RUN_SECONDS, and
+WORK: matrix products per step (a compute-bound step, as training's is), else a 0.05 s pause."""
 
 import os
 import time
@@ -13,12 +14,26 @@ rank = dist.get_rank()
 fault, fault_rank, fault_step = os.environ.get("FAULT", ""), int(os.environ.get("FAULT_RANK", "1")), \
     int(os.environ.get("FAULT_STEP", "20"))
 steps = int(os.environ.get("STEPS", "100000"))
+work = int(os.environ.get("WORK", "0"))
+run_until = time.monotonic() + float(os.environ.get("RUN_SECONDS", "inf"))
+
+
+def time_is_up() -> bool:
+    """Every rank's clock, agreed on by a collective, so that every rank stops on the same step."""
+    if run_until == float("inf"):
+        return False
+    up = torch.tensor([float(time.monotonic() > run_until)])
+    dist.all_reduce(up, op=dist.ReduceOp.MAX)
+    return bool(up.item())
 
 
 def load_batch(step: int) -> torch.Tensor:
     if fault == "sleep" and rank == fault_rank and step == fault_step:
         time.sleep(3600)
-    return torch.ones(1000) * step
+    x = torch.ones(100, 100) / 100
+    for _ in range(work):
+        x = torch.tanh(x @ x)
+    return x
 
 
 def train_step(step: int) -> None:
@@ -36,12 +51,15 @@ if fault == "silent":
     print(f"rank {rank} computed silently", flush=True)
 else:
     for step in range(steps):
+        if time_is_up():
+            break
         train_step(step)
         if fault == "skip" and rank == fault_rank and step == fault_step:
             print(f"rank {rank} skipped an all_reduce and ends", flush=True)
             break
         if step % 10 == 0:
             print(f"step {step}", flush=True)
-        time.sleep(0.05)
+        if not work:
+            time.sleep(0.05)
 dist.barrier()  # as many scripts end: with a skipped all_reduce, the ranks wait in different collectives
 dist.destroy_process_group()

@@ -1,0 +1,66 @@
+"""A hang that restarts: a rank stopped (SIGSTOP) mid-run makes no progress, the health watch calls the
+job hung, keeps every rank's stack and stops it, and with `hang` in restarts.on the next attempt resumes
+from the newest checkpoint and ends bitwise equal to a run that never failed (resume_job.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import yaml
+
+from conftest import assert_nothing_left, worker_pid
+from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
+
+STALL = 10
+DETECT_WITHIN = STALL + 15  # seconds from the SIGSTOP to the verdict, on a busy 2-core machine
+
+
+def hang_restarting_job(root: Path) -> Path:
+    """The resumable payload job, restarted after infrastructure failures and hangs, watched with a short stall."""
+    path = payload_job(root)
+    spec = yaml.safe_load(path.read_text())
+    spec["restarts"] = {"max": 2, "on": ["infra", "hang"], "backoff": 0}
+    spec["health"] = {"stall": STALL}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_a_stopped_rank_is_a_hang_and_the_restart_resumes_bitwise_equal(uninterrupted, launch, tmp_path):
+    run = launch(hang_restarting_job(tmp_path / "job"))
+    run.wait_for(KILL_AT, timeout=240)
+    stopped_pid = worker_pid(run.run_id, 1)
+    os.kill(stopped_pid, signal.SIGSTOP)
+    stopped_at, stopped_wall = time.monotonic(), time.time()
+    verdict = run.wait_for(r"^harness: hang: (no progress for .*?) \(stacks in (\S+)/\)$", timeout=DETECT_WITHIN + 30)
+    assert time.monotonic() - stopped_at < DETECT_WITHIN, f"hang seen {time.monotonic() - stopped_at:.1f} s after"
+    assert run.finish(timeout=300) == 0, run.output
+    assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
+
+    assert re.fullmatch(rf"no progress for {STALL} s: rank 1 \(node1 on localhost\) is stopped \(SIGSTOP\) .+; "
+                        rf"rank 0 waits .+", verdict.group(1)), verdict.group(1)
+    summary = run.summary()
+    assert summary["status"] == "succeeded", summary
+    first, second = summary["attempts"]
+    assert (first["status"], first["kind"], second["status"]) == ("failed", "hang", "succeeded"), summary["attempts"]
+    failure = first["failures"][0]
+    assert (failure["kind"], failure["node_rank"], failure["rank"]) == ("hang", 1, 1), failure
+    assert failure["evidence"] == verdict.group(1)
+    assert first["started_at"] + failure["after_s"] - stopped_wall < DETECT_WITHIN
+    assert re.search(r"harness: attempt 0 failed at the hang level .*; restart 1 of 2", run.output), run.output
+    assert re.search(rf"harness: run {run.run_id} attempt 1, 2 node\(s\)", run.output), run.output
+    resumed = int(re.search(r"\[rank0\]: resume: epoch 1 step (\d+) ", run.output).group(1))
+    assert resumed in range(8, 64, 4), "resumed from a checkpoint written after step 11, before the end"
+
+    stacks = run.runs_dir / run.run_id / "stacks" / "attempt-0"
+    assert verdict.group(2) == str(stacks)
+    stopped = (stacks / "rank1.txt").read_text()
+    assert stopped.startswith(f"rank 1 (node1 on localhost), pid {stopped_pid}, stopped (SIGSTOP)\n"), stopped
+    # What the stopped rank's stack says is test_health_ssh.py's test_a_stopped_rank_s_stack_is_read.
+    waiting = (stacks / "rank0.txt").read_text()
+    assert waiting.startswith("rank 0 (node0 on localhost), pid ") and "(harness/payload/train.py:" in waiting, waiting
+    assert not (run.runs_dir / run.run_id / "stacks" / "attempt-1").exists()
+    assert_nothing_left(run.run_id)

@@ -1,0 +1,121 @@
+"""The health watch's judgements (harness/run/health.py), from samples and stacks as the agents send them."""
+
+from __future__ import annotations
+
+from harness.plan.planner import Node
+from harness.run.health import SLOW_CONFIRM, HealthWatch, RankStack, grouped, hang_verdict
+
+NODES = [Node(host=f"h{i + 1}", address=f"10.0.0.{i + 1}", node_rank=i, nproc=1) for i in range(4)]
+SITE = "/venv/lib/python3.11/site-packages"
+
+
+def feed(watch: HealthWatch, seconds: int, cpu_per_s: dict[int, float], busy_per_s: dict[int, float] | None = None,
+         start: float = 0.0, cpu0: dict[int, float] | None = None) -> None:
+    """One sample a second per rank, rank r on node r."""
+    for t in range(seconds + 1):
+        for rank, rate in cpu_per_s.items():
+            busy = (busy_per_s or {}).get(rank, rate)
+            watch.observe(NODES[rank], {"t": start + t, "ranks": {str(rank): [100 + rank, "S", (cpu0 or {}).get(rank, 0)
+                                                                                + rate * t, busy * (start + t)]}})
+
+
+def test_a_rank_without_cpu_for_the_stall_is_stalled_and_one_that_computes_is_not():
+    watch = HealthWatch(stall=10, slow=0)
+    feed(watch, 9, {0: 1.0, 1: 0.0})
+    assert watch.stalled() == [], "not before the rank has been watched for `stall` seconds"
+    feed(watch, 3, {0: 1.0, 1: 0.0}, start=9)
+    assert watch.stalled() == [1]
+
+
+def test_a_little_background_cpu_is_still_no_progress_but_two_percent_is():
+    watch = HealthWatch(stall=10, slow=0)
+    feed(watch, 12, {0: 0.01, 1: 0.05})
+    assert watch.stalled() == [0]
+
+
+def test_ranks_of_a_node_that_ended_are_not_judged():
+    watch = HealthWatch(stall=5, slow=0)
+    feed(watch, 8, {0: 0.0, 1: 1.0})
+    watch.node_ended(0)
+    assert watch.stalled() == []
+
+
+def test_a_rank_its_peers_wait_for_is_named_after_the_confirmation_and_cleared_when_it_keeps_up():
+    watch = HealthWatch(stall=0, slow=20)
+    feed(watch, 40, {0: 0.5, 1: 0.5, 2: 0.5}, busy_per_s={0: 0.5, 1: 1.0, 2: 0.5})
+    named = [c for now in range(0, int(SLOW_CONFIRM) + 2) for c in watch.slow_changes(float(now))]
+    assert named == [(1, 50.0)]
+    assert watch.slow_ranks() == {1: 50.0}
+    feed(watch, 40, {0: 0.5, 1: 0.5, 2: 0.5}, busy_per_s={0: 0.5, 1: 0.5, 2: 0.5}, start=41)
+    later = [c for now in range(100, 100 + int(SLOW_CONFIRM) + 2) for c in watch.slow_changes(float(now))]
+    assert later == [(1, None)] and watch.slow_ranks() == {}
+
+
+def test_equal_ranks_name_nobody():
+    watch = HealthWatch(stall=0, slow=20)
+    feed(watch, 40, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, busy_per_s={0: 0.9, 1: 0.85, 2: 0.95, 3: 0.9})
+    assert [c for now in range(60) for c in watch.slow_changes(float(now))] == []
+
+
+def frame(name: str, file: str, line: int, code: str = "") -> dict:
+    return {"name": name, "file": file, "line": line, "code": code}
+
+
+IN_ALL_REDUCE = [frame("all_reduce", f"{SITE}/torch/distributed/distributed_c10d.py", 2950, "work.wait()"),
+                 frame("_exception_logger.<locals>.wrapper", f"{SITE}/torch/distributed/c10d_logger.py", 81),
+                 frame("step", "train.py", 55, "dist.all_reduce(x)"), frame("<module>", "train.py", 70)]
+IN_SLEEP = [frame("load_batch", "train.py", 42, "time.sleep(60)"), frame("step", "train.py", 50),
+            frame("<module>", "train.py", 70)]
+
+
+def stack(rank: int, frames: list[dict], state: str = "S") -> RankStack:
+    return RankStack(rank, NODES[rank], 100 + rank, state,
+                     [{"name": "MainThread", "tid": 100 + rank, "active": False, "frames": frames},
+                      {"name": "Thread-1 (pin_memory)", "tid": 200 + rank, "active": False,
+                       "frames": [frame("wait", "/usr/lib/python3.11/threading.py", 320)]}])
+
+
+def test_the_verdict_names_the_rank_outside_the_collective_and_where_the_others_wait():
+    stacks = {0: stack(0, IN_ALL_REDUCE), 1: stack(1, IN_SLEEP), 2: stack(2, IN_ALL_REDUCE), 3: stack(3, IN_ALL_REDUCE)}
+    verdict = hang_verdict(300, stacks, {})
+    assert verdict.odd == [1]
+    assert verdict.text == ("no progress for 300 s: rank 1 (node1 on h2) at train.py:42 in load_batch: time.sleep(60); "
+                            "ranks 0,2,3 wait in all_reduce at train.py:55 in step")
+
+
+def test_a_stopped_rank_and_an_ended_node_are_the_odd_ones_even_inside_a_collective():
+    stacks = {0: stack(0, IN_ALL_REDUCE), 1: stack(1, IN_ALL_REDUCE, state="T")}
+    verdict = hang_verdict(10, stacks, {2: (NODES[2], "exit code 0")})
+    assert verdict.odd == [1, 2]
+    assert verdict.text == ("no progress for 10 s: rank 1 (node1 on h2) is stopped (SIGSTOP) in all_reduce at "
+                            "train.py:55 in step; rank 2 (node2 on h3) had ended (exit code 0); rank 0 waits in "
+                            "all_reduce at train.py:55 in step")
+
+
+def test_every_rank_in_the_same_collective_points_at_the_network():
+    verdict = hang_verdict(10, {0: stack(0, IN_ALL_REDUCE), 1: stack(1, IN_ALL_REDUCE)}, {})
+    assert verdict.odd == []
+    assert verdict.text.endswith("ranks 0,1 wait in all_reduce at train.py:55 in step; no rank is behind the others: "
+                                 "suspect the network between the nodes, or a peer's host")
+
+
+def test_ranks_in_different_collectives_are_a_mismatch_and_a_minority_is_named():
+    barrier = [frame("barrier", f"{SITE}/torch/distributed/distributed_c10d.py", 4800), frame("<module>", "train.py", 80)]
+    tie = hang_verdict(10, {0: stack(0, IN_ALL_REDUCE), 1: stack(1, barrier)}, {})
+    assert tie.odd == [] and "the ranks wait in different collectives" in tie.text
+    three = hang_verdict(10, {0: stack(0, IN_ALL_REDUCE), 1: stack(1, barrier), 2: stack(2, IN_ALL_REDUCE)}, {})
+    assert three.odd == [1] and three.text.startswith("no progress for 10 s: rank 1 waits in barrier at train.py:80")
+
+
+def test_a_rank_whose_stack_could_not_be_read_says_why():
+    unread = RankStack(0, NODES[0], 100, "S", None, "Permission denied (os error 13)")
+    assert unread.where() == "(no stack: Permission denied (os error 13))"
+    assert "stacks unavailable: Permission denied" in unread.text()
+
+
+def test_alike_stacks_are_shown_once_with_every_rank_they_stand_for():
+    text = grouped([stack(0, IN_ALL_REDUCE), stack(1, IN_SLEEP), stack(2, IN_ALL_REDUCE)])
+    assert text.count("all_reduce (torch/distributed/distributed_c10d.py:2950)") == 1
+    assert text.count("load_batch (train.py:42)") == 1
+    assert text.startswith("ranks 0,2: 0 (node0 on h1, pid 100, sleeping), 2 (node2 on h3, pid 102, sleeping)\n")
+    assert "        time.sleep(60)" in text
