@@ -44,7 +44,7 @@ def process_tree(pid: int) -> tuple[list[int], list[int]]:
     children: dict[int, list[int]] = {}
     zombies = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(int(entry))):
+        if entry.isdigit() and (fields := stat_fields(int(entry))):
             if fields[0] != b"Z":
                 children.setdefault(int(fields[1]), []).append(int(entry))
             elif int(fields[1]) == pid:
@@ -69,8 +69,9 @@ def signal_all(pids: list[int], sig: int) -> list[int]:
     return signalled
 
 
-def _stat(pid: int) -> list[bytes] | None:
-    """Fields of /proc/PID/stat after the command name (state is [0], start time is [19])."""
+def stat_fields(pid: int) -> list[bytes] | None:
+    """Fields of /proc/PID/stat after the command name (state [0], ppid [1], utime [11], stime [12],
+    start time [19])."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             return handle.read().rsplit(b")", 1)[1].split()
@@ -80,11 +81,11 @@ def _stat(pid: int) -> list[bytes] | None:
 
 def start_ticks(pid: int) -> int | None:
     """The kernel's start time of pid: with the pid it identifies a process even after pid reuse."""
-    fields = _stat(pid)
+    fields = stat_fields(pid)
     return int(fields[19]) if fields else None
 
 
 def is_alive(pid: int, ticks: int | None) -> bool:
     """The same process (not a reused pid) and still running (an exited, unreaped zombie is not)."""
-    fields = _stat(pid)
+    fields = stat_fields(pid)
     return fields is not None and ticks is not None and int(fields[19]) == ticks and fields[0] != b"Z"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from harness.node.proctable import stat_fields
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -23,15 +25,6 @@ def _environ(pid: int) -> dict[bytes, bytes]:
             return dict(item.partition(b"=")[::2] for item in handle.read().split(b"\0") if item)
     except OSError:
         return {}
-
-
-def _stat(pid: int) -> list[bytes]:
-    """Fields after the command name: state [0], ppid [1], utime [11], stime [12]."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
 
 
 def find_ranks(below: list[int], run_id: str) -> dict[int, int]:
@@ -44,7 +37,7 @@ def find_ranks(below: list[int], run_id: str) -> dict[int, int]:
             rank_of[pid] = env[b"RANK"]
     found = {}
     for pid, rank in rank_of.items():
-        fields = _stat(pid)
+        fields = stat_fields(pid)
         if fields and rank_of.get(int(fields[1])) != rank and rank.isdigit():
             found[int(rank)] = pid
     return found
@@ -53,7 +46,7 @@ def find_ranks(below: list[int], run_id: str) -> dict[int, int]:
 def _children(below: list[int]) -> dict[int, list[int]]:
     tree: dict[int, list[int]] = {}
     for pid in below:
-        if fields := _stat(pid):
+        if fields := stat_fields(pid):
             tree.setdefault(int(fields[1]), []).append(pid)
     return tree
 
@@ -63,13 +56,13 @@ def sample(ranks: dict[int, int], below: list[int]) -> dict[int, list[object]]:
     tree = _children(below)
     found: dict[int, list[object]] = {}
     for rank, pid in ranks.items():
-        own = _stat(pid)
+        own = stat_fields(pid)
         if not own:
             continue
         cpu, stack = 0, [pid]
         while stack:
             member = stack.pop()
-            fields = own if member == pid else _stat(member)
+            fields = own if member == pid else stat_fields(member)
             if fields:
                 cpu += int(fields[11]) + int(fields[12])
             stack.extend(tree.get(member, []))
