@@ -1,6 +1,6 @@
 """A real OOM kill: a process over its memory cgroup's limit, ended by the kernel's OOM killer, and
 harness.node.oom naming it from the kernel's log and from the cgroup's counter (the parsing:
-tests/unit/test_oom.py)."""
+tests/unit/test_oom_kernel_lines.py)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from harness.spec.job import load_job
 from harness.targets.slurm.batch import batch_script
 from testbed.slurm_cluster import SlurmCluster
 
-from conftest import REPO, Launch, Streamed, harness
+from conftest import REPO, SCRIPT, Launch, Streamed, harness
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 from slurm_job import sum_job
 
@@ -274,6 +274,25 @@ def test_inside_an_allocation_a_failure_and_ctrl_c_stop_every_step(slurm_cluster
     os.killpg(os.getpgid(controller), signal.SIGINT)
     assert interrupted.finish(timeout=120) == 130, interrupted.output
     assert "stop requested: stopping every node" in interrupted.output
+    slurm_cluster.assert_no_job_processes()
+
+
+def test_inside_an_allocation_a_hung_rank_is_found_named_and_its_stacks_kept(slurm_cluster, write_yaml, tmp_path,
+                                                                             in_allocation):
+    """The health watch on srun steps: a rank asleep in its step is named within health.stall + 15 s."""
+    job = Path(sum_job(write_yaml, tail="health: {stall: 8}\n", FAULT="sleep", FAULT_RANK="1", FAULT_STEP="20"))
+    job.write_text(job.read_text().replace(str(SCRIPT), str(REPO / "tests" / "scripts" / "ddp_hang.py")))
+    run = in_allocation(slurm_cluster, 2, job, tmp_path / "runs")
+    run.wait_for(r"^\[node0\] \[rank0\]: step 10$", timeout=180)
+    began = time.monotonic()
+    verdict = run.wait_for(r"harness: hang: (.*)", timeout=120).group(1)
+    assert time.monotonic() - began < 8 + 15, f"found after {time.monotonic() - began:.0f} s"
+    assert re.match(r"no progress for 8 s: rank 1 \(node1 on n2\) at \S*ddp_hang.py:\d+ in load_batch: "
+                    r"time.sleep\(3600\); rank 0 waits in all_reduce at \S*ddp_hang.py:\d+ in train_step", verdict), \
+        verdict
+    assert run.finish(timeout=120) == 1, run.output
+    kept = next((tmp_path / "runs").glob("*/stacks/attempt-0"))
+    assert "time.sleep(3600)" in (kept / "rank1.txt").read_text()
     slurm_cluster.assert_no_job_processes()
 
 
