@@ -7,6 +7,8 @@ controller judges progress and slowness by (run/health.py):
 - cpu: CPU seconds of the rank and every process below it (its DataLoader workers compute for it);
 - busy: seconds its main thread was on a CPU or waiting for one (schedstat): a rank that waits in a
   collective is asleep, so its peers' waiting shows as their lower busy share;
+- io: bytes it and its children read and wrote (/proc/PID/io): a rank that mostly sleeps between
+  steps still sends its collectives' data (gloo writes to sockets), a rank blocked in one does not;
 - state: the main thread's scheduler state (R running, S sleeping, D disk, T stopped, Z zombie).
 """
 
@@ -52,27 +54,38 @@ def _children(below: list[int]) -> dict[int, list[int]]:
 
 
 def sample(ranks: dict[int, int], below: list[int]) -> dict[int, list[object]]:
-    """{rank: [pid, state, cpu seconds, busy seconds]} for the ranks still there."""
+    """{rank: [pid, state, cpu seconds, busy seconds, I/O bytes]} for the ranks still there."""
     tree = _children(below)
     found: dict[int, list[object]] = {}
     for rank, pid in ranks.items():
         own = stat_fields(pid)
         if not own:
             continue
-        cpu, stack = 0, [pid]
+        cpu, io, stack = 0, 0, [pid]
         while stack:
             member = stack.pop()
             fields = own if member == pid else stat_fields(member)
             if fields:
                 cpu += int(fields[11]) + int(fields[12])
+            io += _io_bytes(member)
             stack.extend(tree.get(member, []))
         try:
             with open(f"/proc/{pid}/schedstat", "rb") as handle:
                 on_cpu, waiting = (int(v) for v in handle.read().split()[:2])
         except (OSError, ValueError):
             on_cpu = waiting = 0
-        found[rank] = [pid, own[0].decode(), round(cpu / CLOCK_TICKS, 2), round((on_cpu + waiting) / 1e9, 3)]
+        found[rank] = [pid, own[0].decode(), round(cpu / CLOCK_TICKS, 2), round((on_cpu + waiting) / 1e9, 3), io]
     return found
+
+
+def _io_bytes(pid: int) -> int:
+    """Bytes pid has read and written through system calls: files, pipes, and gloo's sockets."""
+    try:
+        with open(f"/proc/{pid}/io", "rb") as handle:
+            counters = dict(line.split(b":") for line in handle.read().splitlines())
+        return int(counters[b"rchar"]) + int(counters[b"wchar"])
+    except (OSError, KeyError, ValueError):
+        return 0
 
 
 def as_seen(pid: int, path: str) -> str:

@@ -1,8 +1,9 @@
 """A running job's health, judged from what the node agents sample (harness.node.ranks) and the stacks
 they read (harness.node.stacks). Pure: samples and stacks in, judgements and words out.
 
-Progress is CPU time, not output: a rank that computes without printing uses CPU; a rank that waits
-in a collective, sleeps, or is stopped does not (gloo waits asleep). A rank without progress for
+Progress is CPU time and I/O, not output: a rank that computes without printing uses CPU, one that
+sleeps between steps still sends its collectives' data; a rank that waits in a collective, sleeps,
+or is stopped does neither (gloo waits asleep). A rank without progress for
 health.stall seconds means the job is hung -- whatever its peers print -- and the stacks then say who
 is the odd one out: a rank that ended, a stopped rank, a rank outside torch's collectives while its
 peers wait in one, or a minority in a different collective. A slow rank is the one its peers wait
@@ -37,7 +38,7 @@ class _Rank:
     node: Node
     pid: int
     state: str
-    samples: deque[tuple[float, float, float]] = field(default_factory=deque)  # (t, cpu s, busy s)
+    samples: deque[tuple[float, float, float, int]] = field(default_factory=deque)  # (t, cpu s, busy s, io bytes)
     slow_since: float | None = None
     well_since: float | None = None
     named_slow: float | None = None  # the percentage it was named with
@@ -55,10 +56,10 @@ class HealthWatch:
 
     def observe(self, node: Node, payload: Mapping[str, Any]) -> None:
         t = float(payload["t"])
-        for key, (pid, state, cpu, busy) in payload["ranks"].items():
+        for key, (pid, state, cpu, busy, io) in payload["ranks"].items():
             rank = self.ranks.setdefault(int(key), _Rank(node, pid, state))
             rank.pid, rank.state = pid, state
-            rank.samples.append((t, float(cpu), float(busy)))
+            rank.samples.append((t, float(cpu), float(busy), int(io)))
             keep = max(self.stall, SLOW_WINDOW) + 30
             while rank.samples and rank.samples[0][0] < t - keep:
                 rank.samples.popleft()
@@ -71,7 +72,8 @@ class HealthWatch:
 
     def stalled(self) -> list[int]:
         """Ranks of running nodes that made no progress in any sample interval of the last `stall` seconds
-        (each used less than IDLE_SHARE of a CPU), so that "no progress for `stall` s" is literally true."""
+        (each used less than IDLE_SHARE of a CPU and read or wrote nothing), so that "no progress for
+        `stall` s" is literally true."""
         if self.stall <= 0:
             return []
         found = []
@@ -81,7 +83,7 @@ class HealthWatch:
             since = next(i for i in range(len(rank.samples) - 1, -1, -1)
                          if rank.samples[i][0] <= rank.samples[-1][0] - self.stall)
             window = list(rank.samples)[since:]
-            if all(b[1] - a[1] <= IDLE_SHARE * (b[0] - a[0]) for a, b in pairwise(window)):
+            if all(b[1] - a[1] <= IDLE_SHARE * (b[0] - a[0]) and b[3] == a[3] for a, b in pairwise(window)):
                 found.append(number)
         return found
 

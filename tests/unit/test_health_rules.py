@@ -10,13 +10,14 @@ SITE = "/venv/lib/python3.11/site-packages"
 
 
 def feed(watch: HealthWatch, seconds: int, cpu_per_s: dict[int, float], busy_per_s: dict[int, float] | None = None,
-         start: float = 0.0, cpu0: dict[int, float] | None = None) -> None:
+         start: float = 0.0, io_per_s: dict[int, int] | None = None) -> None:
     """One sample a second per rank, rank r on node r."""
     for t in range(seconds + 1):
         for rank, rate in cpu_per_s.items():
             busy = (busy_per_s or {}).get(rank, rate)
-            watch.observe(NODES[rank], {"t": start + t, "ranks": {str(rank): [100 + rank, "S", (cpu0 or {}).get(rank, 0)
-                                                                                + rate * t, busy * (start + t)]}})
+            io = (io_per_s or {}).get(rank, 0) * (start + t)
+            watch.observe(NODES[rank], {"t": start + t, "ranks": {str(rank): [100 + rank, "S", rate * (start + t),
+                                                                                busy * (start + t), io]}})
 
 
 def test_a_rank_without_cpu_for_the_stall_is_stalled_and_one_that_computes_is_not():
@@ -31,6 +32,12 @@ def test_a_little_background_cpu_is_still_no_progress_but_two_percent_is():
     watch = HealthWatch(stall=10, slow=0)
     feed(watch, 12, {0: 0.01, 1: 0.05})
     assert watch.stalled() == [0]
+
+
+def test_a_rank_that_sleeps_between_collectives_makes_progress_by_its_io():
+    watch = HealthWatch(stall=10, slow=0)
+    feed(watch, 12, {0: 0.0, 1: 0.0}, io_per_s={0: 4096})
+    assert watch.stalled() == [1]
 
 
 def test_ranks_of_a_node_that_ended_are_not_judged():
