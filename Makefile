@@ -20,7 +20,7 @@ IMAGE ?= harness
 TAG ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' harness/__init__.py)
 IMAGE_FLAGS ?=
 
-.PHONY: setup system-packages test-packages lint test test-fast test-gpu launch render k8s image push image-test bench bench-quick bench-gpu lock clean
+.PHONY: setup system-packages test-packages lint test test-fast test-gpu launch render k8s image push image-test bench bench-quick bench-gpu bench-health lock clean
 
 setup: system-packages $(STAMP)
 
@@ -105,6 +105,11 @@ bench-quick: setup test-packages
 # The GPU's share alone: throughput vs the seed recipe, batch and compile-mode tuning, DDP over NCCL.
 bench-gpu: setup
 	$(BIN)/python -m bench --gpu
+
+# The health watch's alone (benchmarks 9 and 10, no root, ~21 min on 2 cores): 20 hung launches per fault kind
+# (a rank SIGSTOPped, asleep in its step, skipping an all_reduce) against torchrun alone, and the watch's cost.
+bench-health: setup
+	$(BIN)/python -m bench --health
 
 # Re-pin the full dependency closure (pip and setuptools included) after changing a pin in pyproject.toml.
 lock: $(STAMP)

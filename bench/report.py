@@ -8,6 +8,8 @@ SEED_GOAL = 4.0  # payload (fast settings) / seed recipe, images/s, on an H100-c
 H100_GOAL = 60_000  # ResNet-18-CIFAR bf16 images/s on one H100
 FAILURE_GOAL = 5.0  # seconds from a node's death to the last process of the job gone
 LINEAR_GOAL = 0.25  # preflight over the most hosts: t(k) / (k * t(1)) at most this
+HANG_MARGIN = 15.0  # a hang found within health.stall + this many seconds (issue 28)
+WATCH_GOAL = 0.99  # the payload's img/s with the health watch on / off, at least this
 
 
 def _ok(bench: dict[str, Any] | None) -> bool:
@@ -51,6 +53,31 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
         found.append({"goal": f"every process of the job gone < {FAILURE_GOAL:g} s after a node dies",
                       "value": f"{gone} s" if gone is not None else "processes left",
                       "met": gone is not None and gone < FAILURE_GOAL})
+    hg = b.get("hangs")
+    if _ok(hg):
+        worst = max((r["detected_s"]["max"] for r in hg["rows"] if r["detected_s"]["max"] is not None), default=None)
+        faults = sum(r["faults"] for r in hg["rows"])
+        found.append({"goal": f"every injected hang found within stall + {HANG_MARGIN:g} s",
+                      "value": f"{sum(r['found'] for r in hg['rows'])} of {faults} found, slowest after "
+                               f"{_num(worst, 2)} s (stall {hg['stall_s']:g} s)",
+                      "met": worst is not None and all(r["found"] == r["faults"] for r in hg["rows"])
+                      and worst <= hg["stall_s"] + HANG_MARGIN})
+        found.append({"goal": "the injected rank named as the hang's culprit, every time",
+                      "value": "; ".join(f"{r['kind']} {r['right']}/{r['faults']}" for r in hg["rows"]),
+                      "met": all(r["right"] == r["faults"] for r in hg["rows"])})
+    wc = b.get("watch_cost")
+    if _ok(wc):
+        pairs = wc["pair_images_per_s_ratios"]
+        spread = max(pairs) - min(pairs)
+        noisy = spread > 2 * (1 - WATCH_GOAL)  # the pairs disagree by more than the effect to resolve
+        found.append({"goal": f"the health watch costs the payload at most {1 - WATCH_GOAL:.0%} of its img/s",
+                      "value": f"on / off = {wc['images_per_s_ratio']:.4f} (pairs: "
+                               f"{', '.join(f'{r:.3f}' for r in pairs)}); one sample every {wc['sample_every_s']:g} s "
+                               f"costs a node {wc['sampling_cpu_share']:.3%} of a core",
+                      "met": None if noisy else wc["images_per_s_ratio"] >= WATCH_GOAL,
+                      "open": "open (this machine's noise)",
+                      "note": f"the pairs' ratios span {spread:.0%} here, more than the {1 - WATCH_GOAL:.0%} to "
+                              "resolve: others' load; the watch's own CPU bounds its cost" if noisy else None})
     return found
 
 
@@ -61,7 +88,7 @@ def _floor_ratio(row: dict[str, Any], mode: str, cores: int) -> float:
 
 
 def _mark(goal: dict[str, Any]) -> str:
-    mark = {True: "met", False: "**missed**", None: "open (needs a GPU)"}[goal["met"]]
+    mark = {True: "met", False: "**missed**", None: goal.get("open", "open (needs a GPU)")}[goal["met"]]
     return f"{mark}: {goal['note']}" if goal.get("note") else mark
 
 
@@ -241,6 +268,88 @@ def _containers(c: dict[str, Any]) -> list[str]:
     return [*lines, summary, ""]
 
 
+def _hangs(h: dict[str, Any]) -> list[str]:
+    lines = [f"{h['script']}; `health: {{stall: {h['stall_s']:g}}}`; {h['faults_per_kind']} faults of each kind, "
+             f"each in a launch of its own, on rank 0 or 1 drawn at random (seed {h['seed']}), at a random step in "
+             f"{h['fault_steps'][0]}..{h['fault_steps'][1]}, kinds interleaved. Detected: from the fault to the "
+             "`harness: hang: ...` line (median / max); beyond stall: the same less the stall. Right: summary.json's "
+             "first failure (kind `hang`) names the injected rank. Stacks: launches that kept rank0.txt and "
+             "rank1.txt. Left: processes of the run alive after the launch exited (most of any launch).", ""]
+    lines += _table(
+        ["fault", "faults (rank 0 / 1)", "found", "right rank", "detected s", "beyond stall s", "launch exit s",
+         "named rank 0 / 1 / none", "stacks kept", "left"],
+        [[r["fault"], f"{r['faults']} ({r['per_rank']['0']} / {r['per_rank']['1']})", r["found"],
+          f"{r['right']} ({_percent(r['accuracy'])})",
+          f"{_num(r['detected_s']['median'], 2)} / {_num(r['detected_s']['max'], 2)}",
+          f"{_num(r['beyond_stall_s']['median'], 2)} / {_num(r['beyond_stall_s']['max'], 2)}",
+          f"{_num(r['exit_s']['median'], 2)} / {_num(r['exit_s']['max'], 2)}",
+          f"{r['named']['0']} / {r['named']['1']} / {r['named']['None']}", r["all_stacks_kept"], r["left"]]
+         for r in h["rows"]])
+    lines += ["Verdicts (the last of each kind):", ""]
+    for r in h["rows"]:
+        last = [a for a in h.get("attempts", {}).get(r["kind"], []) if a.get("verdict")]
+        example = last[-1]["verdict"] if last else r["example_verdict"]
+        lines += [f"- {r['kind']}: `hang: {example}`"] if example else []
+    lines += [""]
+    if h["torchrun"]:
+        t0 = h["torchrun"][0]
+        lines += [f"torchrun alone (2 agents by hand, the same script) never calls a job hung: a rank's collective "
+                  f"fails when init_process_group's timeout runs out, by default {h['torchrun_defaults_s']['gloo']} s "
+                  f"for gloo and {h['torchrun_defaults_s']['nccl']} s for NCCL. Here the timeout was set to "
+                  f"{t0['pg_timeout_s']:g} s; seconds from the fault to the first error line; ranks named: every "
+                  f"rank number its output mentions after the fault; left: processes alive "
+                  f"{t0['left_after_s']:g} s after the fault (then killed).", ""]
+        lines += _table(["fault", "error shown s", "injected rank", "ranks named", "culprit named",
+                         "first agent exit s", "left"],
+                        [[KIND_NAMES.get(r["kind"], r["kind"]), _num(r["error_shown_s"]["median"], 2),
+                          ", ".join(map(str, r["injected"])), "; ".join(str(n) for n in r["ranks_named"]),
+                          f"{r['culprit_named']} of {r['runs']}",
+                          ", ".join(_num(x, 2) for x in r["first_agent_exit_s"]), ", ".join(map(str, r["left"]))]
+                         for r in h["torchrun"]])
+    for row in h["rows"]:  # the misses of each kind: how many, how, and the first of them
+        misses = [m for m in h.get("misses", []) if m["kind"] == row["kind"]]
+        if misses:
+            first = misses[0]
+            found = [m.get("named_rank") for m in misses if m["found"]]
+            named = ", ".join(f"{'none' if n is None else f'rank {n}'} x {found.count(n)}"
+                              for n in sorted(set(found), key=str))
+            lines += [f"Missed or misnamed, {row['fault']}: {len(misses)} of {row['faults']} (not found: "
+                      f"{sum(not m['found'] for m in misses)}; rank named instead: {named or '-'}). The first, rank "
+                      f"{first['injected_rank']} faulted (run {first['run_id']}): "
+                      + (f"`hang: {first.get('verdict')}`" if first["found"] else f"not found: {first.get('error')}"),
+                      ""]
+    lines += [f"Note: {n}" for n in h.get("notes", [])] + ([""] if h.get("notes") else [])
+    start, end = h.get("harness_tree_at_start"), h.get("harness_tree")
+    if start is not None and start != end:
+        lines += [f"**The harness changed during this run** (each launch ran the tree of its time): at the start "
+                  f"{', '.join(start)}; at the end {', '.join(end or [])}. The result file's attempts give each "
+                  "launch's run id (its time) and verdict.", ""]
+    elif end and len(end) > 1:
+        lines += [f"The harness tree measured had uncommitted changes in: {', '.join(end[1:])}.", ""]
+    return lines
+
+
+KIND_NAMES = {"stop": "rank SIGSTOPped", "sleep": "rank stuck in time.sleep in its step",
+              "skip": "rank skips an all_reduce and ends its loop"}
+
+
+def _watch_cost(w: dict[str, Any]) -> list[str]:
+    lines = [f"{w['job']}; `harness launch`, the health watch on and off alternately, {w['repeats']} of each. "
+             "First step: from the command's start to rank 0's first progress line. Ratios: on / off, median "
+             "of the pairs.", ""]
+    lines += _table(["health watch", "spec", "img/s (median)", "attempts", "first step s (median)", "attempts"],
+                    [[r["arm"], f"`{r['health']}`", _num(r["images_per_s"]),
+                      ", ".join(_num(a) for a in r["attempts_images_per_s"]), r["first_step_s"],
+                      ", ".join(str(a) for a in r["attempts_first_step_s"])] for r in w["rows"]])
+    return [*lines, f"img/s on / off: {w['images_per_s_ratio']:.4f} (pairs: "
+            f"{', '.join(f'{r:.3f}' for r in w['pair_images_per_s_ratios'])}); time to first step on / off: "
+            f"{w['first_step_ratio']:.3f} (pairs: {', '.join(f'{r:.3f}' for r in w['pair_first_step_ratios'])}).", "",
+            f"What the watch itself spends, without the noise of a shared machine: one sample of a node's ranks "
+            f"(process tree, ranks, their /proc figures; measured over both nodes' trees while the payload ran) "
+            f"takes {w['sample_cpu_ms']:.2f} ms of CPU, every {w['sample_every_s']:g} s by default: "
+            f"{w['sampling_cpu_share']:.3%} of one core per node.", ""]
+
+
 SECTIONS = (
     ("throughput", "1. Payload throughput vs the seed recipe", _throughput),
     ("tuning", "1b. Batch size and compile mode on the GPU", _tuning),
@@ -251,6 +360,8 @@ SECTIONS = (
     ("recovery", "6. Time to recover", _recovery),
     ("slurm", "7. Slurm: submit to first step, rank death to job end", _slurm),
     ("containers", "8. Containers: a node's start-up in the image vs on the bare host", _containers),
+    ("hangs", "9. Hangs: detection time and culprit, against torchrun alone", _hangs),
+    ("watch_cost", "10. The health watch's cost: img/s and time to first step", _watch_cost),
 )
 
 
@@ -280,10 +391,12 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
         "transforms through a DataLoader with a DistributedSampler), DDP against no DDP, `harness launch` against "
         "plain torchrun, preflight over 1 to 16 hosts, failure propagation against torchrun alone, and the time "
         "a restarted run takes from a lost node to its next training step, Slurm: `harness launch --target slurm` "
-        "against plain sbatch, and a container node's start-up against the bare host. "
+        "against plain sbatch, a container node's start-up against the bare host, and hang detection against "
+        "torchrun alone. "
         "`make bench` is the full run (ResNet-18, repeats, 16 hosts); `make bench-quick` takes about a minute on "
         "2 cores (the small model, few steps, 1 and 4 hosts); `make bench-gpu` is the GPU's share alone "
-        "(benchmarks 1, 1b and 2 on CUDA). Each run writes "
+        "(benchmarks 1, 1b and 2 on CUDA); `make bench-health` is the health watch's alone (benchmarks 9 and 10: "
+        "hung jobs found and their culprit named, against torchrun alone; the watch's cost). Each run writes "
         "`bench/results/<time>-<host>-<profile>.json`; the tables below come from the latest of each. Shared or "
         "busy machines give noisy figures: check the load average below.",
         "",
@@ -300,7 +413,7 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
             "CPU workers, `--compile` and its modes on the GPU, and DDP over NCCL (2 ranks need 2 GPUs).",
             "",
         ]
-    for name in ("gpu", "full", "quick"):
+    for name in ("gpu", "full", "quick", "health"):
         if name in latest:
             lines += _run(name, latest[name])
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -24,15 +24,20 @@ from bench import machine, procs, report
 
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
-NAMES = ("throughput", "tuning", "ddp", "first_step", "preflight", "failure", "recovery", "slurm", "containers")
-# What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed).
-PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp"), "full": tuple(n for n in NAMES if n != "tuning")}
+NAMES = ("throughput", "tuning", "ddp", "first_step", "preflight", "failure", "recovery", "slurm", "containers",
+         "hangs", "watch_cost")
+HEALTH = ("hangs", "watch_cost")
+# What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed);
+# health is the health watch's alone (benchmarks 9 and 10: 60 hung launches, ~21 min on 2 cores).
+PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp"),
+                 "full": tuple(n for n in NAMES if n != "tuning" and n not in HEALTH), "health": HEALTH}
 PROFILE_NAMES["quick"] = PROFILE_NAMES["full"]
+HEALTH_FAULTS = 20  # per fault kind, the issue's least
 
 
-def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
+def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, dict[str, Any]]:
     """Every knob of a run. quick: about a minute on a 2-core CPU; full: the real model, repeats; gpu:
-    benchmarks 1, 1b and 2 on the GPU."""
+    benchmarks 1, 1b and 2 on the GPU; health: benchmarks 9 and 10 (faults: hung launches per kind)."""
     quick = name == "quick"
     cuda = device == "cuda"
     if cuda:  # one H100-class GPU: ResNet-18 at the payload's default batch; compile only in the full runs
@@ -68,15 +73,20 @@ def profile(name: str, device: str) -> dict[str, dict[str, Any]]:
         "recovery": {"ckpt_every": 10, "kill_at": 15, "repeats": 1 if quick else 3},
         "slurm": {"repeats": 1 if quick else 3, "wait": 10 if quick else 30},
         "containers": {"repeats": 1 if quick else 3},
+        # stall 5 s keeps 60 hung launches short; torchrun alone waits out init_process_group's timeout,
+        # set to 30 s here (its default is 30 min for gloo), once per kind.
+        "hangs": {"faults": faults, "stall": 5, "steps": [5, 15], "seed": 28, "torchrun_repeats": 1,
+                  "torchrun_timeout": 30, "torchrun_wait": 15},
+        "watch_cost": {"repeats": 4, "model": "small", "batch_size": 32, "steps": 300, "warmup": 20},
     }
 
 
 def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-    from bench import containers, ddp, launch, preflight, recovery, slurm, throughput, tuning
+    from bench import containers, ddp, health, launch, preflight, recovery, slurm, throughput, tuning
 
     return {"throughput": throughput.run, "tuning": tuning.run, "ddp": ddp.run, "first_step": launch.time_to_first_step,
             "preflight": preflight.run, "failure": launch.failure_propagation, "recovery": recovery.run,
-            "slurm": slurm.run, "containers": containers.run}
+            "slurm": slurm.run, "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost}
 
 
 def resolve_device(device: str) -> str:
@@ -87,11 +97,12 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def run(name: str, device: str, only: list[str]) -> dict[str, Any]:
+def run(name: str, device: str, only: list[str], faults: int = HEALTH_FAULTS) -> dict[str, Any]:
     started = time.monotonic()
     device = resolve_device(device)
-    settings = profile(name, device)
-    result: dict[str, Any] = {"schema": 1, "profile": name, "partial": only != list(PROFILE_NAMES[name]),
+    settings = profile(name, device, faults)
+    result: dict[str, Any] = {"schema": 1, "profile": name,
+                              "partial": only != list(PROFILE_NAMES[name]) or faults != HEALTH_FAULTS,
                               "machine": machine.describe(), "settings": settings, "benchmarks": {}}
     for bench_name, work in benchmarks().items():
         if bench_name not in only:
@@ -144,9 +155,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="ResNet-18, repeats, 16 hosts (default)")
     which.add_argument("--gpu", dest="profile", action="store_const", const="gpu",
                        help="benchmarks 1, 1b (batch and compile-mode tuning) and 2 on a CUDA GPU, nothing else")
+    which.add_argument("--health", dest="profile", action="store_const", const="health",
+                       help=f"benchmarks 9 and 10 alone: {HEALTH_FAULTS} hung launches per fault kind against torchrun "
+                            "alone, and the watch's cost (~21 min on 2 cores; no root)")
     which.add_argument("--docs-only", dest="profile", action="store_const", const="docs",
                        help="only regenerate docs/benchmarks.md from bench/results/latest-*.json")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(NAMES)} (result marked partial)")
+    p.add_argument("--faults", type=int, default=HEALTH_FAULTS,
+                   help=f"hung launches per fault kind for --health (default {HEALTH_FAULTS}; "
+                        "another number: the result is marked partial)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="for benchmarks 1 and 2 (3-5 always run on CPU with gloo)")
     args = p.parse_args(argv)
@@ -165,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if name == "gpu" and resolve_device(args.device) != "cuda":
         p.error("--gpu needs a CUDA GPU and torch sees none (or --device cpu was given)")
     with procs.scratch():
-        result = run(name, args.device, only)
+        result = run(name, args.device, only, args.faults)
     path = write(result)
     print(f"wrote {path.relative_to(procs.REPO)}")
     if not result["partial"]:
