@@ -239,21 +239,50 @@ def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[i
     for rank, stack in sorted(waiters.items()):
         groups.setdefault(stack.where(), []).append(rank)
     parts = [f"rank {rank} {what}" for rank, what in sorted(odd.items())]
+    ahead = None
     if not odd and len(groups) > 1:
         biggest = max(len(g) for g in groups.values())
         minority = [r for g in groups.values() if len(g) < biggest for r in g]
-        if len(minority) < len(waiters):
+        if minority:
             odd.update({r: "" for r in minority})
-        ordered = sorted(groups.items(), key=lambda item: len(item[1]))
+        elif ahead := _ahead([[waiters[r] for r in g] for g in groups.values()]):
+            odd.update({r: "" for r in ahead[0]})
+        ordered = sorted(groups.items(), key=lambda item: (len(item[1]), not ahead or item[1] != ahead[0]))
     else:
         ordered = list(groups.items())
     parts += [f"{ranks_text(g)} {'waits' if len(g) == 1 else 'wait'} {where}" for where, g in ordered]
     if not odd and len(groups) == 1:
         parts.append("no rank is behind the others: suspect the network between the nodes, or a peer's host")
-    elif not odd and len(groups) > 1:
+    elif ahead:
+        parts.append(f"the ranks wait in different collectives, and {ranks_text(ahead[0])} got further in "
+                     f"{ahead[1]}: {'it' if len(ahead[0]) == 1 else 'they'} likely skipped a collective the others "
+                     f"wait in (or the others call one {'it does' if len(ahead[0]) == 1 else 'they do'} not)")
+    elif len(groups) > 1 and not any(odd.values()):
         parts.append("the ranks wait in different collectives: the program calls them in a different order on "
                      "different ranks")
     return Verdict(f"no progress for {stall:g} s: " + "; ".join(parts), sorted(odd))
+
+
+def _ahead(groups: list[list[RankStack]]) -> tuple[list[int], str] | None:
+    """The group that got furthest in the function where the groups' stacks part, when one did: the
+    outermost frame they do not share is the same function on a later line (e.g. after the loop that
+    holds the others' collective). (its ranks, "FUNC (FILE:LINE, the others at :LINE)")."""
+    outer = [list(reversed(group[0].main_frames())) for group in groups]
+    depth = 0
+    while all(len(frames) > depth for frames in outer) and \
+            len({(f[depth]["file"], f[depth]["name"], f[depth]["line"]) for f in outer}) == 1:
+        depth += 1
+    if not all(len(frames) > depth for frames in outer) or \
+            len({(f[depth]["file"], f[depth]["name"]) for f in outer}) != 1:
+        return None
+    lines = [frames[depth]["line"] for frames in outer]
+    furthest = max(lines)
+    if lines.count(furthest) != 1:
+        return None
+    at = outer[lines.index(furthest)][depth]
+    others = ", :".join(str(line) for line in sorted(set(lines) - {furthest}))
+    return (sorted(r.rank for r in groups[lines.index(furthest)]),
+            f"{at['name']} ({_short(at['file'])}:{furthest}, the others at :{others})")
 
 
 def grouped(stacks: Iterable[RankStack]) -> str:

@@ -109,7 +109,16 @@ def test_every_rank_in_the_same_collective_points_at_the_network():
 def test_ranks_in_different_collectives_are_a_mismatch_and_a_minority_is_named():
     barrier = [frame("barrier", f"{SITE}/torch/distributed/distributed_c10d.py", 4800), frame("<module>", "train.py", 80)]
     tie = hang_verdict(10, {0: stack(0, IN_ALL_REDUCE), 1: stack(1, barrier)}, {})
-    assert tie.odd == [] and "the ranks wait in different collectives" in tie.text
+    assert tie.odd == [1], "rank 1 got past the all_reduce rank 0 waits in: it skipped it"
+    assert tie.text == ("no progress for 10 s: rank 1 waits in barrier at train.py:80 in <module>; rank 0 waits in "
+                        "all_reduce at train.py:55 in step; the ranks wait in different collectives, and rank 1 got "
+                        "further in <module> (train.py:80, the others at :70): it likely skipped a collective the "
+                        "others wait in (or the others call one it does not)")
+    unordered = [frame("barrier", f"{SITE}/torch/distributed/distributed_c10d.py", 4800), frame("finish", "train.py", 90),
+                 frame("<module>", "train.py", 70)]
+    same_line = hang_verdict(10, {0: stack(0, IN_ALL_REDUCE), 1: stack(1, unordered)}, {})
+    assert same_line.odd == [] and same_line.text.endswith("the program calls them in a different order on "
+                                                           "different ranks"), same_line.text
     three = hang_verdict(10, {0: stack(0, IN_ALL_REDUCE), 1: stack(1, barrier), 2: stack(2, IN_ALL_REDUCE)}, {})
     assert three.odd == [1] and three.text.startswith("no progress for 10 s: rank 1 waits in barrier at train.py:80")
 
