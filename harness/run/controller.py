@@ -227,11 +227,10 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
              before: list[Attempt], out: IO[str]) -> Attempt:
     """Start every node of plan, supervise them to their end, and say how this attempt went."""
     watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes)
-    watching = spec.health.stall > 0 or spec.health.slow > 0
     sup = Supervisor(grace=spec.timeouts.stop_grace, out=out,
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
                      quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys(),
-                     health=HealthWatch(spec.health.stall, spec.health.slow) if watching else None, run=run,
+                     health=HealthWatch(spec.health.stall, spec.health.slow) if spec.health.watched else None, run=run,
                      attempt=plan.attempt)
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     hosts = ", ".join(n.host for n in plan.nodes)

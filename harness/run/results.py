@@ -57,8 +57,6 @@ def stopped_status(run: RunDir) -> RunStatus:
     return RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
 
 
-
-
 def hang_failure(sup: Supervisor, started_at: float) -> Failure:
     """The hang as the attempt's first failure: on the first odd rank's node, its verdict as evidence."""
     assert sup.hang is not None

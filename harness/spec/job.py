@@ -269,6 +269,11 @@ class Health(StrictModel):
     stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
     slow: Annotated[Seconds, Field(ge=0, le=100)] = 20
 
+    @property
+    def watched(self) -> bool:
+        """Whether the agents sample the ranks at all."""
+        return self.stall > 0 or self.slow > 0
+
 
 SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]+", re.ASCII)
 # Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.

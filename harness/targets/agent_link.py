@@ -58,9 +58,9 @@ def agent_silence(connect_timeout: float) -> float:
 def watch_seconds(spec: JobSpec) -> float:
     """How often agents sample their ranks: a twentieth of health.stall, from 1 to 5 s, so that a hang
     is seen within a few samples of the stall; every 5 s for slow ranks alone; 0 when neither is watched."""
-    if spec.health.stall > 0:
-        return min(5.0, max(1.0, spec.health.stall / 20))
-    return 5.0 if spec.health.slow > 0 else 0.0
+    if not spec.health.watched:
+        return 0.0
+    return min(5.0, max(1.0, spec.health.stall / 20)) if spec.health.stall > 0 else 5.0
 
 
 def _identity(node: NodePlan) -> dict[str, str]:
