@@ -13,8 +13,13 @@ from harness import __version__, commands
 from harness.errors import HarnessError
 from harness.spec.job import SLURM_OPTIONS
 
-# What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir).
-_NOT_RERUN = {"detach", "run_id", "runs_dir"}
+# What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir,
+# and the job spec it saved already).
+_NOT_RERUN = {"detach", "run_id", "runs_dir", "save_job"}
+RUNS_DIR_HELP = ("where run records live (default: $HARNESS_RUNS_DIR, else ./runs); without either, status, stop "
+                 "and stacks also find runs launched from any directory through the index of your runs "
+                 "($XDG_STATE_HOME/harness/runs, default ~/.local/state/harness/runs); when given, it is the only "
+                 "place they look")
 
 
 def _seconds(text: str) -> float:
@@ -29,8 +34,9 @@ def _seconds(text: str) -> float:
 
 
 def command_line(verb: argparse.ArgumentParser, args: argparse.Namespace, leave_out: set[str]) -> list[str]:
-    """The words that parse back to args under verb's parser: every argument it defines, at its parsed
-    value (options only where they differ from their default), but those named in leave_out."""
+    """The words that parse back to args under verb's parser (and main's `--`): every argument it
+    defines, at its parsed value (options only where they differ from their default), but those named
+    in leave_out, then the script's arguments after `--`."""
     options: list[str] = []
     positionals: list[str] = []
     for action in verb._actions:
@@ -41,10 +47,74 @@ def command_line(verb: argparse.ArgumentParser, args: argparse.Namespace, leave_
             positionals.append(str(value))
         elif isinstance(action, argparse._StoreTrueAction):
             options.append(action.option_strings[0])
+        elif isinstance(action, argparse._AppendAction):
+            options += [f"{action.option_strings[0]}={item}" for item in value or []]
         else:
             options.append(f"{action.option_strings[0]}={value}")
+    trailing = getattr(args, "script_args", [])
     # A positional that looks like an option (a job file named -x.yaml) parses only after `--`.
-    return [*options, *(["--"] if any(word.startswith("-") for word in positionals) else []), *positionals]
+    if any(word.startswith("-") for word in positionals):
+        return [*options, "--", *positionals, *trailing]
+    return [*options, *positionals, *(["--", *trailing] if trailing else [])]
+
+
+def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv before the first `--`, and the words after it (the script's, or the job first when no job came
+    before it: `harness launch -- -odd.yaml`)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def _job_arguments() -> argparse.ArgumentParser:
+    """What launch and render take to know the job: a spec file, or a script (or module) with torchrun's
+    flags, from which the same spec is built in memory."""
+    job = argparse.ArgumentParser(add_help=False)
+    job.add_argument("job", nargs="?", metavar="JOB|SCRIPT",
+                     help="a job spec (jobs/cifar.yaml), or a script to run as torchrun would (train.py) with the "
+                          "flags below; the script's own arguments go after `--`")
+    flags = job.add_argument_group("a script without a job spec (torchrun's flag names; see docs/cli.md)")
+    flags.add_argument("-m", "--module", help="run this module as `python -m` instead of a script (e.g. pkg.train)")
+    flags.add_argument("--nnodes", type=int, help="number of nodes (default 1)")
+    flags.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=_count_or_auto,
+                       help="processes per node: a number, or auto (one per GPU; default 1)")
+    flags.add_argument("--master-port", "--master_port", dest="master_port", type=_port_or_auto,
+                       help="rendezvous port on the master: a number, or auto (default: a free port picked at launch)")
+    flags.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv", choices=("static", "c10d"),
+                       help="static (default): fixed node ranks; c10d: ranks given at the rendezvous")
+    flags.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
+                       help="whole-job restarts after an infrastructure failure (default 0; restarts.max)")
+    flags.add_argument("--backend", choices=("auto", "nccl", "gloo"),
+                       help="process-group backend the script is told (HARNESS_BACKEND; default auto)")
+    flags.add_argument("--name", help="job name, in run ids (default: from the script, train.py -> train)")
+    flags.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                       help="set a variable for every rank (repeatable)")
+    flags.add_argument("--save-job", metavar="FILE",
+                       help="also write the job spec these flags make to FILE (not overwritten), to launch or "
+                            "edit later")
+    return job
+
+
+def _examples(verb: str) -> str:
+    return (f"examples:\n  harness {verb} jobs/smoke.yaml\n"
+            f"  harness {verb} train.py --nnodes 2 --nproc-per-node 4 -- --lr 0.1     (the script's args after --)\n"
+            f"  harness {verb} -m pkg.train --nnodes 2 --hosts hosts.yaml --save-job job.yaml")
+
+
+def _count_or_auto(text: str) -> int | str:
+    return text if text == "auto" else _integer(text)
+
+
+def _port_or_auto(text: str) -> int | str:
+    return text if text == "auto" else _integer(text)
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,11 +123,18 @@ def parser() -> argparse.ArgumentParser:
     verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB")
     top.set_defaults(verbs=verbs)
 
-    render = verbs.add_parser("render", help="print every node's exact torchrun command without running anything")
-    render.add_argument("job", help="job spec, e.g. jobs/cifar.yaml")
+    job = _job_arguments()
+    runs_dir = argparse.ArgumentParser(add_help=False)
+    runs_dir.add_argument("--runs-dir", help=RUNS_DIR_HELP)
+
+    render = verbs.add_parser("render", parents=[job, runs_dir], epilog=_examples("render"),
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              help="print every node's exact torchrun command without running anything")
     render.add_argument("--hosts", help="host inventory (hosts.yaml); default: simulated nodes on this machine")
-    render.add_argument("--format", choices=("text", "json"), default="text")
-    render.add_argument("--run-id", help="run id to render with (default: the job name)")
+    render.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text: the commands as a shell runs them (default); json: the plan for tools")
+    render.add_argument("--run-id", help="run id to render with (default: the job name); a run's plan.txt is what "
+                                         "render prints with its run id and master port")
     render.add_argument("--target", choices=("torchrun", "k8s", "slurm"), default="torchrun",
                         help="torchrun: per-node commands (default); k8s: Kubernetes manifests; slurm: an sbatch "
                              "script (save it and run `sbatch FILE`)")
@@ -68,11 +145,9 @@ def parser() -> argparse.ArgumentParser:
     render.set_defaults(known_hosts=None, accept_new_host_keys=False, skip_preflight=True)  # nothing connects
     render.set_defaults(func=commands.render)
 
-    runs_dir = argparse.ArgumentParser(add_help=False)
-    runs_dir.add_argument("--runs-dir", help="where run records live (default: $HARNESS_RUNS_DIR or ./runs)")
-
-    launch = verbs.add_parser("launch", parents=[runs_dir], help="run the job and supervise every node")
-    launch.add_argument("job")
+    launch = verbs.add_parser("launch", parents=[job, runs_dir], epilog=_examples("launch"),
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              help="run the job and supervise every node")
     launch.add_argument("--hosts", help="host inventory; default: nnodes simulated nodes on this machine")
     launch.add_argument("--detach", action="store_true",
                         help="run in the background: the run outlives this terminal; see status/stop")
@@ -89,18 +164,18 @@ def parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=commands.launch)
 
     stop = verbs.add_parser("stop", parents=[runs_dir], help="stop a running run (from any terminal)")
-    stop.add_argument("run_id")
+    stop.add_argument("run_id", help="the run to stop, as `harness status` lists it")
     stop.add_argument("--timeout", type=_seconds, default=15.0, help="seconds to wait for the run to end")
     stop.set_defaults(func=commands.stop)
 
     stacks = verbs.add_parser("stacks", parents=[runs_dir],
                               help="every rank's Python stack of a running run, alike ones grouped (the job goes on)")
-    stacks.add_argument("run_id")
+    stacks.add_argument("run_id", help="a running run, as `harness status` lists it")
     stacks.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the nodes' answer")
     stacks.set_defaults(func=commands.stacks)
 
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
-    status.add_argument("run_id", nargs="?")
+    status.add_argument("run_id", nargs="?", help="one run to show node by node (default: list the runs)")
     status.set_defaults(func=commands.status)
     preflight = verbs.add_parser("preflight", help="prove before launch that every host can run the job")
     preflight.add_argument("hosts", nargs="?", help="host inventory, e.g. hosts.yaml (none with --target slurm)")
@@ -125,9 +200,17 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     top = parser()
-    args, passthrough = top.parse_known_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    script_args: list[str] = []
+    if given[:1] in (["launch"], ["render"]):
+        given, script_args = _split_script_args(given)
+    args, passthrough = top.parse_known_args(given)
     if passthrough and args.verb != "prepare":
         top.error(f"unrecognized arguments: {' '.join(passthrough)}")
+    if args.verb in ("launch", "render"):
+        if args.job is None and args.module is None and script_args:
+            args.job = script_args.pop(0)
+        args.script_args = script_args
     args.passthrough = passthrough
     args.rerun = [args.verb, *command_line(args.verbs.choices[args.verb], args, _NOT_RERUN)]
     func: Callable[[argparse.Namespace], int] = args.func

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from harness.errors import HarnessError, UsageError
 from harness.run.records import check_run_id, find_run, new_run_id, run_dir, runs_root, write_text_atomic
+from harness.spec.from_flags import ScriptFlags, spec_from_flags, spec_yaml
 from harness.spec.job import SLURM_OPTIONS, JobSpec, Slurm, load_job
 from harness.targets.base import Backend, Scheduler
 
@@ -44,31 +47,90 @@ def scheduler_for(mode: str) -> Scheduler:
     return SbatchScheduler()
 
 
+@dataclass(frozen=True)
+class Job:
+    """The job a command runs: from a spec file, or built from a script's flags (harness.spec.from_flags)."""
+
+    spec: JobSpec
+    text: str  # the spec as its file holds it: kept in the run directory, shipped to pods
+    source: str  # where it came from: the file, or the command that made it
+
+
+def job_of(args: argparse.Namespace) -> Job:
+    """A spec file (*.yaml) as it is; a script or -m module with torchrun's flags as the spec they make,
+    also written to --save-job."""
+    flags = ScriptFlags(script=None if args.module else args.job, module=args.module, args=args.script_args,
+                        name=args.name, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
+                        master_port=args.master_port, rdzv=args.rdzv, backend=args.backend,
+                        max_restarts=args.max_restarts, env=args.env)
+    if args.module is None and args.job is not None and args.job.endswith((".yaml", ".yml")):
+        given = [f"--{key.replace('_', '-')}" for key in SCRIPT_FLAGS if getattr(args, key) not in (None, [])]
+        if given or args.script_args:
+            what = given[0] if given else f"`-- {shlex.join(args.script_args)}`"
+            raise UsageError(f"{what} is for a script launch (harness launch train.py --nnodes 2); {args.job} is a "
+                             f"job spec: set its keys there (docs/job-spec.md)")
+        return Job(load_job(args.job), Path(args.job).read_text(), args.job)
+    if args.job is None and args.module is None:
+        raise UsageError("expected a job spec (jobs/cifar.yaml), a script (train.py) or -m MODULE")
+    if args.job is not None and args.module is not None:
+        raise UsageError(f"give a script ({args.job}) or -m {args.module}, not both")
+    spec = spec_from_flags(flags)
+    command = shlex.join(["harness", *args.rerun])
+    text = spec_yaml(flags, command, args.save_job)
+    if args.save_job is not None:
+        _save_job(Path(args.save_job), text)
+    return Job(spec, text, command)
+
+
+# The launch and render flags that describe a script's job (harness.spec.from_flags).
+SCRIPT_FLAGS = ("nnodes", "nproc_per_node", "master_port", "rdzv", "backend", "max_restarts", "name", "env",
+                "save_job")
+
+
+def _save_job(path: Path, text: str) -> None:
+    if path.exists():
+        raise UsageError(f"--save-job {path}: the file exists; remove it or name another (it is never overwritten)")
+    try:
+        write_text_atomic(path, text)
+    except OSError as exc:
+        raise HarnessError(f"--save-job {path}: cannot write: {exc.strerror}") from None
+    print(f"wrote {path}; launch it again with: harness launch {path}", file=sys.stderr)
+
+
 def render(args: argparse.Namespace) -> int:
     if args.flavor is not None and args.target != "k8s":
         raise UsageError("--flavor is for --target k8s")
-    spec = load_job(args.job)
+    job = job_of(args)
+    spec = job.spec
     if args.target == "k8s":
-        return _write_manifests(args, spec)
+        return _write_manifests(args, job)
     if args.out is not None:
         raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan or a batch script")
     if args.target == "slurm":
         from harness.targets.slurm.batch import batch_script
 
-        sys.stdout.write(batch_script(spec, args.job))
+        sys.stdout.write(batch_script(spec, job.source))
         return 0
     from harness.plan.render import render_json, render_text
 
-    plan = backend_for(args).plan(spec, check_run_id(args.run_id or spec.name))
+    run_id = check_run_id(args.run_id or spec.name)
+    backend = backend_for(args)
+    # A local plan names the run directory it logs to: with the run's id, this is that run's plan.txt.
+    plan = backend.plan(spec, run_id, run_dir(runs_root(args.runs_dir), run_id).backend_logs)
+    if spec.master_port == "auto":
+        where = "this machine" if args.hosts is None else "the master host"
+        print(f"harness render: master_port is auto: port {plan.master_port} is shown; each launch picks a port that "
+              f"is free on {where} then (--master-port N fixes one)", file=sys.stderr)
     sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
     return 0
 
 
-def _write_manifests(args: argparse.Namespace, spec: JobSpec) -> int:
+def _write_manifests(args: argparse.Namespace, job: Job) -> int:
     from harness.targets.k8s.manifests import code_files, manifests_yaml
 
+    spec = job.spec
     code = code_files(spec, Path.cwd())
-    text = manifests_yaml(spec, Path(args.job).read_text(), args.job, args.flavor or "core", code=code)
+    text = manifests_yaml(spec, job.text, job.source, args.flavor or "core", code=code)
     if args.out is None:
         sys.stdout.write(text)
         return 0
@@ -102,7 +164,8 @@ def launch(args: argparse.Namespace) -> int:
     """args.rerun: these arguments as a command line without --detach, which a detached run re-runs."""
     from harness.run import controller
 
-    spec = with_slurm_flags(load_job(args.job), args)
+    job = job_of(args)
+    spec = with_slurm_flags(job.spec, args)
     root = runs_root(args.runs_dir)
     if args.target == "slurm" and args.hosts:
         raise UsageError("--hosts is for SSH hosts; with --target slurm, Slurm picks the nodes")
@@ -113,7 +176,7 @@ def launch(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "harness.cli", *args.rerun, "--runs-dir", str(root), "--run-id", run.run_id]
         return start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
-    return controller.launch(_target(args), spec, Path(args.job), root, run_id)
+    return controller.launch(_target(args), spec, job.text, job.source, root, run_id)
 
 
 def _target(args: argparse.Namespace) -> Backend | Scheduler:
@@ -129,20 +192,20 @@ def _target(args: argparse.Namespace) -> Backend | Scheduler:
 def stop(args: argparse.Namespace) -> int:
     from harness.run.stop import stop_run
 
-    return stop_run(find_run(runs_root(args.runs_dir), args.run_id), args.timeout, scheduler_for)
+    return stop_run(find_run(args.runs_dir, args.run_id), args.timeout, scheduler_for)
 
 
 def stacks(args: argparse.Namespace) -> int:
     from harness.run.stacks import run_stacks
 
-    sys.stdout.write(run_stacks(find_run(runs_root(args.runs_dir), args.run_id), args.timeout))
+    sys.stdout.write(run_stacks(find_run(args.runs_dir, args.run_id), args.timeout))
     return 0
 
 
 def status(args: argparse.Namespace) -> int:
     from harness.run.status import status_text
 
-    sys.stdout.write(status_text(runs_root(args.runs_dir), args.run_id))
+    sys.stdout.write(status_text(args.runs_dir, args.run_id))
     return 0
 
 
@@ -157,4 +220,4 @@ def preflight(args: argparse.Namespace) -> int:
 def prepare(args: argparse.Namespace) -> int:
     from harness.payload import prepare
 
-    return prepare.main(args.passthrough)
+    return prepare.main(args.passthrough, prog="harness prepare")

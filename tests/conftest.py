@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -25,6 +28,13 @@ from harness.node.proctable import run_processes
 pytest_plugins = ("testbed.cluster", "testbed.slurm_cluster", "resume_job")
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Every run registers in the user's index of runs ($XDG_STATE_HOME/harness/runs): the session's runs go to an
+# index of its own, never the real home's. Set at import, before any test module reads os.environ or starts a
+# process, so that everything the tests start inherits it.
+STATE_HOME = tempfile.mkdtemp(prefix="harness-test-state-")
+os.environ["XDG_STATE_HOME"] = STATE_HOME
+atexit.register(shutil.rmtree, STATE_HOME, ignore_errors=True)
 
 
 def _ephemeral_start() -> int:

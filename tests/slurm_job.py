@@ -23,8 +23,10 @@ slurm: {{python: {python}, workdir: {workdir}, time: "00:10:00"{extra}}}
 """
 
 
-def sum_job(write_yaml, extra: str = "", workdir: Path = REPO, tail: str = "", **env: str) -> str:
+def sum_job(write_yaml, extra: str = "", workdir: Path = REPO, tail: str = "", port: int | str | None = None,
+            **env: str) -> str:
+    """port: a free one by default; auto: picked on the master node (the batch script's, or a step's)."""
     lines = "".join(f"  {k}: '{v}'\n" for k, v in env.items()) or "  {}\n"
-    text = JOB.format(port=free_port(), script=SCRIPT, env=lines.rstrip("\n"), python=sys.executable, workdir=workdir,
+    text = JOB.format(port=port or free_port(), script=SCRIPT, env=lines.rstrip("\n"), python=sys.executable, workdir=workdir,
                       extra=extra)
     return str(write_yaml(text.replace("env:\n  {}", "env: {}") + tail))

@@ -18,6 +18,9 @@ from harness.spec.job import JobSpec
 from harness.spec.yamlsource import located
 
 LOCAL_MASTER = "127.0.0.1"
+# torchrun's own default port: where master_port is auto, what a plan shows until its target has picked a
+# free port (`harness render --hosts`, a plan before its check), and what pods use (a network each).
+TORCHRUN_PORT = 29500
 TORCHRUN_MODULE = "torch.distributed.run"
 # torchrun prefixes worker lines with the local rank by default; ${rank} is the global rank. It is set by
 # environment, which every torchrun since 2.2 reads (the --log-line-prefix-template flag is newer).
@@ -95,6 +98,12 @@ class Plan:
         }
 
 
+def planned_port(spec: JobSpec) -> int:
+    """master_port as a plan holds it: auto is TORCHRUN_PORT until the target picks a free port and plans
+    again with it (JobSpec.at_port)."""
+    return TORCHRUN_PORT if spec.master_port == "auto" else spec.master_port
+
+
 def resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> int:
     if spec.nproc_per_node != "auto":
         return spec.nproc_per_node
@@ -116,7 +125,7 @@ def resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> in
 
 def torchrun_flags(
     spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, log_dir: str | None = None,
-    attempt: int = 0,
+    attempt: int = 0, master_port: int | str | None = None,
 ) -> list[str]:
     """torchrun's own flags for one node (without the interpreter or the entrypoint).
 
@@ -124,14 +133,16 @@ def torchrun_flags(
     worker's tee'd log lines.
     torchrun's own restarts stay off (`--max-restarts=0`): they restart one node's workers, which a
     static rendezvous cannot take back; the harness restarts the whole job instead (spec `restarts`),
-    each attempt with a rendezvous id of its own.
+    each attempt with a rendezvous id of its own. master_port: the spec's (None), or where the port is only
+    known on the nodes, a placeholder the renderer turns into an expansion (sbatch).
     """
+    port = planned_port(spec) if master_port is None else master_port
     args = [f"--nnodes={spec.nnodes}", f"--nproc-per-node={nproc}"]
     if spec.rdzv == "static":
-        args += [f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={spec.master_port}"]
+        args += [f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={port}"]
     else:
         args += [
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{spec.master_port}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{port}",
             f"--rdzv-id={run_id}" + (f"-{attempt}" if attempt else ""),
             f"--rdzv-conf=join_timeout={int(spec.timeouts.rendezvous)}",
         ]
@@ -170,13 +181,14 @@ def interface_env(interface: str | None) -> dict[str, str]:
 
 
 def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str,
-             attempt: int | str = 0, interface: str | None = None, supervised: bool = False) -> dict[str, str]:
+             attempt: int | str = 0, interface: str | None = None, supervised: bool = False,
+             master_port: int | str | None = None) -> dict[str, str]:
     """The env contract of DESIGN.md: identical on every backend, user env first, ours last (the
     interface pin and, for nodes the supervisor reads, STORE_WATCH_ENV before the user's env: a job that
-    sets GLOO_SOCKET_IFNAME or TORCH_CPP_LOG_LEVEL itself keeps it)."""
+    sets GLOO_SOCKET_IFNAME or TORCH_CPP_LOG_LEVEL itself keeps it). master_port: as torchrun_flags takes it."""
     contract = {
         "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(spec.master_port),
+        "MASTER_PORT": str(planned_port(spec) if master_port is None else master_port),
         "NNODES": str(spec.nnodes),
         "NODE_RANK": str(node_rank),
         "NPROC_PER_NODE": str(nproc),
@@ -267,7 +279,7 @@ def plan_local(
         )
         for rank in range(spec.nnodes)
     )
-    return Plan(run_id, spec.name, LOCAL_MASTER, spec.master_port, spec.nnodes, nproc, nodes, attempt)
+    return Plan(run_id, spec.name, LOCAL_MASTER, planned_port(spec), spec.nnodes, nproc, nodes, attempt)
 
 
 class NoSpareHosts(HarnessError):
@@ -289,14 +301,17 @@ def job_hosts(spec: JobSpec, inventory: Inventory, down: frozenset[str] = frozen
 
 def take_healthy(names: list[str], nnodes: int, down: frozenset[str], *, what: str, pool: str, fix: str) -> list[str]:
     """The first nnodes names that are not down, in order: the ones past nnodes are spares, taken in
-    order when one is down. Else NoSpareHosts, saying what is down and what is left of the pool."""
-    healthy = [name for name in names if name not in down]
-    if len(healthy) < nnodes:
+    order when one is down. Else NoSpareHosts, saying what is down and what is left of the pool. The
+    ones left are only not known to be down (a spare is never checked before it is needed), so the
+    message does not call them healthy."""
+    left = [name for name in names if name not in down]
+    if len(left) < nnodes:
         raise NoSpareHosts(
             f"{what} down: {', '.join(sorted(down))}, and no spare left: the job needs nnodes={nnodes} {what[:4]}s, "
-            f"{len(healthy)} of {pool} {len(names)} are healthy ({', '.join(healthy) or 'none'}); {fix}"
+            f"{len(left)} of {pool} {len(names)} {'is' if len(left) == 1 else 'are'} left, not known to be down "
+            f"({', '.join(left) or 'none'}); {fix}"
         )
-    return healthy[:nnodes]
+    return left[:nnodes]
 
 
 def pinned_interface(spec: JobSpec, host: Host, found: Mapping[str, str]) -> str | None:
@@ -315,7 +330,7 @@ def plan_hosts(spec: JobSpec, hosts: list[Host], *, run_id: str, master_ip: str,
         raise UsageError(f"master address must be an IP address, got {master_ip!r}") from None
     nproc = resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
     setup = setup_script(spec.setup, spec.data_paths)
-    return Plan(run_id, spec.name, master_ip, spec.master_port, spec.nnodes, nproc, tuple(
+    return Plan(run_id, spec.name, master_ip, planned_port(spec), spec.nnodes, nproc, tuple(
         _host_node(spec, host, rank, nproc, run_id, master_ip, attempt, pinned_interface(spec, host, interfaces or {}),
                    setup)
         for rank, host in enumerate(hosts)

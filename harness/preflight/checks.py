@@ -10,7 +10,7 @@ from typing import Any
 from harness.node.probe import MISSING
 from harness.preflight.report import Check, Status
 from harness.spec.inventory import Host
-from harness.spec.job import JobSpec
+from harness.spec.job import Entrypoint, JobSpec
 
 FINGERPRINT = ("python", "torch", "torch_git", "cuda", "nccl", "torchvision", "driver", "harness", "payload")
 GIB = 1 << 30
@@ -18,7 +18,7 @@ SHM_WARN = 1 * GIB
 DISK_FAIL = 1 * GIB
 DISK_WARN = 10 * GIB
 PY_SPY = "py-spy==0.4.3"  # pyproject's pin: what the node agent reads the ranks' Python stacks with
-NO_STACKS = "hang verdicts and `harness stacks` will have no Python stacks from this host (the job itself runs)"
+NO_STACKS = "hang verdicts and `harness stacks` will have no Python stacks from this {where} (the job itself runs)"
 
 Facts = dict[str, Any]
 
@@ -50,9 +50,24 @@ def majority(values: list[str], master_value: str | None) -> str:
     return master_value if master_value in tied else tied[0]
 
 
-def fingerprint_checks(facts: dict[str, Facts],
-                       master: str) -> tuple[list[Check], dict[str, dict[str, str]], list[str]]:
-    """Per host: torch present, entrypoint found, and every fingerprint field equal across hosts."""
+def _code_fix(entrypoint: Entrypoint | None, facts: Facts) -> str:
+    """Where the job's code must be: every host's workdir; for simulated nodes (entrypoint given), this
+    machine's directory and the job spec's key."""
+    if entrypoint is None:
+        return "put the job's code at the same path in the workdir of every host"
+    workdir = facts["workdir"]
+    if entrypoint.script is not None:
+        where = "" if entrypoint.script.startswith(("/", "~")) else f" in {workdir}"
+        return f"create {entrypoint.script}{where}, or fix entrypoint.script"
+    return (f"make {entrypoint.module} importable from {workdir} (put it there, or install its package for "
+            f"{facts['python_executable']}), or fix entrypoint.module")
+
+
+def fingerprint_checks(facts: dict[str, Facts], master: str, *,
+                       local: Entrypoint | None = None) -> tuple[list[Check], dict[str, dict[str, str]], list[str]]:
+    """Per host: torch present, entrypoint found, and every fingerprint field equal across hosts. local:
+    the job's entrypoint when its nodes are simulated on this machine, whose fixes name this machine's
+    directories and the job spec's keys instead of hosts and the inventory; its rows name the interpreter."""
     prints = {host: fingerprint_of(f) for host, f in facts.items()}
     mismatched = [field for field in FINGERPRINT if len({p[field] for p in prints.values()}) > 1]
     reference = {field: majority([p[field] for p in prints.values()], prints.get(master, {}).get(field))
@@ -60,13 +75,16 @@ def fingerprint_checks(facts: dict[str, Facts],
     checks = []
     for host, values in prints.items():
         problems, fixes = [], []
+        python = facts[host]["python_executable"]
         if values["torch"] == MISSING:
-            problems.append(f"torch is not installed for {facts[host]['python_executable']}")
-            fixes.append("point `python:` in the inventory at the interpreter of the environment that has torch")
+            problems.append(f"torch is not installed for {python}")
+            fixes.append(f"install it there (`{python} -m pip install torch`), or set simulated.python to the "
+                         f"interpreter of an environment that has torch" if local is not None else
+                         "point `python:` in the inventory at the interpreter of the environment that has torch")
         payload = facts[host].get("payload") or {}
         if payload.get("error"):
             problems.append(f"entrypoint {payload['target']}: {payload['error']}")
-            fixes.append("put the job's code at the same path in the workdir of every host")
+            fixes.append(_code_fix(local, facts[host]))
         differs = [field for field in mismatched if values[field] != reference[field]]
         if differs:
             others = [h for h in prints if h != host and all(prints[h][f] == reference[f] for f in differs)]
@@ -76,7 +94,8 @@ def fingerprint_checks(facts: dict[str, Facts],
         if problems:
             checks.append(Check(host, "fingerprint", Status.FAIL, "; ".join(problems), "; ".join(fixes), values))
             continue
-        summary = (f"python {values['python']}, torch {values['torch']} ({values['torch_git'][:8]}), "
+        interpreter = f" ({python})" if local is not None else ""
+        summary = (f"python {values['python']}{interpreter}, torch {values['torch']} ({values['torch_git'][:8]}), "
                    f"cuda {values['cuda']}, nccl {values['nccl']}, torchvision {values['torchvision']}, "
                    f"driver {values['driver']}, harness {values['harness']}, payload {values['payload']}")
         same = "; other hosts differ, see below" if mismatched else ("; same on all hosts" if len(prints) > 1 else "")
@@ -154,24 +173,29 @@ def _ptrace_fix(host: str, stacks: Facts) -> str:
             f"CAP_SYS_PTRACE (`--cap-add SYS_PTRACE` in a container); `{path} dump --pid PID` on {host} says more")
 
 
-def stacks_check(host: str, facts: Facts) -> Check:
+def stacks_check(host: str, facts: Facts, *, local: bool = False) -> Check:
     """py-spy found where the node agent looks for it, and able to read a Python process on the host: the agent
-    needs both to show every rank's stack when a job hangs. Without them the job still runs, so: a warning."""
+    needs both to show every rank's stack when a job hangs. Without them the job still runs, so: a warning.
+    local: simulated nodes, whose agents run with the harness's own Python on this machine."""
     stacks = facts.get("stacks")
     if not stacks:
         return Check(host, "stacks", Status.SKIP, "not checked")
     python, details = stacks["python"], {k: v for k, v in stacks.items() if k != "error"}
+    no_stacks = NO_STACKS.format(where="machine" if local else "host")
     if stacks.get("failed"):
-        return Check(host, "stacks", Status.WARN, f"{stacks['failed']}; {NO_STACKS}",
+        return Check(host, "stacks", Status.WARN, f"{stacks['failed']}; {no_stacks}",
+                     f"check that {python}, the harness's own Python, runs: the node agents run with it" if local else
                      f"set `python:` in the inventory to a Python of {host} itself (the node agent runs there, "
                      f"outside the container)", details)
     if stacks["py_spy"] is None:
-        return Check(host, "stacks", Status.WARN, f"{stacks['error']}: {NO_STACKS}",
+        return Check(host, "stacks", Status.WARN, f"{stacks['error']}: {no_stacks}",
+                     f"`{python} -m pip install {PY_SPY}` (the node agents run with that Python, the harness's own, "
+                     f"and look for py-spy beside it, then on PATH)" if local else
                      f"`{python} -m pip install {PY_SPY}` on {host} (the node agent looks for py-spy beside that "
                      f"Python, then on PATH)", details)
     if not stacks["readable"]:
         return Check(host, "stacks", Status.WARN, f"py-spy {stacks['version']} ({stacks['py_spy']}) cannot read a "
-                     f"Python process: {stacks['error']}; {NO_STACKS}", _ptrace_fix(host, stacks), details)
+                     f"Python process: {stacks['error']}; {no_stacks}", _ptrace_fix(host, stacks), details)
     return Check(host, "stacks", Status.PASS,
                  f"py-spy {stacks['version']} ({stacks['py_spy']}) read the stack of a test process", None, details)
 
@@ -180,9 +204,11 @@ def resource_checks(host: Host, facts: Facts, spec: JobSpec | None, backend: str
     return [_gpus(host, facts, spec, backend), _shm(host.name, facts), _disk(host.name, facts)]
 
 
-def data_checks(facts: dict[str, Facts], paths: list[str], master: str, setup: bool = False) -> list[Check]:
+def data_checks(facts: dict[str, Facts], paths: list[str], master: str, setup: bool = False, *,
+                local: bool = False) -> list[Check]:
     """Every data path of the job present on every host, and the same there as on most hosts. setup:
-    the job's setup commands run before torchrun and must create what is missing (checked then)."""
+    the job's setup commands run before torchrun and must create what is missing (checked then).
+    local: simulated nodes, whose fix names this machine's directory, not storage the hosts share."""
     checks = []
     for path in paths:
         found = {host: f["data"].get(path, {"exists": False}) for host, f in facts.items()}
@@ -195,9 +221,10 @@ def data_checks(facts: dict[str, Facts], paths: list[str], master: str, setup: b
                                     f"the job's setup: must create it (checked before torchrun starts)",
                                     f"nothing, if setup creates {path}; otherwise copy it there"))
             elif not data["exists"]:
-                checks.append(Check(host, "data", Status.FAIL, f"{path} is missing in {facts[host]['workdir']}",
-                                    f"copy it there (or onto storage every host mounts), e.g. `harness prepare "
-                                    f"--data-dir {path}` for CIFAR-10"))
+                fix = (f"create it there, e.g. `harness prepare --data-dir {path}` for CIFAR-10, or fix data_paths"
+                       if local else f"copy it there (or onto storage every host mounts), e.g. `harness prepare "
+                       f"--data-dir {path}` for CIFAR-10")
+                checks.append(Check(host, "data", Status.FAIL, f"{path} is missing in {facts[host]['workdir']}", fix))
             elif data["digest"] != reference:
                 same = sorted(h for h, d in present.items() if d["digest"] == reference)
                 checks.append(Check(host, "data", Status.FAIL,

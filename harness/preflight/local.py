@@ -5,6 +5,7 @@ the SSH runner so that a local launch loads neither paramiko nor the supervisor.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +22,8 @@ from harness.spec.job import JobSpec
 from harness.targets.base import CheckFailed, WorkdirCheck
 
 STACKS_ONLY = json.dumps({"stacks_only": True})  # the probe's config on a container job's host
+OWN_PYTHON_FIX = ("point simulated.python at the python of an environment that has torch and the job's packages "
+                  "(e.g. ~/envs/train/bin/python), or create that environment")
 
 
 def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None, fast: bool,
@@ -52,31 +55,61 @@ def probe_host(connection: Link, master: Host, spec: JobSpec | None, fast: bool,
     return facts
 
 
+def _unrunnable(python: str) -> str | None:
+    """Why the nodes' interpreter cannot be run at all, said before the probe tries (its shell's
+    `not found` would say less)."""
+    if "/" not in python:
+        return "not found on PATH"
+    if os.path.islink(python) and not os.path.exists(python):
+        return f"{python} is a link to {os.readlink(python)}, which does not exist (was the environment's base " \
+               f"Python removed?)"
+    if not os.path.exists(python):
+        return f"{python} does not exist"
+    if os.path.isdir(python):
+        return f"{python} is a directory"
+    if not os.access(python, os.X_OK):
+        return f"{python} is not executable"
+    return None
+
+
 def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: float = 10.0) -> Report:
     """The fast checks of the job's files for simulated nodes: the same probe, run here with the nodes'
-    python in their working directory, and the same rows (entrypoint, torch, data_paths) as over SSH."""
+    Python in their working directory, and the same rows (entrypoint, torch, data_paths) as over SSH,
+    with fixes that name this machine's directories. python: the harness's own, which runs the node
+    agents (so py-spy is looked for beside it) and, unless spec.simulated.python names another (taken
+    from the launch directory, the cwd), the nodes."""
     started = time.monotonic()
     report = Report(hosts=[{"name": "localhost", "address": LOCAL_MASTER, "master": True}],
                     job={"name": spec.name, "backend": spec.backend, "nnodes": spec.nnodes,
                          "master_port": spec.master_port})
-    here = Host(name="localhost", address=LOCAL_MASTER, python=python, workdir=str(workdir))
-    try:
-        facts = probe_host(CommandLink(here), here, spec, True, timeout, {})
-    except ScriptError as exc:
-        report.checks.append(Check("localhost", "fingerprint", Status.FAIL, f"probe failed: {exc}",
-                                   "run harness with a Python that has torch"))
+    nodes_python = spec.simulated.interpreter(os.getcwd(), python)
+    here = Host(name="localhost", address=LOCAL_MASTER, python=nodes_python, workdir=str(workdir))
+    # The node agents run with the harness's own Python: the stack check (py-spy beside it) runs there.
+    agents = None if nodes_python == python else CommandLink(here.model_copy(update={"python": python}))
+    facts: dict[str, Any] | None = None
+    if (problem := _unrunnable(nodes_python)) is None:
+        try:
+            facts = probe_host(CommandLink(here), here, spec, True, timeout, {}, host_link=agents)
+        except ScriptError as exc:
+            problem = f"probe failed: {exc}"
+    if facts is None:
+        where, fix = ((f"simulated.python {spec.simulated.python}: ", OWN_PYTHON_FIX) if spec.simulated.python
+                      else ("", "run harness with a Python that has torch"))
+        report.checks.append(Check("localhost", "fingerprint", Status.FAIL, f"{where}{problem}", fix))
     else:
         report.facts = {"localhost": facts}
-        rows, report.fingerprint, report.mismatched = fingerprint_checks(report.facts, "localhost")
-        report.checks += rows + data_checks(report.facts, spec.data_paths, "localhost", bool(spec.setup))
-        report.checks.append(stacks_check("localhost", facts))
+        rows, report.fingerprint, report.mismatched = fingerprint_checks(report.facts, "localhost",
+                                                                         local=spec.entrypoint)
+        report.checks += rows + data_checks(report.facts, spec.data_paths, "localhost", bool(spec.setup), local=True)
+        report.checks.append(stacks_check("localhost", facts, local=True))
     report.seconds = time.monotonic() - started
     return report
 
 
 def workdir_gate(python: str) -> WorkdirCheck:
-    """The probe's checks of the job's files (entrypoint, torch, data_paths) with the nodes' Python,
-    as the gate a local launch passes before its nodes start."""
+    """The probe's checks of the job's files (entrypoint, torch, data_paths) with the nodes' Python
+    (spec.simulated.python, else python: the harness's own, which runs the node agents), as the gate a
+    local launch passes before its nodes start."""
 
     def check(spec: JobSpec, workdir: Path) -> None:
         report = run_preflight_local(spec, python, workdir, timeout=spec.timeouts.connect)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from harness.plan.planner import job_hosts
+from harness.plan.planner import TORCHRUN_PORT, job_hosts
 from harness.preflight.checks import (
     data_checks,
     fingerprint_checks,
@@ -30,15 +30,28 @@ from harness.preflight.remote import Link, on_hosts
 from harness.preflight.report import Check, Report, Status
 from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
+from harness.targets.command import NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.slurm.srun import Allocation
 from harness.targets.ssh.transport import Connection, SSHConnectError, connect
-
-DEFAULT_MASTER_PORT: int = JobSpec.model_fields["master_port"].default
 
 
 def hosts_for(inventory: Inventory, spec: JobSpec | None) -> list[Host]:
     """The hosts the job runs on (master first), or every host when there is no job."""
     return inventory.ordered_hosts() if spec is None else job_hosts(spec, inventory)
+
+
+def _master_port(spec: JobSpec | None, master: Link | None, timeout: float) -> int | Check:
+    """The port to test: the job's; for master_port auto one that the master picks as a launch does (a
+    row when it cannot); torchrun's default without a job."""
+    if spec is not None and spec.master_port != "auto":
+        return spec.master_port
+    if spec is None or master is None:
+        return TORCHRUN_PORT
+    try:
+        return free_port_on(master, timeout)
+    except (NoFreePort, RemoteTimeout) as exc:
+        return Check(master.host.name, "master_port", Status.FAIL, str(exc), "see the fingerprint row: the host's "
+                                                                            "python must run")
 
 
 def _ssh_row(host: Host, result: Connection | Exception, seconds: float) -> Check:
@@ -165,9 +178,11 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
         report.notes.append("no job given: payload, GPU needs and the backend are not checked")
     if spec is not None:
         report.checks += data_checks(facts, spec.data_paths, master.name, bool(spec.setup))
-    master_port = spec.master_port if spec else DEFAULT_MASTER_PORT
     reachable = {name: connections[name] for name in facts}
-    if master.name in reachable:
+    master_port = _master_port(spec, reachable.get(master.name), timeout)
+    if isinstance(master_port, Check):
+        report.checks.append(master_port)
+    elif master.name in reachable:
         rows, reached = network_checks(reachable, master.name, master_port, timeout=timeout, pins=chosen,
                                        also=default_targets(facts, chosen, backend, spec))
         report.checks += rows + defaults_checks(facts, chosen, reached, backend, spec, pins)

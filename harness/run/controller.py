@@ -14,7 +14,6 @@ and the report.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -29,6 +28,7 @@ from harness.errors import HarnessError
 from harness.node.proctable import start_ticks
 from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.plan.render import render_json, render_text
+from harness.run.entrypoint_record import write_entrypoint_record
 from harness.run.follow import Follower
 from harness.run.health import HealthWatch
 from harness.run.records import (
@@ -53,16 +53,19 @@ from harness.targets.base import Backend, CheckFailed, Scheduler
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
-def launch(target: Backend | Scheduler, spec: JobSpec, spec_path: Path, runs_root: Path, run_id: str,
+def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: str, runs_root: Path, run_id: str,
            out: IO[str] = sys.stdout) -> int:
     """Run the job on target to its end (restarting it as spec.restarts allows); the harness's exit
-    status. Nothing exists yet when the first check fails. A backend is closed at the end."""
+    status. Nothing exists yet when the first check fails. A backend is closed at the end. spec_text:
+    the spec as its file holds it (kept as the run's spec.yaml); source: that file, or the command that
+    made the spec."""
     course: _Course = _Followed(target, spec, out) if isinstance(target, Scheduler) else _Supervised(target, spec, out)
     try:
         began = time.time()
-        course.prepare(spec_path, runs_root, run_id)
+        course.prepare(source, runs_root, run_id)
         run = create_run_dir(runs_root, run_id)
-        shutil.copyfile(spec_path, run.spec_copy)
+        write_text_atomic(run.spec_copy, spec_text)
+        write_entrypoint_record(run.path, spec, target.name)
         course.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
                                 started_at=began, nnodes=course.nnodes, world_size=course.world_size,
                                 controller=ControllerId(os.getpid(), start_ticks(os.getpid())), hosts=course.hosts)
@@ -98,7 +101,7 @@ class _Course:
     world_size: int
     hosts: list[str]
 
-    def prepare(self, spec_path: Path, runs_root: Path, run_id: str) -> None:
+    def prepare(self, source: str, runs_root: Path, run_id: str) -> None:
         """Everything that can fail before anything exists: nnodes, world_size and hosts are known after."""
         raise NotImplementedError
 
@@ -120,7 +123,7 @@ class _Supervised(_Course):
         self.backend, self.spec, self.out = backend, spec, out
         self.down: set[str] = set()
 
-    def prepare(self, spec_path: Path, runs_root: Path, run_id: str) -> None:
+    def prepare(self, source: str, runs_root: Path, run_id: str) -> None:
         self.plan = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs, 0,
                                 self.down, self.out)
         self.nnodes, self.world_size = self.plan.nnodes, self.plan.world_size
@@ -176,8 +179,8 @@ class _Followed(_Course):
         self.job_id: str | None = None
         self.follower: Follower | None = None
 
-    def prepare(self, spec_path: Path, runs_root: Path, run_id: str) -> None:
-        self.submission = self.scheduler.prepare(self.spec, spec_path, run_id, run_dir(runs_root, run_id).path)
+    def prepare(self, source: str, runs_root: Path, run_id: str) -> None:
+        self.submission = self.scheduler.prepare(self.spec, source, run_id, run_dir(runs_root, run_id).path)
         self.nnodes, self.world_size, self.hosts = self.submission.nnodes, self.submission.world_size, []
 
     def run(self, run: RunDir, stop: threading.Event) -> tuple[list[Attempt], str | None]:

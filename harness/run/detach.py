@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from harness.run.records import RunDir
+from harness.run.records import RunDir, index_dir, register_run
 
 DETACH_STARTUP_TIMEOUT = 300.0
 
@@ -17,6 +17,7 @@ def start_detached(argv: Sequence[str], run: RunDir, timeout: float = DETACH_STA
     """Start `harness launch` (argv) in a session of its own, so the run outlives this terminal, and
     return once its run record exists; if it fails before that, show its output and its exit status."""
     run.path.mkdir(parents=True)
+    register_run(run, index_dir())  # the controller registers it too; here a read-only home's warning reaches the user
     with open(run.controller_log, "w") as log:
         controller = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)

@@ -1,4 +1,5 @@
-"""`harness status`: the table of runs, or one run's nodes, from the run records."""
+"""`harness status`: the table of runs (./runs and the user's index of runs, or the one runs directory
+given), or one run's nodes, from the run records."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from harness.run.records import (
     NodeResult,
     RecordError,
     RunDir,
+    RunsLookup,
     RunState,
     RunStatus,
-    find_run,
-    list_runs,
+    runs_lookup,
 )
 from harness.run.stop import controller_alive
 
@@ -34,26 +35,29 @@ def _age(seconds: float) -> str:
     return f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.0f}h"
 
 
-def runs_table(root: Path) -> str:
-    """One line per run, oldest first; a run whose record cannot be read is listed with the reason."""
-    entries = list_runs(root)
+def runs_table(lookup: RunsLookup) -> str:
+    """One line per run, oldest first; a run whose record cannot be read is listed with the reason. A WHERE
+    column, when some run lives outside the runs directory (found through the index), says where each does."""
+    entries = lookup.runs()
     if not entries:
-        return f"no runs in {root}/\n"
-    lines = [f"{'RUN ID':<44} {'STATUS':<12} {'NODES':>5} {'STARTED':>8} {'DURATION':>9}"]
+        return f"no runs in {lookup.searched}; {lookup.hint}\n"
+    places = [lookup.elsewhere(entry.run) for entry in entries]
+    where = any(places)
+    lines = [f"{'RUN ID':<44} {'STATUS':<12} {'NODES':>5} {'STARTED':>8} {'DURATION':>9}" + ("  WHERE" * where)]
     now = time.time()
-    for entry in entries:
+    for entry, place in zip(entries, places, strict=True):
         state = entry.state
         if state is None:
-            lines.append(f"{entry.run.run_id:<44} {RunStatus.UNREADABLE.value:<12} {'-':>5} {'-':>8} {'-':>9}  "
-                         f"{entry.problem}")
-            continue
-        try:
-            summary = entry.run.read_summary()
-        except RecordError:  # a damaged summary: the state still says enough for the table
-            summary = None
-        duration = summary.duration_s if summary else now - state.started_at
-        lines.append(f"{entry.run.run_id:<44} {live_status(state).value:<12} {state.nnodes:>5} "
-                     f"{_age(now - state.started_at) + ' ago':>8} {duration:>8.1f}s")
+            line = f"{entry.run.run_id:<44} {RunStatus.UNREADABLE.value:<12} {'-':>5} {'-':>8} {'-':>9}"
+        else:
+            try:
+                summary = entry.run.read_summary()
+            except RecordError:  # a damaged summary: the state still says enough for the table
+                summary = None
+            duration = summary.duration_s if summary else now - state.started_at
+            line = (f"{entry.run.run_id:<44} {live_status(state).value:<12} {state.nnodes:>5} "
+                    f"{_age(now - state.started_at) + ' ago':>8} {duration:>8.1f}s")
+        lines.append(line + (f"  {place or lookup.root}/" * where) + (f"  {entry.problem}" if entry.problem else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -80,8 +84,9 @@ def run_details(run: RunDir) -> str:
     failed: dict[int, Failure] = {}  # each node's first failure (a hang's verdict comes first)
     for f in summary.attempts[-1].failures if summary.attempts else []:
         failed.setdefault(f.node_rank, f)
+    # The log as found from here: the record keeps it as the launch saw it (relative to its directory).
     lines += [f"  node{n.node_rank} on {n.host}: {_recorded_end(n, failed.get(n.node_rank), summary.status)} after "
-              f"{n.duration_s} s; log {n.log}" for n in summary.nodes]
+              f"{n.duration_s} s; log {run.path / Path(n.log).name}" for n in summary.nodes]
     failure = summary.first_failure
     if failure:
         lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), rank {failure.rank}, "
@@ -153,5 +158,7 @@ def _attempt_line(attempt: Attempt) -> str:
     return text
 
 
-def status_text(root: Path, run_id: str | None) -> str:
-    return runs_table(root) if run_id is None else run_details(find_run(root, run_id))
+def status_text(runs_dir: str | None, run_id: str | None) -> str:
+    """runs_dir: --runs-dir, None when not given."""
+    lookup = runs_lookup(runs_dir)
+    return runs_table(lookup) if run_id is None else run_details(lookup.find(run_id))

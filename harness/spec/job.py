@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import posixpath
 import re
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -74,6 +76,13 @@ def _nproc(value: Any) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
     return _bounded_int(value, 1, MAX_NPROC, f"an integer from 1 to {MAX_NPROC}, or 'auto' (one process per GPU)")
+
+
+def _master_port(value: Any) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    return _bounded_int(exact_int(value), 1024, 65535,
+                        "a port from 1024 to 65535, or auto (a free port picked on the master host at launch)")
 
 
 def _quantity(value: Any) -> str:
@@ -153,7 +162,6 @@ def _whole_seconds(value: Any) -> int:
 
 
 PositiveInt = Annotated[int, PlainValidator(_positive_int)]
-Port = Annotated[int, BeforeValidator(exact_int), Field(ge=1024, le=65535)]
 Count = Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=MAX_NPROC)]
 Quantity = Annotated[str, PlainValidator(_quantity)]
 Argument = Annotated[str, PlainValidator(_argument)]
@@ -365,13 +373,43 @@ def _node_workdir(value: Any) -> str:
     return _no_nul(value)
 
 
+def _interpreter(value: Any) -> str:
+    """One word, as a shell line runs it (no blanks, no NUL), and not one `env` would take for an option."""
+    if not isinstance(value, str) or not value or any(c.isspace() or c == "\0" for c in value):
+        raise ValueError(f"expected the path of a Python interpreter without blanks, such as "
+                         f"~/envs/train/bin/python, got {short_repr(value)}")
+    if value.startswith("-"):
+        raise ValueError(f"{short_repr(value)} starts with '-', which would be read as an option; write ./{value}")
+    if value.endswith("/"):
+        raise ValueError(f"{short_repr(value)} is a directory; name the interpreter in it, e.g. {value}bin/python")
+    return value
+
+
 class Simulated(StrictModel):
     """Simulated nodes (a launch without --hosts). workdir: each node's own working directory, relative
     to where harness runs, with {node_rank} in it, so that files every node writes under the same
     name (a checkpoint, a log) do not collide as they would not on separate machines. Unset, the
-    nodes share the launch directory."""
+    nodes share the launch directory. python: the interpreter every node's torchrun (and so every
+    rank) runs with, e.g. a virtual environment's bin/python that has the job's own packages; unset,
+    the harness's own."""
 
     workdir: Annotated[str, PlainValidator(_node_workdir)] | None = None
+    python: Annotated[str, PlainValidator(_interpreter)] | None = None
+
+    def interpreter(self, cwd: str, default: str) -> str:
+        """python as a path on this machine (default when unset): `~` expanded, a relative path taken
+        from the launch directory cwd, a bare name looked up on PATH as a shell would (left as written
+        when it is not there, for preflight to say so). Absolute but not resolved: a virtual
+        environment's bin/python is a link to its base interpreter, and only its own path is the venv."""
+        if self.python is None:
+            return default
+        path = os.path.expanduser(self.python)
+        if "/" not in path:
+            found = shutil.which(path)
+            if found is None:
+                return path
+            path = found
+        return posixpath.normpath(posixpath.join(cwd, path))
 
 
 ContainerEngine = Literal["docker", "podman"]
@@ -413,7 +451,7 @@ class JobSpec(StrictModel):
     nnodes: PositiveInt
     nproc_per_node: Annotated[int | Literal["auto"], PlainValidator(_nproc)] = 1
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    master_port: Port = 29500
+    master_port: Annotated[int | Literal["auto"], PlainValidator(_master_port)] = "auto"
     rdzv: Literal["static", "c10d"] = "static"
     entrypoint: Entrypoint
     env: dict[EnvName, EnvValue] = Field(default_factory=dict)
@@ -458,6 +496,10 @@ class JobSpec(StrictModel):
         if value is not None and info.data.get("image") is None:
             raise ValueError("container: true runs every node in `image:`; set image (e.g. registry/harness:0.1.0)")
         return value
+
+    def at_port(self, port: int) -> JobSpec:
+        """This spec with master_port fixed: what a target plans with once it has picked a free port."""
+        return self.model_copy(update={"master_port": port})
 
     def script_under(self, base: str) -> JobSpec:
         """This spec with a relative entrypoint.script taken from base, for a node whose working

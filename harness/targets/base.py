@@ -142,7 +142,7 @@ class Scheduler(Protocol):
 
     name: str  # recorded as the run's mode: "slurm"
 
-    def prepare(self, spec: JobSpec, spec_path: Path, run_id: str, run_path: Path) -> Submission:
+    def prepare(self, spec: JobSpec, source: str, run_id: str, run_path: Path) -> Submission:
         """The submission, checked with the scheduler (it can ever run); nothing is submitted. Raises
         CheckFailed or UsageError."""
 

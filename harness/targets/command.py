@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from harness.errors import HarnessError
-from harness.node.boot import BOOT
+from harness.node.boot import BOOT, shipped
 from harness.plan.shell import remote_command
 from harness.spec.inventory import Host
 
@@ -21,6 +21,10 @@ class RemoteTimeout(HarnessError):
         self.stdout = stdout
         self.stderr = stderr
         super().__init__(f"{host.name}: command did not finish within {timeout:g}s and was stopped: {command[:120]}")
+
+
+class NoFreePort(HarnessError):
+    """The master host could not name a free port for the rendezvous."""
 
 
 class CommandResult(NamedTuple):
@@ -56,3 +60,22 @@ def python_line(python: str, args: Sequence[str]) -> str:
     """The shell line that runs python on BOOT (harness.node.boot): the program comes on its stdin,
     args only label it for `ps`."""
     return remote_command([python, "-c", BOOT, *args])
+
+
+class Runs(Protocol):
+    """What runs a command on one host: an SSH connection, an srun step's link, ..."""
+
+    @property
+    def host(self) -> Host: ...
+
+    def run(self, command: str, *, stdin: bytes = b"", timeout: float) -> CommandResult: ...
+
+
+def free_port_on(link: Runs, timeout: float) -> int:
+    """A port nobody holds on link's host, picked there (harness.node.freeport): `master_port: auto`."""
+    result = link.run(python_line(link.host.python, ["freeport"]), stdin=shipped("freeport", []), timeout=timeout)
+    answer = result.stdout.strip().splitlines()[-1:] if result.status == 0 else []
+    if not answer or not answer[0].isdigit():
+        why = (result.stderr.strip().splitlines() or [f"exit status {result.status}"])[-1]
+        raise NoFreePort(f"{link.host.name}: could not pick a free master_port there: {why}")
+    return int(answer[0])

@@ -47,7 +47,10 @@ class Expect:
 RUN: dict[str, Expect] = {
     # README.md
     "make launch JOB=jobs/smoke.yaml": Expect(),
-    "harness launch myjob.yaml": Expect(output=True),
+    "harness launch train.py --nnodes 2": Expect(output=True),
+    "harness render train.py --nnodes 2 --save-job myjob.yaml": Expect(),
+    "harness launch myjob.yaml": Expect(),
+    "harness launch train.py --nnodes 2 --nproc-per-node 2 -- --lr 0.1": Expect(),
     "harness render jobs/smoke.yaml": Expect(output=True),
     "harness launch jobs/smoke.yaml --detach": Expect(),
     "harness status": Expect(),
@@ -267,9 +270,9 @@ def environment() -> dict[str, str]:
 
 
 def same(line: str, ids: dict[str, str]) -> str:
-    """A line with the docs' run ids replaced by this block's, and durations masked."""
+    """A line with the docs' run ids replaced by this block's, ports (master_port: auto) and durations masked."""
     line = RUN_ID.sub(lambda m: ids.get(m.group(1), m.group(0)), line)
-    return re.sub(r"\d+\.\d+", "#", line).strip()
+    return re.sub(r"\d+\.\d+", "#", re.sub(r"(?<=[:=])\d{4,5}\b", "PORT", line)).strip()
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[block.where for block in RUNNABLE])

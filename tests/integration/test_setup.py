@@ -41,11 +41,11 @@ def test_offline_data_preparation_fails_the_launch_saying_what_to_do(write_yaml,
     run = launch(job, cwd=tmp_path)
     assert run.finish() == 1, run.output
     failure = run.summary()["first_failure"]
-    assert failure["exit_code"] == 2, failure
+    assert failure["exit_code"] == 1, failure
     assert f"error: could not download {mirror}" in failure["last_lines"][-2], failure
     assert "or name a mirror with --url, and run prepare again" in failure["last_lines"][-2], failure
-    assert "harness setup failed: exit 2; torchrun was not started here" in failure["last_lines"][-1]
-    assert (failure["kind"], failure["evidence"]) == ("program", "the job's setup failed, exit code 2; torchrun was "
+    assert "harness setup failed: exit 1; torchrun was not started here" in failure["last_lines"][-1]
+    assert (failure["kind"], failure["evidence"]) == ("program", "the job's setup failed, exit code 1; torchrun was "
                                                                  "not started"), failure
     assert "[rank" not in run.output
     assert_nothing_left(run.run_id)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.node.freeport import ephemeral_start
 from harness.spec.job import load_job
 from harness.targets.slurm.batch import batch_script
 from testbed.slurm_cluster import SlurmCluster
@@ -40,7 +41,9 @@ def ended(cluster: SlurmCluster, job_id: int, timeout: float = 240) -> dict[str,
 
 
 def test_plain_sbatch_runs_the_rendered_script_as_a_two_node_gloo_job(slurm_cluster, write_yaml, tmp_path):
-    job_id = submit(slurm_cluster, batch_script(load_job(sum_job(write_yaml, STEPS="10")), "job.yaml"), tmp_path)
+    """master_port auto: the batch script picks the port on the master node."""
+    job = sum_job(write_yaml, port="auto", STEPS="10")
+    job_id = submit(slurm_cluster, batch_script(load_job(job), "job.yaml"), tmp_path)
     fields = ended(slurm_cluster, job_id)
     output = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output
@@ -250,10 +253,11 @@ def in_allocation():
 
 
 def test_inside_an_allocation_the_nodes_run_as_srun_steps(slurm_cluster, write_yaml, tmp_path, in_allocation):
-    run = in_allocation(slurm_cluster, 2, sum_job(write_yaml, STEPS="10"), tmp_path / "runs")
+    run = in_allocation(slurm_cluster, 2, sum_job(write_yaml, port="auto", STEPS="10"), tmp_path / "runs")
     assert run.finish(timeout=240) == 0, run.output
-    assert re.search(r"harness: run \S+: 2 node\(s\) x 1 process\(es\) on n1, n2, master "
-                     rf"{re.escape(slurm_cluster.node('n1').address)}:\d+", run.output), run.output
+    found = re.search(r"harness: run \S+: 2 node\(s\) x 1 process\(es\) on n1, n2, master "
+                      rf"{re.escape(slurm_cluster.node('n1').address)}:(\d+)", run.output)
+    assert found and 20000 <= int(found.group(1)) < ephemeral_start(), run.output  # auto: asked of n1 in a step
     assert re.search(r"^\[node1\] \[rank1\]: rank 1/2 up on n2;", run.output, re.M), run.output
     assert "submitted Slurm job" not in run.output, "inside an allocation nothing is submitted"
     state = json.loads(next((tmp_path / "runs").glob("*/state.json")).read_text())

@@ -47,7 +47,7 @@ def test_a_new_launch_flag_is_re_run_without_being_listed_again() -> None:
     assert {a.dest for a in options} >= {"hosts", "known_hosts", "skip_preflight", "target", "partition"}
     for action in options:
         value = [] if isinstance(action, argparse._StoreTrueAction) else \
-            [action.choices[-1] if action.choices else "v"]
+            [action.choices[-1] if action.choices else "2" if action.type else "v"]
         rerun = _rerun(["launch", "j.yaml", action.option_strings[0], *value])
         assert len(rerun) == 3 and rerun[1].startswith(action.option_strings[0]), (action.dest, rerun)
 
@@ -57,3 +57,10 @@ def test_every_verb_names_itself_in_its_help(verb: str) -> None:
     result = subprocess.run([sys.executable, "-m", "harness.cli", verb, "--help"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and result.stdout.startswith(f"usage: harness {verb}"), result.stderr
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_argument_of_every_verb_has_help(verb: str) -> None:
+    parser = cli.parser()._subparsers._group_actions[0].choices[verb]
+    bare = [a.dest for a in parser._actions if not a.help]
+    assert bare == [], f"harness {verb}: arguments without help text: {bare}"

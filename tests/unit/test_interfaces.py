@@ -17,7 +17,8 @@ HOSTS = [Host(name="a", address="10.0.0.1"), Host(name="b", address="10.0.0.2"),
 
 
 def _job(**fields: Any) -> JobSpec:
-    return JobSpec.model_validate({"name": "j", "nnodes": 3, "entrypoint": {"script": "t.py"}} | fields)
+    return JobSpec.model_validate({"name": "j", "nnodes": 3, "master_port": 29500, "entrypoint": {"script": "t.py"}}
+                                  | fields)
 
 
 def _facts(routes: dict[str, dict[str, Any]], interfaces: list[tuple[str, str, int]] | None = None,

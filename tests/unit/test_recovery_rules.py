@@ -274,5 +274,5 @@ def test_spares_take_the_place_of_down_hosts_in_file_order(write_yaml):
     assert [h.name for h in job_hosts(spec, inventory, frozenset({"h2"}))] == ["h1", "h3"]
     assert [h.name for h in job_hosts(spec, inventory, frozenset({"h1", "h3"}))] == ["h2", "h4"]  # a new master
     with pytest.raises(NoSpareHosts, match=r"host\(s\) down: h1, h2, h3, and no spare left: .* 1 of the "
-                                           r"inventory's 4 are healthy \(h4\)"):
+                                           r"inventory's 4 is left, not known to be down \(h4\)"):
         job_hosts(spec, inventory, frozenset({"h1", "h2", "h3"}))

@@ -26,7 +26,7 @@ def problems(path) -> list[str]:
 
 def test_minimal_spec_gets_documented_defaults(write_yaml):
     spec = load_job(write_yaml(GOOD))
-    assert (spec.nproc_per_node, spec.backend, spec.master_port, spec.rdzv, spec.restarts) == (1, "auto", 29500, "static", Restarts(max=0, on="infra", backoff=5))
+    assert (spec.nproc_per_node, spec.backend, spec.master_port, spec.rdzv, spec.restarts) == (1, "auto", "auto", "static", Restarts(max=0, on="infra", backoff=5))
     assert spec.entrypoint.args == ["--epochs", "3", "--lr", "0.1"]
 
 
@@ -46,7 +46,8 @@ def test_shipped_jobs_are_valid():
          "job.yaml:3:1: nproc_per_node: expected an integer from 1 to 1024, or 'auto'"),
         ("name: demo\nnnodes: 1\nbackend: mpi\nentrypoint: {module: m}\n", "job.yaml:3:1: backend: Input should be 'auto', 'nccl' or 'gloo'"),
         ("name: demo\nnnodes: 1\nmaster_port: 80\nentrypoint: {module: m}\n",
-         "job.yaml:3:1: master_port: Input should be greater than or equal to 1024"),
+         "job.yaml:3:1: master_port: expected a port from 1024 to 65535, or auto (a free port picked on the master "
+         "host at launch), got 80"),
         ("name: demo\nnnodes: 1\nrdzv: etcd\nentrypoint: {module: m}\n", "job.yaml:3:1: rdzv: Input should be 'static' or 'c10d'"),
         ("name: demo\nnnodes: 1\nnetwork: {interface: eth 1}\nentrypoint: {module: m}\n",
          "job.yaml:3:11: network.interface: expected a network interface name such as eth1 or ib0 (at most 15 "

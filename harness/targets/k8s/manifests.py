@@ -26,7 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from harness import __version__
-from harness.plan.planner import TORCHRUN_MODULE, node_env, resolve_nproc, torchrun_args
+from harness.plan.planner import TORCHRUN_MODULE, node_env, planned_port, resolve_nproc, torchrun_args
 from harness.plan.setup_script import setup_script, with_setup
 from harness.spec.job import JobSpec
 from harness.spec.yamlsource import KeyPath, located
@@ -156,7 +156,7 @@ def _container(spec: JobSpec, run_id: str, master: str, nproc: int, downward: di
         "command": ["/bin/sh", "-c", START_SCRIPT, CONTAINER],
         "args": [_escape(a) for a in argv],
         "env": env_list,
-        "ports": [{"name": "rendezvous", "containerPort": spec.master_port, "protocol": "TCP"}],
+        "ports": [{"name": "rendezvous", "containerPort": planned_port(spec), "protocol": "TCP"}],
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
@@ -212,7 +212,7 @@ def _core(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped) -
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": _selector(names),
-            "ports": [{"name": "rendezvous", "port": spec.master_port, "targetPort": spec.master_port,
+            "ports": [{"name": "rendezvous", "port": planned_port(spec), "targetPort": planned_port(spec),
                        "protocol": "TCP"}],
         },
     }

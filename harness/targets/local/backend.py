@@ -11,11 +11,12 @@ import os
 import sys
 from pathlib import Path
 
+from harness.node.freeport import free_port, is_free
 from harness.node.proctable import kill_run_processes
 from harness.plan.planner import NodePlan, Plan, local_spec, plan_local
 from harness.spec.job import JobSpec
 from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, start_all
-from harness.targets.base import NodeProcess, WorkdirCheck
+from harness.targets.base import CheckFailed, NodeProcess, WorkdirCheck
 
 
 def local_gpu_ids(spec: JobSpec) -> list[str]:
@@ -56,7 +57,9 @@ def _workdirs(plan: Plan) -> list[Path]:
 
 
 class LocalBackend:
-    """nnodes simulated nodes on this machine; the job's script paths are relative to the cwd."""
+    """nnodes simulated nodes on this machine; the job's script paths are relative to the cwd. python:
+    the harness's own interpreter, which runs every node agent (py-spy, for the ranks' stacks, is beside
+    it) and, unless the job's simulated.python names another, every node's torchrun."""
 
     name = "local"
 
@@ -67,7 +70,10 @@ class LocalBackend:
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
         """down is ignored: every simulated node runs on this one machine, so it has no spare."""
-        return plan_local(spec, run_id=run_id, python=self.python, gpu_ids=local_gpu_ids(spec),
+        python = spec.simulated.interpreter(os.getcwd(), self.python)
+        if spec.master_port == "auto":  # picked anew for every attempt: the last one's may still be held
+            spec = spec.at_port(free_port())
+        return plan_local(spec, run_id=run_id, python=python, gpu_ids=local_gpu_ids(spec),
                           local_cpus=len(os.sched_getaffinity(0)),
                           log_dir=str(log_dir.resolve()) if log_dir is not None else None, attempt=attempt,
                           cwd=os.getcwd())
@@ -75,7 +81,12 @@ class LocalBackend:
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """A missing script, module or data path fails before any node starts, not as N identical
         tracebacks: the check handed in (preflight's fast checks), in every node's working directory (a
-        relative script is the launch directory's)."""
+        relative script is the launch directory's). A master_port that something holds fails here too,
+        not as torch's EADDRINUSE traceback after a peer seemed lost."""
+        if spec.master_port != "auto" and not is_free(port := spec.master_port):
+            raise CheckFailed(f"master_port {port} is in use on this machine (`ss -ltnp 'sport = :{port}'` "
+                              f"names what listens there), nothing was started -> fix: leave master_port out (or "
+                              f"set it to auto) to have a free port picked, or set another")
         if self._check is not None:
             checked = local_spec(spec, os.getcwd())
             for workdir in _workdirs(plan):

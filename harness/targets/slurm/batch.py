@@ -16,6 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from harness import __version__
+from harness.node import freeport
 from harness.plan.planner import (
     LOG_LINE_PREFIX,
     LOG_LINE_PREFIX_ENV,
@@ -28,8 +29,8 @@ from harness.plan.planner import (
 from harness.plan.setup_script import setup_script, with_setup
 from harness.spec.job import QUANTITY, SLURM_OPTIONS, JobSpec
 
-_NODE, _MASTER, _JOB, _ATTEMPT = "\0node\0", "\0master\0", "\0job\0", "\0attempt\0"
-_SHELL = {_NODE: '"$SLURM_NODEID"', _MASTER: '"$MASTER_ADDR"', _JOB: '"$SLURM_JOB_ID"',
+_NODE, _MASTER, _JOB, _ATTEMPT, _PORT = "\0node\0", "\0master\0", "\0job\0", "\0attempt\0", "\0port\0"
+_SHELL = {_NODE: '"$SLURM_NODEID"', _MASTER: '"$MASTER_ADDR"', _JOB: '"$SLURM_JOB_ID"', _PORT: '"$MASTER_PORT"',
           _ATTEMPT: '"${SLURM_RESTART_COUNT:-0}"'}
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal(10**3),
@@ -97,20 +98,30 @@ def sbatch_options(spec: JobSpec, log_dir: Path | None = None) -> list[str]:
     return options + list(slurm.extra)
 
 
+def _free_port(python: str) -> list[str]:
+    """master_port: auto, picked where the batch script runs: the allocation's first node, the master."""
+    source = Path(freeport.__file__).read_text(encoding="utf-8")
+    return ["", "# master_port: auto: a port that nobody holds on the master (this node), picked now.",
+            f"MASTER_PORT=$({_word(python)} - <<'END_OF_FREEPORT'", source.rstrip("\n"), "END_OF_FREEPORT", ")",
+            'export MASTER_PORT PET_MASTER_PORT="$MASTER_PORT"']
+
+
 def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir: Path | None = None) -> str:
     """The whole batch script, readable and editable by hand. run_id: the harness's (default: the job
     name and the Slurm job id); log_dir (`harness launch`): every node's output in its own file there,
     named as the run directory names node logs, and the script's own output beside them."""
     nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each node (resources.gpus)"] * spec.nnodes)
     run_id = run_id or f"{spec.name}-{_JOB}"
+    port = _PORT if spec.master_port == "auto" else None
     env = node_env(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, attempt=_ATTEMPT,
-                   interface=spec.network.interface)
+                   interface=spec.network.interface, master_port=port)
     if log_dir is None:  # one output file for every node: each line says its node
         env[LOG_LINE_PREFIX_ENV] = f"[node{_NODE}] {LOG_LINE_PREFIX}"
-    flags = torchrun_flags(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE)
+    flags = torchrun_flags(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, master_port=port)
     launcher = with_setup([spec.slurm.python, "-m", TORCHRUN_MODULE, *flags], setup_script(spec.setup, spec.data_paths))
     per_node = {k: v for k, v in env.items() if _NODE in v}  # set in each task from SLURM_NODEID
-    exports = [f"export {k}={_word(v)}" for k, v in env.items() if k not in per_node and k != "MASTER_ADDR"]
+    exports = [f"export {k}={_word(v)}" for k, v in env.items() if k not in per_node and v != _PORT
+               and k != "MASTER_ADDR"]
     most = spec.restarts.max
     srun = f"srun --nodes={spec.nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
     if log_dir is not None:
@@ -139,6 +150,7 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
         ' reach; fix its /etc/hosts or DNS entry" >&2; exit 2 ;;',
         "esac",
         "export MASTER_ADDR",
+        *(_free_port(spec.slurm.python) if port else []),
         *exports,
         "",
         "# What every node runs; $SLURM_NODEID is each task's own. torchrun would die of the time-limit",

@@ -32,9 +32,9 @@ class SbatchScheduler:
         self.client = client or SlurmClient()
         self._hosts: dict[str, tuple[str, ...]] = {}  # nodelist -> names: asked once per allocation
 
-    def prepare(self, spec: JobSpec, spec_path: Path, run_id: str, run_path: Path) -> Submission:
+    def prepare(self, spec: JobSpec, source: str, run_id: str, run_path: Path) -> Submission:
         nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each node (resources.gpus)"] * spec.nnodes)
-        script = batch_script(spec, str(spec_path), run_id=run_id, log_dir=run_path.resolve())
+        script = batch_script(spec, source, run_id=run_id, log_dir=run_path.resolve())
         self.client.check(script)
         return Submission(text=script, file_name="job.sbatch", nnodes=spec.nnodes, world_size=spec.nnodes * nproc)
 

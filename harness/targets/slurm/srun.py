@@ -10,6 +10,7 @@ record are the controller's, as on every controller-supervised backend.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
 from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, start_all
-from harness.targets.base import NodeProcess
+from harness.targets.base import CheckFailed, NodeProcess
+from harness.targets.command import CommandResult, NoFreePort, free_port_on
 from harness.targets.slurm.client import SlurmClient
 
 
@@ -122,11 +124,34 @@ class SrunBackend:
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """Nothing more to prove cheaply: Slurm granted these nodes, and srun reports what it cannot start.
-        The interface stays as planned (network.interface, or unpinned: `harness preflight` reports it)."""
-        return plan
+        The interface stays as planned (network.interface, or unpinned: `harness preflight` reports it).
+        master_port auto: a port the master node finds free, asked in a step there."""
+        if spec.master_port != "auto":
+            return plan
+        hosts = [node.ssh for node in plan.nodes if node.ssh is not None]
+        try:
+            port = free_port_on(_Step(self.allocation, hosts[0]), spec.timeouts.connect)
+        except (NoFreePort, subprocess.TimeoutExpired, OSError) as exc:
+            raise CheckFailed(str(exc), frozenset({hosts[0].name})) from None
+        return plan_hosts(spec.at_port(port), hosts, run_id=plan.run_id, master_ip=plan.master_addr,
+                          attempt=plan.attempt)
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, node.argv[0]), spec)
 
     def close(self) -> None:
         """Nothing to release: each srun ends with its step."""
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A command run to its end as a step on one node of the allocation (beside any running step)."""
+
+    allocation: Allocation
+    host: Host
+
+    def run(self, command: str, *, stdin: bytes = b"", timeout: float) -> CommandResult:
+        step = self.allocation.step(self.host.name, "--overlap", f"--job-name=harness-{self.host.name}")
+        done = subprocess.run([*step, "sh", "-c", command], input=stdin, capture_output=True, timeout=timeout)
+        return CommandResult(done.returncode, done.stdout.decode(errors="replace"),
+                             done.stderr.decode(errors="replace"))

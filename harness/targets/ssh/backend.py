@@ -24,9 +24,10 @@ from harness.spec.job import JobSpec
 from harness.spec.yamlsource import located
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
 from harness.targets.agent_link import AgentNode, agent_argv, agent_env, start_all
-from harness.targets.base import HostsCheck, NodeProcess
+from harness.targets.base import CheckFailed, HostsCheck, NodeProcess
+from harness.targets.command import NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.ssh.container import in_containers
-from harness.targets.ssh.transport import Connection, connect
+from harness.targets.ssh.transport import Connection, SSHConnectError, connect
 
 KEEPALIVE_INTERVAL = 2.0  # seconds between liveness questions to each host; timeouts.connect is the answer limit
 
@@ -124,12 +125,27 @@ class SSHBackend:
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """The check on the plan's hosts; the plan comes back with the network interface it found per
-        host pinned."""
-        if self._check is None:
-            return plan
+        host pinned, and with master_port auto a port that the master host finds free."""
         hosts = [node.ssh for node in plan.nodes if node.ssh is not None]
-        interfaces = self._check(hosts, spec)
+        interfaces = self._check(hosts, spec) if self._check is not None else None
+        if spec.master_port == "auto":
+            spec = spec.at_port(self._free_port(hosts[0], spec.timeouts.connect))
         return self.pinned_plan(spec, plan.run_id, hosts, plan.attempt, interfaces, plan.master_addr)
+
+    def _free_port(self, master: Host, timeout: float) -> int:
+        """Asked of the master host itself; its connection stays open for start. A master that cannot
+        answer fails the check on that host, so that a spare may take its place."""
+        try:
+            if master.name not in self._lent and master.name not in self._opened:
+                self._opened[master.name] = connect(master, known_hosts=self.options.known_hosts,
+                                                    accept_new_host_keys=self.options.accept_new_host_keys,
+                                                    timeout=timeout)
+            return free_port_on((self._lent | self._opened)[master.name], timeout)
+        except (SSHConnectError, NoFreePort) as exc:
+            raise CheckFailed(str(exc), frozenset({master.name})) from None
+        except (RemoteTimeout, OSError, paramiko.SSHException) as exc:
+            raise CheckFailed(f"{master.name}: could not pick a free master_port there: {exc}",
+                              frozenset({master.name})) from None
 
     def _connect_all(self, nodes: tuple[NodePlan, ...], timeout: float) -> dict[str, Connection]:
         """A connection per host, opened in parallel; the first error once every attempt has ended."""
@@ -144,7 +160,7 @@ class SSHBackend:
             except BaseException as exc:  # noqa: BLE001 - re-raised below, after every attempt ended
                 errors.append(exc)
 
-        missing = [node for node in nodes if node.host not in self._lent]
+        missing = [node for node in nodes if node.host not in self._lent and node.host not in self._opened]
         threads = [threading.Thread(target=open_one, args=(node,)) for node in missing]
         for thread in threads:
             thread.start()

@@ -1,0 +1,103 @@
+"""A job spec from torchrun-style flags: `harness launch train.py --nnodes 2 --nproc-per-node 4 -- ARGS`
+builds in memory the spec a YAML file would hold, validated by the same model, and can write it out
+(--save-job) so that the next step is the full spec. Pure: the caller writes the file."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from harness.errors import UsageError
+from harness.spec.job import JobSpec
+
+# Where a flag's value lands in the spec, by the spec's key path: errors name the flag, not the key.
+FLAG_KEYS: dict[tuple[str, ...], str] = {
+    ("name",): "--name",
+    ("nnodes",): "--nnodes",
+    ("nproc_per_node",): "--nproc-per-node",
+    ("master_port",): "--master-port",
+    ("rdzv",): "--rdzv-backend",
+    ("backend",): "--backend",
+    ("restarts", "max"): "--max-restarts",
+    ("env",): "--env",
+}
+
+
+@dataclass(frozen=True)
+class ScriptFlags:
+    """What the command line says of a job that has no spec file; None: the spec's default."""
+
+    script: str | None = None
+    module: str | None = None
+    args: list[str] = field(default_factory=list)
+    name: str | None = None
+    nnodes: int | None = None
+    nproc_per_node: int | str | None = None
+    master_port: int | str | None = None
+    rdzv: str | None = None
+    backend: str | None = None
+    max_restarts: int | None = None
+    env: list[str] = field(default_factory=list)
+
+
+def job_name(entry: str) -> str:
+    """A DNS-1123 name from a script path or module (train.py -> train, pkg.train_ddp -> train-ddp)."""
+    stem = PurePosixPath(entry).stem if entry.endswith(".py") or "/" in entry else entry.rsplit(".", 1)[-1]
+    name = re.sub(r"[^a-z0-9]+", "-", stem.lower()).strip("-")[:63].strip("-")
+    return name or "job"
+
+
+def _env(pairs: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if not equals or not key:
+            raise UsageError(f"--env: expected KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
+def spec_data(flags: ScriptFlags) -> dict[str, Any]:
+    """The spec as a YAML file would hold it: only what the flags set, in the reference's key order."""
+    entry = flags.script if flags.script is not None else flags.module
+    assert entry is not None, "a script or a module"
+    nnodes = 1 if flags.nnodes is None else flags.nnodes  # torchrun's default
+    data: dict[str, Any] = {"name": flags.name or job_name(entry), "nnodes": nnodes}
+    optional = {"nproc_per_node": flags.nproc_per_node, "backend": flags.backend, "master_port": flags.master_port,
+                "rdzv": flags.rdzv}
+    data |= {key: value for key, value in optional.items() if value is not None}
+    data["entrypoint"] = {"script": flags.script} if flags.script is not None else {"module": flags.module}
+    if flags.args:
+        data["entrypoint"]["args"] = list(flags.args)
+    if flags.env:
+        data["env"] = _env(flags.env)
+    if flags.max_restarts is not None:
+        data["restarts"] = {"max": flags.max_restarts}
+    return data
+
+
+def spec_from_flags(flags: ScriptFlags) -> JobSpec:
+    """The validated spec; a bad value is a usage error naming its flag."""
+    data = spec_data(flags)
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = tuple(str(part) for part in first["loc"])
+        flag = next((f for keys, f in FLAG_KEYS.items() if loc[:len(keys)] == keys),
+                    "the script's arguments" if loc[:2] == ("entrypoint", "args") else
+                    "-m" if flags.module is not None else "the script")
+        raise UsageError(f"{flag}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def spec_yaml(flags: ScriptFlags, command: str, path: str | None = None) -> str:
+    """The spec as a file (at path, when it is saved: `harness launch PATH` then runs the same job).
+    command: how it was made."""
+    body = yaml.safe_dump(spec_data(flags), sort_keys=False, default_flow_style=False, allow_unicode=True)
+    again = f"# Launch with: harness launch {path}  (every key: docs/job-spec.md)\n" if path else ""
+    return f"# Made by: {command}\n{again}{body}"

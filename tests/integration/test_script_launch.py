@@ -1,0 +1,180 @@
+"""A user's own script launched as with torchrun, without a job spec: on simulated nodes and on SSH hosts,
+saved as a spec that launches the same job, on ports nobody holds (two default jobs side by side), and a
+held port refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import textwrap
+import time
+from pathlib import Path
+
+from harness.node.freeport import ephemeral_start
+from harness.spec.job import load_job
+from testbed.cluster import Cluster
+
+from conftest import Launch, assert_nothing_left, harness
+
+# A user's script: it knows nothing of the harness. Given a --meet file, rank 0 waits there until every
+# job that shares the file has come up (two jobs side by side prove they ran at once).
+SCRIPT = textwrap.dedent("""
+    import argparse, os, sys, time
+    import torch
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--meet")
+    parser.add_argument("--jobs", type=int, default=1)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    print(f"rank {dist.get_rank()}/{dist.get_world_size()} lr {args.lr} sum {total.item():g} "
+          f"port {os.environ['MASTER_PORT']}", flush=True)
+    if args.meet and dist.get_rank() == 0:
+        with open(args.meet, "a") as handle:
+            handle.write(os.environ["MASTER_PORT"] + "\\n")
+        deadline = time.monotonic() + 240
+        while len(open(args.meet).read().split()) < args.jobs and time.monotonic() < deadline:
+            time.sleep(0.2)
+        print(f"met {open(args.meet).read().split()}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def _script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _plan(run: Launch) -> dict:
+    return json.loads((run.runs_dir / run.run_id / "plan.json").read_text())
+
+
+def test_a_script_runs_on_two_simulated_nodes_with_one_command(tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    run = Launch(script, tmp_path / "runs", "--nnodes", "2", "--nproc-per-node", "2", "--", "--lr", "0.1",
+                 cwd=tmp_path)
+    try:
+        assert run.finish() == 0, run.output
+    finally:
+        run.cleanup()
+    ranks = sorted(re.findall(r"\[rank(\d)\]: rank \1/4 lr 0.1 sum 6 port (\d+)", run.output))
+    assert [r for r, _ in ranks] == ["0", "1", "2", "3"], run.output
+    plan = _plan(run)
+    assert {port for _, port in ranks} == {str(plan["master_port"])}
+    assert 20000 <= plan["master_port"] < ephemeral_start()  # auto: picked below the ephemeral range
+    kept = load_job(run.runs_dir / run.run_id / "spec.yaml")  # the spec the flags made, kept with the run
+    assert (kept.name, kept.nnodes, kept.nproc_per_node, kept.entrypoint.script, kept.entrypoint.args) == \
+        ("train", 2, 2, str(script), ["--lr", "0.1"])
+    # The run's plan.txt is exactly what render prints for that run: the commands that ran.
+    rendered = harness("render", str(script), "--nnodes", "2", "--nproc-per-node", "2", "--runs-dir",
+                       str(run.runs_dir), "--run-id", run.run_id, "--master-port", str(plan["master_port"]), "--",
+                       "--lr", "0.1", cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stderr
+    assert rendered.stdout == (run.runs_dir / run.run_id / "plan.txt").read_text()
+    assert_nothing_left(run.run_id)
+
+
+def test_save_job_writes_a_spec_that_launches_the_same_job(tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    saved = tmp_path / "job.yaml"
+    first = Launch(script, tmp_path / "runs", "--nnodes", "2", "--name", "mine", "--env", "MY_FLAG=1",
+                   "--save-job", str(saved), "--", "--lr", "1.10", cwd=tmp_path)
+    try:
+        assert first.finish() == 0, first.output
+        assert f"harness launch {saved}" in first.output
+        second = Launch(saved, tmp_path / "runs", cwd=tmp_path)
+        assert second.finish() == 0, second.output
+    finally:
+        first.cleanup()
+    assert load_job(saved).model_dump() == load_job(first.runs_dir / first.run_id / "spec.yaml").model_dump()
+
+    def same(run: Launch) -> str:
+        text = json.dumps(_plan(run)).replace(run.run_id, "RUN").replace(str(_plan(run)["master_port"]), "PORT")
+        return text
+
+    assert same(first) == same(second)
+    assert "lr 1.1 sum 1" in second.output
+    again = harness("launch", str(script), "--save-job", str(saved), "--", "--lr", "1", cwd=tmp_path)
+    assert again.returncode == 2 and "the file exists" in again.stderr  # never overwritten
+
+
+def test_a_module_runs_with_dash_m(tmp_path: Path) -> None:
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "train.py").write_text(SCRIPT)
+    result = harness("launch", "-m", "mypkg.train", "--nnodes", "2", "--runs-dir", str(tmp_path / "runs"), "--",
+                     "--lr", "3", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(re.findall(r"rank \d/2 lr 3.0 sum 1", result.stdout)) == 2, result.stdout
+    assert re.search(r"run train-\S+ succeeded", result.stdout)
+
+
+def test_two_jobs_with_default_settings_run_side_by_side(tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    meet = tmp_path / "meet"
+    runs = [Launch(script, tmp_path / "runs", "--nnodes", "2", "--", "--lr", "1", "--meet", str(meet), "--jobs", "2",
+                   cwd=tmp_path) for _ in range(2)]
+    try:
+        assert [run.finish(timeout=300) for run in runs] == [0, 0], [run.output for run in runs]
+    finally:
+        for run in runs:
+            run.cleanup()
+    ports = {_plan(run)["master_port"] for run in runs}
+    assert len(ports) == 2  # each picked its own
+    assert all(re.search(r"met \['\d+', '\d+'\]", run.output) for run in runs)  # both were up at once
+
+
+def test_a_held_port_is_refused_before_any_node_starts(tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        started = time.monotonic()
+        result = harness("launch", str(script), "--nnodes", "2", "--master-port", str(port), "--runs-dir",
+                         str(tmp_path / "runs"), "--", "--lr", "1", cwd=tmp_path)
+        took = time.monotonic() - started
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"master_port {port} is in use on this machine" in result.stderr
+    assert "leave master_port out" in result.stderr and "Traceback" not in result.stdout + result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert took < 60
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no run was made
+
+
+def test_bad_flags_name_the_flag(tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    for flags, expected in [
+        (["--nnodes", "0"], "--nnodes: expected an integer from 1 to 4096, got 0"),
+        (["--master-port", "80"], "--master-port: expected a port from 1024 to 65535, or auto"),
+        (["--env", "RANK=3"], "--env: RANK is set by the harness/torchrun"),
+        (["--env", "novalue"], "--env: expected KEY=VALUE, got 'novalue'"),
+    ]:
+        result = harness("launch", str(script), *flags, "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+        assert result.returncode == 2 and expected in result.stderr, (flags, result.stderr)
+    mixed = harness("launch", "jobs/smoke.yaml", "--nnodes", "3")
+    assert mixed.returncode == 2 and "--nnodes is for a script launch" in mixed.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_script_runs_on_ssh_hosts_with_one_more_flag(cluster2: Cluster, tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    hosts = cluster2.write_inventory(tmp_path / "hosts.yaml")
+    run = Launch(script, tmp_path / "runs", "--nnodes", "2", "--hosts", str(hosts), "--known-hosts",
+                 str(cluster2.known_hosts), "--", "--lr", "0.5", cwd=tmp_path)
+    try:
+        assert run.finish(timeout=180) == 0, run.output
+    finally:
+        run.cleanup()
+    plan = _plan(run)
+    assert plan["master_addr"] == cluster2.hosts[0].address
+    assert 20000 <= plan["master_port"] < ephemeral_start()  # picked on the master host
+    assert len(re.findall(rf"rank \d/2 lr 0.5 sum 1 port {plan['master_port']}", run.output)) == 2, run.output
+    assert_nothing_left(run.run_id)

@@ -1,0 +1,119 @@
+"""A job from torchrun-style flags (harness.spec.from_flags, cli's `--`): the spec they make, the file
+--save-job writes, the errors that name the flag; and master_port auto where the port is picked on the
+nodes (sbatch) or fixed (pods)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from harness import cli
+from harness.errors import UsageError
+from harness.node.freeport import ephemeral_start
+from harness.plan.planner import TORCHRUN_PORT
+from harness.spec.from_flags import ScriptFlags, job_name, spec_from_flags, spec_yaml
+from harness.spec.job import JobSpec, load_job
+from harness.targets.k8s.manifests import render_manifests
+from harness.targets.slurm.batch import batch_script
+
+
+@pytest.mark.parametrize(("entry", "name"), [
+    ("train.py", "train"), ("scripts/Train_DDP.py", "train-ddp"), ("pkg.sub.fine_tune", "fine-tune"),
+    ("./__init__.py", "init"), ("___.py", "job"), ("x" * 80 + ".py", "x" * 63),
+])
+def test_the_job_name_comes_from_the_script_or_module(entry: str, name: str) -> None:
+    assert job_name(entry) == name
+
+
+def test_the_saved_file_loads_as_the_spec_the_flags_make(write_yaml) -> None:
+    flags = ScriptFlags(script="train.py", args=["--lr", "1.10", "yes", "0123", "$HOME", "a b"], nnodes=2,
+                        nproc_per_node="auto", master_port=29999, rdzv="c10d", backend="gloo", max_restarts=3,
+                        env=["A=1", "B=x=y", "EMPTY="])
+    made = spec_from_flags(flags)
+    text = spec_yaml(flags, "harness launch train.py ...", "job.yaml")
+    assert text.startswith("# Made by: harness launch train.py ...\n# Launch with: harness launch job.yaml")
+    assert load_job(write_yaml(text)).model_dump() == made.model_dump()
+    assert made.entrypoint.args == ["--lr", "1.10", "yes", "0123", "$HOME", "a b"]  # exactly as typed
+    assert (made.env, made.restarts.max, made.rdzv, made.master_port) == \
+        ({"A": "1", "B": "x=y", "EMPTY": ""}, 3, "c10d", 29999)
+
+
+def test_only_what_the_flags_set_is_written() -> None:
+    text = spec_yaml(ScriptFlags(module="pkg.train"), "harness launch -m pkg.train")
+    assert text.splitlines()[1:] == ["name: train", "nnodes: 1", "entrypoint:", "  module: pkg.train"]
+    assert spec_from_flags(ScriptFlags(module="pkg.train")).master_port == "auto"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (ScriptFlags(script="t.py", nnodes=0), "--nnodes: expected an integer from 1 to 4096, got 0"),
+    (ScriptFlags(script="t.py", nproc_per_node=0), "--nproc-per-node: expected an integer from 1 to 1024"),
+    (ScriptFlags(script="t.py", master_port=80), "--master-port: expected a port from 1024 to 65535, or auto"),
+    (ScriptFlags(script="t.py", max_restarts=1000), "--max-restarts: Input should be less than or equal to 100"),
+    (ScriptFlags(script="t.py", name="Bad_Name"), "--name: expected a DNS-1123 label"),
+    (ScriptFlags(script="t.py", env=["MASTER_ADDR=x"]), "--env: MASTER_ADDR is set by the harness/torchrun"),
+    (ScriptFlags(script="t.py", env=["=1"]), "--env: expected KEY=VALUE, got '=1'"),
+    (ScriptFlags(script="-t.py"), "the script: script '-t.py' starts with '-'"),
+    (ScriptFlags(module="not a module"), "-m: module must be a dotted Python module name"),
+    (ScriptFlags(script="t.py", args=["a\0b"]), "the script's arguments: contains a NUL byte"),
+])
+def test_a_bad_flag_is_named(flags: ScriptFlags, message: str) -> None:
+    with pytest.raises(UsageError) as error:
+        spec_from_flags(flags)
+    assert str(error.value).startswith(message), error.value
+
+
+def _main_args(argv: list[str]):
+    given, trailing = cli._split_script_args(argv)
+    args, rest = cli.parser().parse_known_args(given)
+    assert rest == []
+    if args.job is None and args.module is None and trailing:
+        args.job = trailing.pop(0)
+    args.script_args = trailing
+    return args
+
+
+@pytest.mark.parametrize("argv", [
+    ["launch", "train.py", "--nnodes", "2", "--", "--lr", "0.1", "--", "x"],
+    ["launch", "--nnodes=2", "-m", "pkg.train", "--env", "A=1", "--env", "B=2", "--", "--flag"],
+    ["launch", "--hosts", "h.yaml", "--", "-odd.yaml"],
+    ["launch", "--nproc_per_node", "auto", "--master_port", "auto", "t.py"],
+])
+def test_a_detached_script_launch_re_runs_its_words(argv: list[str]) -> None:
+    args = _main_args(argv)
+    again = _main_args(["launch", *cli.command_line(args.verbs.choices["launch"], args, {"verbs"})])
+    assert {k: v for k, v in vars(again).items() if k != "verbs"} == {k: v for k, v in vars(args).items() if k != "verbs"}
+
+
+def test_launch_help_documents_every_argument() -> None:
+    result = subprocess.run([sys.executable, "-m", "harness.cli", "launch", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    options = re.findall(r"^  (-[-\w]+|JOB\|SCRIPT)", result.stdout, re.M)
+    assert {"JOB|SCRIPT", "-m", "--nnodes", "--nproc-per-node", "--master-port", "--save-job", "--hosts"} <= \
+        set(options), result.stdout
+    undocumented = re.findall(r"^  (\S+(?: \S+)?)\n(?!  {10,})", result.stdout, re.M)
+    assert undocumented == [], undocumented
+
+
+def _auto_spec(**extra: object) -> JobSpec:
+    return JobSpec.model_validate({"name": "s", "nnodes": 2, "entrypoint": {"script": "t.py"}} | extra)
+
+
+def test_sbatch_picks_the_auto_port_on_the_master_node() -> None:
+    script = batch_script(_auto_spec(backend="gloo"), "job.yaml")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert '--master-port="$MASTER_PORT"' in script and "export MASTER_PORT=" not in script
+    picking = script[script.index("MASTER_PORT=$("):script.index('export MASTER_PORT PET_MASTER_PORT')]
+    picked = subprocess.run(["bash", "-c", picking.replace("python3", sys.executable) + 'echo "$MASTER_PORT"'],
+                            capture_output=True, text=True, timeout=60)
+    assert 20000 <= int(picked.stdout) < ephemeral_start(), picked.stderr
+    fixed = batch_script(_auto_spec(master_port=29411), "job.yaml")
+    assert "export MASTER_PORT=29411\n" in fixed and "MASTER_PORT=$(" not in fixed
+
+
+def test_pods_rendezvous_on_torchruns_port_when_auto() -> None:
+    docs = render_manifests(_auto_spec(image="registry/h:1"), "", "core", code={})
+    text = str(docs)
+    assert f"'containerPort': {TORCHRUN_PORT}" in text and f"--master-port={TORCHRUN_PORT}" in text
