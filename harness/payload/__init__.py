@@ -5,4 +5,5 @@ It imports nothing else from `harness`, so it runs anywhere torch does; the harn
 
 
 class PayloadError(Exception):
-    """A problem the user can fix (missing data, bad flags, incompatible checkpoint): one message, exit 2."""
+    """A problem the user can fix (missing data, bad flags, incompatible checkpoint): one message; training
+    exits 2 on it, `harness prepare` 1 (a failed download is not bad usage)."""
