@@ -31,10 +31,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Every run registers in the user's index of runs ($XDG_STATE_HOME/harness/runs): the session's runs go to an
 # index of its own, never the real home's. Set at import, before any test module reads os.environ or starts a
-# process, so that everything the tests start inherits it.
-STATE_HOME = tempfile.mkdtemp(prefix="harness-test-state-")
+# process, so that everything the tests start inherits it. This module may be imported twice in one session
+# (as pytest's conftest and as the tests' `conftest`): the first import makes the directory, the second reuses it.
+_SESSION_STATE = "HARNESS_TEST_SESSION_STATE_HOME"
+if _SESSION_STATE not in os.environ:
+    os.environ[_SESSION_STATE] = tempfile.mkdtemp(prefix="harness-test-state-")
+    atexit.register(shutil.rmtree, os.environ[_SESSION_STATE], ignore_errors=True)
+STATE_HOME = os.environ[_SESSION_STATE]
 os.environ["XDG_STATE_HOME"] = STATE_HOME
-atexit.register(shutil.rmtree, STATE_HOME, ignore_errors=True)
 
 
 def _ephemeral_start() -> int:
