@@ -25,20 +25,21 @@ from harness.node.proctable import run_processes
 
 # Fixtures for every module: namespace clusters (cluster2/3, slurm_cluster/3, from testbed/), the uninterrupted
 # payload run; each is built when a test first asks for it (tests/unit asks for none), never at import.
+# One instance per session: a second import under another name (`tests.conftest`) would make a second index
+# and a second port counter, handing out ports the first already gave.
+if __name__ != "conftest":
+    raise ImportError(f"import the test helpers as `from conftest import ...`, not as {__name__}")
+
 pytest_plugins = ("testbed.cluster", "testbed.slurm_cluster", "resume_job")
 
 REPO = Path(__file__).resolve().parent.parent
 
 # Every run registers in the user's index of runs ($XDG_STATE_HOME/harness/runs): the session's runs go to an
 # index of its own, never the real home's. Set at import, before any test module reads os.environ or starts a
-# process, so that everything the tests start inherits it. This module may be imported twice in one session
-# (as pytest's conftest and as the tests' `conftest`): the first import makes the directory, the second reuses it.
-_SESSION_STATE = "HARNESS_TEST_SESSION_STATE_HOME"
-if _SESSION_STATE not in os.environ:
-    os.environ[_SESSION_STATE] = tempfile.mkdtemp(prefix="harness-test-state-")
-    atexit.register(shutil.rmtree, os.environ[_SESSION_STATE], ignore_errors=True)
-STATE_HOME = os.environ[_SESSION_STATE]
+# process, so that everything the tests start inherits it.
+STATE_HOME = tempfile.mkdtemp(prefix="harness-test-state-")
 os.environ["XDG_STATE_HOME"] = STATE_HOME
+atexit.register(shutil.rmtree, STATE_HOME, ignore_errors=True)
 
 
 def _ephemeral_start() -> int:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.conftest import REPO, assert_nothing_left, free_port, harness, worker_pid
+from conftest import REPO, assert_nothing_left, free_port, harness, worker_pid
 
 STALL = 8
 MARGIN = 15  # the bound: detection within stall + 15 s

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_nothing_left, free_port, harness, leftover
+from conftest import assert_nothing_left, free_port, harness, leftover
 
 # The ranks' script: prints its interpreter and the package only the own environment has, then steps (each step
 # an all_reduce in userpkg, so its frames are on the stack) until every rank has seen `stop`; rank 1 sticks in
