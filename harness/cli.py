@@ -77,9 +77,9 @@ def _job_arguments() -> argparse.ArgumentParser:
     flags = job.add_argument_group("a script without a job spec (torchrun's flag names; see docs/cli.md)")
     flags.add_argument("-m", "--module", help="run this module as `python -m` instead of a script (e.g. pkg.train)")
     flags.add_argument("--nnodes", type=int, help="number of nodes (default 1)")
-    flags.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=_count_or_auto,
+    flags.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=_number_or_auto,
                        help="processes per node: a number, or auto (one per GPU; default 1)")
-    flags.add_argument("--master-port", "--master_port", dest="master_port", type=_port_or_auto,
+    flags.add_argument("--master-port", "--master_port", dest="master_port", type=_number_or_auto,
                        help="rendezvous port on the master: a number, or auto (default: a free port picked at launch)")
     flags.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv", choices=("static", "c10d"),
                        help="static (default): fixed node ranks; c10d: ranks given at the rendezvous")
@@ -102,15 +102,9 @@ def _examples(verb: str) -> str:
             f"  harness {verb} -m pkg.train --nnodes 2 --hosts hosts.yaml --save-job job.yaml")
 
 
-def _count_or_auto(text: str) -> int | str:
-    return text if text == "auto" else _integer(text)
-
-
-def _port_or_auto(text: str) -> int | str:
-    return text if text == "auto" else _integer(text)
-
-
-def _integer(text: str) -> int:
+def _number_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
     try:
         return int(text)
     except ValueError:

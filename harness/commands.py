@@ -64,7 +64,7 @@ def job_of(args: argparse.Namespace) -> Job:
                         master_port=args.master_port, rdzv=args.rdzv, backend=args.backend,
                         max_restarts=args.max_restarts, env=args.env)
     if args.module is None and args.job is not None and args.job.endswith((".yaml", ".yml")):
-        given = [f"--{key.replace('_', '-')}" for key in SCRIPT_FLAGS if getattr(args, key) not in (None, [])]
+        given = flags.given() + (["--save-job"] if args.save_job else [])
         if given or args.script_args:
             what = given[0] if given else f"`-- {shlex.join(args.script_args)}`"
             raise UsageError(f"{what} is for a script launch (harness launch train.py --nnodes 2); {args.job} is a "
@@ -80,11 +80,6 @@ def job_of(args: argparse.Namespace) -> Job:
     if args.save_job is not None:
         _save_job(Path(args.save_job), text)
     return Job(spec, text, command)
-
-
-# The launch and render flags that describe a script's job (harness.spec.from_flags).
-SCRIPT_FLAGS = ("nnodes", "nproc_per_node", "master_port", "rdzv", "backend", "max_restarts", "name", "env",
-                "save_job")
 
 
 def _save_job(path: Path, text: str) -> None:

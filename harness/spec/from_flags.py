@@ -15,16 +15,16 @@ from pydantic import ValidationError
 from harness.errors import UsageError
 from harness.spec.job import JobSpec
 
-# Where a flag's value lands in the spec, by the spec's key path: errors name the flag, not the key.
-FLAG_KEYS: dict[tuple[str, ...], str] = {
-    ("name",): "--name",
-    ("nnodes",): "--nnodes",
-    ("nproc_per_node",): "--nproc-per-node",
-    ("master_port",): "--master-port",
-    ("rdzv",): "--rdzv-backend",
-    ("backend",): "--backend",
-    ("restarts", "max"): "--max-restarts",
-    ("env",): "--env",
+# Each ScriptFlags field that a flag sets: the spec's key path it lands at, and the flag (errors name it).
+FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "name": (("name",), "--name"),
+    "nnodes": (("nnodes",), "--nnodes"),
+    "nproc_per_node": (("nproc_per_node",), "--nproc-per-node"),
+    "master_port": (("master_port",), "--master-port"),
+    "rdzv": (("rdzv",), "--rdzv-backend"),
+    "backend": (("backend",), "--backend"),
+    "max_restarts": (("restarts", "max"), "--max-restarts"),
+    "env": (("env",), "--env"),
 }
 
 
@@ -43,6 +43,10 @@ class ScriptFlags:
     backend: str | None = None
     max_restarts: int | None = None
     env: list[str] = field(default_factory=list)
+
+    def given(self) -> list[str]:
+        """The flags that were set, as the user types them."""
+        return [flag for name, (_, flag) in FLAGS.items() if getattr(self, name) not in (None, [])]
 
 
 def job_name(entry: str) -> str:
@@ -89,7 +93,7 @@ def spec_from_flags(flags: ScriptFlags) -> JobSpec:
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = tuple(str(part) for part in first["loc"])
-        flag = next((f for keys, f in FLAG_KEYS.items() if loc[:len(keys)] == keys),
+        flag = next((f for keys, f in FLAGS.values() if loc[:len(keys)] == keys),
                     "the script's arguments" if loc[:2] == ("entrypoint", "args") else
                     "-m" if flags.module is not None else "the script")
         raise UsageError(f"{flag}: {first['msg'].removeprefix('Value error, ')}") from None

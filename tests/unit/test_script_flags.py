@@ -117,3 +117,9 @@ def test_pods_rendezvous_on_torchruns_port_when_auto() -> None:
     docs = render_manifests(_auto_spec(image="registry/h:1"), "", "core", code={})
     text = str(docs)
     assert f"'containerPort': {TORCHRUN_PORT}" in text and f"--master-port={TORCHRUN_PORT}" in text
+
+
+def test_the_flags_given_are_named_as_typed() -> None:
+    flags = ScriptFlags(script="t.py", rdzv="c10d", max_restarts=0, env=["A=1"], nproc_per_node="auto")
+    assert flags.given() == ["--nproc-per-node", "--rdzv-backend", "--max-restarts", "--env"]
+    assert ScriptFlags(script="t.py", args=["--x"]).given() == []
