@@ -1,17 +1,25 @@
-"""Checkpoint files: atomic writes, the newest readable one on resume, and pruning.
+"""Checkpoints: atomic writes, the newest readable one on resume, and pruning. Two layouts:
 
-A checkpoint is serialised in memory, written to a hidden temporary file in the same folder,
-flushed and fsynced, renamed over its final name with os.replace and the folder fsynced; so a kill
-at any moment leaves either the complete new file or none, never a truncated `ckpt-*.pt`.
+- `ckpt-<step>.pt` (DDP): one file rank 0 writes, holding everything. It is serialised in memory,
+  written to a hidden temporary file in the same folder, flushed and fsynced, renamed over its final
+  name with os.replace and the folder fsynced.
+- `ckpt-<step>/` (FSDP): a folder of torch.distributed.checkpoint shards, written by every rank (each
+  its own part of the weights and optimizer state; loadable on any world size), plus `state.pt`, the
+  run's small state, from rank 0. All of it goes into a hidden `.ckpt-<step>.tmp/` first, and rank 0
+  renames that folder into place once every shard and the state are fsynced.
 
-Test hook: with HARNESS_PAYLOAD_STALL_SAVE=<file name> in the env, writing that checkpoint stops
-halfway through its temporary file and waits to be killed (tests/unit/payload kill a run mid-write).
+Either way a kill at any moment leaves the complete new checkpoint or none, never a truncated one.
+
+Test hook: with HARNESS_PAYLOAD_STALL_SAVE=<name> (`ckpt-00000012.pt` or `ckpt-00000012`) in the env,
+writing that checkpoint stops halfway (half the file written; every shard written but not the state)
+and waits to be killed (the payload tests kill a run mid-write).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -23,20 +31,67 @@ import torch
 PREFIX = "ckpt-"
 SUFFIX = ".pt"
 STALL_ENV = "HARNESS_PAYLOAD_STALL_SAVE"
-REQUIRED = ("model", "optimizer", "scheduler", "epoch", "step", "global_step", "config")
+SHARDED_STATE = "state.pt"  # a sharded checkpoint's own small state, beside the shards
+SHARDS_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards, written last
+STATE = ("scheduler", "epoch", "step", "global_step", "config")
+REQUIRED = ("model", "optimizer", *STATE)
 
 
-def path_for(ckpt_dir: Path, global_step: int) -> Path:
-    return Path(ckpt_dir) / f"{PREFIX}{global_step:08d}{SUFFIX}"
+def path_for(ckpt_dir: Path, global_step: int, sharded: bool = False) -> Path:
+    name = f"{PREFIX}{global_step:08d}"
+    return Path(ckpt_dir) / (name if sharded else name + SUFFIX)
+
+
+def is_sharded(path: Path) -> bool:
+    return not path.name.endswith(SUFFIX)
 
 
 def save(state: dict[str, Any], ckpt_dir: Path, global_step: int, keep: int) -> Path:
     """Write the checkpoint for global_step atomically, then drop all but the newest `keep`."""
     path = path_for(ckpt_dir, global_step)
     atomic_write(path, serialize(state))
-    for old in newest_first(ckpt_dir)[keep:]:
-        old.unlink(missing_ok=True)
+    prune(ckpt_dir, keep)
     return path
+
+
+def save_sharded(
+    shards: dict[str, Any], state: dict[str, Any], ckpt_dir: Path, global_step: int, keep: int, *, is_main: bool,
+    barrier: Callable[[], None],
+) -> Path:
+    """Collective: every rank writes its shards of `shards` (DTensor state dicts), rank 0 the state, and
+    rank 0 renames the finished folder into place; then all but the newest `keep` are dropped."""
+    from torch.distributed.checkpoint.state_dict_saver import save as save_shards
+
+    final = path_for(ckpt_dir, global_step, sharded=True)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    # Returns on every rank once the coordinator has written the metadata, after every rank's shards
+    # (each written file fsynced).
+    save_shards(shards, checkpoint_id=tmp)
+    if is_main:
+        if os.environ.get(STALL_ENV) == final.name:
+            _stall(str(tmp))
+        atomic_write(tmp / SHARDED_STATE, serialize(state))
+        if final.exists():  # the same step saved again: a run started over in the same folder
+            aside = final.with_name(f".{final.name}.old")
+            os.replace(final, aside)
+            shutil.rmtree(aside)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        prune(ckpt_dir, keep)
+    barrier()
+    return final
+
+
+def prune(ckpt_dir: Path, keep: int) -> None:
+    for old in newest_first(ckpt_dir)[keep:]:
+        if is_sharded(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def serialize(obj: object) -> memoryview:
@@ -51,46 +106,58 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         if os.environ.get(STALL_ENV) == path.name:
-            _stall(f, data)
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            _stall(f.name)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _stall(f: io.BufferedWriter, data: bytes | memoryview) -> None:
-    f.write(data[: len(data) // 2])
-    f.flush()
-    os.fsync(f.fileno())
-    print(f"stalling in the middle of writing {f.name}", file=sys.stderr, flush=True)
+def _stall(what: str) -> None:
+    print(f"stalling in the middle of writing {what}", file=sys.stderr, flush=True)
     time.sleep(3600)
 
 
 def newest_first(ckpt_dir: Path) -> list[Path]:
-    """Finished checkpoints (never the temporary files of interrupted writes), newest first."""
+    """Finished checkpoints of either layout (never what an interrupted write left), newest first."""
     found = []
-    for path in Path(ckpt_dir).glob(f"{PREFIX}*{SUFFIX}"):
-        digits = path.name[len(PREFIX) : -len(SUFFIX)]
-        if digits.isdigit():
+    for path in Path(ckpt_dir).glob(f"{PREFIX}*"):
+        digits = path.name[len(PREFIX) :].removesuffix(SUFFIX)
+        if digits.isdigit() and (path.is_dir() == is_sharded(path)):
             found.append((int(digits), path))
     return [path for _, path in sorted(found, reverse=True)]
 
 
 def remove_partial_writes(ckpt_dir: Path) -> None:
-    """Temporary files left by a writer that was killed; only call while no writer runs."""
-    for tmp in Path(ckpt_dir).glob(f".{PREFIX}*{SUFFIX}.tmp-*"):
-        tmp.unlink(missing_ok=True)
+    """What writers that were killed left (hidden temporary files and folders); only call while no
+    writer runs."""
+    for tmp in Path(ckpt_dir).glob(f".{PREFIX}*"):
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
 
 
 def load(path: Path, device: torch.device) -> dict[str, Any]:
-    """Tensors land on this rank's device; weights_only refuses arbitrary pickled code."""
-    state = torch.load(path, map_location=device, weights_only=True)
-    missing = [key for key in REQUIRED if not isinstance(state, dict) or key not in state]
+    """Tensors land on this rank's device; weights_only refuses arbitrary pickled code. A sharded
+    checkpoint's state only: its shards are loaded into the sharded model (payload/strategy.py)."""
+    sharded = is_sharded(path)
+    if sharded and not (path / SHARDS_METADATA).is_file():
+        raise ValueError(f"no {SHARDS_METADATA}: its shards are incomplete")
+    state = torch.load(path / SHARDED_STATE if sharded else path, map_location=device, weights_only=True)
+    missing = [key for key in (STATE if sharded else REQUIRED) if not isinstance(state, dict) or key not in state]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
     return state

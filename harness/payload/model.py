@@ -59,3 +59,10 @@ def small(in_channels: int, num_classes: int, norm_layer: Callable[[int], nn.Mod
         nn.Flatten(),
         nn.Linear(4 * width, num_classes),
     )
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """What FSDP shards one by one, each unit's parameters gathered only while it computes: ResNet's
+    residual blocks; for the small CNN (a Sequential), each layer with weights."""
+    blocks = [m for m in model.modules() if type(m).__name__ == "BasicBlock"]
+    return blocks or [m for m in model.children() if any(True for _ in m.parameters(recurse=False))]

@@ -1,4 +1,4 @@
-"""Train CIFAR-10 (or synthetic / digits data) with DistributedDataParallel; resumable, bitwise on CPU.
+"""Train CIFAR-10 (or synthetic / digits data) with DDP or FSDP2; resumable on any world size, bitwise on CPU.
 
 Runs under plain torchrun; it knows nothing about the harness:
 
@@ -10,16 +10,19 @@ Runs under plain torchrun; it knows nothing about the harness:
 
 CIFAR-10 is prepared once beforehand: `python -m harness.payload.prepare --data-dir DIR`.
 torchrun provides RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; HARNESS_BACKEND picks the
-backend (auto = nccl on CUDA, else gloo). Rank 0 alone prints progress; it writes checkpoints
-(--ckpt-dir, which every node must share) and metrics (--out-dir). A run killed at any point and
-restarted with --resume ends with the same weights as one never stopped (bitwise on CPU), because
-the data order and augmentation derive from (seed, epoch, sample) and a checkpoint holds everything
-else. The last line is `done: test_acc=... global_step=... world_size=... seconds=...`.
+backend (auto = nccl on CUDA, else gloo). Rank 0 alone prints progress and writes metrics
+(--out-dir); checkpoints go to --ckpt-dir, which every node must share. A run killed at any point and
+restarted with --resume ends with the same weights as one never stopped (bitwise on CPU, on the same
+world size), because the data order and augmentation derive from (seed, epoch, sample) and a
+checkpoint holds everything else. The global batch, not the world size, defines each step, so a run
+may also resume on any world size that divides it (each rank's share and its micro-batches adjusted).
+The last line is `done: test_acc=... global_step=... world_size=... seconds=...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -30,10 +33,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.payload import PayloadError, batches, checkpoint, data, metrics, runtime
 from harness.payload import model as models
+from harness.payload import strategy as strategies
 from harness.payload.runtime import Runtime
 
 Log = Callable[[str], None]
@@ -50,7 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--norm", choices=models.NORMS, default="batch", help="group: no per-rank statistics")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
-    p.add_argument("--batch-size", type=int, default=1024, help="per rank")
+    p.add_argument("--batch-size", type=int, default=1024,
+                   help="images one rank computes at once; a larger share of the global batch is accumulated")
+    p.add_argument("--global-batch", type=int,
+                   help="images per optimizer step over all ranks (default: --batch-size x ranks; on --resume, "
+                        "the checkpoint's), which must divide by the world size")
+    p.add_argument("--strategy", choices=strategies.STRATEGIES, default="ddp",
+                   help="ddp: a replica per rank; fsdp: FSDP2, parameters, gradients and optimizer state sharded")
     p.add_argument("--lr", type=float, default=0.4,
                    help="peak learning rate: 0.1 per 256 images of global batch (ranks x --batch-size)")
     p.add_argument("--weight-decay", type=float, default=5e-4)
@@ -67,14 +76,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the newest readable checkpoint")
     p.add_argument("--out-dir", type=Path, help="metrics.jsonl and metrics.png")
     p.add_argument("--save-final", type=Path, help="write the final model state_dict here")
+    p.add_argument("--losses", type=Path, metavar="FILE",
+                   help="append every step's loss (mean over the global batch) to FILE as JSON lines; "
+                        "costs a host sync per step")
     p.add_argument("--log-every", type=int, default=50, help="steps between progress updates")
     p.add_argument("--eval-batch-size", type=int, default=1000)
     p.add_argument("--local-rank", "--local_rank", type=int, help="torch.distributed.launch; LOCAL_RANK wins")
     args = p.parse_args(argv)
     if args.resume and args.ckpt_dir is None:
         p.error("--resume needs --ckpt-dir")
-    for flag in ("epochs", "batch_size", "log_every", "eval_batch_size", "keep"):
-        if getattr(args, flag) < 1:
+    for flag in ("epochs", "batch_size", "log_every", "eval_batch_size", "keep", "global_batch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     return args
 
@@ -95,34 +107,46 @@ def autocast(rt: Runtime, precision: str) -> torch.autocast:
 
 @torch.no_grad()
 def evaluate(net: nn.Module, ds: data.Dataset, rt: Runtime, norm: Normalize, precision: str, batch_size: int) -> float:
-    """Test accuracy; each rank scores a disjoint slice, one all-reduce at the end."""
+    """Test accuracy; each rank scores a disjoint slice, one all-reduce at the end. Every rank runs
+    the same number of batches (a short slice is padded with image 0, not counted): under FSDP
+    each forward is a collective."""
     net.eval()
-    mine = torch.arange(rt.rank, len(ds.test_y), rt.world_size, device=rt.device)
+    n = len(ds.test_y)
+    mine = torch.arange(rt.rank, n, rt.world_size, device=rt.device)
+    share = -(-n // rt.world_size)
+    idx_all = torch.cat([mine, mine.new_zeros(share - len(mine))])
     correct = torch.zeros((), dtype=torch.int64, device=rt.device)
-    for idx in mine.split(batch_size):
+    for start, idx in zip(range(0, len(idx_all), batch_size), idx_all.split(batch_size), strict=True):
+        counted = (torch.arange(start, start + len(idx), device=rt.device) < len(mine))
         with autocast(rt, precision):
-            correct += (net(norm(ds.test_x[idx])).argmax(1) == ds.test_y[idx]).sum()
+            correct += ((net(norm(ds.test_x[idx])).argmax(1) == ds.test_y[idx]) & counted).sum()
     net.train()
     counts = runtime.all_reduce_sum(rt, torch.stack([correct, torch.tensor(len(mine), device=rt.device)]))
     return counts[0].item() / max(1, counts[1].item())
 
 
-def find_checkpoint(ckpt_dir: Path, rt: Runtime, log: Log) -> tuple[str, dict[str, Any]] | None:
-    """Rank 0 picks the newest readable checkpoint; every rank then loads that same file."""
+def find_checkpoint(ckpt_dir: Path, rt: Runtime, strategy: str, log: Log) -> tuple[Path, dict[str, Any]] | None:
+    """Rank 0 picks the newest readable checkpoint; every rank then loads that same one (the state; a
+    sharded checkpoint's shards are loaded once the model is sharded)."""
     found = None
     log(f"resume: looking for the newest checkpoint in {ckpt_dir}")
     if rt.is_main:
         checkpoint.remove_partial_writes(ckpt_dir)
         found = checkpoint.load_newest(ckpt_dir, rt.device, warn=log)
-    path = runtime.broadcast(rt, str(found[0]) if found else None)
-    assert path is None or isinstance(path, str)
-    if path is None:
+    chosen = runtime.broadcast(rt, str(found[0]) if found else None)
+    assert chosen is None or isinstance(chosen, str)
+    if chosen is None:
         log(f"resume: no checkpoint in {ckpt_dir}, starting from scratch")
         return None
+    path = Path(chosen)
+    wanted = "fsdp" if checkpoint.is_sharded(path) else "ddp"
+    if wanted != strategy:
+        raise PayloadError(f"the newest checkpoint in {ckpt_dir}, {path.name}, was written with --strategy {wanted}; "
+                           f"resume it with --strategy {wanted}, or start afresh in another --ckpt-dir")
     if found:
         return path, found[1]
     try:
-        return path, checkpoint.load(Path(path), rt.device)
+        return path, checkpoint.load(path, rt.device)
     except Exception as e:  # noqa: BLE001 - any failure here means the directory is not shared
         raise PayloadError(
             f"rank {rt.rank} cannot read {path}, chosen by rank 0 ({e}); --ckpt-dir must be shared by all nodes"
@@ -139,18 +163,32 @@ def check_same_config(saved: dict[str, Any], config: dict[str, Any], ckpt_dir: P
         )
 
 
+def batch_split(args: argparse.Namespace, rt: Runtime, saved: dict[str, Any] | None, log: Log) -> batches.Split:
+    """The global batch: --global-batch, else the checkpoint's, else --batch-size x world size; cut
+    into each rank's micro-batches of at most --batch-size."""
+    global_batch = args.global_batch or (saved["config"]["global_batch"] if saved else args.batch_size * rt.world_size)
+    split = batches.split(global_batch, rt.world_size, args.batch_size)
+    before = saved.get("world_size") if saved else None
+    if before is not None and before != rt.world_size:
+        log(f"resume: world size {before} -> {rt.world_size}; the same steps continue: {split.describe()}")
+    return split
+
+
 def train(args: argparse.Namespace, rt: Runtime) -> None:
     log: Log = (lambda msg: print(msg, flush=True)) if rt.is_main else (lambda msg: None)
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     ds = data.load(args.data, args.data_dir, args.seed, args.subset).to(rt.device)
-    global_batch = args.batch_size * rt.world_size
+    # SIGUSR1 (a time-limit or preemption warning): the ranks agree at the next log interval, save a
+    # checkpoint there and stop, so that the requeued job loses nothing.
+    warned = runtime.warning_signal() if args.ckpt_dir is not None else None
+    found = find_checkpoint(args.ckpt_dir, rt, args.strategy, log) if args.resume else None
+    split = batch_split(args, rt, found[1] if found else None, log)
+    global_batch = split.global_batch
     steps_per_epoch = len(ds.train_y) // global_batch
     if steps_per_epoch == 0:
-        raise PayloadError(
-            f"{len(ds.train_y)} training images do not fill one global batch of {global_batch} "
-            f"({rt.world_size} ranks x --batch-size {args.batch_size})"
-        )
+        raise PayloadError(f"{len(ds.train_y)} training images do not fill one step's {split.describe()}; "
+                           f"lower --global-batch or --batch-size")
     total_steps = args.epochs * steps_per_epoch
     max_steps = total_steps if args.max_steps is None else min(args.max_steps, total_steps)
 
@@ -159,11 +197,11 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     model = models.build(args.model, ds.channels, ds.num_classes, args.norm)
-    model = model.to(rt.device).to(memory_format=torch.channels_last)
+    parallel = strategies.build(args.strategy, model.to(rt.device), rt)
     # fused: one kernel for the whole update on CUDA instead of a few per parameter group.
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay,
-        fused=cuda or None,
+        fused=(cuda and not parallel.sharded) or None,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(total_steps, args.warmup))
     config = {
@@ -175,15 +213,10 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
     epoch = step = global_step = 0
     loss_carry = seconds_carry = 0.0
     history: list[dict[str, Any]] = []
-    # SIGUSR1 (a time-limit or preemption warning): the ranks agree at the next log interval, save a
-    # checkpoint there and stop, so that the requeued job loses nothing.
-    warned = runtime.warning_signal() if args.ckpt_dir is not None else None
-    found = find_checkpoint(args.ckpt_dir, rt, log) if args.resume else None
     if found is not None:
         path, state = found
         check_same_config(state["config"], config, args.ckpt_dir)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        parallel.load(path, state, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["cpu"].cpu())
         if cuda and state["rng"]["cuda"] is not None:
@@ -194,9 +227,7 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
 
     # Static shapes: every training batch has one shape, so a changed shape is a bug to recompile for,
     # not a reason to switch to slower shape-generic kernels.
-    net = torch.compile(model, mode=args.compile, dynamic=False) if args.compile else model
-    if rt.distributed:
-        net = DDP(net, device_ids=[rt.local_rank] if cuda else None, gradient_as_bucket_view=True)
+    net = parallel.wrap(torch.compile(model, mode=args.compile, dynamic=False) if args.compile else model)
     mean = torch.tensor(ds.mean, device=rt.device).view(1, -1, 1, 1) * 255
     std = torch.tensor(ds.std, device=rt.device).view(1, -1, 1, 1) * 255
 
@@ -206,12 +237,13 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
     log(
         f"train: data={args.data} ({len(ds.train_y)} train / {len(ds.test_y)} test) model={args.model} "
         f"world_size={rt.world_size} device={rt.device.type} backend={rt.backend or 'none'} "
-        f"global_batch={global_batch} steps/epoch={steps_per_epoch} max_steps={max_steps} "
+        f"strategy={parallel.name} {split.describe()}, steps/epoch={steps_per_epoch} max_steps={max_steps} "
         f"precision={args.precision} compile={args.compile or 'off'}"
     )
     # Losses stay on the device; they reach the host once per log interval, checkpoint or epoch.
     loss_sum = torch.zeros((), device=rt.device)
     log_loss = torch.zeros((), device=rt.device)
+    losses = _loss_writer(args.losses) if rt.is_main and args.losses is not None else None
 
     def fold_losses() -> None:
         """Move the ranks' loss sums into loss_carry (the global mean loss, summed over steps)."""
@@ -223,40 +255,52 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         if args.ckpt_dir is None:
             return
         fold_losses()
-        if rt.is_main:
-            state = {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "epoch": at_epoch, "step": at_step, "global_step": global_step, "loss_carry": loss_carry,
-                "seconds_carry": seconds, "history": history, "config": config,
-                "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if cuda else None},
-            }
-            checkpoint.save(state, args.ckpt_dir, global_step, args.keep)
-        runtime.barrier(rt)
+        state = {
+            "scheduler": scheduler.state_dict(), "epoch": at_epoch, "step": at_step, "global_step": global_step,
+            "loss_carry": loss_carry, "seconds_carry": seconds, "history": history, "config": config,
+            "world_size": rt.world_size,
+            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if cuda else None},
+        }
+        parallel.save(optimizer, state, args.ckpt_dir, global_step, args.keep)
+
+    def train_step(plan: batches.Epoch) -> torch.Tensor:
+        """One optimizer step on this rank's share of the global batch, micro-batch by micro-batch; the
+        rank's mean loss. Each micro-batch's loss is scaled so the gradients sum to the share's mean."""
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=rt.device)
+        for micro in range(split.accumulation):
+            idx = plan.batch(step, split.micro, micro)
+            x = ds.train_x[idx]
+            if not args.no_augment:
+                x = batches.augment(x, plan.offsets[idx], plan.flips[idx], ds.pad)
+            with parallel.accumulating(net, last=micro == split.accumulation - 1):
+                with autocast(rt, args.precision):
+                    loss = F.cross_entropy(net(norm(x)), ds.train_y[idx])
+                (loss / split.accumulation).backward()
+            step_loss += loss.detach()
+        optimizer.step()
+        scheduler.step()
+        return step_loss / split.accumulation
 
     while epoch < args.epochs and global_step < max_steps:
         plan = batches.epoch_plan(
-            len(ds.train_y), args.seed, epoch, rt.rank, rt.world_size, ds.pad, ds.flip, rt.device
+            len(ds.train_y), args.seed, epoch, rt.rank, rt.world_size, ds.pad, ds.flip, rt.device, split.accumulation
         )
         bar = _progress_bar(rt, steps_per_epoch, step, f"epoch {epoch + 1}/{args.epochs}")
         t_epoch = t_log = time.perf_counter()
         logged_at = global_step
         log_loss.zero_()
         while step < steps_per_epoch and global_step < max_steps:
-            idx = plan.batch(step, args.batch_size)
-            x = ds.train_x[idx]
-            if not args.no_augment:
-                x = batches.augment(x, plan.offsets[idx], plan.flips[idx], ds.pad)
-            with autocast(rt, args.precision):
-                loss = F.cross_entropy(net(norm(x)), ds.train_y[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            loss_sum += loss.detach()
+            loss = train_step(plan)
+            loss_sum += loss
             step += 1
             global_step += 1
+            if args.losses is not None:
+                mean_loss = runtime.all_reduce_sum(rt, loss.clone()).item() / rt.world_size
+                if losses is not None:
+                    losses(global_step, mean_loss)
             if rt.is_main:
-                log_loss += loss.detach()
+                log_loss += loss
                 if bar is not None:
                     bar.update()
                 if global_step % args.log_every == 0:
@@ -310,12 +354,23 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         accuracy = last["accuracy"]
     else:
         accuracy = evaluate(model, ds, rt, norm, args.precision, args.eval_batch_size)
-    if rt.is_main and args.save_final is not None:
-        checkpoint.atomic_write(args.save_final, checkpoint.serialize(model.state_dict()))
+    if args.save_final is not None and (final := parallel.full_state()) is not None:
+        checkpoint.atomic_write(args.save_final, checkpoint.serialize(final))
     log(
         f"done: test_acc={accuracy:.4f} global_step={global_step} world_size={rt.world_size} "
         f"seconds={time.perf_counter() - started:.1f}"
     )
+
+
+def _loss_writer(path: Path) -> Callable[[int, float], None]:
+    """Appends one JSON line per optimizer step: a resumed run's lines follow the killed run's."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a", buffering=1)  # noqa: SIM115 - open for the whole run; closed when the process ends
+
+    def write(global_step: int, loss: float) -> None:
+        f.write(json.dumps({"global_step": global_step, "loss": loss}) + "\n")
+
+    return write
 
 
 def _progress_bar(rt: Runtime, total: int, initial: int, desc: str) -> Any:

@@ -73,3 +73,34 @@ def test_only_the_newest_are_kept(tmp_path: Path) -> None:
         checkpoint.save(state(float(step)), tmp_path, step, keep=2)
     assert [p.name for p in checkpoint.newest_first(tmp_path)] == ["ckpt-00000030.pt", "ckpt-00000010.pt"]
     assert checkpoint.load_newest(tmp_path / "absent", torch.device("cpu"), warn=no_warning) is None
+
+
+def sharded(ckpt_dir: Path, step: int, *, metadata: bool = True) -> Path:
+    """A sharded checkpoint's folder as save_sharded leaves it (shards stand in as empty files here;
+    tests/integration/payload/test_payload_elastic.py writes and reads real ones)."""
+    folder = checkpoint.path_for(ckpt_dir, step, sharded=True)
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"")
+    if metadata:
+        (folder / checkpoint.SHARDS_METADATA).write_bytes(b"")
+    torch.save({k: v for k, v in state(float(step)).items() if k not in ("model", "optimizer")},
+               folder / checkpoint.SHARDED_STATE)
+    return folder
+
+
+def test_sharded_folders_are_found_checked_and_pruned_like_files(tmp_path: Path) -> None:
+    sharded(tmp_path, 4)
+    sharded(tmp_path, 8, metadata=False)  # not possible through save_sharded, which renames a finished folder
+    (tmp_path / ".ckpt-00000012.tmp").mkdir()
+    (tmp_path / ".ckpt-00000012.tmp" / "__1_0.distcp").write_bytes(b"x")
+    (tmp_path / "ckpt-00000016").write_text("a file with a folder's name is no checkpoint")
+    assert [p.name for p in checkpoint.newest_first(tmp_path)] == ["ckpt-00000008", "ckpt-00000004"]
+    warnings: list[str] = []
+    path, loaded = checkpoint.load_newest(tmp_path, torch.device("cpu"), warn=warnings.append)
+    assert path == checkpoint.path_for(tmp_path, 4, sharded=True) and loaded["step"] == 4 and "model" not in loaded
+    assert len(warnings) == 1 and "ckpt-00000008 (ValueError: no .metadata: its shards are incomplete)" in warnings[0]
+    checkpoint.remove_partial_writes(tmp_path)
+    assert not (tmp_path / ".ckpt-00000012.tmp").exists()
+    sharded(tmp_path, 20)
+    checkpoint.prune(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000016", "ckpt-00000020"]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
 from harness.payload import PayloadError
-from harness.payload.batches import augment, epoch_plan
+from harness.payload.batches import Split, augment, epoch_plan, split
 from harness.payload.data import CIFAR_DIR, digits, load_cifar10, prepare_cifar10, synthetic
 
 PER_BATCH = 12
@@ -159,7 +159,7 @@ def test_shards_match_distributed_sampler(n: int, world: int, epoch: int) -> Non
         sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=7, drop_last=True)
         sampler.set_epoch(epoch)
         plan = epoch_plan(n, 7, epoch, rank, world, pad=4, flip=True, device=torch.device("cpu"))
-        assert plan.indices.tolist() == list(sampler)
+        assert plan.streams[0].tolist() == list(sampler)
 
 
 def test_ranks_together_see_the_single_process_batch() -> None:
@@ -171,6 +171,40 @@ def test_ranks_together_see_the_single_process_batch() -> None:
         union = torch.cat([plan.batch(step, b) for plan in ranks])
         assert sorted(union.tolist()) == sorted(single.batch(step, 2 * b).tolist())
     assert torch.equal(single.offsets, ranks[1].offsets) and torch.equal(single.flips, ranks[1].flips)
+
+
+@pytest.mark.parametrize("global_batch,world,max_micro,expected", [
+    (64, 2, 32, (32, 1)), (64, 1, 32, (32, 2)), (96, 2, 32, (24, 2)), (96, 3, 32, (32, 1)), (96, 1, 40, (32, 3)),
+    (7, 1, 2, (1, 7)), (1024, 8, 1024, (128, 1)),
+])
+def test_each_rank_takes_its_share_in_the_fewest_equal_micro_batches(global_batch, world, max_micro, expected):
+    cut = split(global_batch, world, max_micro)
+    assert (cut.micro, cut.accumulation) == expected and cut.micro * cut.accumulation * world == global_batch
+
+
+def test_a_world_size_that_does_not_divide_the_global_batch_is_named() -> None:
+    with pytest.raises(PayloadError, match=r"the global batch of 96 images cannot be shared equally by 5 ranks; run on "
+                                           r"a world size that divides it \(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48\, ...\)"):
+        split(96, 5, 32)
+
+
+@pytest.mark.parametrize("a,b", [((2, 1), (1, 2)), ((4, 1), (2, 2)), ((3, 2), (6, 1))])
+def test_each_micro_batch_is_the_same_whatever_the_world_size(a: tuple[int, int], b: tuple[int, int]) -> None:
+    """(world, accumulation) pairs with one product: every step's micro-batches are the same sets of
+    samples, so per-micro-batch statistics (BatchNorm) match too, and their union is the step's slice."""
+    n, cpu, global_batch = 200, torch.device("cpu"), 24
+
+    def micro_batches(world: int, accumulation: int, step: int) -> list[list[int]]:
+        micro = global_batch // (world * accumulation)
+        plans = [epoch_plan(n, 5, 1, r, world, 4, True, cpu, accumulation) for r in range(world)]
+        return sorted(sorted(p.batch(step, micro, m).tolist()) for p in plans for m in range(accumulation))
+
+    for step in range(n // global_batch):
+        assert micro_batches(*a, step) == micro_batches(*b, step)
+        union = sorted(i for batch in micro_batches(*a, step) for i in batch)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(5 + 1))
+        assert union == sorted(perm[step * global_batch : (step + 1) * global_batch].tolist())
+    assert Split(24, 3, 2).describe() == "global batch 24 = 3 rank(s) x 8 image(s) per rank as 2 micro-batches of 4"
 
 
 def test_augment_matches_per_image_crop_and_flip() -> None:
