@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import threading
 from dataclasses import dataclass
@@ -82,6 +83,19 @@ def all_reduce_sum(rt: Runtime, tensor: torch.Tensor) -> torch.Tensor:
     if rt.distributed:
         dist.all_reduce(tensor)
     return tensor
+
+
+def peak_memory_mib(rt: Runtime) -> float:
+    """The most memory any rank held at once: on CUDA the tensors' (the caching allocator's peak), on
+    CPU the whole process's resident set (interpreter and dataset included)."""
+    if rt.device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(rt.device) / 2**20
+    else:
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+    peak = torch.tensor(mine, dtype=torch.float64, device=rt.device)
+    if rt.distributed:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
 
 
 def any_rank(rt: Runtime, flag: bool) -> bool:

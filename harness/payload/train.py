@@ -16,7 +16,8 @@ restarted with --resume ends with the same weights as one never stopped (bitwise
 world size), because the data order and augmentation derive from (seed, epoch, sample) and a
 checkpoint holds everything else. The global batch, not the world size, defines each step, so a run
 may also resume on any world size that divides it (each rank's share and its micro-batches adjusted).
-The last line is `done: test_acc=... global_step=... world_size=... seconds=...`.
+The last line is `done: test_acc=... global_step=... world_size=... seconds=... peak_memory_mib=...`
+(the peak of the rank that held the most: CUDA tensors on a GPU, the process's resident set on CPU).
 """
 
 from __future__ import annotations
@@ -356,9 +357,10 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         accuracy = evaluate(model, ds, rt, norm, args.precision, args.eval_batch_size)
     if args.save_final is not None and (final := parallel.full_state()) is not None:
         checkpoint.atomic_write(args.save_final, checkpoint.serialize(final))
+    peak = runtime.peak_memory_mib(rt)
     log(
         f"done: test_acc={accuracy:.4f} global_step={global_step} world_size={rt.world_size} "
-        f"seconds={time.perf_counter() - started:.1f}"
+        f"seconds={time.perf_counter() - started:.1f} peak_memory_mib={peak:.0f}"
     )
 
 
