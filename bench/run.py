@@ -24,12 +24,12 @@ from bench import machine, procs, report
 
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
-NAMES = ("throughput", "tuning", "ddp", "first_step", "preflight", "failure", "recovery", "slurm", "containers",
-         "hangs", "watch_cost")
+NAMES = ("throughput", "tuning", "ddp", "strategies", "first_step", "preflight", "failure", "recovery", "slurm",
+         "containers", "hangs", "watch_cost")
 HEALTH = ("hangs", "watch_cost")
 # What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed);
 # health is the health watch's alone (benchmarks 9 and 10: 60 hung launches, ~21 min on 2 cores).
-PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp"),
+PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp", "strategies"),
                  "full": tuple(n for n in NAMES if n != "tuning" and n not in HEALTH), "health": HEALTH}
 PROFILE_NAMES["quick"] = PROFILE_NAMES["full"]
 HEALTH_FAULTS = 20  # per fault kind, the issue's least
@@ -37,7 +37,7 @@ HEALTH_FAULTS = 20  # per fault kind, the issue's least
 
 def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, dict[str, Any]]:
     """Every knob of a run. quick: about a minute on a 2-core CPU; full: the real model, repeats; gpu:
-    benchmarks 1, 1b and 2 on the GPU; health: benchmarks 9 and 10 (faults: hung launches per kind)."""
+    benchmarks 1, 1b, 2 and 2b on the GPU; health: benchmarks 9 and 10 (faults: hung launches per kind)."""
     quick = name == "quick"
     cuda = device == "cuda"
     if cuda:  # one H100-class GPU: ResNet-18 at the payload's default batch; compile only in the full runs
@@ -66,6 +66,8 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
             [256, "off"], [256, "default"], [256, "reduce-overhead"], [512, "reduce-overhead"],
             [1024, "off"], [1024, "default"], [1024, "reduce-overhead"], [2048, "reduce-overhead"]]},
         "ddp": ddp | {"device": device},
+        # benchmark 2's model and per-rank batch; a GPU rank needs a GPU of its own (2 ranks: skipped on one)
+        "strategies": ddp | {"device": device, "ranks": [1, 2] if cuda else [2]},
         "first_step": {"repeats": 1 if quick else 3, "quick": quick},
         "preflight": {"hosts": [1, 4] if quick else [1, 4, 16], "repeats": 1 if quick else 2},
         "failure": {"blocks": ["sleep"] if quick else ["sleep", "collective"], "torchrun_wait": 3 if quick else 20,
@@ -82,11 +84,12 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
 
 
 def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-    from bench import containers, ddp, health, launch, preflight, recovery, slurm, throughput, tuning
+    from bench import containers, ddp, health, launch, preflight, recovery, slurm, strategies, throughput, tuning
 
-    return {"throughput": throughput.run, "tuning": tuning.run, "ddp": ddp.run, "first_step": launch.time_to_first_step,
-            "preflight": preflight.run, "failure": launch.failure_propagation, "recovery": recovery.run,
-            "slurm": slurm.run, "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost}
+    return {"throughput": throughput.run, "tuning": tuning.run, "ddp": ddp.run, "strategies": strategies.run,
+            "first_step": launch.time_to_first_step, "preflight": preflight.run,
+            "failure": launch.failure_propagation, "recovery": recovery.run, "slurm": slurm.run,
+            "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost}
 
 
 def resolve_device(device: str) -> str:
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--full", dest="profile", action="store_const", const="full",
                        help="ResNet-18, repeats, 16 hosts (default)")
     which.add_argument("--gpu", dest="profile", action="store_const", const="gpu",
-                       help="benchmarks 1, 1b (batch and compile-mode tuning) and 2 on a CUDA GPU, nothing else")
+                       help="benchmarks 1, 1b (batch and compile-mode tuning), 2 and 2b (DDP vs FSDP) on a CUDA GPU, "
+                            "nothing else")
     which.add_argument("--health", dest="profile", action="store_const", const="health",
                        help=f"benchmarks 9 and 10 alone: {HEALTH_FAULTS} hung launches per fault kind against torchrun "
                             "alone, and the watch's cost (~21 min on 2 cores; no root)")
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"hung launches per fault kind for --health (default {HEALTH_FAULTS}; "
                         "another number: the result is marked partial)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="for benchmarks 1 and 2 (3-5 always run on CPU with gloo)")
+                   help="for benchmarks 1, 2 and 2b (3-5 always run on CPU with gloo)")
     args = p.parse_args(argv)
     # SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C, so namespaces and child processes are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

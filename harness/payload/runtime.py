@@ -92,6 +92,11 @@ def peak_memory_mib(rt: Runtime) -> float:
         mine = torch.cuda.max_memory_allocated(rt.device) / 2**20
     else:
         mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+    return most_of_any_rank(rt, mine)
+
+
+def most_of_any_rank(rt: Runtime, mine: float) -> float:
+    """The largest of every rank's value (a collective)."""
     peak = torch.tensor(mine, dtype=torch.float64, device=rt.device)
     if rt.distributed:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.payload import PayloadError, checkpoint, runtime
@@ -113,6 +114,17 @@ class Sharded:
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return full if self.rt.is_main else None
+
+
+def state_mib(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """What this rank holds of the training state: parameters, gradients and optimizer state (an FSDP
+    rank only its shards). The share FSDP divides by the world size, apart from the activations."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return sum(local(t).nbytes for t in tensors) / 2**20
 
 
 def build(name: str, model: nn.Module, rt: Runtime) -> Replicated | Sharded:

@@ -358,9 +358,10 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
     if args.save_final is not None and (final := parallel.full_state()) is not None:
         checkpoint.atomic_write(args.save_final, checkpoint.serialize(final))
     peak = runtime.peak_memory_mib(rt)
+    held = runtime.most_of_any_rank(rt, strategies.state_mib(model, optimizer))
     log(
         f"done: test_acc={accuracy:.4f} global_step={global_step} world_size={rt.world_size} "
-        f"seconds={time.perf_counter() - started:.1f} peak_memory_mib={peak:.0f}"
+        f"seconds={time.perf_counter() - started:.1f} peak_memory_mib={peak:.0f} state_mib={held:.2f}"
     )
 
 
