@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 from harness import __version__, commands
 from harness.errors import HarnessError
@@ -76,7 +77,9 @@ def _job_arguments() -> argparse.ArgumentParser:
                           "flags below; the script's own arguments go after `--`")
     flags = job.add_argument_group("a script without a job spec (torchrun's flag names; see docs/cli.md)")
     flags.add_argument("-m", "--module", help="run this module as `python -m` instead of a script (e.g. pkg.train)")
-    flags.add_argument("--nnodes", type=int, help="number of nodes (default 1)")
+    flags.add_argument("--nnodes", type=_nnodes, metavar="N|MIN:N",
+                       help="number of nodes (default 1); MIN:N goes on with no fewer than MIN nodes when hosts are "
+                            "lost and no spare is left (restarts.min_nnodes)")
     flags.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=_number_or_auto,
                        help="processes per node: a number, or auto (one per GPU; default 1)")
     flags.add_argument("--master-port", "--master_port", dest="master_port", type=_number_or_auto,
@@ -100,6 +103,24 @@ def _examples(verb: str) -> str:
     return (f"examples:\n  harness {verb} jobs/smoke.yaml\n"
             f"  harness {verb} train.py --nnodes 2 --nproc-per-node 4 -- --lr 0.1     (the script's args after --)\n"
             f"  harness {verb} -m pkg.train --nnodes 2 --hosts hosts.yaml --save-job job.yaml")
+
+
+class NodeCount(NamedTuple):
+    """--nnodes N, or torchrun's elastic MIN:N; written back as typed (a re-run parses it again)."""
+
+    fewest: int | None
+    nodes: int
+
+    def __str__(self) -> str:
+        return f"{self.fewest}:{self.nodes}" if self.fewest is not None else str(self.nodes)
+
+
+def _nnodes(text: str) -> NodeCount:
+    fewest, colon, nodes = text.rpartition(":")
+    try:
+        return NodeCount(int(fewest) if colon else None, int(nodes))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of nodes, or MIN:N (e.g. 2:4), got {text!r}") from None
 
 
 def _number_or_auto(text: str) -> int | str:

@@ -60,7 +60,8 @@ def job_of(args: argparse.Namespace) -> Job:
     """A spec file (*.yaml) as it is; a script or -m module with torchrun's flags as the spec they make,
     also written to --save-job."""
     flags = ScriptFlags(script=None if args.module else args.job, module=args.module, args=args.script_args,
-                        name=args.name, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
+                        name=args.name, min_nnodes=args.nnodes.fewest if args.nnodes else None,
+                        nnodes=args.nnodes.nodes if args.nnodes else None, nproc_per_node=args.nproc_per_node,
                         master_port=args.master_port, rdzv=args.rdzv, backend=args.backend,
                         max_restarts=args.max_restarts, env=args.env)
     if args.module is None and args.job is not None and args.job.endswith((".yaml", ".yml")):
@@ -97,6 +98,8 @@ def render(args: argparse.Namespace) -> int:
         raise UsageError("--flavor is for --target k8s")
     job = job_of(args)
     spec = job.spec
+    if args.target in SCHEDULER_RESTARTS:
+        _note_fixed_size(spec, args.target, "render")
     if args.target == "k8s":
         return _write_manifests(args, job)
     if args.out is not None:
@@ -118,6 +121,18 @@ def render(args: argparse.Namespace) -> int:
               f"is free on {where} then (--master-port N fixes one)", file=sys.stderr)
     sys.stdout.write(render_json(plan) if args.format == "json" else render_text(plan))
     return 0
+
+
+# Who restarts a scheduler's job, and on what: it never goes on with fewer nodes.
+SCHEDULER_RESTARTS = {"slurm": "Slurm requeues the job on nnodes nodes it allocates afresh",
+                      "k8s": "Kubernetes (--flavor jobset) recreates all nnodes pods"}
+
+
+def _note_fixed_size(spec: JobSpec, target: str, verb: str) -> None:
+    """restarts.min_nnodes is for the nodes the harness supervises; say so where a scheduler restarts."""
+    if spec.fewest_nnodes < spec.nnodes:
+        print(f"harness {verb}: restarts.min_nnodes ({spec.fewest_nnodes}) is for nodes the harness starts itself "
+              f"(simulated, --hosts, srun inside an allocation); {SCHEDULER_RESTARTS[target]}", file=sys.stderr)
 
 
 def _write_manifests(args: argparse.Namespace, job: Job) -> int:
@@ -171,16 +186,17 @@ def launch(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "harness.cli", *args.rerun, "--runs-dir", str(root), "--run-id", run.run_id]
         return start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
-    return controller.launch(_target(args), spec, job.text, job.source, root, run_id)
+    return controller.launch(_target(args, spec), spec, job.text, job.source, root, run_id)
 
 
-def _target(args: argparse.Namespace) -> Backend | Scheduler:
+def _target(args: argparse.Namespace, spec: JobSpec) -> Backend | Scheduler:
     if args.target != "slurm":
         return backend_for(args)
     from harness.targets.slurm.srun import Allocation, SrunBackend, in_allocation
 
     if in_allocation(os.environ):  # salloc, or a batch script: the nodes are ours, as srun steps
         return SrunBackend(Allocation.from_env(os.environ))
+    _note_fixed_size(spec, "slurm", "launch")
     return scheduler_for("slurm")
 
 

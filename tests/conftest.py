@@ -120,6 +120,12 @@ def worker_pid(run_id: str, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} in run {run_id}")
 
 
+def agent_pid(run_id: str, node_rank: int) -> int:
+    """The node agent of a node (it runs under `python -I -S -c`, with the node's NODE_RANK)."""
+    return next(pid for pid in leftover(run_id) if b"-I\0-S\0-c\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                and f"NODE_RANK={node_rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+
+
 GPU_TESTS = REPO / "tests" / "gpu"
 
 

@@ -99,5 +99,11 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def losses(path: Path) -> dict[int, float]:
+    """The payload's --losses file as global step -> loss; a resumed run's lines after the killed run's (the
+    newest line wins)."""
+    return {r["global_step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
 def records(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

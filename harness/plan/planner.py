@@ -245,9 +245,15 @@ def local_workdirs(spec: JobSpec, cwd: str) -> list[str]:
     return [posixpath.normpath(posixpath.join(cwd, template.format(node_rank=k))) for k in range(spec.nnodes)]
 
 
+def simulated_hosts(nnodes: int) -> list[str]:
+    """The names of a job's simulated nodes, as an inventory's hosts are named: a node lost in one
+    attempt is down for the next, and the attempt runs on the others (restarts.min_nnodes)."""
+    return [f"sim{k}" for k in range(nnodes)]
+
+
 def plan_local(
     spec: JobSpec, *, run_id: str, python: str, gpu_ids: Sequence[str] = (), local_cpus: int = 1,
-    log_dir: str | None = None, attempt: int = 0, cwd: str | None = None,
+    log_dir: str | None = None, attempt: int = 0, cwd: str | None = None, hosts: Sequence[str] | None = None,
 ) -> Plan:
     """nnodes torchrun agents on this machine, rendezvousing on 127.0.0.1 like a real cluster.
 
@@ -256,6 +262,7 @@ def plan_local(
     machine shows, see split_local_gpus); a job's env still wins. log_dir keeps torchrun's per-worker
     files inside the run directory instead of /tmp. cwd: the launch directory, every node's workdir
     (or the base of their own, spec.simulated.workdir; a relative script stays the launch directory's).
+    hosts: the simulated nodes' names in node-rank order (default: simulated_hosts).
     """
     if spec.container is not None:
         raise UsageError("container: true runs nodes in the image over SSH (--hosts); simulated nodes run "
@@ -265,9 +272,10 @@ def plan_local(
     if cwd is not None:
         spec = local_spec(spec, cwd)
     setup = setup_script(spec.setup, spec.data_paths)
+    names = list(hosts) if hosts is not None else simulated_hosts(spec.nnodes)
     nodes = tuple(
         NodePlan(
-            host="localhost", address=LOCAL_MASTER, node_rank=rank, nproc=nproc, workdir=workdirs[rank],
+            host=names[rank], address=LOCAL_MASTER, node_rank=rank, nproc=nproc, workdir=workdirs[rank],
             argv=(python, "-m", TORCHRUN_MODULE,
                   *torchrun_args(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank,
                                 log_dir=log_dir, attempt=attempt)),
@@ -288,30 +296,40 @@ class NoSpareHosts(HarnessError):
 
 def job_hosts(spec: JobSpec, inventory: Inventory, down: frozenset[str] = frozenset()) -> list[Host]:
     """The first nnodes hosts that are not down, master first: hosts past nnodes are spares, taken in
-    file order when a host is down. An inventory with too few hosts is an error at its `hosts:` key."""
+    file order when a host is down; with none left, as few as restarts.min_nnodes (take_healthy). An
+    inventory with too few hosts is an error at its `hosts:` key."""
     hosts = inventory.ordered_hosts()
     if len(hosts) < spec.nnodes:
         raise located(inventory.path, ("hosts",), f"the job needs nnodes={spec.nnodes} hosts but the inventory "
                                                   f"lists {len(hosts)}; add hosts or lower nnodes")
     by_name = {host.name: host for host in hosts}
-    names = take_healthy(list(by_name), spec.nnodes, down, what="host(s)", pool="the inventory's",
+    names = take_healthy(spec, list(by_name), down, what="host", pool="the inventory's",
                          fix=f"add hosts to {inventory.path} or lower nnodes")
     return [by_name[name] for name in names]
 
 
-def take_healthy(names: list[str], nnodes: int, down: frozenset[str], *, what: str, pool: str, fix: str) -> list[str]:
+def take_healthy(spec: JobSpec, names: list[str], down: frozenset[str], *, what: str, pool: str,
+                 fix: str | None = None) -> list[str]:
     """The first nnodes names that are not down, in order: the ones past nnodes are spares, taken in
-    order when one is down. Else NoSpareHosts, saying what is down and what is left of the pool. The
-    ones left are only not known to be down (a spare is never checked before it is needed), so the
+    order when one is down. With too few left, all of them, as long as they are at least the job's
+    fewest_nnodes (restarts.min_nnodes): the attempt runs on fewer nodes (JobSpec.at_nnodes). Else
+    NoSpareHosts, saying what is down and what is left of the pool (what: "host"; pool: whose names).
+    The ones left are only not known to be down (a spare is never checked before it is needed), so the
     message does not call them healthy."""
     left = [name for name in names if name not in down]
-    if len(left) < nnodes:
-        raise NoSpareHosts(
-            f"{what} down: {', '.join(sorted(down))}, and no spare left: the job needs nnodes={nnodes} {what[:4]}s, "
-            f"{len(left)} of {pool} {len(names)} {'is' if len(left) == 1 else 'are'} left, not known to be down "
-            f"({', '.join(left) or 'none'}); {fix}"
-        )
-    return left[:nnodes]
+    nnodes, fewest = spec.nnodes, spec.fewest_nnodes
+    if len(left) >= fewest:
+        return left[:nnodes]
+    needs = f"nnodes={nnodes} {what}s" + (f", at least restarts.min_nnodes={fewest}" if fewest < nnodes else "")
+    fixes = [fix] if fix else []
+    if left:
+        fixes.append("set restarts.min_nnodes to go on with fewer" if fewest == nnodes else
+                     "lower restarts.min_nnodes")
+    raise NoSpareHosts(
+        f"{what}(s) down: {', '.join(sorted(down))}, and no spare left: the job needs {needs}, {len(left)} of "
+        f"{pool} {len(names)} {'is' if len(left) == 1 else 'are'} left, not known to be down "
+        f"({', '.join(left) or 'none'}); {', or '.join(fixes)}"
+    )
 
 
 def pinned_interface(spec: JobSpec, host: Host, found: Mapping[str, str]) -> str | None:

@@ -124,24 +124,27 @@ class _Supervised(_Course):
         self.down: set[str] = set()
 
     def prepare(self, source: str, runs_root: Path, run_id: str) -> None:
-        self.plan = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs, 0,
-                                self.down, self.out)
+        self.plan, self.ran = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs,
+                                          0, self.down, self.out)
         self.nnodes, self.world_size = self.plan.nnodes, self.plan.world_size
         self.hosts = [n.host for n in self.plan.nodes]
 
     def run(self, run: RunDir, stop: threading.Event) -> tuple[list[Attempt], str | None]:
         """Attempt after attempt until one succeeds, the program fails (restarts.on: infra), the restarts
         or spares run out, or a stop is asked for (Ctrl-C, `harness stop`: no further attempt)."""
-        backend, spec, out, plan, down = self.backend, self.spec, self.out, self.plan, self.down
+        backend, spec, out, plan, ran, down = self.backend, self.spec, self.out, self.plan, self.ran, self.down
         attempts: list[Attempt] = []
         reason: str | None = None
         preflight_s = time.time() - self.state.started_at
         while True:
             write_text_atomic(run.plan_json(plan.attempt), render_json(plan))
             write_text_atomic(run.plan_text(plan.attempt), render_text(plan))
-            self.state = replace(self.state, attempt=plan.attempt, hosts=[n.host for n in plan.nodes])
+            self.state = replace(self.state, attempt=plan.attempt, hosts=[n.host for n in plan.nodes],
+                                 nnodes=plan.nnodes, world_size=plan.world_size)
             run.write_state(self.state)
-            attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out))
+            if plan.nnodes < spec.nnodes:
+                say(out, _fewer_nodes(spec, plan, down))
+            attempts.append(_attempt(backend, plan, ran, run, stop, preflight_s, attempts, out))
             if attempts[-1].status is not RunStatus.FAILED or stop.is_set():
                 break
             reason = no_restart_reason(spec.restarts, attempts)
@@ -158,7 +161,7 @@ class _Supervised(_Course):
                 break
             began = time.time()
             try:
-                plan = _ready_plan(backend, spec, run.run_id, run.backend_logs, plan.attempt + 1, down, out)
+                plan, ran = _ready_plan(backend, spec, run.run_id, run.backend_logs, plan.attempt + 1, down, out)
             except (CheckFailed, NoSpareHosts) as exc:
                 reason = f"attempt {plan.attempt + 1} could not start: {exc}"
                 break
@@ -208,22 +211,34 @@ class _Followed(_Course):
 
 
 def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, attempt: int, down: set[str],
-                out: IO[str]) -> Plan:
+                out: IO[str]) -> tuple[Plan, JobSpec]:
     """Plan on the hosts not down and check them; a host that fails the check is down too and a spare
-    takes its place, until the check passes or no spare is left (the check's report is then the error)."""
+    takes its place, until the check passes or no spare is left (the check's report is then the error).
+    With no spare left the plan has fewer nodes as restarts.min_nnodes allows (the backend's
+    take_healthy); the spec it runs (spec on that many nodes) comes with it, for the check and the start."""
+    plan = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
     while True:
-        plan = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
+        ran = spec.at_nnodes(plan.nnodes)
         try:
-            return backend.check(plan, spec)
+            return backend.check(plan, ran), ran
         except CheckFailed as exc:
             if not exc.hosts or exc.hosts <= down:
                 raise
             down |= exc.hosts
             try:
-                backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
+                again = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
             except NoSpareHosts as none_left:
                 raise CheckFailed(f"{exc}\n{none_left}", exc.hosts) from None
-            say(out, f"preflight failed on {', '.join(sorted(exc.hosts))}: a spare host takes its place")
+            instead = "a spare host takes its place" if again.nnodes == plan.nnodes else "no spare is left"
+            say(out, f"preflight failed on {', '.join(sorted(exc.hosts))}: {instead}")
+            plan = again
+
+
+def _fewer_nodes(spec: JobSpec, plan: Plan, down: set[str]) -> str:
+    """What an attempt on fewer nodes than the job's changes, said before it starts."""
+    return (f"{', '.join(sorted(down))} down and no spare left: attempt {plan.attempt} runs on {plan.nnodes} of the "
+            f"job's {spec.nnodes} nodes (restarts.min_nnodes: {spec.fewest_nnodes}), world size {plan.world_size} "
+            f"instead of {spec.nnodes * plan.nproc_per_node}, ranks renumbered, master {plan.nodes[0].host}")
 
 
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
@@ -269,6 +284,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)
         if previous_failure else None,
         joined_ranks=sorted(set().union(*(r.joined for r in sup.records))) if watched else None,
+        nnodes=plan.nnodes, world_size=plan.world_size,
     )
 
 

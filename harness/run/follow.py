@@ -169,4 +169,5 @@ class Follower:
             attempt=attempt.number, hosts=[r.node.host for r in attempt.records], status=status, started_at=started,
             ended_at=ended, nodes=[node_result(r, self.run, attempt.number) for r in attempt.records],
             failures=failures, kind=attempt_kind(found) if failures else None, down=[], preflight_s=0.0,
+            nnodes=self.state.nnodes, world_size=self.state.world_size,
         )

@@ -142,6 +142,12 @@ class Attempt:
     backoff_s: float | None = None
     recover_s: float | None = None
     joined_ranks: list[int] | None = None  # ranks seen joining a process group; None: not watched
+    nnodes: int | None = None  # fewer than the job's when it went on without lost hosts (restarts.min_nnodes)
+    world_size: int | None = None  # None in records written before attempts recorded their size
+
+    def where(self, resized: bool) -> str:
+        """Its hosts, and with them its size when the run's attempts did not all have the same (resized)."""
+        return ", ".join(self.hosts) + (f" ({self.nnodes} node(s), world size {self.world_size})" if resized else "")
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,12 @@ class RunSummary:
     reason: str | None = None  # why the run ended without another attempt, when it failed
     error: str | None = None  # what went wrong, in one line, for a failed run (never None then)
     warnings: list[str] = field(default_factory=list)  # e.g. a success that never ran distributed
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Each world size the attempts ran on, in order: more than one when the run went on with fewer
+        nodes (restarts.min_nnodes)."""
+        return list(dict.fromkeys(a.world_size for a in self.attempts if a.world_size is not None))
 
 
 class RecordError(UsageError):

@@ -25,15 +25,17 @@ def _describe(failure: Failure) -> str:
 
 
 def report(out: IO[str], summary: RunSummary, run: RunDir) -> None:
+    resized = len(summary.world_sizes) > 1
     if len(summary.attempts) > 1:
         for attempt in summary.attempts:
             recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
             how = f"failed on {_describe(attempt.failures[0])}" if attempt.failures else attempt.status.value
-            say(out, f"attempt {attempt.attempt} on {', '.join(attempt.hosts)}{recovered}: {how}")
+            say(out, f"attempt {attempt.attempt} on {attempt.where(resized)}{recovered}: {how}")
     failure = summary.first_failure
     if summary.status is RunStatus.SUCCEEDED:
+        sizes = f", world size {' -> '.join(map(str, summary.world_sizes))}" if resized else ""
         warned = "".join(f", but {warning}" for warning in summary.warnings)
-        say(out, f"run {summary.run_id} succeeded in {summary.duration_s} s{warned}; logs in {run.path}/")
+        say(out, f"run {summary.run_id} succeeded in {summary.duration_s} s{sizes}{warned}; logs in {run.path}/")
     elif failure is not None:
         if failure.error is not None:  # what the user must change first: the exception and their own frame
             say(out, f"run {summary.run_id} FAILED: {failure.error}")

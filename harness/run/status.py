@@ -80,7 +80,7 @@ def run_details(run: RunDir) -> str:
             lines += _health_lines(run, state)
         return "\n".join(lines) + "\n"
     if len(summary.attempts) > 1:
-        lines += [_attempt_line(attempt) for attempt in summary.attempts]
+        lines += [_attempt_line(attempt, len(summary.world_sizes) > 1) for attempt in summary.attempts]
     failed: dict[int, Failure] = {}  # each node's first failure (a hang's verdict comes first)
     for f in summary.attempts[-1].failures if summary.attempts else []:
         failed.setdefault(f.node_rank, f)
@@ -146,8 +146,8 @@ def _unrecorded_end(state: RunState, status: RunStatus, node_rank: int) -> str:
     return f"ended with its controller ({status.value}); no process of it is left"
 
 
-def _attempt_line(attempt: Attempt) -> str:
-    text = f"  attempt {attempt.attempt} on {', '.join(attempt.hosts)}: {attempt.status.value}"
+def _attempt_line(attempt: Attempt, resized: bool) -> str:
+    text = f"  attempt {attempt.attempt} on {attempt.where(resized)}: {attempt.status.value}"
     if attempt.failures and attempt.kind is not None:
         cause = attempt.failures[0]
         text += f" ({attempt.kind.value}: node{cause.node_rank} on {cause.host}, {cause.evidence})"

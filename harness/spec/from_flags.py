@@ -24,6 +24,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "rdzv": (("rdzv",), "--rdzv-backend"),
     "backend": (("backend",), "--backend"),
     "max_restarts": (("restarts", "max"), "--max-restarts"),
+    "min_nnodes": (("restarts", "min_nnodes"), "--nnodes"),
     "env": (("env",), "--env"),
 }
 
@@ -42,11 +43,12 @@ class ScriptFlags:
     rdzv: str | None = None
     backend: str | None = None
     max_restarts: int | None = None
+    min_nnodes: int | None = None  # --nnodes MIN:N
     env: list[str] = field(default_factory=list)
 
     def given(self) -> list[str]:
         """The flags that were set, as the user types them."""
-        return [flag for name, (_, flag) in FLAGS.items() if getattr(self, name) not in (None, [])]
+        return list(dict.fromkeys(flag for name, (_, flag) in FLAGS.items() if getattr(self, name) not in (None, [])))
 
 
 def job_name(entry: str) -> str:
@@ -80,8 +82,9 @@ def spec_data(flags: ScriptFlags) -> dict[str, Any]:
         data["entrypoint"]["args"] = list(flags.args)
     if flags.env:
         data["env"] = _env(flags.env)
-    if flags.max_restarts is not None:
-        data["restarts"] = {"max": flags.max_restarts}
+    restarts = {"max": flags.max_restarts, "min_nnodes": flags.min_nnodes}
+    if given := {key: value for key, value in restarts.items() if value is not None}:
+        data["restarts"] = given
     return data
 
 

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from harness.errors import short_repr
-from harness.spec.validation import StrictModel, validate
+from harness.spec.validation import StrictModel, error_at, validate
 from harness.spec.yamlsource import YamlInt, as_written, load_document, source_text
 
 # Patterns are used with fullmatch: `$` would also match before a trailing newline ("x\n").
@@ -260,11 +260,14 @@ class Restarts(StrictModel):
     MAX_BACKOFF. on: the failure kinds that are restarted (normalised to a tuple of FAILURE_KINDS):
     infra, failures of the machines (a lost host or connection, a process killed by a signal, a
     rendezvous timeout); hang, a job that made no progress for health.stall seconds; program, a
-    program that fails by itself; any, all three."""
+    program that fails by itself; any, all three. min_nnodes: the fewest nodes the job may go on with
+    when hosts are down and no spare is left (torchrun's --nnodes MIN:MAX); unset, nnodes: the run
+    ends instead."""
 
     max: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
     on: Annotated[tuple[str, ...], PlainValidator(_failure_kinds)] = ("infra",)
     backoff: Annotated[Seconds, Field(ge=0, le=MAX_BACKOFF)] = 5
+    min_nnodes: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=MAX_NNODES)] | None = None
 
 
 class Health(StrictModel):
@@ -496,6 +499,25 @@ class JobSpec(StrictModel):
         if value is not None and info.data.get("image") is None:
             raise ValueError("container: true runs every node in `image:`; set image (e.g. registry/harness:0.1.0)")
         return value
+
+    @model_validator(mode="after")
+    def _min_nnodes_within_nnodes(self) -> JobSpec:
+        fewest = self.restarts.min_nnodes
+        if fewest is not None and fewest > self.nnodes:
+            raise error_at("JobSpec", ("restarts", "min_nnodes"), fewest,
+                           f"expected at most nnodes ({self.nnodes}): a run never grows past nnodes, it shrinks to "
+                           f"no fewer than min_nnodes, got {fewest}")
+        return self
+
+    @property
+    def fewest_nnodes(self) -> int:
+        """The fewest nodes an attempt may run on: restarts.min_nnodes, else nnodes (no shrinking)."""
+        return self.restarts.min_nnodes or self.nnodes
+
+    def at_nnodes(self, nnodes: int) -> JobSpec:
+        """This spec on fewer nodes: what an attempt runs when hosts are down and no spare is left
+        (restarts.min_nnodes), each node with the same processes, so a smaller world size."""
+        return self.model_copy(update={"nnodes": nnodes})
 
     def at_port(self, port: int) -> JobSpec:
         """This spec with master_port fixed: what a target plans with once it has picked a free port."""

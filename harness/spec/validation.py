@@ -6,7 +6,7 @@ import difflib
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from harness.errors import Problem, SpecError
 from harness.spec.yamlsource import Document, KeyPath, YamlFloat, YamlInt, as_written
@@ -18,6 +18,13 @@ class StrictModel(BaseModel):
     """Base for every file-backed model: unknown keys are errors and values are not coerced."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def error_at(model: str, loc: KeyPath, value: Any, message: str) -> ValidationError:
+    """A problem a model's own validator finds at one of its keys (a rule across keys), located at that
+    key rather than at the model."""
+    return ValidationError.from_exception_data(
+        model, [InitErrorDetails(type=PydanticCustomError("value_error", message), loc=loc, input=value)])
 
 
 def _known_keys(model: type[BaseModel], loc: KeyPath) -> list[str]:

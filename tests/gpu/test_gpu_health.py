@@ -47,7 +47,7 @@ def test_a_rank_stuck_in_its_data_path_under_nccl_is_found_with_its_stack(tmp_pa
     began = time.monotonic()
     verdict = run.wait_for(r"harness: hang: (.*)", timeout=STALL + 60).group(1)
     assert time.monotonic() - began < STALL + 15
-    assert re.match(r"no progress for 10 s: rank 0 \(node0 on localhost\) at stuck_gpu.py:\d+ in load_batch: "
+    assert re.match(r"no progress for 10 s: rank 0 \(node0 on sim0\) at stuck_gpu.py:\d+ in load_batch: "
                     r"time.sleep\(3600\)", verdict), verdict
     assert run.finish(timeout=120) == 1
     kept = next((tmp_path / "runs").glob("*/stacks/attempt-0/rank0.txt")).read_text()

@@ -61,7 +61,7 @@ def test_a_rank_stuck_in_a_sleep_is_found_named_and_its_stacks_kept(write_yaml, 
     began = time.time()
     text, seen = verdict(run)
     assert seen - began < STALL + MARGIN, f"found after {seen - began:.1f} s"
-    assert re.match(r"no progress for 8 s: rank 1 \(node1 on localhost\) at .*ddp_hang.py:\d+ in load_batch: "
+    assert re.match(r"no progress for 8 s: rank 1 \(node1 on sim1\) at .*ddp_hang.py:\d+ in load_batch: "
                     r"time.sleep\(3600\); rank 0 waits in all_reduce at .*ddp_hang.py:\d+ in train_step", text), text
     assert_hang_recorded(run, tmp_path / "runs", culprit=1)
     kept = tmp_path / "runs" / run.run_id / "stacks" / "attempt-0"
@@ -77,7 +77,7 @@ def test_a_sigstopped_rank_is_named_stopped(write_yaml, launch, tmp_path):
     began = time.time()
     text, seen = verdict(run)
     assert seen - began < STALL + MARGIN, f"found after {seen - began:.1f} s"
-    assert "rank 0 (node0 on localhost) is stopped (SIGSTOP)" in text, text
+    assert "rank 0 (node0 on sim0) is stopped (SIGSTOP)" in text, text
     assert re.search(r"rank 1 waits in all_reduce at .*ddp_hang.py:\d+ in train_step", text), text
     assert_hang_recorded(run, tmp_path / "runs", culprit=0)
 
@@ -110,7 +110,7 @@ def test_harness_stacks_shows_every_rank_of_a_running_job_grouped(write_yaml, la
     shown = harness("stacks", run.run_id, "--runs-dir", str(tmp_path / "runs"), timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert time.monotonic() - began < 5 * 4, "harness stacks took too long"  # the 5 s, with CI's margin
-    ranks = set(map(int, re.findall(r"\b(\d+) \(node\d on localhost, pid \d+", shown.stdout)))
+    ranks = set(map(int, re.findall(r"\b(\d+) \(node\d on sim\d, pid \d+", shown.stdout)))
     assert ranks == {0, 1}, shown.stdout
     assert "ddp_hang.py" in shown.stdout
     run.wait_for(r"\[rank0\]: step \d*[02468]0$")  # the job goes on
@@ -167,7 +167,7 @@ def test_a_throttled_rank_is_named_slow_within_a_minute(write_yaml, launch, tmp_
     run.wait_for(r"\[rank1\]: step 10")
     with cpu_throttled(worker_pid(run.run_id, 1), 0.1):
         began = time.monotonic()
-        named = run.wait_for(r"harness: slow: rank (\d) \(node\d on localhost\): its peers wait for it (\d+)% of "
+        named = run.wait_for(r"harness: slow: rank (\d) \(node\d on sim\d\): its peers wait for it (\d+)% of "
                              r"the time", timeout=120)
         assert time.monotonic() - began < 60, f"named after {time.monotonic() - began:.0f} s"
         assert named.group(1) == "1" and int(named.group(2)) >= 20, named.group(0)
@@ -193,7 +193,7 @@ def test_a_healthy_four_rank_job_runs_five_minutes_with_no_slow_rank_named(write
         began = time.monotonic()
         shown = harness("stacks", run.run_id, "--runs-dir", str(tmp_path / "runs"), timeout=60)
         assert shown.returncode == 0 and time.monotonic() - began < 5 * 4, shown  # the 5 s, CI's margin
-        assert set(map(int, re.findall(r"\b(\d) \(node\d on localhost, pid", shown.stdout))) == {0, 1, 2, 3}
+        assert set(map(int, re.findall(r"\b(\d) \(node\d on sim\d, pid", shown.stdout))) == {0, 1, 2, 3}
         run.wait_for(r"\[rank0\]: step \d+", timeout=60)
     assert run.finish(timeout=600) == 0, run.output
     assert "slow:" not in run.output and "harness: hang" not in run.output, run.output

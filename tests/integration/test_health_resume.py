@@ -40,7 +40,7 @@ def test_a_stopped_rank_is_a_hang_and_the_restart_resumes_bitwise_equal(uninterr
     assert run.finish(timeout=300) == 0, run.output
     assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
 
-    assert re.fullmatch(rf"no progress for {STALL} s: rank 1 \(node1 on localhost\) is stopped \(SIGSTOP\) .+; "
+    assert re.fullmatch(rf"no progress for {STALL} s: rank 1 \(node1 on sim1\) is stopped \(SIGSTOP\) .+; "
                         rf"rank 0 waits .+", verdict.group(1)), verdict.group(1)
     summary = run.summary()
     assert summary["status"] == "succeeded", summary
@@ -58,9 +58,9 @@ def test_a_stopped_rank_is_a_hang_and_the_restart_resumes_bitwise_equal(uninterr
     stacks = run.runs_dir / run.run_id / "stacks" / "attempt-0"
     assert verdict.group(2) == str(stacks)
     stopped = (stacks / "rank1.txt").read_text()
-    assert stopped.startswith(f"rank 1 (node1 on localhost), pid {stopped_pid}, stopped (SIGSTOP)\n"), stopped
+    assert stopped.startswith(f"rank 1 (node1 on sim1), pid {stopped_pid}, stopped (SIGSTOP)\n"), stopped
     # What the stopped rank's stack says is test_health_ssh.py's test_a_stopped_rank_s_stack_is_read.
     waiting = (stacks / "rank0.txt").read_text()
-    assert waiting.startswith("rank 0 (node0 on localhost), pid ") and "(harness/payload/train.py:" in waiting, waiting
+    assert waiting.startswith("rank 0 (node0 on sim0), pid ") and "(harness/payload/train.py:" in waiting, waiting
     assert not (run.runs_dir / run.run_id / "stacks" / "attempt-1").exists()
     assert_nothing_left(run.run_id)

@@ -6,9 +6,8 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 
-from conftest import REPO, SCRIPT, STOP_GRACE, assert_nothing_left, harness, leftover, stragglers_s
+from conftest import REPO, SCRIPT, STOP_GRACE, agent_pid, assert_nothing_left, harness, leftover, stragglers_s
 from conftest import ddp_job as job
 
 
@@ -39,13 +38,13 @@ def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
         == ("failed", 1, 1, 1, 3)
     assert any("failing on purpose" in line for line in failure["last_lines"])
     assert stragglers_s(summary) < 5.0, summary
-    assert "harness: node1 on localhost failed (rank 1 exit code 3); stopping the other nodes" in run.output
-    assert "FAILED: first failure on node 1 (localhost, global rank 1): exit code 3" in run.output
+    assert "harness: node1 on sim1 failed (rank 1 exit code 3); stopping the other nodes" in run.output
+    assert "FAILED: first failure on node 1 (sim1, global rank 1): exit code 3" in run.output
     status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout
-    assert re.search(r"  node0 on localhost: stopped by the harness after the first failure \(torchrun's .*\) after ",
+    assert re.search(r"  node0 on sim0: stopped by the harness after the first failure \(torchrun's .*\) after ",
                      status), status
-    assert "  node1 on localhost: failed: rank 1 exit code 3 after " in status, status
-    assert "  first failure: node1 (localhost), rank 1, exit code 3 (program: rank 1 exit code 3)" in status, status
+    assert "  node1 on sim1: failed: rank 1 exit code 3 after " in status, status
+    assert "  first failure: node1 (sim1), rank 1, exit code 3 (program: rank 1 exit code 3)" in status, status
     assert "exit code 1" not in run.output + status, "torchrun's code is not the rank's"
     assert_nothing_left(run.run_id)
 
@@ -62,7 +61,7 @@ def test_ctrl_c_stops_every_node_and_exits_130(write_yaml, launch):
     status = harness("status", run_id, "--runs-dir", str(run.runs_dir)).stdout
     assert status.startswith(f"run {run_id}: interrupted"), status
     for node in (0, 1):
-        assert f"  node{node} on localhost: stopped on Ctrl-C or SIGTERM to the controller (" in status, status
+        assert f"  node{node} on sim{node}: stopped on Ctrl-C or SIGTERM to the controller (" in status, status
     assert "running" not in status, status
 
 
@@ -79,7 +78,7 @@ def test_stop_and_status_from_another_terminal(write_yaml, launch):
     detail = harness("status", run.run_id, *runs)
     assert f"run {run.run_id}: stopped" in detail.stdout
     for node in (0, 1):
-        assert f"  node{node} on localhost: stopped by `harness stop` (" in detail.stdout, detail.stdout
+        assert f"  node{node} on sim{node}: stopped by `harness stop` (" in detail.stdout, detail.stdout
     assert "running" not in detail.stdout, detail.stdout
     assert harness("stop", run.run_id, *runs).stdout.strip() == f"run {run.run_id} already ended: stopped"
     assert harness("stop", "no-such-run", *runs).returncode == 2
@@ -96,20 +95,19 @@ def test_killed_controller_takes_its_nodes_along(write_yaml, launch):
     status = harness("status", run.run_id, *runs).stdout
     assert status.startswith(f"run {run.run_id}: lost"), status
     for node in (0, 1):
-        assert f"  node{node} on localhost: lost (its controller was killed; no process of it is left); log" in status
+        assert f"  node{node} on sim{node}: lost (its controller was killed; no process of it is left); log" in status
     assert "running" not in status, status
     assert harness("stop", run.run_id, *runs).returncode == 0
     status = harness("status", run.run_id, *runs).stdout
     assert status.startswith(f"run {run.run_id}: stopped") and "running" not in status, status
-    assert "  node1 on localhost: stopped by `harness stop` after its controller was lost" in status, status
+    assert "  node1 on sim1: stopped by `harness stop` after its controller was lost" in status, status
 
 
 def test_a_killed_node_agent_fails_the_run_and_leaves_nothing(write_yaml, launch):
     """An agent killed by hand cannot stop its node; the controller sees it end unreported and sweeps."""
     run = launch(job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"))
     run.wait_for(r"\[rank0\]: step 5 ")
-    agent = next(pid for pid in leftover(run.run_id) if b"-I\0-S\0-c\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                 and b"NODE_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+    agent = agent_pid(run.run_id, 1)
     os.kill(agent, signal.SIGKILL)
     assert run.finish(timeout=30) == 1, run.output
     failure = run.summary()["first_failure"]
@@ -147,7 +145,7 @@ def test_detached_run_outlives_the_launch_and_obeys_stop(write_yaml, tmp_path):
         time.sleep(0.2)
     status = harness("status", run_id, *runs).stdout
     assert status.startswith(f"run {run_id}: succeeded"), status
-    assert "  node0 on localhost: succeeded (exit 0)" in status and "  node1 on localhost: succeeded (exit 0)" in status
+    assert "  node0 on sim0: succeeded (exit 0)" in status and "  node1 on sim1: succeeded (exit 0)" in status
     assert "[node1] [rank1]: rank 1 final loss" in (tmp_path / "runs" / run_id / "controller.log").read_text()
 
     started = harness("launch", str(job(write_yaml, STEPS="100000", STEP_SECONDS="0.05")), "--detach", *runs)

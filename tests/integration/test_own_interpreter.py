@@ -117,7 +117,7 @@ def test_the_ranks_run_the_named_interpreter_and_their_stacks_are_read(envs, tmp
     assert agents == [sys.executable] * 2, commands  # the node agents: the harness's own Python, py-spy beside it
     shown = harness("stacks", run.run_id, "--runs-dir", str(run.runs_dir), timeout=90)
     assert shown.returncode == 0, shown.stderr
-    assert set(map(int, re.findall(r"\b(\d+) \(node\d on localhost, pid \d+", shown.stdout))) == {0, 1}, shown.stdout
+    assert set(map(int, re.findall(r"\b(\d+) \(node\d on sim\d, pid \d+", shown.stdout))) == {0, 1}, shown.stdout
     assert "userpkg/__init__.py" in shown.stdout and "train.py" in shown.stdout, shown.stdout
     (tmp_path / "stop").touch()
     assert run.finish(timeout=120) == 0, run.output
@@ -131,7 +131,7 @@ def test_a_rank_stuck_in_the_own_environments_code_is_found_hung(envs, tmp_path,
     run.wait_for(r"\[rank1\]: step 5$")
     (tmp_path / "hang").touch()
     verdict = run.wait_for(r"harness: hang: (.*)", timeout=120).group(1)
-    assert re.match(r"no progress for 8 s: rank 1 \(node1 on localhost\) at .*userpkg/__init__.py:\d+ in step: "
+    assert re.match(r"no progress for 8 s: rank 1 \(node1 on sim1\) at .*userpkg/__init__.py:\d+ in step: "
                     r"time.sleep\(3600\); rank 0 waits in all_reduce at .*userpkg/__init__.py:\d+ in step", verdict), \
         verdict
     assert run.finish(timeout=90) == 1, run.output

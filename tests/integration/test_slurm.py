@@ -324,6 +324,30 @@ def test_inside_an_allocation_a_spare_node_takes_over_and_the_run_ends_bitwise_e
     cluster.assert_no_job_processes()
 
 
+def test_inside_an_allocation_a_lost_node_without_a_spare_leaves_the_job_on_fewer_nodes(slurm_cluster3, write_yaml,
+                                                                                        tmp_path, in_allocation):
+    """nnodes 3 on an allocation of 3, restarts.min_nnodes 2: n2 lost, attempt 1 runs on n1 and n3 as a world of 2."""
+    cluster = slurm_cluster3
+    job = Path(sum_job(write_yaml, port="auto", tail="restarts: {max: 1, backoff: 0, min_nnodes: 2}\n", STEPS="200",
+                       STEP_SECONDS="0.05"))
+    job.write_text(job.read_text().replace("\nnnodes: 2\n", "\nnnodes: 3\n"))
+    run = in_allocation(cluster, 3, job, tmp_path / "runs")
+    run.wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=240)
+    for pid in cluster.job_pids("n2"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert run.finish(timeout=300) == 0, run.output
+    assert re.search(r"^harness: n2 down and no spare left: attempt 1 runs on 2 of the job's 3 nodes "
+                     r"\(restarts.min_nnodes: 2\), world size 2 instead of 3, ranks renumbered, master n1$",
+                     run.output, re.M), run.output
+    assert re.search(r"^\[node1\] \[rank1\]: rank 1/2 up on n3;", run.output, re.M), run.output
+    summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
+    first, second = summary["attempts"]
+    assert (first["hosts"], first["down"], first["world_size"]) == (["n1", "n2", "n3"], ["n2"], 3), first
+    assert (second["hosts"], second["status"], second["world_size"]) == (["n1", "n3"], "succeeded", 2), second
+    cluster.assert_no_job_processes()
+
+
 # --- preflight inside an allocation ------------------------------------------------------------------
 
 def preflight_in_allocation(cluster: SlurmCluster, nodes: int, *args: str) -> subprocess.CompletedProcess[str]:

@@ -65,6 +65,17 @@ def test_a_bad_flag_is_named(flags: ScriptFlags, message: str) -> None:
     assert str(error.value).startswith(message), error.value
 
 
+def test_nnodes_min_colon_n_is_torchruns_elastic_range_as_restarts_min_nnodes() -> None:
+    args = _main_args(["launch", "t.py", "--nnodes", "2:3", "--max-restarts", "1"])
+    assert (args.nnodes.fewest, args.nnodes.nodes, str(args.nnodes)) == (2, 3, "2:3")
+    spec = spec_from_flags(ScriptFlags(script="t.py", nnodes=3, min_nnodes=2, max_restarts=1))
+    assert (spec.nnodes, spec.restarts.min_nnodes, spec.fewest_nnodes, spec.restarts.max) == (3, 2, 2, 1)
+    text = spec_yaml(ScriptFlags(script="t.py", nnodes=3, min_nnodes=2), "harness launch t.py --nnodes 2:3")
+    assert "restarts:\n  min_nnodes: 2\n" in text
+    with pytest.raises(UsageError, match=r"^--nnodes: expected at most nnodes \(3\)"):
+        spec_from_flags(ScriptFlags(script="t.py", nnodes=3, min_nnodes=4))
+
+
 def _main_args(argv: list[str]):
     given, trailing = cli._split_script_args(argv)
     args, rest = cli.parser().parse_known_args(given)
@@ -80,6 +91,7 @@ def _main_args(argv: list[str]):
     ["launch", "--nnodes=2", "-m", "pkg.train", "--env", "A=1", "--env", "B=2", "--", "--flag"],
     ["launch", "--hosts", "h.yaml", "--", "-odd.yaml"],
     ["launch", "--nproc_per_node", "auto", "--master_port", "auto", "t.py"],
+    ["launch", "t.py", "--nnodes", "2:3", "--max-restarts", "2"],
 ])
 def test_a_detached_script_launch_re_runs_its_words(argv: list[str]) -> None:
     args = _main_args(argv)

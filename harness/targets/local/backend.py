@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness.node.freeport import free_port, is_free
 from harness.node.proctable import kill_run_processes
-from harness.plan.planner import NodePlan, Plan, local_spec, plan_local
+from harness.plan.planner import NodePlan, Plan, local_spec, plan_local, simulated_hosts, take_healthy
 from harness.spec.job import JobSpec
 from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, start_all
 from harness.targets.base import CheckFailed, NodeProcess, WorkdirCheck
@@ -69,14 +69,17 @@ class LocalBackend:
 
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
-        """down is ignored: every simulated node runs on this one machine, so it has no spare."""
+        """The job's simulated nodes other than down (nodes whose agent was lost): there are no spares, so
+        the attempt runs on fewer of them as restarts.min_nnodes allows."""
+        names = take_healthy(spec, simulated_hosts(spec.nnodes), down, what="simulated node", pool="the job's")
+        spec = spec.at_nnodes(len(names))
         python = spec.simulated.interpreter(os.getcwd(), self.python)
         if spec.master_port == "auto":  # picked anew for every attempt: the last one's may still be held
             spec = spec.at_port(free_port())
         return plan_local(spec, run_id=run_id, python=python, gpu_ids=local_gpu_ids(spec),
                           local_cpus=len(os.sched_getaffinity(0)),
                           log_dir=str(log_dir.resolve()) if log_dir is not None else None, attempt=attempt,
-                          cwd=os.getcwd())
+                          cwd=os.getcwd(), hosts=names)
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """A missing script, module or data path fails before any node starts, not as N identical

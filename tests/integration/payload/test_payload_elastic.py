@@ -7,7 +7,6 @@ of the run that never stopped.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 
 from harness.payload import checkpoint
 
-from payload_procs import clean_env, job, run, torchrun, weights
+from payload_procs import clean_env, job, losses, run, torchrun, weights
 
 # One thread per process whatever the world size (torchrun sets it only for several workers per node):
 # the runs then differ only by what the world size changes.
@@ -24,11 +23,6 @@ ONE_THREAD = clean_env(OMP_NUM_THREADS="1")
 # 2048 CIFAR-shaped images, a global batch of 64: 32 steps per epoch, 64 in all.
 ELASTIC = ["--data", "synthetic", "--model", "small", "--norm", "group", "--subset", "2048", "--epochs", "2",
            "--global-batch", "64", "--batch-size", "32", "--log-every", "1", "--ckpt-every", "4"]
-
-
-def losses(path: Path) -> dict[int, float]:
-    """Global step -> loss; a resumed run's lines after the killed run's (the newest line wins)."""
-    return {r["global_step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
 @pytest.fixture(scope="module")
