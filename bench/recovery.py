@@ -1,10 +1,12 @@
 """Benchmark 6: time to recover. A job with `restarts: {max: 1, backoff: 0}` loses a node mid-training;
 how long from the kill to the first training step of the next attempt, and where that time goes.
 
-Two failures: on simulated nodes, rank 1's worker is SIGKILLed (as the OOM killer would); on a
+Three failures: on simulated nodes, rank 1's worker is SIGKILLed (as the OOM killer would); on a
 3-host namespace cluster (testbed/cluster.py, needs root), every process of h2 is SIGKILLed, sshd
-included, so the spare h3 takes its place. The phases come from the arrival times of the lines the
-harness and rank 0 print (bench/procs.Proc):
+included, so the spare h3 takes its place; and on a fresh such cluster a 3-node job with
+`restarts.min_nnodes: 2` and no spare loses h2 the same way and goes on on h1 and h3 (world size 3 ->
+2, the same global batch of 48). The phases come from the arrival times of the lines the harness and
+rank 0 print (bench/procs.Proc):
   detection   kill -> `harness: node1 ... failed`
   teardown    -> `harness: attempt 0 failed ...` (every node of attempt 0 ended)
   preflight   -> `harness: run ... attempt 1, ...` (plan, and on SSH the fast preflight on the new set)
@@ -40,17 +42,18 @@ MARKS = (r"^harness: node\d+ on \S+ failed", r"^harness: attempt 0 failed", r"^h
          r"\[rank0\]: resume: looking for", RESUMED.pattern)
 JOB = """\
 name: bench-recovery
-nnodes: 2
+nnodes: {nnodes}
 nproc_per_node: 1
 backend: gloo
 master_port: {port}
 entrypoint:
   module: harness.payload.train
   args: [--data, synthetic, --subset, "2048", --model, small, --epochs, "1", --batch-size, "16", --log-every, "1",
-         --ckpt-dir, {ckpt}, --ckpt-every, "{every}", --resume, --device, cpu]
+         --global-batch, "{global_batch}", --ckpt-dir, {ckpt}, --ckpt-every, "{every}", --resume, --device, cpu]
 env: {{OMP_NUM_THREADS: "1"}}
-restarts: {{max: 1, on: infra, backoff: 0}}
+restarts: {{max: 1, on: infra, backoff: 0, min_nnodes: {fewest}}}
 """
+PER_RANK = 16  # images per rank at the start: the global batch is PER_RANK x nnodes, kept when the job shrinks
 Kill = Callable[[str], None]  # run id -> kill the node
 
 
@@ -59,10 +62,12 @@ def _worker_of_rank_1(run_id: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _one(tmp: Path, kill: Kill, kill_at: int, every: int, extra: list[str]) -> dict[str, Any]:
+def _one(tmp: Path, kill: Kill, kill_at: int, every: int, extra: list[str], nnodes: int = 2,
+         fewest: int = 2) -> dict[str, Any]:
     ckpt = tmp / f"ckpt-{time.monotonic_ns()}"
     job = tmp / "recovery.yaml"
-    job.write_text(JOB.format(port=procs.free_port(), ckpt=ckpt, every=every))
+    job.write_text(JOB.format(port=procs.free_port(), ckpt=ckpt, every=every, nnodes=nnodes, fewest=fewest,
+                              global_batch=PER_RANK * nnodes))
     with procs.Proc([procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(tmp / "runs"), *extra]) as p:
         _, header = p.wait_for(r"^harness: run (\S+): ", timeout=120)
         p.wait_for(rf"\[rank0\]: epoch 1/\d+ step {kill_at}/", timeout=300)
@@ -84,7 +89,8 @@ def _one(tmp: Path, kill: Kill, kill_at: int, every: int, extra: list[str]) -> d
     phases = {name: marks[i + 1] - marks[i] for i, name in enumerate(PHASES)}
     return {"phases": phases, "total": marks[-1] - killed, "redone": reached - resumed,
             "reached": reached, "resumed": resumed,
-            "attempts": [a["status"] for a in summary["attempts"]], "kind": summary["attempts"][0]["kind"]}
+            "attempts": [a["status"] for a in summary["attempts"]], "kind": summary["attempts"][0]["kind"],
+            "world_sizes": [a["world_size"] for a in summary["attempts"]]}
 
 
 def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
@@ -95,7 +101,8 @@ def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
             **{f"{phase}_s": median([r["phases"][phase] for r in runs]) for phase in PHASES},
             "steps_redone": [r["redone"] for r in runs], "ckpt_every": every,
             "attempts_total_s": [round(r["total"], 2) for r in runs],
-            "classified": sorted({r["kind"] for r in runs}), "attempts": runs[0]["attempts"]}
+            "classified": sorted({r["kind"] for r in runs}), "attempts": runs[0]["attempts"],
+            "world_sizes": runs[0]["world_sizes"]}
 
 
 @contextmanager
@@ -121,13 +128,17 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         if reason:
             notes.append(f"SSH row left out: {reason}")
         else:
-            runs = []
-            for _ in range(repeats):  # a fresh cluster each time: the killed host stays dead
-                with _cluster() as cluster:
-                    hosts = cluster.write_inventory(Path(tmp) / "hosts.yaml")
-                    extra = ["--hosts", str(hosts), "--known-hosts", str(cluster.known_hosts)]
-                    runs.append(_one(Path(tmp), _kill_host(cluster, "h2"), kill_at, every, extra))
-            rows.append(_row("3 SSH hosts: every process of h2 SIGKILLed, spare h3 takes over", runs, every))
-    return {"job": "payload: synthetic data, small model, batch 16 x 2 nodes, gloo on CPU; restarts max 1, "
-                   "backoff 0", "kill_at_step": kill_at, "repeats": repeats, "statistic": "median",
-            "rows": rows, "notes": notes}
+            for name, nnodes in (("3 SSH hosts: every process of h2 SIGKILLed, spare h3 takes over", 2),
+                                 ("3 SSH hosts, 3 nodes, min_nnodes 2, no spare: every process of h2 SIGKILLed, "
+                                  "h1 and h3 go on", 3)):
+                runs = []
+                for _ in range(repeats):  # a fresh cluster each time: the killed host stays dead
+                    with _cluster() as cluster:
+                        hosts = cluster.write_inventory(Path(tmp) / "hosts.yaml")
+                        extra = ["--hosts", str(hosts), "--known-hosts", str(cluster.known_hosts)]
+                        runs.append(_one(Path(tmp), _kill_host(cluster, "h2"), kill_at, every, extra, nnodes=nnodes))
+                rows.append(_row(name, runs, every))
+    return {"job": f"payload: synthetic data, small model, batch {PER_RANK} x the job's nodes (the 3-node job's 48 "
+                   f"kept on 2 nodes as 2 x 12 per rank), 1 rank per node, gloo on CPU; restarts max 1, backoff 0",
+            "kill_at_step": kill_at,
+            "repeats": repeats, "statistic": "median", "rows": rows, "notes": notes}

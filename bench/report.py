@@ -260,12 +260,13 @@ def _recovery(r: dict[str, Any]) -> list[str]:
     lines = [f"{r['job']}; the node is killed when rank 0 reports step {r['kill_at_step']}. Seconds from the kill, "
              f"median of {r['repeats']}; phases as in bench/recovery.py. Steps redone: the last step the failed "
              f"attempt logged minus the step the next one resumed from (a checkpoint every `ckpt_every` steps).", ""]
-    rows = [[row["failure"], f"{_num(row['total_s'], 2)} ({', '.join(_num(a, 2) for a in row['attempts_total_s'])})",
+    rows = [[row["failure"], " -> ".join(map(str, row.get("world_sizes", []))) or "-",
+             f"{_num(row['total_s'], 2)} ({', '.join(_num(a, 2) for a in row['attempts_total_s'])})",
              *(_num(row[f"{phase}_s"], 2) for phase in ("detection", "teardown", "preflight", "start-up", "load",
                                                          "first step")),
              f"{row['steps_redone']} of {row['ckpt_every']}"] for row in r["rows"]]
-    lines += _table(["failure", "kill to next first step (attempts)", "detection", "teardown", "preflight",
-                     "start-up", "checkpoint load", "first step", "steps redone"], rows)
+    lines += _table(["failure", "world size", "kill to next first step (attempts)", "detection", "teardown",
+                     "preflight", "start-up", "checkpoint load", "first step", "steps redone"], rows)
     return lines + [f"Note: {n}" for n in r.get("notes", [])] + ([""] if r.get("notes") else [])
 
 
