@@ -98,16 +98,17 @@ def render(args: argparse.Namespace) -> int:
         raise UsageError("--flavor is for --target k8s")
     job = job_of(args)
     spec = job.spec
-    if args.target in SCHEDULER_RESTARTS:
-        _note_fixed_size(spec, args.target, "render")
     if args.target == "k8s":
-        return _write_manifests(args, job)
+        _write_manifests(args, job)
+        _note_fixed_size(spec, args.target, "render")
+        return 0
     if args.out is not None:
         raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan or a batch script")
     if args.target == "slurm":
         from harness.targets.slurm.batch import batch_script
 
         sys.stdout.write(batch_script(spec, job.source))
+        _note_fixed_size(spec, args.target, "render")
         return 0
     from harness.plan.render import render_json, render_text
 
@@ -135,7 +136,7 @@ def _note_fixed_size(spec: JobSpec, target: str, verb: str) -> None:
               f"(simulated, --hosts, srun inside an allocation); {SCHEDULER_RESTARTS[target]}", file=sys.stderr)
 
 
-def _write_manifests(args: argparse.Namespace, job: Job) -> int:
+def _write_manifests(args: argparse.Namespace, job: Job) -> None:
     from harness.targets.k8s.manifests import code_files, manifests_yaml
 
     spec = job.spec
@@ -143,7 +144,7 @@ def _write_manifests(args: argparse.Namespace, job: Job) -> int:
     text = manifests_yaml(spec, job.text, job.source, args.flavor or "core", code=code)
     if args.out is None:
         sys.stdout.write(text)
-        return 0
+        return
     out = Path(args.out) / f"{spec.name}.yaml"
     if out.parent.exists() and not out.parent.is_dir():
         raise UsageError(f"--out {args.out} is a file; give the directory to write {out.name} into")
@@ -155,7 +156,6 @@ def _write_manifests(args: argparse.Namespace, job: Job) -> int:
     # Client-side apply copies each object into an annotation, which may hold 256 KiB: too little for code.
     apply = "kubectl apply --server-side" if code else "kubectl apply"
     print(f"wrote {out}; apply with: {apply} -f {os.path.join(args.out, '')}")
-    return 0
 
 
 def with_slurm_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:

@@ -19,6 +19,8 @@ from harness.spec.job import load_job
 from harness.targets.local.backend import LocalBackend
 from harness.targets.ssh.backend import SSHBackend
 
+from conftest import harness
+
 
 def hosts(count: int) -> str:
     return "hosts:\n" + "".join(f"  - {{name: h{i}, address: 10.0.0.{i}}}\n" for i in range(1, count + 1))
@@ -134,3 +136,17 @@ def test_a_record_without_attempt_sizes_still_reads(tmp_path: Path):
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     read = RunDir(tmp_path).read_summary()
     assert read is not None and read.attempts[0].world_size is None and read.world_sizes == []
+
+
+@pytest.mark.parametrize("target,restarter", [("slurm", "Slurm requeues the job on nnodes nodes it allocates afresh"),
+                                              ("k8s", "Kubernetes (--flavor jobset) recreates all nnodes pods")])
+def test_a_scheduler_target_says_min_nnodes_does_not_apply_there(write_yaml, target, restarter):
+    path = write_yaml("name: a\nnnodes: 3\nbackend: gloo\nentrypoint: {module: m}\nimage: registry/x:1\n"
+                      "restarts: {max: 1, min_nnodes: 2}\n")
+    rendered = harness("render", str(path), "--target", target)
+    assert rendered.returncode == 0, rendered.stderr
+    assert f"harness render: restarts.min_nnodes (2) is for nodes the harness starts itself (simulated, --hosts, srun " \
+           f"inside an allocation); {restarter}\n" in rendered.stderr
+    plain = harness("render", str(write_yaml("name: a\nnnodes: 3\nentrypoint: {module: m}\nimage: registry/x:1\n")),
+                    "--target", target)
+    assert plain.returncode == 0 and "min_nnodes" not in plain.stderr, plain.stderr
