@@ -34,7 +34,7 @@ def test_a_programs_own_exit_code_is_the_reported_one(write_yaml, launch):
     assert run.finish() == 1, run.output
     failure = run.summary()["first_failure"]
     assert (failure["rank"], failure["rank_exit_code"], failure["description"]) == (1, 3, "exit code 3")
-    assert "FAILED: first failure on node 1 (localhost, global rank 1): exit code 3" in run.output
+    assert "FAILED: first failure on node 1 (sim1, global rank 1): exit code 3" in run.output
     assert_nothing_left(run.run_id)
 
 

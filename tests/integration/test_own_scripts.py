@@ -79,7 +79,7 @@ def test_a_deep_traceback_is_reported_by_the_users_own_frame(write_yaml, launch)
         f"harness: run {run.run_id} FAILED: {failure['error']}",
         f"    at {script}:13, in train_step",
         f"        {failure['error_source']}",
-        f"harness: first failure on node {failure['node_rank']} (localhost, global rank {failure['rank']}): "
+        f"harness: first failure on node {failure['node_rank']} (sim{failure['node_rank']}, global rank {failure['rank']}): "
         f"exit code 1 after {failure['after_s']} s (program)",
     ], report
     status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout
