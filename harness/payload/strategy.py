@@ -122,7 +122,7 @@ def state_mib(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
-    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return sum(local(t).nbytes for t in tensors) / 2**20
 

@@ -262,8 +262,11 @@ def plan_local(
     machine shows, see split_local_gpus); a job's env still wins. log_dir keeps torchrun's per-worker
     files inside the run directory instead of /tmp. cwd: the launch directory, every node's workdir
     (or the base of their own, spec.simulated.workdir; a relative script stays the launch directory's).
-    hosts: the simulated nodes' names in node-rank order (default: simulated_hosts).
+    hosts: the simulated nodes' names in node-rank order (default: simulated_hosts), one node each:
+    fewer than spec.nnodes when the job goes on without lost ones (restarts.min_nnodes).
     """
+    names = list(hosts) if hosts is not None else simulated_hosts(spec.nnodes)
+    spec = spec.at_nnodes(len(names))
     if spec.container is not None:
         raise UsageError("container: true runs nodes in the image over SSH (--hosts); simulated nodes run "
                          "here directly (or run harness itself in the image, see docs/containers.md)")
@@ -272,7 +275,6 @@ def plan_local(
     if cwd is not None:
         spec = local_spec(spec, cwd)
     setup = setup_script(spec.setup, spec.data_paths)
-    names = list(hosts) if hosts is not None else simulated_hosts(spec.nnodes)
     nodes = tuple(
         NodePlan(
             host=names[rank], address=LOCAL_MASTER, node_rank=rank, nproc=nproc, workdir=workdirs[rank],
@@ -340,12 +342,14 @@ def pinned_interface(spec: JobSpec, host: Host, found: Mapping[str, str]) -> str
 
 def plan_hosts(spec: JobSpec, hosts: list[Host], *, run_id: str, master_ip: str, attempt: int = 0,
                interfaces: Mapping[str, str] | None = None) -> Plan:
-    """One node per host, hosts[0] the master. master_ip is its address already resolved to an IP;
-    interfaces: what preflight found (see pinned_interface)."""
+    """One node per host, hosts[0] the master: fewer than spec.nnodes when the job goes on without lost
+    hosts (restarts.min_nnodes). master_ip is its address already resolved to an IP; interfaces: what
+    preflight found (see pinned_interface)."""
     try:
         ipaddress.ip_address(master_ip)
     except ValueError:
         raise UsageError(f"master address must be an IP address, got {master_ip!r}") from None
+    spec = spec.at_nnodes(len(hosts))
     nproc = resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
     setup = setup_script(spec.setup, spec.data_paths)
     return Plan(run_id, spec.name, master_ip, planned_port(spec), spec.nnodes, nproc, tuple(

@@ -124,15 +124,15 @@ class _Supervised(_Course):
         self.down: set[str] = set()
 
     def prepare(self, source: str, runs_root: Path, run_id: str) -> None:
-        self.plan, self.ran = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs,
-                                          0, self.down, self.out)
+        self.plan = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs, 0,
+                                self.down, self.out)
         self.nnodes, self.world_size = self.plan.nnodes, self.plan.world_size
         self.hosts = [n.host for n in self.plan.nodes]
 
     def run(self, run: RunDir, stop: threading.Event) -> tuple[list[Attempt], str | None]:
         """Attempt after attempt until one succeeds, the program fails (restarts.on: infra), the restarts
         or spares run out, or a stop is asked for (Ctrl-C, `harness stop`: no further attempt)."""
-        backend, spec, out, plan, ran, down = self.backend, self.spec, self.out, self.plan, self.ran, self.down
+        backend, spec, out, plan, down = self.backend, self.spec, self.out, self.plan, self.down
         attempts: list[Attempt] = []
         reason: str | None = None
         preflight_s = time.time() - self.state.started_at
@@ -144,7 +144,7 @@ class _Supervised(_Course):
             run.write_state(self.state)
             if plan.nnodes < spec.nnodes:
                 say(out, _fewer_nodes(spec, plan, down))
-            attempts.append(_attempt(backend, plan, ran, run, stop, preflight_s, attempts, out))
+            attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out))
             if attempts[-1].status is not RunStatus.FAILED or stop.is_set():
                 break
             reason = no_restart_reason(spec.restarts, attempts)
@@ -161,7 +161,7 @@ class _Supervised(_Course):
                 break
             began = time.time()
             try:
-                plan, ran = _ready_plan(backend, spec, run.run_id, run.backend_logs, plan.attempt + 1, down, out)
+                plan = _ready_plan(backend, spec, run.run_id, run.backend_logs, plan.attempt + 1, down, out)
             except (CheckFailed, NoSpareHosts) as exc:
                 reason = f"attempt {plan.attempt + 1} could not start: {exc}"
                 break
@@ -211,16 +211,15 @@ class _Followed(_Course):
 
 
 def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, attempt: int, down: set[str],
-                out: IO[str]) -> tuple[Plan, JobSpec]:
+                out: IO[str]) -> Plan:
     """Plan on the hosts not down and check them; a host that fails the check is down too and a spare
     takes its place, until the check passes or no spare is left (the check's report is then the error).
-    With no spare left the plan has fewer nodes as restarts.min_nnodes allows (the backend's
-    take_healthy); the spec it runs (spec on that many nodes) comes with it, for the check and the start."""
+    With no spare left the plan has fewer nodes as restarts.min_nnodes allows (the planner's
+    take_healthy), and the check gets the spec on that many nodes."""
     plan = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
     while True:
-        ran = spec.at_nnodes(plan.nnodes)
         try:
-            return backend.check(plan, ran), ran
+            return backend.check(plan, spec.at_nnodes(plan.nnodes))
         except CheckFailed as exc:
             if not exc.hosts or exc.hosts <= down:
                 raise
@@ -243,7 +242,8 @@ def _fewer_nodes(spec: JobSpec, plan: Plan, down: set[str]) -> str:
 
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
              before: list[Attempt], out: IO[str]) -> Attempt:
-    """Start every node of plan, supervise them to their end, and say how this attempt went."""
+    """Start every node of plan (spec on the plan's nodes, which may be fewer than the job's), supervise
+    them to their end, and say how this attempt went."""
     watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes)
     sup = Supervisor(grace=spec.timeouts.stop_grace, out=out,
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
@@ -257,7 +257,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     started = time.time()
     try:
         try:
-            nodes = backend.start(plan, spec)
+            nodes = backend.start(plan, spec.at_nnodes(plan.nnodes))
         except OSError as exc:  # e.g. an argument list too long for the OS: only the OS can refuse it
             raise HarnessError(f"could not start the nodes: {exc.strerror or exc}") from None
         sup.start(nodes)

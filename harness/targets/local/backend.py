@@ -72,7 +72,6 @@ class LocalBackend:
         """The job's simulated nodes other than down (nodes whose agent was lost): there are no spares, so
         the attempt runs on fewer of them as restarts.min_nnodes allows."""
         names = take_healthy(spec, simulated_hosts(spec.nnodes), down, what="simulated node", pool="the job's")
-        spec = spec.at_nnodes(len(names))
         python = spec.simulated.interpreter(os.getcwd(), self.python)
         if spec.master_port == "auto":  # picked anew for every attempt: the last one's may still be held
             spec = spec.at_port(free_port())

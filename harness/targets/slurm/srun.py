@@ -119,7 +119,6 @@ class SrunBackend:
             raise error
         names = take_healthy(spec, nodes, down, what="node", pool=f"allocation {self.allocation.job_id}'s",
                              fix="ask for more nodes (salloc --nodes) or lower nnodes")
-        spec = spec.at_nnodes(len(names))
         hosts = self.allocation.hosts(names, spec)
         return plan_hosts(spec, hosts, run_id=run_id, master_ip=hosts[0].address, attempt=attempt)
 

@@ -112,8 +112,7 @@ class SSHBackend:
 
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
-        hosts = job_hosts(spec, self.inventory, down)
-        return self.pinned_plan(spec.at_nnodes(len(hosts)), run_id, hosts, attempt)
+        return self.pinned_plan(spec, run_id, job_hosts(spec, self.inventory, down), attempt)
 
     def pinned_plan(self, spec: JobSpec, run_id: str, hosts: list[Host], attempt: int = 0,
                     interfaces: Mapping[str, str] | None = None, master_ip: str | None = None) -> Plan:
