@@ -7,6 +7,7 @@ that pipe and the agent stops its node, as an SSH host's agent does when its con
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -20,16 +21,37 @@ from harness.targets.base import CheckFailed, NodeProcess, WorkdirCheck
 
 
 def local_gpu_ids(spec: JobSpec) -> list[str]:
-    """The GPUs this machine shows the job (CUDA_VISIBLE_DEVICES respected), for split_local_gpus."""
+    """The GPUs this machine shows the job (CUDA_VISIBLE_DEVICES respected, as CUDA reads it), for
+    split_local_gpus. Asked of the driver (NVML), as torch's own NVML-based check does: importing torch
+    here would cost the launch seconds."""
     if spec.backend == "gloo" and spec.nproc_per_node != "auto":
-        return []  # nothing to decide: importing torch costs seconds
-    import torch
-
-    count = torch.cuda.device_count()
+        return []  # nothing to decide
+    count = driver_gpu_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return [str(i) for i in range(count)]
-    return [d.strip() for d in visible.split(",") if d.strip()][:count]
+    shown: list[str] = []
+    for device in (d.strip() for d in visible.split(",")):
+        # CUDA reads the list up to its first entry that names no device (e.g. -1): that ends it.
+        if not (device.startswith(("GPU-", "MIG-")) or (device.isdigit() and int(device) < count)):
+            break
+        shown.append(device)
+    return shown[:count]
+
+
+def driver_gpu_count() -> int:
+    """How many GPUs the NVIDIA driver has (0 without a driver)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0
+    if nvml.nvmlInit_v2() != 0:
+        return 0
+    try:
+        count = ctypes.c_uint(0)
+        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else 0
+    finally:
+        nvml.nvmlShutdown()
 
 
 class LocalAgentNode(ChildAgentNode):
