@@ -14,7 +14,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from harness.errors import HarnessError, UsageError
-from harness.run.records import check_run_id, find_run, new_run_id, run_dir, runs_root, write_text_atomic
+from harness.run.atomic import write_text_atomic
+from harness.run.index import find_run
+from harness.run.rundir import check_run_id, new_run_id, run_dir, runs_root
 from harness.spec.from_flags import ScriptFlags, spec_from_flags, spec_yaml
 from harness.spec.job import SLURM_OPTIONS, JobSpec, Slurm, load_job
 from harness.targets.base import Backend, Scheduler
@@ -221,7 +223,7 @@ def status(args: argparse.Namespace) -> int:
 
 
 def preflight(args: argparse.Namespace) -> int:
-    from harness.preflight.command import preflight_command
+    from harness.preflight.verb import preflight_command
 
     return preflight_command(args.hosts, args.job, json_out=args.json, collective=args.collective,
                              accept_new_host_keys=args.accept_new_host_keys, known_hosts=args.known_hosts,

@@ -7,31 +7,22 @@ controller, a process on an SSH host, or an srun step's task. It is started as
 
 and reads itself, and its arguments GRACE SILENCE WATCH COMMAND [CLEANUP], from the first line of its
 stdin (harness.node.boot), so it imports nothing but the standard library (not even
-site-packages): hosts need Python, not the harness. The protocol, on the rest of its stdin and
-on its stdout:
-- `TERM` from the controller: SIGTERM to the node's process group;
+site-packages): hosts need Python, not the harness. Its protocol (harness.node.protocol): the words
+it obeys on the rest of its stdin, and the messages it says among the node's output on its stdout:
+- `TERM`: SIGTERM to the node's process group;
 - `KILL`: SIGKILL to the group, then a sweep of every process whose environment carries this
   run's HARNESS_RUN_ID, NODE_RANK and HARNESS_ATTEMPT (torchrun starts its workers in sessions of
   their own, out of the group's reach; an agent of an earlier attempt, cut off and late, must not
   touch the next attempt's node on the same machine), repeated until none is left, then CLEANUP
   once (e.g. removing the node's container, which a SIGKILLed `docker run` leaves behind);
 - `PING`: nothing to do; the controller says it every few seconds;
-- `STACKS TAG`: every rank's Python stack (harness.node.stacks), answered as messages (below);
+- `STACKS TAG`: every rank's Python stack (harness.node.stacks), answered as `stacks` messages, then
+  `stacks-done TAG`;
 - end of stdin, or SILENCE seconds without a word: the controller or its connection is gone (a
   host cut off by a dropped network stays silent instead of closing). TERM, GRACE seconds, then
   KILL: a lost controller never leaves a job running;
-- stdout carries the node's combined output, the agent's messages, then the message `node-exit CODE`
-  once the node has ended (a negative CODE is the signal that ended it).
-
-Messages are lines that begin with MESSAGE, each written by one write(2) of at most PIPE_BUF bytes
-so that no worker's output can split one (a worker's unfinished line may precede it: the reader
-splits it off):
-- `MESSAGE health JSON` every WATCH seconds ({rank: [pid, state, cpu s, busy s]}, harness.node.ranks;
-  WATCH 0: none);
-- for STACKS, `MESSAGE stacks TAG RANK PART LAST CHUNK` (the rank's JSON cut into chunks), then
-  `MESSAGE stacks-done TAG`;
-- `MESSAGE oom JSON` before the exit, when the kernel's OOM killer ended a rank found by the watch
-  ({rank: the kernel's line}, harness.node.oom).
+- it says `health` every WATCH seconds (WATCH 0: never), `oom` before the exit when the kernel's OOM
+  killer ended a rank (harness.node.oom), and `node-exit CODE` once the node has ended.
 
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does.
 """
@@ -40,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import select
 import signal
@@ -51,11 +41,10 @@ import time
 
 from harness.node.oom import oom_counts, oom_kills
 from harness.node.proctable import kill_run_processes, process_tree, signal_all
+from harness.node.protocol import Kind, Word, health_bodies, message_line, oom_body, parse_word, stacks_bodies
 from harness.node.ranks import as_seen, find_ranks, sample, source_line
 from harness.node.stacks import dump, py_spy_path
 
-MESSAGE = "\x1eharness-"
-CHUNK = 3000  # characters of a message's JSON per line: every line stays within PIPE_BUF (4096)
 PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
 
@@ -121,14 +110,14 @@ class Agent:
             if not chunk:
                 break
             *words, pending = (pending + chunk).split(b"\n")
-            for word in words:
-                if word.strip() == b"TERM":
+            for line in words:
+                word, argument = parse_word(line) or (Word.PING, "")
+                if word is Word.TERM:
                     self.signal_group(signal.SIGTERM)
-                elif word.strip() == b"KILL":
+                elif word is Word.KILL:
                     self.kill()
-                elif word.startswith(b"STACKS "):
-                    tag = word.split()[1].decode(errors="replace")
-                    threading.Thread(target=self.send_stacks, args=(tag,), daemon=True).start()
+                elif word is Word.STACKS and argument:
+                    threading.Thread(target=self.send_stacks, args=(argument,), daemon=True).start()
         if not readable and not self.ended.is_set():
             with contextlib.suppress(OSError):
                 sys.stdout.write(f"harness node agent: no word from the controller for {self.silence:g} s: "
@@ -144,9 +133,8 @@ class Agent:
             below, _ = process_tree(os.getpid())
             self.ranks = find_ranks(below, self.run_id) or self.ranks
             self.seen.update({pid: rank for rank, pid in self.ranks.items()})
-            samples = sorted(sample(self.ranks, below).items())
-            for first in range(0, len(samples), 40):  # 40 ranks' samples stay well within a line's PIPE_BUF
-                say(f"health {json.dumps({'t': time.time(), 'ranks': dict(samples[first:first + 40])})}")
+            for body in health_bodies(time.time(), sample(self.ranks, below)):
+                say(Kind.HEALTH, body)
 
     def send_stacks(self, tag: str) -> None:
         """Every rank's stack, read in parallel; each frame with its source line as this node has it."""
@@ -157,7 +145,7 @@ class Agent:
         answers: dict[int, object] = {}
 
         def read(rank: int, pid: int) -> None:
-            state = states.get(rank, [pid, "gone"])[1]
+            state = states[rank].state if rank in states else "gone"
             threads = dump(pid, py_spy, stopped=state in ("T", "t")) if py_spy else \
                 "py-spy is not installed beside the job's Python or on PATH"
             if isinstance(threads, list):
@@ -173,11 +161,9 @@ class Agent:
         for reader in readers:
             reader.join()
         for rank, answer in sorted(answers.items()):
-            text = json.dumps(answer)
-            parts = [text[i:i + CHUNK] for i in range(0, len(text), CHUNK)]
-            for number, part in enumerate(parts):
-                say(f"stacks {tag} {rank} {number} {int(number == len(parts) - 1)} {part}")
-        say(f"stacks-done {tag}")
+            for body in stacks_bodies(tag, rank, answer):
+                say(Kind.STACKS, body)
+        say(Kind.STACKS_DONE, tag)
 
     def run(self) -> int:
         threading.Thread(target=self.obey_controller, daemon=True).start()
@@ -188,16 +174,16 @@ class Agent:
         with self._kill_lock:  # not while a KILL runs the cleanup, a child of ours with our environment
             self._sweep()  # workers that outlived their torchrun, daemons the job left behind
         if code != 0 and (killed := oom_kills(self.seen, self.began, self.oom_before)):
-            say(f"oom {json.dumps(killed)}")
+            say(Kind.OOM, oom_body(killed))
         return code
 
 
 _SAY_LOCK = threading.Lock()
 
 
-def say(message: str) -> None:
+def say(kind: Kind, body: str) -> None:
     """One message line in one write(2): atomic on the pipe, whatever the workers write meanwhile."""
-    data = f"{MESSAGE}{message}\n".encode()
+    data = message_line(kind, body)
     with _SAY_LOCK, contextlib.suppress(OSError):
         sys.stdout.flush()
         os.write(1, data)
@@ -213,7 +199,7 @@ def main(argv: list[str]) -> None:
         code = 127
     else:
         code = agent.run()
-    say(f"node-exit {code}")  # when the controller is gone, there is nobody to tell
+    say(Kind.NODE_EXIT, str(code))  # when the controller is gone, there is nobody to tell
     os._exit(code if code >= 0 else 128 - code)  # no exit-time flush into a closed pipe
 
 

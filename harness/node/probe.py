@@ -1,7 +1,7 @@
 """Remote probe: everything preflight needs to know about one host, gathered in one run.
 
 Runs on the host with the inventory's `python:` (stdlib only: the host may lack the harness, even
-torch) and prints one JSON answer after the marker given as argv[1]; argv[2] is its JSON config:
+torch) and prints one JSON answer (Facts below) after the marker given as argv[1]; argv[2] is its JSON config:
 import_torch (authoritative NCCL version and torch's own GPU count, at the price of importing
 torch), workdir, entrypoint ({"module": ...} or {"script": ...} or null), master_address, peers
 (host name -> address: the kernel's route to each), stacks (default true: whether py-spy can read a
@@ -28,9 +28,12 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict, final
 
 from harness.node.stacks import dump, py_spy_path
+
+if TYPE_CHECKING:  # typing.NotRequired is Python 3.11's; a host's may be older, and annotations stay unevaluated
+    from typing import NotRequired
 
 MISSING = "missing"
 NONE = "none"
@@ -42,6 +45,146 @@ IFREQ = 40
 STACKS_CHILD = "import sys, time; sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(30)"
 STACKS_START_SECONDS = 5.0
 CAP_SYS_PTRACE = 19  # <linux/capability.h>
+
+
+# The answer's shape, key by key, for preflight's readers. A @final one is half of a union its readers tell
+# apart by a key (`"error" in network`), which mypy narrows only for final TypedDicts.
+class Versions(TypedDict):
+    """torch's version.py, read without importing torch (MISSING: no torch)."""
+
+    torch: str
+    torch_git: str
+    cuda: str
+
+
+class GpuProcess(TypedDict):
+    """A process holding GPU memory, as nvidia-smi lists it; gpu: its index (its uuid if not listed)."""
+
+    pid: int
+    name: str
+    used_mib: str
+    gpu: str
+
+
+class Gpus(TypedDict):
+    """What nvidia-smi says: no nvidia-smi is no GPU (driver NONE); gpu_error when it failed."""
+
+    gpus: int
+    driver: str
+    gpu_names: list[str]
+    gpu_processes: list[GpuProcess]
+    gpu_error: NotRequired[str]
+
+
+class Interface(TypedDict):
+    """A network interface as `ip addr` shows it: addresses IPv4 first, then global IPv6."""
+
+    name: str
+    index: int
+    up: bool
+    loopback: bool
+    mtu: int
+    addresses: list[str]
+
+
+class Route(TypedDict):
+    """The kernel's route towards a peer: the source address it picks and the interface that holds it
+    (None: no interface holds it), or the error that says why there is none."""
+
+    address: str
+    source: NotRequired[str]
+    interface: NotRequired[str | None]
+    error: NotRequired[str]
+
+
+@final
+class Network(TypedDict):
+    """Every interface in index order (the order NCCL sees), and the route to every peer by host name."""
+
+    interfaces: list[Interface]
+    routes: dict[str, Route]
+
+
+@final
+class NetworkUnlisted(TypedDict):
+    """Why the interfaces could not be listed."""
+
+    error: str
+
+
+class Payload(TypedDict):
+    """The entrypoint's file and its sha256, or the error that says why it is not there."""
+
+    target: str
+    path: NotRequired[str]
+    sha256: NotRequired[str]
+    error: NotRequired[str]
+
+
+class Dataset(TypedDict):
+    """A data path: if it exists, its files, bytes and a digest of what `compared` says."""
+
+    exists: bool
+    files: NotRequired[int]
+    bytes: NotRequired[int]
+    digest: NotRequired[str]
+    compared: NotRequired[str]
+
+
+@final
+class Stacks(TypedDict):
+    """Whether py-spy, where the node agent looks for it, read a test Python process (readable, else the
+    error), and what decides ptrace rights: the fix depends on them."""
+
+    python: str
+    py_spy: str | None
+    version: str | None
+    readable: bool
+    error: str | None
+    uid: int
+    ptrace_scope: int | None
+    cap_sys_ptrace: bool | None
+    container: bool
+
+
+@final
+class StacksUnprobed(TypedDict):
+    """Stacks' place when the probe on a container job's host failed: preflight writes it, not the probe."""
+
+    python: str
+    failed: str
+
+
+class StacksOnly(TypedDict):
+    """The answer with stacks_only."""
+
+    python_executable: str
+    stacks: Stacks
+
+
+class Facts(Versions, Gpus):
+    """The answer: one host's software, GPUs, room, job files, name resolution, network and stack capture.
+    master_resolves, self_resolves: the addresses in resolver order, or why the name does not resolve.
+    torch_gpus or torch_import_error: only with import_torch, which also reads nccl from torch itself."""
+
+    hostname: str
+    python: str
+    python_executable: str
+    torchvision: str
+    harness: str
+    workdir: str
+    workdir_exists: bool
+    disk_free_bytes: int | None
+    shm_bytes: int | None
+    payload: Payload | None
+    data: dict[str, Dataset]
+    master_resolves: list[str] | str
+    self_resolves: list[str] | str
+    network: Network | NetworkUnlisted
+    stacks: Stacks | StacksUnprobed | None
+    nccl: str
+    torch_gpus: NotRequired[int]
+    torch_import_error: NotRequired[str]
 
 
 def _dist_version(name: str) -> str:
@@ -59,7 +202,7 @@ def _find_spec(name: str) -> Any:
         return None
 
 
-def _torch_files() -> dict[str, str]:
+def _torch_files() -> Versions:
     """torch's version.py read without importing torch (seconds saved on every fast preflight)."""
     spec = _find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
@@ -90,16 +233,18 @@ def _nccl_from_library(cuda: str) -> str:
     return f"{major}.{minor}.{patch}"
 
 
-def _torch_imported() -> dict[str, Any]:
+def _import_torch(facts: Facts) -> None:
+    """NCCL's version and the GPU count as torch itself sees them, into facts."""
     try:
         import torch  # imported here: only in the full probe
     except Exception as exc:  # noqa: BLE001 - a broken torch install is a finding, not a crash
-        return {"torch_import_error": f"{type(exc).__name__}: {exc}"}
+        facts["torch_import_error"] = f"{type(exc).__name__}: {exc}"
+        return
     try:
-        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+        facts["nccl"] = ".".join(str(part) for part in torch.cuda.nccl.version())
     except Exception:  # noqa: BLE001 - CPU builds have no NCCL
-        nccl = NONE
-    return {"nccl": nccl, "torch_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+        facts["nccl"] = NONE
+    facts["torch_gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _harness_version() -> str:
@@ -117,7 +262,7 @@ def _nvidia_smi(*query: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
-def _gpus() -> dict[str, Any]:
+def _gpus() -> Gpus:
     if shutil.which("nvidia-smi") is None:
         return {"gpus": 0, "driver": NONE, "gpu_names": [], "gpu_processes": []}
     try:
@@ -173,10 +318,10 @@ def _ipv6_addresses() -> dict[str, list[str]]:
     return found
 
 
-def _interfaces() -> list[dict[str, Any]]:
+def _interfaces() -> list[Interface]:
     """Every interface in index order (the order getifaddrs, and so NCCL, sees them)."""
     ipv4, ipv6 = _ipv4_addresses(), _ipv6_addresses()
-    found = []
+    found: list[Interface] = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for index, name in socket.if_nameindex():
             request = struct.pack("16s24s", name.encode(), b"")
@@ -191,7 +336,7 @@ def _interfaces() -> list[dict[str, Any]]:
     return found
 
 
-def _route(address: str, interfaces: list[dict[str, Any]]) -> dict[str, Any]:
+def _route(address: str, interfaces: list[Interface]) -> Route:
     """The kernel's own choice of source address, and so interface, towards address: connecting a UDP
     socket sends nothing, it only looks the route up."""
     try:
@@ -208,7 +353,7 @@ def _route(address: str, interfaces: list[dict[str, Any]]) -> dict[str, Any]:
     return {"address": str(destination[0]), "source": source, "interface": holder}
 
 
-def _network(peers: dict[str, str]) -> dict[str, Any]:
+def _network(peers: dict[str, str]) -> Network | NetworkUnlisted:
     try:
         interfaces = _interfaces()
     except OSError as exc:
@@ -216,7 +361,7 @@ def _network(peers: dict[str, str]) -> dict[str, Any]:
     return {"interfaces": interfaces, "routes": {name: _route(address, interfaces) for name, address in peers.items()}}
 
 
-def _payload(entrypoint: dict[str, str] | None, workdir: str) -> dict[str, str] | None:
+def _payload(entrypoint: dict[str, str] | None, workdir: str) -> Payload | None:
     """sha256 of the job's script, or of the module's source file as `python -m` in workdir finds it."""
     if not entrypoint:
         return None
@@ -247,7 +392,7 @@ def _space(path: str) -> int | None:
 CONTENT_HASH_LIMIT = 1 << 30  # above this, compare names and sizes only: hashing would take minutes
 
 
-def _dataset(path: str, full: bool) -> dict[str, Any]:
+def _dataset(path: str, full: bool) -> Dataset:
     """Files, bytes and a digest of a data path; the digest covers contents when full and small enough."""
     root = Path(os.path.expanduser(path))
     if not root.exists():
@@ -316,11 +461,11 @@ def _read_a_stack(py_spy: str) -> str | None:
     return None
 
 
-def _stacks() -> dict[str, Any]:
+def _stacks() -> Stacks:
     """Can the node agent read its ranks' Python stacks here? py-spy where the agent looks for it (beside
     this Python, else on PATH), a real dump of a test process, and what decides ptrace rights (for the fix)."""
     found = py_spy_path(sys.executable)
-    facts: dict[str, Any] = {
+    facts: Stacks = {
         "python": sys.executable, "py_spy": found, "version": None, "readable": False, "error": None,
         "uid": os.geteuid(), "ptrace_scope": _ptrace_scope(), "cap_sys_ptrace": _cap_sys_ptrace(),
         "container": os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv"),
@@ -337,7 +482,15 @@ def _stacks() -> dict[str, Any]:
     return facts
 
 
-def probe(config: dict[str, Any]) -> dict[str, Any]:
+def _shm_bytes() -> int | None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return None
+    stat = os.statvfs(shm)
+    return stat.f_blocks * stat.f_frsize
+
+
+def probe(config: dict[str, Any]) -> Facts | StacksOnly:
     if config.get("stacks_only"):
         return {"python_executable": sys.executable, "stacks": _stacks()}
     workdir = os.path.expanduser(config.get("workdir") or "~")
@@ -345,18 +498,19 @@ def probe(config: dict[str, Any]) -> dict[str, Any]:
     if workdir_ok:
         os.chdir(workdir)
         sys.path.insert(0, workdir)  # what `python -m` started in the workdir sees
-    facts: dict[str, Any] = {
+    versions = _torch_files()
+    facts: Facts = {
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
         "python_executable": sys.executable,
-        **_torch_files(),
+        **versions,
         "torchvision": _dist_version("torchvision"),
         "harness": _harness_version(),
         **_gpus(),
         "workdir": workdir,
         "workdir_exists": workdir_ok,
         "disk_free_bytes": _space(workdir) if workdir_ok else None,
-        "shm_bytes": None,
+        "shm_bytes": _shm_bytes(),
         "payload": _payload(config.get("entrypoint"), workdir) if workdir_ok else None,
         "data": {path: _dataset(path, config.get("import_torch", False)) for path in config.get("data_paths", [])}
         if workdir_ok else {},
@@ -364,14 +518,10 @@ def probe(config: dict[str, Any]) -> dict[str, Any]:
         "self_resolves": _addresses(socket.gethostname()),
         "network": _network(config.get("peers", {})),
         "stacks": _stacks() if config.get("stacks", True) else None,
+        "nccl": _nccl_from_library(versions["cuda"]),
     }
-    shm = Path("/dev/shm")
-    if shm.is_dir():
-        stat = os.statvfs(shm)
-        facts["shm_bytes"] = stat.f_blocks * stat.f_frsize
-    facts["nccl"] = _nccl_from_library(facts["cuda"])
     if config.get("import_torch") and facts["torch"] != MISSING:
-        facts.update(_torch_imported())
+        _import_torch(facts)
     return facts
 
 

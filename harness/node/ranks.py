@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 from harness.node.proctable import stat_fields
+from harness.node.protocol import RankSample
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -53,10 +54,10 @@ def _children(below: list[int]) -> dict[int, list[int]]:
     return tree
 
 
-def sample(ranks: dict[int, int], below: list[int]) -> dict[int, list[object]]:
-    """{rank: [pid, state, cpu seconds, busy seconds, I/O bytes]} for the ranks still there."""
+def sample(ranks: dict[int, int], below: list[int]) -> dict[int, RankSample]:
+    """Each rank still there, as the health message carries it."""
     tree = _children(below)
-    found: dict[int, list[object]] = {}
+    found: dict[int, RankSample] = {}
     for rank, pid in ranks.items():
         own = stat_fields(pid)
         if not own:
@@ -74,7 +75,8 @@ def sample(ranks: dict[int, int], below: list[int]) -> dict[int, list[object]]:
                 on_cpu, waiting = (int(v) for v in handle.read().split()[:2])
         except (OSError, ValueError):
             on_cpu = waiting = 0
-        found[rank] = [pid, own[0].decode(), round(cpu / CLOCK_TICKS, 2), round((on_cpu + waiting) / 1e9, 3), io]
+        found[rank] = RankSample(pid, own[0].decode(), round(cpu / CLOCK_TICKS, 2), round((on_cpu + waiting) / 1e9, 3),
+                                 io)
     return found
 
 

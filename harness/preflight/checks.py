@@ -5,22 +5,22 @@ from __future__ import annotations
 
 import ipaddress
 from collections import Counter
-from typing import Any
+from typing import Literal, get_args
 
-from harness.node.probe import MISSING
+from harness.node.probe import MISSING, Facts, Stacks
 from harness.preflight.report import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import Entrypoint, JobSpec
 
-FINGERPRINT = ("python", "torch", "torch_git", "cuda", "nccl", "torchvision", "driver", "harness", "payload")
+# The probe's keys compared across hosts, payload (the entrypoint's hash) last.
+Fingerprinted = Literal["python", "torch", "torch_git", "cuda", "nccl", "torchvision", "driver", "harness", "payload"]
+FINGERPRINT: tuple[Fingerprinted, ...] = get_args(Fingerprinted)
 GIB = 1 << 30
 SHM_WARN = 1 * GIB
 DISK_FAIL = 1 * GIB
 DISK_WARN = 10 * GIB
 PY_SPY = "py-spy==0.4.3"  # pyproject's pin: what the node agent reads the ranks' Python stacks with
 NO_STACKS = "hang verdicts and `harness stacks` will have no Python stacks from this {where} (the job itself runs)"
-
-Facts = dict[str, Any]
 
 
 def size(n: int) -> str:
@@ -37,9 +37,9 @@ def job_backend(spec: JobSpec | None, facts: dict[str, Facts]) -> str | None:
 
 
 def fingerprint_of(facts: Facts) -> dict[str, str]:
-    values = {name: str(facts.get(name)) for name in FINGERPRINT[:-1]}
-    payload = facts.get("payload")
-    values["payload"] = "n/a" if payload is None else payload.get("sha256", MISSING)[:12]
+    values: dict[str, str] = {name: str(facts[name]) for name in FINGERPRINT[:-1]}
+    payload = facts["payload"]
+    values["payload"] = "n/a" if payload is None else payload["sha256"][:12] if "sha256" in payload else MISSING
     return values
 
 
@@ -69,7 +69,7 @@ def fingerprint_checks(facts: dict[str, Facts], master: str, *,
     the job's entrypoint when its nodes are simulated on this machine, whose fixes name this machine's
     directories and the job spec's keys instead of hosts and the inventory; its rows name the interpreter."""
     prints = {host: fingerprint_of(f) for host, f in facts.items()}
-    mismatched = [field for field in FINGERPRINT if len({p[field] for p in prints.values()}) > 1]
+    mismatched: list[str] = [field for field in FINGERPRINT if len({p[field] for p in prints.values()}) > 1]
     reference = {field: majority([p[field] for p in prints.values()], prints.get(master, {}).get(field))
                  for field in mismatched}
     checks = []
@@ -81,8 +81,8 @@ def fingerprint_checks(facts: dict[str, Facts], master: str, *,
             fixes.append(f"install it there (`{python} -m pip install torch`), or set simulated.python to the "
                          f"interpreter of an environment that has torch" if local is not None else
                          "point `python:` in the inventory at the interpreter of the environment that has torch")
-        payload = facts[host].get("payload") or {}
-        if payload.get("error"):
+        payload = facts[host]["payload"]
+        if payload is not None and "error" in payload:
             problems.append(f"entrypoint {payload['target']}: {payload['error']}")
             fixes.append(_code_fix(local, facts[host]))
         differs = [field for field in mismatched if values[field] != reference[field]]
@@ -111,13 +111,12 @@ def _gpus(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -
     per_node = spec.nproc_per_node if isinstance(spec.nproc_per_node, int) else (host.gpus or 1)
     required = max(per_node if backend == "nccl" else 0, spec.resources.gpus)
     if found < required:
-        error = f" ({facts['gpu_error']})" if facts.get("gpu_error") else ""
+        error = f" ({facts['gpu_error']})" if "gpu_error" in facts else ""
         return Check(host.name, "gpus", Status.FAIL, f"{found} GPUs{error}, the job needs {required} per node",
                      "lower nproc_per_node/resources.gpus, or check the GPUs and driver with `nvidia-smi`")
-    torch_gpus = facts.get("torch_gpus")
-    if torch_gpus is not None and torch_gpus < required:
+    if "torch_gpus" in facts and facts["torch_gpus"] < required:
         return Check(host.name, "gpus", Status.FAIL,
-                     f"torch sees {torch_gpus} GPUs but nvidia-smi lists {found}; the job needs {required}",
+                     f"torch sees {facts['torch_gpus']} GPUs but nvidia-smi lists {found}; the job needs {required}",
                      f"the driver {facts['driver']} may be too old for CUDA {facts['cuda']}, "
                      f"or CUDA_VISIBLE_DEVICES hides GPUs")
     busy = facts["gpu_processes"]
@@ -147,6 +146,9 @@ def _disk(host: str, facts: Facts) -> Check:
         return Check(host, "disk", Status.FAIL, f"workdir {workdir} does not exist",
                      "create it with the job's code in it, or fix `workdir:` in the inventory")
     free = facts["disk_free_bytes"]
+    if free is None:
+        return Check(host, "disk", Status.WARN, f"cannot tell how much space is free in {workdir}",
+                     f"`df {workdir}` on {host} says why")
     fix = f"free space in {workdir} (checkpoints and logs are written there)"
     if free < DISK_FAIL:
         return Check(host, "disk", Status.FAIL, f"only {size(free)} free in {workdir}", fix)
@@ -155,17 +157,17 @@ def _disk(host: str, facts: Facts) -> Check:
     return Check(host, "disk", Status.PASS, f"{size(free)} free in {workdir}")
 
 
-def _ptrace_fix(host: str, stacks: Facts) -> str:
+def _ptrace_fix(host: str, stacks: Stacks) -> str:
     """How to give py-spy the right to read the ranks, from what the probe saw of ptrace rights on the host."""
-    scope, path = stacks.get("ptrace_scope"), stacks["py_spy"]
+    scope, path = stacks["ptrace_scope"], stacks["py_spy"]
     grant = f"or run the agent as root, or grant py-spy the capability (`setcap cap_sys_ptrace+ep {path}`)"
-    if stacks.get("container") and not stacks.get("cap_sys_ptrace"):
+    if stacks["container"] and not stacks["cap_sys_ptrace"]:
         return (f"{host} is a container without CAP_SYS_PTRACE: start it with `--cap-add SYS_PTRACE` (Kubernetes: "
                 f"securityContext.capabilities.add: [SYS_PTRACE])")
     if scope == 3:
         return (f"kernel.yama.ptrace_scope is 3 on {host} (no process may read another until reboot): set it to 0 "
                 f"in /etc/sysctl.d/ and reboot")
-    if scope in (1, 2) and not stacks.get("cap_sys_ptrace"):
+    if scope in (1, 2) and not stacks["cap_sys_ptrace"]:
         return (f"`sysctl kernel.yama.ptrace_scope=0` on {host} (it is {scope}: "
                 + ("a process may read only its own descendants, and py-spy is the ranks' sibling" if scope == 1
                    else "only CAP_SYS_PTRACE may read another process") + f"), {grant}")
@@ -177,12 +179,12 @@ def stacks_check(host: str, facts: Facts, *, local: bool = False) -> Check:
     """py-spy found where the node agent looks for it, and able to read a Python process on the host: the agent
     needs both to show every rank's stack when a job hangs. Without them the job still runs, so: a warning.
     local: simulated nodes, whose agents run with the harness's own Python on this machine."""
-    stacks = facts.get("stacks")
+    stacks = facts["stacks"]
     if not stacks:
         return Check(host, "stacks", Status.SKIP, "not checked")
     python, details = stacks["python"], {k: v for k, v in stacks.items() if k != "error"}
     no_stacks = NO_STACKS.format(where="machine" if local else "host")
-    if stacks.get("failed"):
+    if "failed" in stacks:
         return Check(host, "stacks", Status.WARN, f"{stacks['failed']}; {no_stacks}",
                      f"check that {python}, the harness's own Python, runs: the node agents run with it" if local else
                      f"set `python:` in the inventory to a Python of {host} itself (the node agent runs there, "
@@ -213,8 +215,8 @@ def data_checks(facts: dict[str, Facts], paths: list[str], master: str, setup: b
     for path in paths:
         found = {host: f["data"].get(path, {"exists": False}) for host, f in facts.items()}
         present = {host: d for host, d in found.items() if d["exists"]}
-        reference = majority([d["digest"] for d in present.values()], present.get(master, {}).get("digest")) \
-            if present else None
+        master_digest = present[master]["digest"] if master in present else None
+        reference = majority([d["digest"] for d in present.values()], master_digest) if present else None
         for host, data in found.items():
             if not data["exists"] and setup:
                 checks.append(Check(host, "data", Status.WARN, f"{path} is missing in {facts[host]['workdir']}: "
@@ -250,7 +252,7 @@ def is_loopback(address: str) -> bool:
 def resolve_checks(facts: dict[str, Facts], master: Host) -> list[Check]:
     """Every host resolves the master's address alike and not to loopback (each host's own name is the
     interface check's business: gloo's default, interfaces.py)."""
-    master_view = facts.get(master.name, {}).get("master_resolves")
+    master_view = facts[master.name]["master_resolves"] if master.name in facts else None
     checks = []
     for host, f in facts.items():
         seen = f["master_resolves"]

@@ -41,7 +41,7 @@ def _last_error(lines: list[str]) -> str:
 
 def _supervise(backend: SSHBackend, plan: Plan, job: JobSpec, seconds: float) -> tuple[Supervisor, bool]:
     """Run the plan's nodes to their end, as a launch does; stop them all at the deadline.
-    Returns the supervisor (records, first failure) and whether the deadline was reached."""
+    Returns the supervisor (its nodes, the first failure) and whether the deadline was reached."""
     deadline = threading.Event()
     timer = threading.Timer(seconds, deadline.set)
     sup = Supervisor(grace=job.timeouts.stop_grace, out=io.StringIO())
@@ -66,10 +66,10 @@ def collective_checks(connections: dict[str, Connection], inventory: Inventory, 
     plan = backend.pinned_plan(job, f"preflight-{uuid.uuid4().hex[:8]}", job_hosts(job, inventory), 0, interfaces)
     sup, timed_out = _supervise(backend, plan, job, hard)
     culprit = sup.first_failure
-    master = next(r for r in sup.records if r.node.node_rank == 0)
+    master = next(r for r in sup.nodes if r.node.node_rank == 0)
     answer = next((a for line in master.tail if (a := answer_in(line)) is not None), None)
     checks = []
-    for record in sup.records:
+    for record in sup.nodes:
         host, outcome = record.node.host, record.outcome
         if culprit is not None and record is not culprit and not (outcome and outcome.ok):
             checks.append(Check(host, "collective", Status.SKIP, f"stopped after {culprit.node.host} failed"))

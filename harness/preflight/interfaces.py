@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from harness.node.probe import Facts, Interface, Network
 from harness.plan.planner import pinned_interface
-from harness.preflight.checks import Facts, is_loopback, majority
+from harness.preflight.checks import is_loopback, majority
 from harness.preflight.report import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
@@ -46,7 +47,7 @@ def extra_target(dest: str, address: str) -> str:
     return f"{dest}@{address}"
 
 
-def _listing(interfaces: list[dict[str, Any]]) -> str:
+def _listing(interfaces: list[Interface]) -> str:
     return ", ".join(f"{i['name']} {i['addresses'][0]}" for i in interfaces if i["addresses"] and not i["loopback"]) \
         or "no addressed interface but lo"
 
@@ -59,7 +60,7 @@ def _explicit(host: Host, spec: JobSpec | None) -> tuple[str, str] | None:
     return name, f"{host.name}'s `interface:` in the inventory" if host.interface else "the job's network.interface"
 
 
-def _choose(host: Host, network: dict[str, Any], spec: JobSpec | None, peers: list[str]) -> Pin | Check:
+def _choose(host: Host, network: Network, spec: JobSpec | None, peers: list[str]) -> Pin | Check:
     """The pinned interface (inventory, job) or the one the kernel routes every peer through."""
     interfaces = network["interfaces"]
     by_name = {i["name"]: i for i in interfaces}
@@ -111,9 +112,9 @@ def interface_checks(facts: dict[str, Facts], hosts: list[Host], spec: JobSpec |
     rows: list[Check] = []
     chosen: dict[str, Pin] = {}
     for host in hosts:
-        network = facts.get(host.name, {}).get("network")
-        if network is None:
+        if host.name not in facts:
             continue
+        network = facts[host.name]["network"]
         if "error" in network:
             rows.append(Check(host.name, "interface", Status.FAIL, network["error"], "see the probe's error"))
             continue
@@ -145,10 +146,17 @@ def interface_checks(facts: dict[str, Facts], hosts: list[Host], spec: JobSpec |
     return rows, chosen
 
 
+def _pinned_host_interfaces(facts: Facts) -> list[Interface]:
+    """The interfaces of a host with a pin: one is chosen only where the probe could list them."""
+    network = facts["network"]
+    assert "interfaces" in network
+    return network["interfaces"]
+
+
 def _gloo_default(facts: Facts) -> tuple[str, str]:
     """The address gloo binds without GLOO_SOCKET_IFNAME: the first the hostname resolves to that is this
     host's own (or any loopback one), else loopback."""
-    local = {a for i in facts["network"]["interfaces"] for a in i["addresses"]}
+    local = {a for i in _pinned_host_interfaces(facts) for a in i["addresses"]}
     resolved = facts["self_resolves"]
     for address in resolved if isinstance(resolved, list) else []:
         if address in local or is_loopback(address):
@@ -158,7 +166,7 @@ def _gloo_default(facts: Facts) -> tuple[str, str]:
 
 def _nccl_default(facts: Facts) -> tuple[str, str] | None:
     """The address NCCL takes without NCCL_SOCKET_IFNAME: ib*, else the first interface not passed over."""
-    addressed = [i for i in facts["network"]["interfaces"] if i["addresses"]]
+    addressed = [i for i in _pinned_host_interfaces(facts) if i["addresses"]]
     for test in (lambda n: n.startswith("ib"), lambda n: not n.startswith(NCCL_PASSED_OVER),
                  lambda n: n.startswith("docker"), lambda n: n.startswith("lo")):
         found = next((i for i in addressed if test(i["name"])), None)

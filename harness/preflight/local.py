@@ -9,14 +9,15 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from harness.node import probe
+from harness.node.probe import Facts, StacksOnly
 from harness.plan.planner import LOCAL_MASTER
 from harness.preflight.checks import data_checks, fingerprint_checks, stacks_check
-from harness.preflight.command_link import CommandLink
 from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, ScriptError, run_script
 from harness.preflight.report import Check, Report, Status
+from harness.preflight.subprocess_link import CommandLink
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.base import CheckFailed, WorkdirCheck
@@ -41,15 +42,15 @@ def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None
 
 
 def probe_host(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float,
-               peers: Mapping[str, str], *, host_link: Link | None = None) -> dict[str, Any]:
+               peers: Mapping[str, str], *, host_link: Link | None = None) -> Facts:
     """The probe's facts of one host. host_link: the host itself when connection runs the probe inside the
     job's image; the stack check runs there, since the node agent that reads the ranks' stacks runs there."""
     limit = timeout if fast else timeout * TORCH_TIMEOUT_FACTOR
     config = _probe_config(connection.host.workdir, master.address, spec, fast, peers, stacks=host_link is None)
-    facts = run_script(connection, probe, [config], timeout=limit)
+    facts = cast(Facts, run_script(connection, probe, [config], timeout=limit))
     if host_link is not None:
         try:
-            facts["stacks"] = run_script(host_link, probe, [STACKS_ONLY], timeout=timeout)["stacks"]
+            facts["stacks"] = cast(StacksOnly, run_script(host_link, probe, [STACKS_ONLY], timeout=timeout))["stacks"]
         except (ScriptError, OSError) as exc:
             facts["stacks"] = {"python": host_link.host.python, "failed": f"the probe on the host failed: {exc}"}
     return facts
@@ -86,7 +87,7 @@ def run_preflight_local(spec: JobSpec, python: str, workdir: Path, *, timeout: f
     here = Host(name="localhost", address=LOCAL_MASTER, python=nodes_python, workdir=str(workdir))
     # The node agents run with the harness's own Python: the stack check (py-spy beside it) runs there.
     agents = None if nodes_python == python else CommandLink(here.model_copy(update={"python": python}))
-    facts: dict[str, Any] | None = None
+    facts: Facts | None = None
     if (problem := _unrunnable(nodes_python)) is None:
         try:
             facts = probe_host(CommandLink(here), here, spec, True, timeout, {}, host_link=agents)

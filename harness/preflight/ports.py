@@ -19,7 +19,7 @@ from harness.node import netcheck
 from harness.preflight.interfaces import Pin, Reached, extra_target
 from harness.preflight.remote import Link, Process, first_answer, on_hosts, run_script, start_script
 from harness.preflight.report import Check, Status
-from harness.targets.command import RemoteTimeout
+from harness.targets.host_command import RemoteTimeout
 
 CONNECT_TIMEOUT = 3.0
 MASTER = "master"

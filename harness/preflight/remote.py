@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 from harness.errors import HarnessError
 from harness.node.boot import shipped
 from harness.spec.inventory import Host
-from harness.targets.command import CommandResult, RemoteTimeout
+from harness.targets.host_command import CommandResult, RemoteTimeout
 
 MARKER = "HARNESS_PREFLIGHT_ANSWER="
 TORCH_TIMEOUT_FACTOR = 6  # steps that import torch (full probe, collective) get this many `timeout`s
@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 
 class Process(Protocol):
-    """A script started on a host (ssh.RemoteProcess, command_link.CommandProcess)."""
+    """A script started on a host (ssh.RemoteProcess, subprocess_link.CommandProcess)."""
 
     @property
     def connection(self) -> Link: ...

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from harness.node.probe import Facts
+
 
 class Status(StrEnum):
     PASS = "pass"
@@ -37,7 +39,7 @@ class Report:
 
     hosts: list[dict[str, Any]]
     checks: list[Check] = field(default_factory=list)
-    facts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    facts: dict[str, Facts] = field(default_factory=dict)
     fingerprint: dict[str, dict[str, str]] = field(default_factory=dict)
     mismatched: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

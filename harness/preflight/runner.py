@@ -21,16 +21,16 @@ from harness.preflight.checks import (
     stacks_check,
 )
 from harness.preflight.collective import collective_checks
-from harness.preflight.command_link import srun_link
-from harness.preflight.engine import InImage, image_checks
+from harness.preflight.image import InImage, image_checks
 from harness.preflight.interfaces import default_targets, defaults_checks, interface_checks
 from harness.preflight.local import probe_host
 from harness.preflight.ports import network_checks
 from harness.preflight.remote import Link, on_hosts
 from harness.preflight.report import Check, Report, Status
+from harness.preflight.subprocess_link import srun_link
 from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
-from harness.targets.command import NoFreePort, RemoteTimeout, free_port_on
+from harness.targets.host_command import NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.slurm.srun import Allocation
 from harness.targets.ssh.transport import Connection, SSHConnectError, connect
 

@@ -28,24 +28,16 @@ from harness.errors import HarnessError
 from harness.node.proctable import start_ticks
 from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.plan.render import render_json, render_text
+from harness.run.atomic import write_text_atomic
 from harness.run.entrypoint_record import write_entrypoint_record
 from harness.run.follow import Follower
 from harness.run.health import HealthWatch
-from harness.run.records import (
-    Attempt,
-    ControllerId,
-    FailureKind,
-    RunDir,
-    RunState,
-    RunStatus,
-    RunSummary,
-    create_run_dir,
-    run_dir,
-    write_text_atomic,
-)
+from harness.run.index import create_run_dir
+from harness.run.records import Attempt, ControllerId, FailureKind, RunState, RunStatus, RunSummary
 from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
 from harness.run.report import report, say
-from harness.run.results import failure_of, hang_failure, node_result, stopped_status, summary_error
+from harness.run.results import failure_of, hang_failure, recorded_node, stopped_status, summary_error
+from harness.run.rundir import RunDir, run_dir
 from harness.run.supervisor import Supervisor
 from harness.spec.job import JobSpec
 from harness.targets.base import Backend, CheckFailed, Scheduler
@@ -266,7 +258,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         sup.finish()
         backend.close()
     ended = time.time()
-    found = attempt_failures(sup.records, sup.stopping_since)
+    found = attempt_failures(sup.nodes, sup.stopping_since)
     failures = [failure_of(f, started, ended) for f in found]
     if sup.hang is not None:
         failures.insert(0, hang_failure(sup, started))
@@ -277,13 +269,13 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     previous_failure = before[-1].failures[0] if before and before[-1].failures else None
     return Attempt(
         attempt=plan.attempt, hosts=[n.host for n in plan.nodes], status=status, started_at=started, ended_at=ended,
-        nodes=[node_result(r, run, plan.attempt) for r in sup.records], failures=failures,
+        nodes=[recorded_node(r, run, plan.attempt) for r in sup.nodes], failures=failures,
         kind=(FailureKind.HANG if sup.hang else attempt_kind(found)) if status is RunStatus.FAILED else None,
         down=sorted({f.host for f in failures if f.host_down}), preflight_s=round(preflight_s, 3),
         teardown_s=round(ended - sup.stopping_since, 3) if sup.stopping_since else None,
         recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)
         if previous_failure else None,
-        joined_ranks=sorted(set().union(*(r.joined for r in sup.records))) if watched else None,
+        joined_ranks=sorted(set().union(*(r.joined for r in sup.nodes))) if watched else None,
         nnodes=plan.nnodes, world_size=plan.world_size,
     )
 

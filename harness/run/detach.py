@@ -8,7 +8,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from harness.run.records import RunDir, index_dir, register_run
+from harness.run.index import index_dir, register_run
+from harness.run.rundir import RunDir
 
 DETACH_STARTUP_TIMEOUT = 300.0
 

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import IO
 
 from harness.plan.planner import Node
-from harness.run.records import Attempt, RunDir, RunState, RunStatus
+from harness.run.live import LiveNode
+from harness.run.records import Attempt, RunState, RunStatus
 from harness.run.recovery import attempt_failures, attempt_kind
 from harness.run.report import say
-from harness.run.results import failure_of, node_result, stopped_status
-from harness.run.supervisor import NodeRecord
+from harness.run.results import failure_of, recorded_node, stopped_status
+from harness.run.rundir import RunDir
 from harness.targets.base import JobStatus, Scheduler
 
 POLL_SECONDS = 0.5  # how often the job's state is asked for and the logs are read
@@ -54,7 +55,7 @@ class _Attempt:
     number: int
     started: float | None = None
     own_lines: list[str] = field(default_factory=list)  # the scheduler's own output in this attempt
-    records: list[NodeRecord] = field(default_factory=list)
+    nodes: list[LiveNode] = field(default_factory=list)
     tails: list[Tail] = field(default_factory=list)
 
 
@@ -113,14 +114,14 @@ class Follower:
         attempt = self.current
         attempt.started = time.time()
         for rank, host in enumerate(job.hosts):
-            attempt.records.append(NodeRecord(Node(host, host, rank, self.nproc), started=attempt.started))
+            attempt.nodes.append(LiveNode(Node(host, host, rank, self.nproc), started=attempt.started))
             attempt.tails.append(Tail(self.run.log_file(rank, attempt.number)))
         self.state = replace(self.state, hosts=list(job.hosts), attempt=attempt.number)
         self.run.write_state(self.state)
 
     def _pump(self, final: bool = False) -> None:
         """Print every node's new lines with its prefix, and the scheduler's own (srun, harness)."""
-        for record, tail in zip(self.current.records, self.current.tails, strict=True):
+        for record, tail in zip(self.current.nodes, self.current.tails, strict=True):
             for raw in tail.rest() if final else tail.lines():
                 line, show = record.take(raw)
                 if show:
@@ -146,13 +147,13 @@ class Follower:
         attempt = self.current
         ended = time.time()
         reported, rest = self.scheduler.node_outcomes(attempt.own_lines, job)
-        order = [rank for rank in reported if rank < len(attempt.records)]
-        for record in attempt.records:
+        order = [rank for rank in reported if rank < len(attempt.nodes)]
+        for record in attempt.nodes:
             rank = record.node.node_rank
             record.outcome = reported.get(rank, rest)
             record.ended = ended + (order.index(rank) * 1e-3 if rank in order else 0.0)
-        first = attempt.records[order[0]].ended if order else None
-        found = attempt_failures([r for r in attempt.records if r.outcome and r.outcome.error is None], first)
+        first = attempt.nodes[order[0]].ended if order else None
+        found = attempt_failures([r for r in attempt.nodes if r.outcome and r.outcome.error is None], first)
         started = attempt.started or ended
         failures = [failure_of(f, started, ended) for f in found]
         if self.cancelled and self.reason is None:
@@ -166,8 +167,8 @@ class Follower:
                     (f" ({job.reason})" if job.reason else "") + \
                     (f", exit code {job.exit_code}" if job.exit_code else "")
         return Attempt(
-            attempt=attempt.number, hosts=[r.node.host for r in attempt.records], status=status, started_at=started,
-            ended_at=ended, nodes=[node_result(r, self.run, attempt.number) for r in attempt.records],
+            attempt=attempt.number, hosts=[r.node.host for r in attempt.nodes], status=status, started_at=started,
+            ended_at=ended, nodes=[recorded_node(r, self.run, attempt.number) for r in attempt.nodes],
             failures=failures, kind=attempt_kind(found) if failures else None, down=[], preflight_s=0.0,
             nnodes=self.state.nnodes, world_size=self.state.world_size,
         )

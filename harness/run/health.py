@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from harness.node.protocol import RankSample
 from harness.plan.planner import Node
 
 IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU between two samples made no progress
@@ -54,12 +55,12 @@ class HealthWatch:
     ranks: dict[int, _Rank] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)  # node ranks that have ended
 
-    def observe(self, node: Node, payload: Mapping[str, Any]) -> None:
-        t = float(payload["t"])
-        for key, (pid, state, cpu, busy, io) in payload["ranks"].items():
-            rank = self.ranks.setdefault(int(key), _Rank(node, pid, state))
+    def observe(self, node: Node, t: float, samples: Mapping[int, RankSample]) -> None:
+        """One health message of node's agent: its ranks' samples taken at t."""
+        for number, (pid, state, cpu, busy, io) in samples.items():
+            rank = self.ranks.setdefault(number, _Rank(node, pid, state))
             rank.pid, rank.state = pid, state
-            rank.samples.append((t, float(cpu), float(busy), int(io)))
+            rank.samples.append((t, cpu, busy, io))
             keep = max(self.stall, SLOW_WINDOW) + 30
             while rank.samples and rank.samples[0][0] < t - keep:
                 rank.samples.popleft()

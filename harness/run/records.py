@@ -1,23 +1,12 @@
-"""runs/<run-id>/: what a run leaves behind and how other terminals find it.
-
-RunDir owns every path of a run; RunState (written at the start, updated at the end) and
-RunSummary (written at the end) are typed records, validated when read back, so one damaged file
-is reported as that run's problem instead of breaking every command that lists runs. Every run
-registers in the user's index of runs (index_dir), so `status`, `stop` and `stacks` find it from
-any directory (RunsLookup).
-"""
+"""The run record's schema: what a run's state.json and summary.json hold (RunState, RunSummary and
+their parts, among them RecordedNode: a node of an attempt as the record keeps it, beside the live
+run/live.py LiveNode it is made from), written atomically and validated when read back, so that one
+damaged file is reported as that run's problem instead of breaking every command that lists runs."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import re
-import secrets
-import sys
-import tempfile
-import time
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
@@ -25,11 +14,9 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from harness.errors import UsageError, short_repr
+from harness.errors import UsageError
+from harness.run.atomic import write_text_atomic
 
-DEFAULT_RUNS_DIR = "runs"
-_UMASK = os.umask(0o022)  # read once (os.umask can only be read by setting it), then put back
-os.umask(_UMASK)
 T = TypeVar("T")
 
 
@@ -82,7 +69,9 @@ class RunState:
 
 
 @dataclass(frozen=True)
-class NodeResult:
+class RecordedNode:
+    """A node of an attempt as the run record keeps it (run/live.py's LiveNode is the node while it runs)."""
+
     node_rank: int
     host: str
     ranks: list[int]
@@ -133,7 +122,7 @@ class Attempt:
     status: RunStatus
     started_at: float
     ended_at: float
-    nodes: list[NodeResult]
+    nodes: list[RecordedNode]
     failures: list[Failure]
     kind: FailureKind | None  # infra if any node failed at the infra level (see recovery.attempt_kind)
     down: list[str]  # hosts found lost in this attempt
@@ -159,7 +148,7 @@ class RunSummary:
     started_at: float
     ended_at: float
     duration_s: float
-    nodes: list[NodeResult]  # of the last attempt
+    nodes: list[RecordedNode]  # of the last attempt
     first_failure: Failure | None  # the cause that ended the run (the last attempt's)
     attempts: list[Attempt]
     reason: str | None = None  # why the run ended without another attempt, when it failed
@@ -175,45 +164,6 @@ class RunSummary:
 
 class RecordError(UsageError):
     """A run record that cannot be read or does not have the expected shape."""
-
-
-# What new_run_id makes (a job name, a time, a random suffix) and nothing that could leave the runs
-# directory: no `/`, no `..`, no leading `-` or `.`.
-RUN_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,126}[a-z0-9])?")
-
-
-def check_run_id(run_id: str) -> str:
-    if not RUN_ID.fullmatch(run_id):
-        raise UsageError(f"run id {short_repr(run_id)} is not a run id: expected lower-case letters, digits and "
-                         f"'-' (as `harness status` lists them)")
-    return run_id
-
-
-def runs_root(explicit: str | None = None) -> Path:
-    root = Path(explicit or os.environ.get("HARNESS_RUNS_DIR") or DEFAULT_RUNS_DIR)
-    if root.exists() and not root.is_dir():
-        raise UsageError(f"runs directory {root} is not a directory; give --runs-dir a directory")
-    return root
-
-
-def new_run_id(name: str) -> str:
-    """Sortable by start time, unique across concurrent launches, still readable."""
-    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Readers (another terminal, kubectl) never see a half-written file, and a failure loses nothing."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep others from reading manifests and records
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_record(path: Path, record: Any) -> None:
@@ -236,228 +186,3 @@ def read_record(path: Path, kind: type[T]) -> T:
         where = ".".join(str(part) for part in first["loc"]) or "the file"
         raise RecordError(f"{path}: not a valid run record ({where}: {first['msg']}); "
                           f"it was damaged or written by another version") from None
-
-
-@dataclass(frozen=True)
-class RunDir:
-    """Every path of one run."""
-
-    path: Path
-
-    @property
-    def run_id(self) -> str:
-        return self.path.name
-
-    @property
-    def state_file(self) -> Path:
-        return self.path / "state.json"
-
-    @property
-    def summary_file(self) -> Path:
-        return self.path / "summary.json"
-
-    @property
-    def stop_marker(self) -> Path:
-        """Written by `harness stop` before it signals the controller: a stop, not an interrupt."""
-        return self.path / "stop-requested"
-
-    @property
-    def controller_log(self) -> Path:
-        """A detached controller's own output stream."""
-        return self.path / "controller.log"
-
-    @property
-    def spec_copy(self) -> Path:
-        return self.path / "spec.yaml"
-
-    def plan_json(self, attempt: int = 0) -> Path:
-        return self.path / f"plan{_attempt_suffix(attempt)}.json"
-
-    def plan_text(self, attempt: int = 0) -> Path:
-        return self.path / f"plan{_attempt_suffix(attempt)}.txt"
-
-    @property
-    def backend_logs(self) -> Path:
-        """Logs a backend keeps of its own (torchrun's per-worker files on local nodes)."""
-        return self.path / "torchrun"
-
-    @property
-    def stacks(self) -> Path:
-        """Stacks read from the ranks: attempt-N/ for a hang, and what `harness stacks` asked for."""
-        return self.path / "stacks"
-
-    @property
-    def health_file(self) -> Path:
-        """The running attempt's health as the controller judges it (slow ranks, a hang's verdict)."""
-        return self.path / "health.json"
-
-    def log_file(self, node_rank: int, attempt: int = 0) -> Path:
-        """Each attempt's own file (never overwritten): node1.log, then node1.attempt1.log, ..."""
-        return self.path / f"node{node_rank}{_attempt_suffix(attempt)}.log"
-
-    def read_state(self) -> RunState:
-        return read_record(self.state_file, RunState)
-
-    def read_summary(self) -> RunSummary | None:
-        return read_record(self.summary_file, RunSummary) if self.summary_file.exists() else None
-
-    def write_state(self, state: RunState) -> None:
-        write_record(self.state_file, state)
-
-    def write_summary(self, summary: RunSummary) -> None:
-        write_record(self.summary_file, summary)
-
-
-def _attempt_suffix(attempt: int) -> str:
-    return f".attempt{attempt}" if attempt else ""
-
-
-@dataclass(frozen=True)
-class RunEntry:
-    """One run as `harness status` lists it: its state, or why that cannot be read."""
-
-    run: RunDir
-    state: RunState | None
-    problem: str | None = None
-
-
-def run_dir(root: Path, run_id: str) -> RunDir:
-    """The directory of run_id under root; the one way a run id from outside becomes a path."""
-    return RunDir(root / check_run_id(run_id))
-
-
-def create_run_dir(root: Path, run_id: str) -> RunDir:
-    """The run's directory, registered in the user's index of runs; a detached launch made it already
-    (for the controller's log), never a run."""
-    run = run_dir(root, run_id)
-    run.path.mkdir(parents=True, exist_ok=True)
-    if run.state_file.exists():
-        raise UsageError(f"run id {run_id} is already taken in {root}/")
-    register_run(run, index_dir())
-    return run
-
-
-def index_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """The user's index of runs: $XDG_STATE_HOME/harness/runs, else ~/.local/state/harness/runs (the XDG
-    spec ignores an XDG_STATE_HOME that is not absolute). One entry per run id, a link to its directory,
-    so that a run is found from any directory, whatever runs directory it was launched with."""
-    state = environ.get("XDG_STATE_HOME", "")
-    return (Path(state) if os.path.isabs(state) else Path.home() / ".local" / "state") / "harness" / "runs"
-
-
-def register_run(run: RunDir, index: Path) -> None:
-    """index/<run id> -> the run's absolute path, made under a temporary name and renamed over, so a reader
-    never sees half an entry; entries whose run directory is gone are pruned first. Never fails a launch: on
-    a read-only home it warns and the run is found only through its runs directory."""
-    temp = index / f".{run.run_id}.{secrets.token_hex(4)}"
-    try:
-        index.mkdir(parents=True, exist_ok=True)
-        for entry in index.iterdir():
-            if RUN_ID.fullmatch(entry.name) and not entry.exists():
-                entry.unlink(missing_ok=True)
-        temp.symlink_to(os.path.abspath(run.path))
-        try:
-            os.replace(temp, index / run.run_id)
-        except OSError:
-            temp.unlink()
-            raise
-    except OSError as exc:
-        print(f"harness: warning: cannot register run {run.run_id} in the index of your runs {index} "
-              f"({exc.strerror or exc}); from other directories, `harness status` finds it only with "
-              f"--runs-dir {os.path.abspath(run.path.parent)}", file=sys.stderr)
-
-
-def _indexed(entry: Path) -> RunDir | None:
-    """The run an index entry points at; None when the entry is gone (pruned meanwhile) or not a link."""
-    try:
-        return RunDir(entry.parent / entry.readlink())
-    except OSError:
-        return None
-
-
-def _runs_under(root: Path) -> list[RunDir]:
-    return [RunDir(path) for path in root.iterdir()] if root.is_dir() else []
-
-
-def _read_entries(runs: Iterable[RunDir]) -> list[RunEntry]:
-    """Every run with a record, oldest start first; unreadable records sort by their file's time. A run
-    without state.json (being created, or its directory gone) is left out."""
-    entries = []
-    for run in runs:
-        if not run.state_file.exists():
-            continue
-        try:
-            entries.append(RunEntry(run, run.read_state()))
-        except RecordError as exc:
-            entries.append(RunEntry(run, None, str(exc)))
-
-    def started(entry: RunEntry) -> float:
-        return entry.state.started_at if entry.state else entry.run.state_file.stat().st_mtime
-
-    return sorted(entries, key=started)
-
-
-def list_runs(root: Path) -> list[RunEntry]:
-    """Every run under root with a record, oldest start first."""
-    return _read_entries(_runs_under(root))
-
-
-def find_run(runs_dir: str | None, run_id: str) -> RunDir:
-    """The directory of run_id as `harness status` lists it: under --runs-dir or $HARNESS_RUNS_DIR when
-    given, else under ./runs or through the index of the user's runs."""
-    return runs_lookup(runs_dir).find(run_id)
-
-
-def runs_lookup(explicit: str | None) -> RunsLookup:
-    """Where `status`, `stop` and `stacks` look: --runs-dir or $HARNESS_RUNS_DIR alone when given (they
-    win), else ./runs and the user's index of runs."""
-    given = "--runs-dir" if explicit else "HARNESS_RUNS_DIR" if os.environ.get("HARNESS_RUNS_DIR") else None
-    return RunsLookup(runs_root(explicit), None if given else index_dir(), given)
-
-
-@dataclass(frozen=True)
-class RunsLookup:
-    """The runs directory and, unless one was given (given: by which option), the index of the user's runs."""
-
-    root: Path
-    index: Path | None
-    given: str | None
-
-    def runs(self) -> list[RunEntry]:
-        """root's runs and the index's, each once (by real path, as root shows it), oldest start first. Read
-        only: an index entry whose run directory is gone is skipped, the next launch prunes it."""
-        entries = sorted(self.index.iterdir()) if self.index is not None and self.index.is_dir() else []
-        elsewhere = [run for entry in entries if (run := _indexed(entry))]
-        unique = {os.path.realpath(run.path): run for run in [*elsewhere, *_runs_under(self.root)]}
-        return _read_entries(unique.values())
-
-    def elsewhere(self, run: RunDir) -> Path | None:
-        """The directory run lives in when that is not root (a run found through the index)."""
-        parent = run.path.parent
-        return None if os.path.realpath(parent) == os.path.realpath(self.root) else parent
-
-    def find(self, run_id: str) -> RunDir:
-        """run_id's directory: under root, else where the index points; UsageError saying where it looked."""
-        run = run_dir(self.root, run_id)
-        if not run.state_file.exists() and self.index is not None:
-            run = _indexed(self.index / run_id) or run
-        if not run.state_file.exists():
-            recent = ", ".join(entry.run.run_id for entry in self.runs()[-5:]) or "none"
-            raise UsageError(f"no run {run_id} in {self.searched}; recent runs: {recent}; {self.hint}")
-        return run
-
-    @property
-    def searched(self) -> str:
-        """Where runs were looked for, for messages."""
-        if self.index is None:
-            return f"{self.root}/ (named by {self.given})"
-        return f"{self.root}/ nor in the index of your runs ({self.index})"
-
-    @property
-    def hint(self) -> str:
-        """How to look elsewhere."""
-        if self.given == "--runs-dir":
-            return "leave out --runs-dir to look in ./runs and the index of your runs, or pass another directory"
-        if self.given == "HARNESS_RUNS_DIR":
-            return "unset HARNESS_RUNS_DIR to look in ./runs and the index of your runs, or set it to another directory"
-        return "pass --runs-dir DIR or set HARNESS_RUNS_DIR to look in another directory"

@@ -1,4 +1,4 @@
-"""Why an attempt failed, and whether the run goes on with another one. Pure: records in, verdicts out.
+"""Why an attempt failed, and whether the run goes on with another one. Pure: the attempt's nodes in, verdicts out.
 
 A failure on one node shows up on its peers too (gloo's "Connection closed by peer", NCCL's remote
 errors), often first. So every node that failed on its own is classified, the peers' errors are
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from harness.plan.setup_script import FAILED as SETUP_FAILED
 from harness.run import worker_output
+from harness.run.live import LiveNode
 from harness.run.records import Attempt, Failure, FailureKind
-from harness.run.supervisor import NodeRecord
 from harness.spec.job import MAX_BACKOFF, Restarts
 
 # A worker's error when a peer (process, host or link) went away: a consequence, not a cause.
@@ -51,7 +51,7 @@ class NodeFailure:
     """One node that failed on its own. consequence: its error says a peer went away, so the cause is
     elsewhere (it counts as infra only when no node shows a cause)."""
 
-    record: NodeRecord
+    live: LiveNode
     rank: int | None
     rank_exit_code: int | None
     kind: FailureKind
@@ -68,56 +68,56 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def node_failure(record: NodeRecord, stopping_since: float | None) -> NodeFailure | None:
-    """How record's node failed, or None when it succeeded or ended because the supervisor stopped it."""
-    outcome = record.outcome
+def node_failure(live: LiveNode, stopping_since: float | None) -> NodeFailure | None:
+    """How live's node failed, or None when it succeeded or ended because the supervisor stopped it."""
+    outcome = live.outcome
     if outcome is None or outcome.ok:
         return None
-    rank, code = record.root_cause()
+    rank, code = live.root_cause()
     if outcome.error is not None:
-        return NodeFailure(record, rank, code, FailureKind.INFRA, outcome.error, host_down=True)
-    stopped = stopping_since is not None and (record.ended or stopping_since) >= stopping_since
+        return NodeFailure(live, rank, code, FailureKind.INFRA, outcome.error, host_down=True)
+    stopped = stopping_since is not None and (live.ended or stopping_since) >= stopping_since
     if stopped and rank is None:
         # torchrun reports a root cause only for a worker that failed by itself; on the supervisor's
         # TERM it ends with a SignalException instead, and on KILL with nothing at all.
         return None
-    if rank is None and any(line.startswith(SETUP_FAILED) for line in record.last_lines(None)[-2:]):
-        return NodeFailure(record, None, None, FailureKind.PROGRAM, f"the job's setup failed, {outcome.describe()}; "
+    if rank is None and any(line.startswith(SETUP_FAILED) for line in live.last_lines(None)[-2:]):
+        return NodeFailure(live, None, None, FailureKind.PROGRAM, f"the job's setup failed, {outcome.describe()}; "
                                                                     f"torchrun was not started")
     # torchrun killed by a signal is infra, unless the signal is the supervisor's own stop reaching a node
     # whose worker had already failed: then that worker's end says what happened.
     if outcome.signal is not None and not (stopped and outcome.signal in (signal.SIGTERM, signal.SIGKILL)):
-        return NodeFailure(record, rank, code, FailureKind.INFRA, f"torchrun killed by {_signal_name(outcome.signal)}")
+        return NodeFailure(live, rank, code, FailureKind.INFRA, f"torchrun killed by {_signal_name(outcome.signal)}")
     who = f"rank {rank}" if rank is not None else "a worker"
-    own = record.last_lines(rank)
+    own = live.last_lines(rank)
     lost = next((line for line in reversed(own) if PEER_LOST.search(line)), None)
     exit_text = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else \
         f"exit code {code}" if code is not None else outcome.describe()
     if mismatch := next((line for line in reversed(own) if COLLECTIVE_MISMATCH.search(line)), None):
-        return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text}: a collective mismatch: "
+        return NodeFailure(live, rank, code, FailureKind.PROGRAM, f"{who} {exit_text}: a collective mismatch: "
                            f"{_message(mismatch)}")
-    if rank is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL) and (oom := record.oom.get(rank)):
-        return NodeFailure(record, rank, code, FailureKind.INFRA, f"{who} killed by the kernel's OOM killer: "
+    if rank is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL) and (oom := live.oom.get(rank)):
+        return NodeFailure(live, rank, code, FailureKind.INFRA, f"{who} killed by the kernel's OOM killer: "
                            f"{oom.strip()[:300]}", hint=OOM_HINT)
     if code is not None and code < 0:
         if -code == signal.SIGABRT and lost:  # gloo aborts a rank whose peer went away: the cause is elsewhere
-            return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} killed by SIGABRT after losing a "
+            return NodeFailure(live, rank, code, FailureKind.PROGRAM, f"{who} killed by SIGABRT after losing a "
                                f"peer: {lost.strip()[:200]}", consequence=True)
-        error = worker_output.user_error(worker_output.rank_lines(record.tail, rank)) if rank is not None \
+        error = worker_output.user_error(worker_output.rank_lines(live.tail, rank)) if rank is not None \
             else None
         # Only another process or the kernel sends SIGKILL; any other end after the user's own exception
         # (gloo's threads abort an interpreter that is going down) follows from that exception.
         if error is not None and -code != signal.SIGKILL and not PEER_LOST.search(error.exception):
             where = f" at {error.where}" if error.where else ""
-            return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} raised {error.exception[:200]}"
+            return NodeFailure(live, rank, code, FailureKind.PROGRAM, f"{who} raised {error.exception[:200]}"
                                f"{where}, then was {exit_text}")
-        return NodeFailure(record, rank, code, FailureKind.INFRA, f"{who} {exit_text}")
+        return NodeFailure(live, rank, code, FailureKind.INFRA, f"{who} {exit_text}")
     if timeout := next((line for line in reversed(own) if RDZV_TIMEOUT.search(line)), None):
-        return NodeFailure(record, rank, code, FailureKind.INFRA, f"rendezvous timed out: {timeout.strip()[:200]}")
+        return NodeFailure(live, rank, code, FailureKind.INFRA, f"rendezvous timed out: {timeout.strip()[:200]}")
     if lost:
-        return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text} after losing a peer: "
+        return NodeFailure(live, rank, code, FailureKind.PROGRAM, f"{who} {exit_text} after losing a peer: "
                            f"{lost.strip()[:200]}", consequence=True)
-    return NodeFailure(record, rank, code, FailureKind.PROGRAM, f"{who} {exit_text}")
+    return NodeFailure(live, rank, code, FailureKind.PROGRAM, f"{who} {exit_text}")
 
 
 def _message(line: str) -> str:
@@ -126,10 +126,10 @@ def _message(line: str) -> str:
     return text.removeprefix("what():").strip()[:300]
 
 
-def attempt_failures(records: list[NodeRecord], stopping_since: float | None) -> list[NodeFailure]:
+def attempt_failures(nodes: list[LiveNode], stopping_since: float | None) -> list[NodeFailure]:
     """Every node that failed on its own: causes first, then consequences, each in the order they ended."""
-    found = [f for r in records if (f := node_failure(r, stopping_since)) is not None]
-    return sorted(found, key=lambda f: (f.consequence, f.record.ended or 0.0))
+    found = [f for live in nodes if (f := node_failure(live, stopping_since)) is not None]
+    return sorted(found, key=lambda f: (f.consequence, f.live.ended or 0.0))
 
 
 def attempt_kind(failures: list[NodeFailure]) -> FailureKind | None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import IO
 
-from harness.run.records import Failure, RunDir, RunStatus, RunSummary
+from harness.run.records import Failure, RunStatus, RunSummary
+from harness.run.rundir import RunDir
 
 
 def say(out: IO[str], message: str) -> None:

@@ -1,5 +1,5 @@
 """A finished attempt's nodes and failures as run-record entries (harness.run.records), whichever
-target ran them: the supervisor's NodeRecords become NodeResults and Failures."""
+target ran them: each LiveNode (run/live.py) becomes a RecordedNode, each node failure a Failure."""
 
 from __future__ import annotations
 
@@ -7,26 +7,28 @@ import signal
 import time
 
 from harness.run import worker_output
-from harness.run.records import Failure, FailureKind, NodeResult, RunDir, RunStatus
+from harness.run.live import LiveNode
+from harness.run.records import Failure, FailureKind, RecordedNode, RunStatus
 from harness.run.recovery import NodeFailure
-from harness.run.supervisor import NodeRecord, Supervisor
+from harness.run.rundir import RunDir
+from harness.run.supervisor import Supervisor
 from harness.targets.base import Outcome
 
 
-def node_result(record: NodeRecord, run: RunDir, attempt: int) -> NodeResult:
-    outcome = record.outcome
-    return NodeResult(
-        node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks),
+def recorded_node(live: LiveNode, run: RunDir, attempt: int) -> RecordedNode:
+    outcome = live.outcome
+    return RecordedNode(
+        node_rank=live.node.node_rank, host=live.node.host, ranks=list(live.node.ranks),
         exit_code=outcome.exit_code if outcome else None,
         signal=signal.Signals(outcome.signal).name if outcome and outcome.signal else None,
         error=outcome.error if outcome else None,
-        duration_s=round((record.ended or time.time()) - record.started, 3),
-        log=str(run.log_file(record.node.node_rank, attempt)),
+        duration_s=round((live.ended or time.time()) - live.started, 3),
+        log=str(run.log_file(live.node.node_rank, attempt)),
     )
 
 
 def failure_of(found: NodeFailure, started_at: float, now: float) -> Failure:
-    record = found.record
+    record = found.live
     assert record.outcome is not None
     # The failing rank's own exit code says more than torchrun's (always 1 when a worker failed).
     description = Outcome.from_returncode(found.rank_exit_code).describe() if found.rank_exit_code is not None \
@@ -61,7 +63,7 @@ def hang_failure(sup: Supervisor, started_at: float) -> Failure:
     """The hang as the attempt's first failure: on the first odd rank's node, its verdict as evidence."""
     assert sup.hang is not None
     odd = sup.hang.odd[0] if sup.hang.odd else None
-    record = next((r for r in sup.records if odd in r.node.ranks), sup.records[0])
+    record = next((r for r in sup.nodes if odd in r.node.ranks), sup.nodes[0])
     return Failure(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks), rank=odd,
         rank_exit_code=None, exit_code=None, description="hung",

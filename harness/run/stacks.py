@@ -13,7 +13,8 @@ import time
 from harness.errors import UsageError
 from harness.plan.planner import Node
 from harness.run.health import RankStack, grouped
-from harness.run.records import RunDir, RunStatus
+from harness.run.records import RunStatus
+from harness.run.rundir import RunDir
 from harness.run.stop import controller_alive
 
 ANSWER_SECONDS = 30.0  # the supervisor looks every half second; the nodes answer within STACKS_SECONDS

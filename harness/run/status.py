@@ -8,17 +8,9 @@ import time
 from pathlib import Path
 
 from harness.node.proctable import run_processes
-from harness.run.records import (
-    Attempt,
-    Failure,
-    NodeResult,
-    RecordError,
-    RunDir,
-    RunsLookup,
-    RunState,
-    RunStatus,
-    runs_lookup,
-)
+from harness.run.index import RunsLookup, runs_lookup
+from harness.run.records import Attempt, Failure, RecordedNode, RecordError, RunState, RunStatus
+from harness.run.rundir import RunDir
 from harness.run.stop import controller_alive
 
 
@@ -114,7 +106,7 @@ def _health_lines(run: RunDir, state: RunState) -> list[str]:
     return lines + ([f"  {health['hang']}"] if health.get("hang") else [])
 
 
-def _recorded_end(node: NodeResult, failure: Failure | None, status: RunStatus) -> str:
+def _recorded_end(node: RecordedNode, failure: Failure | None, status: RunStatus) -> str:
     """How a node of an ended run ended: its failing rank's own code (torchrun's is 1), or the harness's
     stop when it did not fail by itself."""
     if failure is not None:

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from harness.node.proctable import is_alive, kill_run_processes
-from harness.run.records import RunDir, RunState, RunStatus
+from harness.run.records import RunState, RunStatus
+from harness.run.rundir import RunDir
 from harness.targets.base import Scheduler
 
 

@@ -17,14 +17,13 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from harness.node.agent import MESSAGE
 from harness.node.boot import BOOT, shipped
+from harness.node.protocol import Kind, Message, Word, split_line, word_line
 from harness.plan.planner import NodePlan
 from harness.plan.shell import shell_command
 from harness.spec.job import JobSpec
 from harness.targets.base import NodeProcess, Outcome
 
-_MESSAGE = MESSAGE.encode()
 OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may take to be read
 PING_SECONDS = 2.0  # how often the controller tells each agent it is still there
 # Linux's longest single argument to execve (32 pages of 4 KiB): the node's shell line is one (`sh -c LINE`).
@@ -96,7 +95,7 @@ class AgentNode(ABC):
 
     def __init__(self, node: NodePlan) -> None:
         self.node = node
-        self.messages: queue.Queue[tuple[str, str]] = queue.Queue()  # (kind, rest) of the agent's messages
+        self.messages: queue.Queue[Message] = queue.Queue()  # the agent's messages but node-exit
         self._exit_code: int | None = None
         self._output_done = threading.Event()
         self._send_lock = threading.Lock()
@@ -123,17 +122,16 @@ class AgentNode(ABC):
         unfinished = b""
         try:
             for raw in self._lines():
-                at = raw.find(_MESSAGE)
-                if at < 0:
+                text, message = split_line(raw)
+                if text is raw:  # no message on this line
                     yield (unfinished + raw).decode("utf-8", errors="replace").rstrip("\r\n")
                     unfinished = b""
                     continue
-                unfinished += raw[:at]
-                kind, _, rest = raw[at + len(_MESSAGE):].decode("utf-8", errors="replace").rstrip("\r\n").partition(" ")
-                if kind == "node-exit":
-                    self._exit_code = int(rest)
-                else:
-                    self.messages.put((kind, rest))
+                unfinished += text
+                if message is not None and message.kind is Kind.NODE_EXIT:
+                    self._exit_code = int(message.body)
+                elif message is not None:
+                    self.messages.put(message)
             if unfinished:
                 yield unfinished.decode("utf-8", errors="replace")
         except (OSError, EOFError):
@@ -154,23 +152,23 @@ class AgentNode(ABC):
         with self._send_lock, contextlib.suppress(OSError, EOFError):
             self._send(program)
 
-    def _word(self, word: str) -> None:
+    def _word(self, word: Word, argument: str = "") -> None:
         with self._send_lock, contextlib.suppress(OSError, EOFError):  # an ended agent needs no word
-            self._send(f"{word}\n".encode())
+            self._send(word_line(word, argument))
 
     def keep_talking(self) -> None:
         """PING every PING_SECONDS until the node's output ends: the agent's proof that we are there."""
         while not self._output_done.wait(PING_SECONDS):
-            self._word("PING")
+            self._word(Word.PING)
 
     def terminate(self) -> None:
-        self._word("TERM")
+        self._word(Word.TERM)
 
     def request_stacks(self, tag: str) -> None:
-        self._word(f"STACKS {tag}")
+        self._word(Word.STACKS, tag)
 
     def kill(self) -> None:
-        self._word("KILL")
+        self._word(Word.KILL)
 
 
 class ChildAgentNode(AgentNode):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from harness.errors import HarnessError
+from harness.node.protocol import Message
 from harness.plan.planner import NodePlan, Plan
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
@@ -59,7 +60,7 @@ class NodeProcess(Protocol):
     """One started node (a torchrun agent under the node agent), whatever backend runs it."""
 
     node: NodePlan
-    messages: queue.Queue[tuple[str, str]]  # the node agent's messages: (kind, rest), e.g. ("health", JSON)
+    messages: queue.Queue[Message]  # the node agent's messages (harness.node.protocol)
 
     def output(self) -> Iterator[str]:
         """Lines of the node's combined stdout/stderr until its output ends."""
@@ -74,7 +75,7 @@ class NodeProcess(Protocol):
         """Force every process of the node to end (SIGKILL, a sweep by run id, the node's cleanup)."""
 
     def request_stacks(self, tag: str) -> None:
-        """Ask the node for every rank's stacks: answered as `stacks` messages, then `stacks-done TAG`."""
+        """Ask the node for every rank's stacks: answered as STACKS messages, then STACKS_DONE with TAG."""
 
 
 class CheckFailed(HarnessError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.node.protocol import RankSample
 from harness.plan.planner import Node
 from harness.run.health import SLOW_CONFIRM, HealthWatch, RankStack, grouped, hang_verdict
 
@@ -16,8 +17,8 @@ def feed(watch: HealthWatch, seconds: int, cpu_per_s: dict[int, float], busy_per
         for rank, rate in cpu_per_s.items():
             busy = (busy_per_s or {}).get(rank, rate)
             io = (io_per_s or {}).get(rank, 0) * (start + t)
-            watch.observe(NODES[rank], {"t": start + t, "ranks": {str(rank): [100 + rank, "S", rate * (start + t),
-                                                                                busy * (start + t), io]}})
+            sample = RankSample(100 + rank, "S", rate * (start + t), busy * (start + t), int(io))
+            watch.observe(NODES[rank], start + t, {rank: sample})
 
 
 def test_a_rank_without_cpu_for_the_stall_is_stalled_and_one_that_computes_is_not():

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness.node import agent, allreduce, netcheck, probe, waitport
+from harness.node import allreduce, netcheck, probe, waitport
 from harness.node.boot import BOOT, shipped, siblings
+from harness.node.protocol import Kind, message_line
 from harness.plan.planner import NodePlan
 from harness.targets.agent_link import agent_argv, agent_program
 
@@ -156,7 +157,7 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ["oom", "proctable", "ranks", "stacks"]
+    assert siblings("agent") == ["oom", "proctable", "protocol", "ranks", "stacks"]
     assert siblings("kill_tree") == ["proctable"]
     assert siblings("probe") == ["stacks"]
     assert siblings("netcheck") == []
@@ -179,7 +180,7 @@ def test_node_agent_runs_sealed_with_a_short_command_line(tmp_path: Path) -> Non
     output = process.stdout.read().decode()
     assert process.wait(timeout=60) == 3
     process.stdin.close()
-    assert output == f"hello\n{agent.MESSAGE}node-exit 3\n"
+    assert output == "hello\n" + message_line(Kind.NODE_EXIT, "3").decode()
 
 
 def test_preflight_probe_runs_sealed(tmp_path: Path) -> None:

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.preflight.command import preflight_command
+from harness.cli import main
 
 
 def test_command_exit_2_for_a_bad_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("hosts:\n  - name: Bad_Name\n    address: 10.250.0.9\n")
-    assert preflight_command(hosts, None, json_out=True, collective=False, accept_new_host_keys=False,
-                             known_hosts=None) == 2
+    assert main(["preflight", str(hosts), "--json"]) == 2
     captured = capsys.readouterr()
     assert json.loads(captured.out)["ok"] is False
-    assert f"{hosts}:2:5: hosts[0]: host name must be a DNS-1123 label" in captured.err
+    assert f"harness: error: {hosts}:2:5: hosts[0]: host name must be a DNS-1123 label" in captured.err

@@ -20,10 +20,10 @@ import pytest
 
 from harness.node import probe
 from harness.preflight.checks import PY_SPY, stacks_check
-from harness.preflight.command_link import CommandLink
 from harness.preflight.local import probe_host, run_preflight_local
 from harness.preflight.remote import run_script
 from harness.preflight.report import Report, Status
+from harness.preflight.subprocess_link import CommandLink
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 

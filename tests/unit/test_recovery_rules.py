@@ -10,6 +10,7 @@ import pytest
 
 from harness.errors import SpecError
 from harness.plan.planner import NodePlan, NoSpareHosts, job_hosts
+from harness.run.live import LiveNode
 from harness.run.records import Attempt, Failure, FailureKind, RunStatus
 from harness.run.recovery import (
     OOM_HINT,
@@ -20,7 +21,6 @@ from harness.run.recovery import (
     repeated_failure,
 )
 from harness.run.results import failure_of, summary_error
-from harness.run.supervisor import NodeRecord
 from harness.spec.inventory import load_inventory
 from harness.spec.job import MAX_BACKOFF, Restarts, load_job
 from harness.targets.base import Outcome
@@ -41,10 +41,10 @@ GLOO_PEER = ("[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error
 
 
 def record(node_rank: int, outcome: Outcome, ended: float, lines: list[str] = (), *, rank: int | None = None,
-           code: int | None = None) -> NodeRecord:
+           code: int | None = None) -> LiveNode:
     node = NodePlan(host=f"h{node_rank + 1}", address="10.0.0.1", node_rank=node_rank, nproc=1, argv=("x",), env={})
     tail = list(lines) + (ROOT_CAUSE.format(rank=rank, code=code).splitlines() if rank is not None else [])
-    return NodeRecord(node, started=0.0, ended=ended, outcome=outcome, tail=deque(tail))
+    return LiveNode(node, started=0.0, ended=ended, outcome=outcome, tail=deque(tail))
 
 
 def test_a_killed_worker_is_infra_and_the_peer_error_it_caused_is_a_consequence():
@@ -52,7 +52,7 @@ def test_a_killed_worker_is_infra_and_the_peer_error_it_caused_is_a_consequence(
     peer = record(0, Outcome(1), ended=1.0, lines=[GLOO_PEER], rank=0, code=1)
     killed = record(1, Outcome(1), ended=1.2, rank=1, code=-9)
     failures = attempt_failures([peer, killed], stopping_since=1.0)
-    assert [(f.record.node.node_rank, f.kind, f.consequence) for f in failures] == [
+    assert [(f.live.node.node_rank, f.kind, f.consequence) for f in failures] == [
         (1, FailureKind.INFRA, False), (0, FailureKind.PROGRAM, True)]
     assert failures[0].evidence == "rank 1 killed by SIGKILL"
     assert attempt_kind(failures) is FailureKind.INFRA
@@ -65,7 +65,7 @@ def test_a_rank_gloo_aborts_after_its_peer_failed_is_a_consequence_not_infra():
     aborted = record(0, Outcome(1), ended=1.03, lines=[GLOO_PEER, "[rank0]: terminate called without an active "
                                                                   "exception"], rank=0, code=-signal.SIGABRT)
     failures = attempt_failures([aborted, failed], stopping_since=1.05)
-    assert [(f.record.node.node_rank, f.kind, f.consequence) for f in failures] == [
+    assert [(f.live.node.node_rank, f.kind, f.consequence) for f in failures] == [
         (1, FailureKind.PROGRAM, False), (0, FailureKind.PROGRAM, True)]
     assert failures[1].evidence.startswith("rank 0 killed by SIGABRT after losing a peer: ")
     assert attempt_kind(failures) is FailureKind.PROGRAM
@@ -78,7 +78,7 @@ def test_a_node_the_stop_ended_after_gloo_aborted_its_rank_is_a_consequence():
     lines = [GLOO_PEER, "[rank0]: terminate called without an active exception"]
     stopped = record(0, Outcome(None, signal=signal.SIGTERM), ended=1.04, lines=lines, rank=0, code=-signal.SIGABRT)
     failures = attempt_failures([stopped, failed], stopping_since=1.01)
-    assert [(f.record.node.node_rank, f.kind, f.consequence) for f in failures] == [
+    assert [(f.live.node.node_rank, f.kind, f.consequence) for f in failures] == [
         (1, FailureKind.PROGRAM, False), (0, FailureKind.PROGRAM, True)]
     assert attempt_kind(failures) is FailureKind.PROGRAM
     killed = record(0, Outcome(None, signal=signal.SIGKILL), ended=0.5, rank=0, code=-signal.SIGKILL)
@@ -106,7 +106,7 @@ def test_nodes_the_supervisor_stopped_are_not_failures():
         "torch.distributed.elastic.multiprocessing.api.SignalException: Process 5960 got signal: 15"])
     killed = record(2, Outcome(None, signal=signal.SIGKILL), ended=4.0)
     failures = attempt_failures([stopped, cause, killed], stopping_since=1.0)
-    assert [f.record.node.node_rank for f in failures] == [1]
+    assert [f.live.node.node_rank for f in failures] == [1]
 
 
 def test_a_signal_before_the_stop_and_a_rendezvous_timeout_are_infra():
@@ -146,7 +146,7 @@ def test_a_collective_mismatch_is_the_programs_failure_named_as_such():
                      code=-signal.SIGABRT)
     peer = record(0, Outcome(1), ended=1.02, lines=[GLOO_PEER], rank=0, code=1)
     found = attempt_failures([peer, aborted], stopping_since=1.01)
-    assert [(f.record.node.node_rank, f.kind, f.consequence) for f in found] == [
+    assert [(f.live.node.node_rank, f.kind, f.consequence) for f in found] == [
         (1, FailureKind.PROGRAM, False), (0, FailureKind.PROGRAM, True)]
     assert found[0].evidence.startswith("rank 1 killed by SIGABRT: a collective mismatch: [enforce fail at ")
     assert found[0].evidence.endswith("Is there a distributed collective mismatch in your code?")

@@ -12,20 +12,19 @@ from pathlib import Path
 import pytest
 
 from harness.node.proctable import start_ticks
+from harness.run.index import create_run_dir, list_runs
 from harness.run.records import (
     Attempt,
     ControllerId,
     Failure,
     FailureKind,
-    NodeResult,
+    RecordedNode,
     RecordError,
-    RunDir,
     RunState,
     RunStatus,
     RunSummary,
-    create_run_dir,
-    list_runs,
 )
+from harness.run.rundir import RunDir
 from harness.run.status import run_details
 
 from conftest import harness
@@ -46,7 +45,7 @@ def _ended_process() -> ControllerId:
 
 
 def _summary(state: RunState, run: RunDir) -> RunSummary:
-    node = NodeResult(node_rank=1, host="localhost", ranks=[2, 3], exit_code=1, signal=None, error=None,
+    node = RecordedNode(node_rank=1, host="localhost", ranks=[2, 3], exit_code=1, signal=None, error=None,
                       duration_s=4.5, log=str(run.log_file(1)))
     failure = Failure(node_rank=1, host="localhost", ranks=[2, 3], rank=3, rank_exit_code=1, exit_code=1,
                       description="exit code 1", after_s=4.5, last_lines=["[rank3]: boom"],
@@ -114,7 +113,7 @@ def test_status_shows_each_nodes_real_end_and_the_failing_ranks_own_code(tmp_pat
     state = _state("job-failed", RunStatus.FAILED, 1000.0, ControllerId(1, 1))
     failed = _summary(state, run)
     failure = replace(failed.first_failure, rank_exit_code=3, description="exit code 3")
-    stopped = NodeResult(node_rank=0, host="localhost", ranks=[0, 1], exit_code=None, signal="SIGTERM", error=None,
+    stopped = RecordedNode(node_rank=0, host="localhost", ranks=[0, 1], exit_code=None, signal="SIGTERM", error=None,
                          duration_s=4.6, log=str(run.log_file(0)))
     nodes = [stopped, failed.nodes[0]]
     run.write_state(state)

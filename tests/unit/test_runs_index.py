@@ -9,16 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.run.records import (
-    ControllerId,
-    RunDir,
-    RunsLookup,
-    RunState,
-    RunStatus,
-    create_run_dir,
-    index_dir,
-    register_run,
-)
+from harness.run.index import RunsLookup, create_run_dir, index_dir, register_run
+from harness.run.records import ControllerId, RunState, RunStatus
+from harness.run.rundir import RunDir
 from harness.run.status import runs_table
 
 from conftest import STATE_HOME, harness

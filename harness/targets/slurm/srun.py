@@ -22,7 +22,7 @@ from harness.spec.job import JobSpec
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
 from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, start_all
 from harness.targets.base import CheckFailed, NodeProcess
-from harness.targets.command import CommandResult, NoFreePort, free_port_on
+from harness.targets.host_command import CommandResult, NoFreePort, free_port_on
 from harness.targets.slurm.client import SlurmClient
 
 

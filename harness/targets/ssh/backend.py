@@ -25,7 +25,7 @@ from harness.spec.yamlsource import located
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
 from harness.targets.agent_link import AgentNode, agent_argv, agent_env, start_all
 from harness.targets.base import CheckFailed, HostsCheck, NodeProcess
-from harness.targets.command import NoFreePort, RemoteTimeout, free_port_on
+from harness.targets.host_command import NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.ssh.container import in_containers
 from harness.targets.ssh.transport import Connection, SSHConnectError, connect
 

@@ -1,10 +1,10 @@
-"""`harness preflight HOSTS [--job JOB] [--json] ...` without argparse: load, run, print, exit status."""
+"""The verb `harness preflight HOSTS [--job JOB] [--json] ...` once cli.py has parsed it: load, run, print,
+exit status. What keeps preflight from running is raised to cli.main, which says why and exits with its status."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from harness.errors import HarnessError, UsageError
@@ -17,8 +17,8 @@ from harness.spec.job import JobSpec, load_job
 def preflight_command(hosts_path: str | Path | None, job_path: str | Path | None = None, *, json_out: bool = False,
                       collective: bool = False, accept_new_host_keys: bool = False,
                       known_hosts: str | Path | None = None, timeout: float = 10.0, slurm: bool = False) -> int:
-    """0 when every check passes, 1 when one fails, 2 for a bad inventory, job or request. slurm: the
-    hosts are the nodes of the Slurm allocation this runs in (no inventory)."""
+    """0 when every check passes, 1 when one fails; a bad inventory, job or request raises its HarnessError
+    (exit 2). slurm: the hosts are the nodes of the Slurm allocation this runs in (no inventory)."""
     try:
         spec = load_job(job_path) if job_path is not None else None
         if slurm:
@@ -30,10 +30,9 @@ def preflight_command(hosts_path: str | Path | None, job_path: str | Path | None
             report = run_preflight(load_inventory(hosts_path), spec, known_hosts=known_hosts,
                                    accept_new_host_keys=accept_new_host_keys, collective=collective, timeout=timeout)
     except HarnessError as exc:
-        if json_out:
+        if json_out:  # whoever reads the JSON gets an answer on stdout too
             print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
-        print(f"harness preflight: {exc}", file=sys.stderr)
-        return exc.exit_code
+        raise
     print(json.dumps(report.to_json(), indent=2) if json_out else report.render_table())
     return 0 if report.ok else 1
 

@@ -1,5 +1,5 @@
 """A command run on a host, whatever carries it (an SSH channel, an srun step, a local shell): its
-result, or its overrun."""
+result, or its overrun; and the one such command every target needs, a free port picked on the master host."""
 
 from __future__ import annotations
 

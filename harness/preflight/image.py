@@ -19,7 +19,7 @@ from harness.preflight.remote import Link, Process, on_hosts
 from harness.preflight.report import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
-from harness.targets.command import CommandResult
+from harness.targets.host_command import CommandResult
 from harness.targets.ssh.container import container_argv
 
 # Printed between the engine's answers, so that one command per host tells both apart.

@@ -1,4 +1,4 @@
-"""Hosts reached by running commands from here (remote.Link): inside a Slurm allocation each
+"""Hosts reached through a subprocess of this process (remote.Link): inside a Slurm allocation each
 command is an `srun` step on one node; for simulated nodes, a plain process on this machine.
 
 The same probe and network scripts as over SSH, so version parity, GPUs, data, master port and the
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from harness.spec.inventory import Host
-from harness.targets.command import CommandResult, RemoteTimeout, python_line, run_to_end
+from harness.targets.host_command import CommandResult, RemoteTimeout, python_line, run_to_end
 from harness.targets.slurm.srun import Allocation
 
 

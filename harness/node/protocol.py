@@ -1,0 +1,128 @@
+"""The node agent's protocol, both ends of it: what the controller says on the agent's stdin (Word) and
+what the agent says among the node's output on its stdout (Message). Standard library only: shipped to
+nodes with the agent (harness.node.boot) and imported by the controller (harness.targets.agent_link,
+harness.run), so that the two ends cannot drift apart.
+
+The agent's messages are lines that begin with MARKER, each written by one write(2) of at most
+PIPE_BUF bytes so that no worker's output can split one (a worker's unfinished line may precede it:
+`split_line` takes it apart). docs/architecture.md has the table of words and messages.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import NamedTuple
+
+MARKER = b"\x1eharness-"
+CHUNK = 3000  # characters of a stacks answer's JSON per message: every line stays within PIPE_BUF (4096)
+SAMPLES_PER_LINE = 40  # 40 ranks' health samples stay well within PIPE_BUF
+
+
+class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate 3.11
+    """Controller -> agent, one per line of the agent's stdin (after the first line: its program)."""
+
+    TERM = "TERM"  # SIGTERM to the node's process group
+    KILL = "KILL"  # SIGKILL, the sweep by run id and ancestry, then the node's cleanup
+    PING = "PING"  # nothing: the controller is still there
+    STACKS = "STACKS"  # `STACKS TAG`: every rank's stack, answered as STACKS messages, then STACKS_DONE
+
+
+class Kind(str, Enum):  # noqa: UP042 - as Word
+    """Agent -> controller: the kind of a message line."""
+
+    HEALTH = "health"  # every WATCH seconds: each rank's RankSample
+    STACKS = "stacks"  # a chunk of one rank's stacks (StackChunk)
+    STACKS_DONE = "stacks-done"  # every rank's stacks for TAG were sent
+    OOM = "oom"  # before the exit: {rank: the kernel's line} of ranks the OOM killer ended
+    NODE_EXIT = "node-exit"  # the node ended with CODE (negative: the signal); the agent's last word
+
+
+class RankSample(NamedTuple):
+    """How far one rank has run (harness.node.ranks): what the controller judges hangs and slow ranks by."""
+
+    pid: int
+    state: str  # the main thread's scheduler state: R, S, D, T, t, Z
+    cpu: float  # CPU seconds of the rank and every process below it
+    busy: float  # seconds its main thread was on a CPU or waiting for one
+    io: int  # bytes it and its children read and wrote
+
+
+class Message(NamedTuple):
+    kind: Kind
+    body: str
+
+
+def word_line(word: Word, argument: str = "") -> bytes:
+    return f"{word.value} {argument}\n".encode() if argument else f"{word.value}\n".encode()
+
+
+def parse_word(line: bytes) -> tuple[Word, str] | None:
+    """A line of the agent's stdin as (word, argument); None for a line that is no word."""
+    name, _, argument = line.strip().decode(errors="replace").partition(" ")
+    try:
+        return Word(name), argument
+    except ValueError:
+        return None
+
+
+def message_line(kind: Kind, body: str) -> bytes:
+    return MARKER + f"{kind.value} {body}\n".encode()
+
+
+def split_line(raw: bytes) -> tuple[bytes, Message | None]:
+    """A line of the agent's stdout as (the node's own text before any message, the message). A message
+    of a kind this end does not know is dropped: a newer agent must not break an older controller."""
+    at = raw.find(MARKER)
+    if at < 0:
+        return raw, None
+    name, _, body = raw[at + len(MARKER):].decode("utf-8", errors="replace").rstrip("\r\n").partition(" ")
+    try:
+        return raw[:at], Message(Kind(name), body)
+    except ValueError:
+        return raw[:at], None
+
+
+def health_bodies(t: float, samples: dict[int, RankSample]) -> list[str]:
+    """One health sample of every rank, as message bodies of SAMPLES_PER_LINE ranks each."""
+    ranks = [(str(rank), list(sample)) for rank, sample in sorted(samples.items())]
+    return [json.dumps({"t": t, "ranks": dict(ranks[first:first + SAMPLES_PER_LINE])})
+            for first in range(0, len(ranks), SAMPLES_PER_LINE)]
+
+
+def parse_health(body: str) -> tuple[float, dict[int, RankSample]]:
+    """(when, {rank: sample}); ValueError, KeyError or TypeError for a damaged body."""
+    payload = json.loads(body)
+    return float(payload["t"]), {int(rank): RankSample(int(pid), str(state), float(cpu), float(busy), int(io))
+                                 for rank, (pid, state, cpu, busy, io) in payload["ranks"].items()}
+
+
+def stacks_bodies(tag: str, rank: int, answer: object) -> list[str]:
+    """One rank's stacks answer (JSON) cut into chunks: `TAG RANK PART LAST CHUNK`."""
+    text = json.dumps(answer)
+    parts = [text[i:i + CHUNK] for i in range(0, len(text), CHUNK)] or [""]
+    return [f"{tag} {rank} {number} {int(number == len(parts) - 1)} {part}" for number, part in enumerate(parts)]
+
+
+class StackChunks:
+    """Reassembles the chunks of each rank's stacks answer, as they arrive from one agent."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, int], list[str]] = {}
+
+    def take(self, body: str) -> tuple[str, int, object] | None:
+        """(tag, rank, answer) once body was a rank's last chunk; ValueError for a damaged body."""
+        tag, rank, _, last, chunk = body.split(" ", 4)
+        key = (tag, int(rank))
+        self._parts.setdefault(key, []).append(chunk)
+        if last != "1":
+            return None
+        return tag, int(rank), json.loads("".join(self._parts.pop(key)))
+
+
+def oom_body(killed: dict[int, str]) -> str:
+    return json.dumps({str(rank): line for rank, line in killed.items()})
+
+
+def parse_oom(body: str) -> dict[int, str]:
+    return {int(rank): str(line) for rank, line in json.loads(body).items()}

@@ -1,0 +1,161 @@
+"""The user's index of runs: every run registers in it ($XDG_STATE_HOME/harness/runs), so that `status`,
+`stop` and `stacks` find it from any directory (RunsLookup), whatever runs directory it was launched with."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import UsageError
+from harness.run.records import RecordError, RunState
+from harness.run.rundir import RUN_ID, RunDir, run_dir, runs_root
+
+
+@dataclass(frozen=True)
+class RunEntry:
+    """One run as `harness status` lists it: its state, or why that cannot be read."""
+
+    run: RunDir
+    state: RunState | None
+    problem: str | None = None
+
+
+def create_run_dir(root: Path, run_id: str) -> RunDir:
+    """The run's directory, registered in the user's index of runs; a detached launch made it already
+    (for the controller's log), never a run."""
+    run = run_dir(root, run_id)
+    run.path.mkdir(parents=True, exist_ok=True)
+    if run.state_file.exists():
+        raise UsageError(f"run id {run_id} is already taken in {root}/")
+    register_run(run, index_dir())
+    return run
+
+
+def index_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """The user's index of runs: $XDG_STATE_HOME/harness/runs, else ~/.local/state/harness/runs (the XDG
+    spec ignores an XDG_STATE_HOME that is not absolute). One entry per run id, a link to its directory,
+    so that a run is found from any directory, whatever runs directory it was launched with."""
+    state = environ.get("XDG_STATE_HOME", "")
+    return (Path(state) if os.path.isabs(state) else Path.home() / ".local" / "state") / "harness" / "runs"
+
+
+def register_run(run: RunDir, index: Path) -> None:
+    """index/<run id> -> the run's absolute path, made under a temporary name and renamed over, so a reader
+    never sees half an entry; entries whose run directory is gone are pruned first. Never fails a launch: on
+    a read-only home it warns and the run is found only through its runs directory."""
+    temp = index / f".{run.run_id}.{secrets.token_hex(4)}"
+    try:
+        index.mkdir(parents=True, exist_ok=True)
+        for entry in index.iterdir():
+            if RUN_ID.fullmatch(entry.name) and not entry.exists():
+                entry.unlink(missing_ok=True)
+        temp.symlink_to(os.path.abspath(run.path))
+        try:
+            os.replace(temp, index / run.run_id)
+        except OSError:
+            temp.unlink()
+            raise
+    except OSError as exc:
+        print(f"harness: warning: cannot register run {run.run_id} in the index of your runs {index} "
+              f"({exc.strerror or exc}); from other directories, `harness status` finds it only with "
+              f"--runs-dir {os.path.abspath(run.path.parent)}", file=sys.stderr)
+
+
+def _indexed(entry: Path) -> RunDir | None:
+    """The run an index entry points at; None when the entry is gone (pruned meanwhile) or not a link."""
+    try:
+        return RunDir(entry.parent / entry.readlink())
+    except OSError:
+        return None
+
+
+def _runs_under(root: Path) -> list[RunDir]:
+    return [RunDir(path) for path in root.iterdir()] if root.is_dir() else []
+
+
+def _read_entries(runs: Iterable[RunDir]) -> list[RunEntry]:
+    """Every run with a record, oldest start first; unreadable records sort by their file's time. A run
+    without state.json (being created, or its directory gone) is left out."""
+    entries = []
+    for run in runs:
+        if not run.state_file.exists():
+            continue
+        try:
+            entries.append(RunEntry(run, run.read_state()))
+        except RecordError as exc:
+            entries.append(RunEntry(run, None, str(exc)))
+
+    def started(entry: RunEntry) -> float:
+        return entry.state.started_at if entry.state else entry.run.state_file.stat().st_mtime
+
+    return sorted(entries, key=started)
+
+
+def list_runs(root: Path) -> list[RunEntry]:
+    """Every run under root with a record, oldest start first."""
+    return _read_entries(_runs_under(root))
+
+
+def find_run(runs_dir: str | None, run_id: str) -> RunDir:
+    """The directory of run_id as `harness status` lists it: under --runs-dir or $HARNESS_RUNS_DIR when
+    given, else under ./runs or through the index of the user's runs."""
+    return runs_lookup(runs_dir).find(run_id)
+
+
+def runs_lookup(explicit: str | None) -> RunsLookup:
+    """Where `status`, `stop` and `stacks` look: --runs-dir or $HARNESS_RUNS_DIR alone when given (they
+    win), else ./runs and the user's index of runs."""
+    given = "--runs-dir" if explicit else "HARNESS_RUNS_DIR" if os.environ.get("HARNESS_RUNS_DIR") else None
+    return RunsLookup(runs_root(explicit), None if given else index_dir(), given)
+
+
+@dataclass(frozen=True)
+class RunsLookup:
+    """The runs directory and, unless one was given (given: by which option), the index of the user's runs."""
+
+    root: Path
+    index: Path | None
+    given: str | None
+
+    def runs(self) -> list[RunEntry]:
+        """root's runs and the index's, each once (by real path, as root shows it), oldest start first. Read
+        only: an index entry whose run directory is gone is skipped, the next launch prunes it."""
+        entries = sorted(self.index.iterdir()) if self.index is not None and self.index.is_dir() else []
+        elsewhere = [run for entry in entries if (run := _indexed(entry))]
+        unique = {os.path.realpath(run.path): run for run in [*elsewhere, *_runs_under(self.root)]}
+        return _read_entries(unique.values())
+
+    def elsewhere(self, run: RunDir) -> Path | None:
+        """The directory run lives in when that is not root (a run found through the index)."""
+        parent = run.path.parent
+        return None if os.path.realpath(parent) == os.path.realpath(self.root) else parent
+
+    def find(self, run_id: str) -> RunDir:
+        """run_id's directory: under root, else where the index points; UsageError saying where it looked."""
+        run = run_dir(self.root, run_id)
+        if not run.state_file.exists() and self.index is not None:
+            run = _indexed(self.index / run_id) or run
+        if not run.state_file.exists():
+            recent = ", ".join(entry.run.run_id for entry in self.runs()[-5:]) or "none"
+            raise UsageError(f"no run {run_id} in {self.searched}; recent runs: {recent}; {self.hint}")
+        return run
+
+    @property
+    def searched(self) -> str:
+        """Where runs were looked for, for messages."""
+        if self.index is None:
+            return f"{self.root}/ (named by {self.given})"
+        return f"{self.root}/ nor in the index of your runs ({self.index})"
+
+    @property
+    def hint(self) -> str:
+        """How to look elsewhere."""
+        if self.given == "--runs-dir":
+            return "leave out --runs-dir to look in ./runs and the index of your runs, or pass another directory"
+        if self.given == "HARNESS_RUNS_DIR":
+            return "unset HARNESS_RUNS_DIR to look in ./runs and the index of your runs, or set it to another directory"
+        return "pass --runs-dir DIR or set HARNESS_RUNS_DIR to look in another directory"

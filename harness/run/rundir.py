@@ -1,0 +1,116 @@
+"""runs/<run-id>/: where every file of a run lives (RunDir), and what a run id may be."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import UsageError, short_repr
+from harness.run.records import RunState, RunSummary, read_record, write_record
+
+DEFAULT_RUNS_DIR = "runs"
+# What new_run_id makes (a job name, a time, a random suffix) and nothing that could leave the runs
+# directory: no `/`, no `..`, no leading `-` or `.`.
+RUN_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,126}[a-z0-9])?")
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.fullmatch(run_id):
+        raise UsageError(f"run id {short_repr(run_id)} is not a run id: expected lower-case letters, digits and "
+                         f"'-' (as `harness status` lists them)")
+    return run_id
+
+
+def runs_root(explicit: str | None = None) -> Path:
+    root = Path(explicit or os.environ.get("HARNESS_RUNS_DIR") or DEFAULT_RUNS_DIR)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"runs directory {root} is not a directory; give --runs-dir a directory")
+    return root
+
+
+def new_run_id(name: str) -> str:
+    """Sortable by start time, unique across concurrent launches, still readable."""
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path of one run."""
+
+    path: Path
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "state.json"
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def stop_marker(self) -> Path:
+        """Written by `harness stop` before it signals the controller: a stop, not an interrupt."""
+        return self.path / "stop-requested"
+
+    @property
+    def controller_log(self) -> Path:
+        """A detached controller's own output stream."""
+        return self.path / "controller.log"
+
+    @property
+    def spec_copy(self) -> Path:
+        return self.path / "spec.yaml"
+
+    def plan_json(self, attempt: int = 0) -> Path:
+        return self.path / f"plan{_attempt_suffix(attempt)}.json"
+
+    def plan_text(self, attempt: int = 0) -> Path:
+        return self.path / f"plan{_attempt_suffix(attempt)}.txt"
+
+    @property
+    def backend_logs(self) -> Path:
+        """Logs a backend keeps of its own (torchrun's per-worker files on local nodes)."""
+        return self.path / "torchrun"
+
+    @property
+    def stacks(self) -> Path:
+        """Stacks read from the ranks: attempt-N/ for a hang, and what `harness stacks` asked for."""
+        return self.path / "stacks"
+
+    @property
+    def health_file(self) -> Path:
+        """The running attempt's health as the controller judges it (slow ranks, a hang's verdict)."""
+        return self.path / "health.json"
+
+    def log_file(self, node_rank: int, attempt: int = 0) -> Path:
+        """Each attempt's own file (never overwritten): node1.log, then node1.attempt1.log, ..."""
+        return self.path / f"node{node_rank}{_attempt_suffix(attempt)}.log"
+
+    def read_state(self) -> RunState:
+        return read_record(self.state_file, RunState)
+
+    def read_summary(self) -> RunSummary | None:
+        return read_record(self.summary_file, RunSummary) if self.summary_file.exists() else None
+
+    def write_state(self, state: RunState) -> None:
+        write_record(self.state_file, state)
+
+    def write_summary(self, summary: RunSummary) -> None:
+        write_record(self.summary_file, summary)
+
+
+def _attempt_suffix(attempt: int) -> str:
+    return f".attempt{attempt}" if attempt else ""
+
+
+def run_dir(root: Path, run_id: str) -> RunDir:
+    """The directory of run_id under root; the one way a run id from outside becomes a path."""
+    return RunDir(root / check_run_id(run_id))

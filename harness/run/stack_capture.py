@@ -1,0 +1,88 @@
+"""Every rank's Python stack, asked of every running node's agent at once (on a hang, and for each
+`harness stacks` request), reassembled from the agents' STACKS messages and kept in the run directory.
+The requesting side of `harness stacks` is run/stacks.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.node.protocol import Kind, Message, StackChunks
+from harness.run.atomic import write_text_atomic
+from harness.run.health import RankStack
+from harness.run.live import LiveNode
+from harness.run.rundir import RunDir
+from harness.targets.base import NodeProcess
+
+STACKS_SECONDS = 20.0  # how long the nodes have to answer for their ranks' stacks
+
+
+class StackCapture:
+    """The answers of every node's agent, as its listener hands them over (take), for whoever asked."""
+
+    def __init__(self) -> None:
+        self._nodes: list[tuple[NodeProcess, LiveNode]] = []
+        self._chunks: dict[int, StackChunks] = {}  # node rank -> its answers' chunks so far
+        self._answers: dict[str, dict[int, dict[str, Any]]] = {}  # tag -> rank -> answer
+        self._answered: dict[str, set[int]] = {}  # tag -> node ranks done
+        self._changed = threading.Condition()
+
+    def watch(self, process: NodeProcess, live: LiveNode) -> None:
+        self._nodes.append((process, live))
+        self._chunks[live.node.node_rank] = StackChunks()
+
+    def take(self, live: LiveNode, message: Message) -> None:
+        """A STACKS or STACKS_DONE message of live's agent; ValueError for a damaged one."""
+        with self._changed:
+            if message.kind is Kind.STACKS:
+                if (answer := self._chunks[live.node.node_rank].take(message.body)) is not None:
+                    tag, rank, stacks = answer
+                    if isinstance(stacks, dict):
+                        self._answers.setdefault(tag, {})[rank] = stacks
+            elif message.kind is Kind.STACKS_DONE:
+                self._answered.setdefault(message.body, set()).add(live.node.node_rank)
+                self._changed.notify_all()
+
+    def node_ended(self) -> None:
+        """A node that ended will not answer: whoever waits for it stops waiting."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def capture(self, tag: str, timeout: float = STACKS_SECONDS) -> dict[int, RankStack]:
+        """Every running node's ranks' stacks, asked for at once; whatever arrived within timeout."""
+        running = [(process, live) for process, live in self._nodes if live.outcome is None]
+        for process, _ in running:
+            process.request_stacks(tag)
+        deadline = time.monotonic() + timeout
+        nodes = {live.node.node_rank: live.node for _, live in running}
+        with self._changed:
+            while not set(nodes) <= self._answered.get(tag, set()) | self._ended():
+                if not self._changed.wait(max(0.0, deadline - time.monotonic())):
+                    break
+            answers = self._answers.pop(tag, {})
+        by_rank = {rank: node for node in nodes.values() for rank in node.ranks}
+        return {rank: RankStack.from_answer(rank, by_rank[rank], answer) for rank, answer in answers.items()
+                if rank in by_rank}
+
+    def _ended(self) -> set[int]:
+        return {live.node.node_rank for _, live in self._nodes if live.outcome is not None}
+
+    def answer_requests(self, run: RunDir) -> None:
+        """`harness stacks` leaves request-TAG in the stacks directory; the answer is TAG/stacks.json."""
+        for request in sorted(run.stacks.glob("request-*")) if run.stacks.is_dir() else []:
+            tag = request.name.removeprefix("request-")
+            keep(run.stacks / tag, self.capture(tag))
+            request.unlink(missing_ok=True)
+
+
+def keep(where: Path, stacks: dict[int, RankStack]) -> None:
+    """Each rank's stacks as py-spy shows them (rankN.txt) and all of them as stacks.json."""
+    where.mkdir(parents=True, exist_ok=True)
+    for rank, stack in stacks.items():
+        write_text_atomic(where / f"rank{rank}.txt", stack.text())
+    write_text_atomic(where / "stacks.json", json.dumps(
+        {str(rank): {"node": s.node.node_rank, "host": s.node.host, "pid": s.pid, "state": s.state,
+                     "threads": s.threads, "error": s.error} for rank, s in sorted(stacks.items())}))

@@ -1,0 +1,54 @@
+"""Stopping every node of an attempt: TERM now, KILL to whatever is left after the grace period, and
+KILL to every agent at the end, which sweeps stragglers (workers that outlived their torchrun). A failed
+node must not leave the survivors hanging in a collective until NCCL or gloo time out."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from harness.run.live import LiveNode
+from harness.targets.base import NodeProcess
+
+POLL_SECONDS = 0.05
+
+
+class Stopper:
+    """grace: SIGTERM-to-SIGKILL seconds. since: when the stop began (None: not stopping)."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.since: float | None = None
+        self._nodes: list[tuple[NodeProcess, LiveNode]] = []
+        self._killers: list[threading.Thread] = []
+
+    def watch(self, process: NodeProcess, live: LiveNode) -> None:
+        self._nodes.append((process, live))
+
+    def stop_all(self) -> None:
+        """SIGTERM every running node now; SIGKILL whatever is left after the grace period (in background)."""
+        if self.since is None:
+            self.since = time.time()
+        for process, live in self._nodes:
+            if live.outcome is None:
+                process.terminate()
+        killer = threading.Thread(target=self._kill_after_grace, daemon=True)
+        killer.start()
+        self._killers.append(killer)
+
+    def _kill_after_grace(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline:
+            if all(live.outcome is not None for _, live in self._nodes):
+                return
+            time.sleep(POLL_SECONDS)
+        for process, live in self._nodes:
+            if live.outcome is None:
+                process.kill()
+
+    def sweep(self) -> None:
+        """Every node has ended: KILL to every agent sweeps what its node left behind."""
+        for process, _ in self._nodes:
+            process.kill()
+        for killer in self._killers:
+            killer.join(timeout=2)
