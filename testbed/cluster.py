@@ -370,6 +370,11 @@ class Cluster:
         return subprocess.run(self.login(host, ["podman", *args]), capture_output=True, text=True, timeout=timeout,
                               check=True)
 
+    def logins(self, host: NsHost | str) -> int:
+        """How many SSH connections the host's sshd has accepted so far (its log says each)."""
+        name = host.name if isinstance(host, NsHost) else host
+        return (self.dir / f"{name}_sshd.log").read_text(errors="replace").count("Accepted publickey for ")
+
     def pids(self, host: NsHost | str) -> list[int]:
         """Every process in a host's namespace (its sshd included)."""
         return self._netns_pids(host.netns if isinstance(host, NsHost) else self.host(host).netns)

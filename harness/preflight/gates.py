@@ -9,17 +9,19 @@ from collections.abc import Mapping
 from harness.preflight.runner import run_preflight
 from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
-from harness.targets.base import CheckFailed, HostsCheck
-from harness.targets.ssh.backend import SSHOptions
+from harness.targets.base import CheckFailed
+from harness.targets.ssh.backend import HostsCheck, SSHOptions
+from harness.targets.ssh.transport import Connection
 
 
 def hosts_gate(inventory: Inventory, options: SSHOptions) -> HostsCheck:
-    """The fast checks (no torch import, no collective) on the hosts an attempt is about to use."""
+    """The fast checks (no torch import, no collective) on the hosts an attempt is about to use, over the
+    launch's own connections (opened here where missing, and kept open for the nodes)."""
 
-    def check(hosts: list[Host], spec: JobSpec) -> Mapping[str, str]:
+    def check(hosts: list[Host], spec: JobSpec, connections: dict[str, Connection]) -> Mapping[str, str]:
         report = run_preflight(inventory.model_copy(update={"hosts": hosts, "master": hosts[0].name}), spec,
                                known_hosts=options.known_hosts, accept_new_host_keys=options.accept_new_host_keys,
-                               fast=True, timeout=spec.timeouts.connect)
+                               fast=True, timeout=spec.timeouts.connect, connections=connections)
         if not report.ok:
             raise CheckFailed("preflight failed, nothing was started (use --skip-preflight to launch anyway):\n"
                               + report.render_table(), hosts=frozenset(c.host for c in report.failures))

@@ -54,7 +54,7 @@ def _master_port(spec: JobSpec | None, master: Link | None, timeout: float) -> i
                                                                             "python must run")
 
 
-def _ssh_row(host: Host, result: Connection | Exception, seconds: float) -> Check:
+def _ssh_row(host: Host, result: Connection | Exception) -> Check:
     if isinstance(result, SSHConnectError):
         return Check(host.name, "ssh", Status.FAIL, result.reason, result.fix, {"kind": result.kind})
     if isinstance(result, Exception):
@@ -62,14 +62,16 @@ def _ssh_row(host: Host, result: Connection | Exception, seconds: float) -> Chec
     key = (f"new host key {result.new_host_key} added to known_hosts" if result.new_host_key
            else "host key verified")
     user = host.user or result.transport.get_username()
-    return Check(host.name, "ssh", Status.PASS, f"{user}@{host.address}:{host.port} in {seconds:.2f}s, {key}")
+    return Check(host.name, "ssh", Status.PASS, f"{user}@{host.address}:{host.port} in {result.seconds:.2f}s, {key}")
 
 
 def run_preflight(inventory: Inventory, spec: JobSpec | None = None, *, known_hosts: Path | str | None = None,
                   accept_new_host_keys: bool = False, collective: bool = False, fast: bool = False,
-                  timeout: float = 10.0) -> Report:
+                  timeout: float = 10.0, connections: dict[str, Connection] | None = None) -> Report:
     """Check that the hosts can run the job. fast: only what is cheap before every launch (no torch
-    import, no collective). The Report says per host and check: pass, warn, fail or skip, and why."""
+    import, no collective). The Report says per host and check: pass, warn, fail or skip, and why.
+    connections: a launch's own, open (its gate): reused where a host has one, each connection opened
+    here added to it and left open for the nodes; without it, every connection is closed at the end."""
     started = time.monotonic()
     hosts = hosts_for(inventory, spec)
     unused = [h.name for h in inventory.hosts if h not in hosts]
@@ -81,33 +83,35 @@ def run_preflight(inventory: Inventory, spec: JobSpec | None = None, *, known_ho
              if spec else None),
     )
 
-    def attempt(name: str) -> tuple[Connection | Exception, float]:
-        begun = time.monotonic()
+    def attempt(name: str) -> Connection | Exception:
+        if connections is not None and name in connections:
+            return connections[name]
         try:
-            result: Connection | Exception = connect(by_name[name], known_hosts=known_hosts,
-                                                     accept_new_host_keys=accept_new_host_keys, timeout=timeout)
+            return connect(by_name[name], known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
+                           timeout=timeout)
         except SSHConnectError as exc:
-            result = exc
-        return result, time.monotonic() - begun
+            return exc
 
     if unused:
         report.notes.append(f"not checked: {', '.join(unused)} (the job runs on {len(hosts)} hosts)")
     if collective and fast:
         report.notes.append("collective not run: fast mode")
     attempts = on_hosts(attempt, by_name)
-    connections = {n: a[0] for n, a in attempts.items() if isinstance(a, tuple) and isinstance(a[0], Connection)}
+    opened = {name: result for name, result in attempts.items() if isinstance(result, Connection)}
     try:
-        for name, outcome in attempts.items():
-            result, seconds = outcome if isinstance(outcome, tuple) else (outcome, 0.0)
-            report.checks.append(_ssh_row(by_name[name], result, seconds))
-        run_collective = (lambda: collective_checks(connections, inventory, spec, timeout=timeout,
+        for name, result in attempts.items():
+            report.checks.append(_ssh_row(by_name[name], result))
+        run_collective = (lambda: collective_checks(opened, inventory, spec, timeout=timeout,
                                                     interfaces=report.interfaces)) \
             if collective and not fast else None
-        _checks(report, connections, inventory, master, spec, collective=run_collective, fast=fast, timeout=timeout,
+        _checks(report, opened, inventory, master, spec, collective=run_collective, fast=fast, timeout=timeout,
                 pins=True)
     finally:
-        for connection in connections.values():
-            connection.close()
+        if connections is None:
+            for connection in opened.values():
+                connection.close()
+        else:
+            connections.update(opened)
     _by_host(report, hosts)
     report.seconds = time.monotonic() - started
     return report

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import signal
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -20,13 +20,11 @@ from typing import Protocol, runtime_checkable
 from harness.errors import HarnessError
 from harness.node.protocol import Message
 from harness.plan.planner import NodePlan, Plan
-from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 
-# The checks a target passes before it starts anything (preflight's fast checks, handed in by whoever
-# builds the target: targets never import preflight). Each raises CheckFailed; nothing is started.
-HostsCheck = Callable[[list[Host], JobSpec], Mapping[str, str]]
-"""Hosts about to run the job -> the network interface found per host name (to pin in the plan)."""
+# The check a local target passes before it starts anything (preflight's fast checks, handed in by whoever
+# builds the target: targets never import preflight; SSH hosts' is targets.ssh.backend.HostsCheck). It
+# raises CheckFailed; nothing is started.
 WorkdirCheck = Callable[[JobSpec, Path], None]
 """The job's files as seen from one working directory of this machine (simulated nodes)."""
 

@@ -19,8 +19,13 @@ def ssh_args(cluster: Cluster, tmp_path: Path, *extra: str) -> list[str]:
 
 
 def test_two_hosts_train_over_gloo(cluster2, write_yaml, launch, tmp_path):
-    run = launch(ddp_job(write_yaml, STEPS="10"), *ssh_args(cluster2, tmp_path))
+    """Over one SSH connection per host: the preflight gate's, the port pick's and the nodes' in one."""
+    before = {h.name: cluster2.logins(h) for h in cluster2.hosts}
+    job = ddp_job(write_yaml, STEPS="10")
+    job.write_text(re.sub(r"master_port: \d+", "master_port: auto", job.read_text()))
+    run = launch(job, *ssh_args(cluster2, tmp_path))
     assert run.finish() == 0, run.output
+    assert {h.name: cluster2.logins(h) - before[h.name] for h in cluster2.hosts} == {"h1": 1, "h2": 1}
     assert re.search(r"\[node0\] \[rank0\]: rank 0/2 up on h1;", run.output), run.output
     assert re.search(r"\[node1\] \[rank1\]: rank 1/2 up on h2;", run.output), run.output
     weights = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", run.output)

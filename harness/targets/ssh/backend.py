@@ -10,7 +10,7 @@ agent stops its node. `container:` wraps every node in `docker run` or `podman r
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,12 +24,17 @@ from harness.spec.job import JobSpec
 from harness.spec.yamlsource import located
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
 from harness.targets.agent_link import AgentNode, agent_argv, agent_env, start_all
-from harness.targets.base import CheckFailed, HostsCheck, NodeProcess
+from harness.targets.base import CheckFailed, NodeProcess
 from harness.targets.host_command import NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.ssh.container import in_containers
 from harness.targets.ssh.transport import Connection, SSHConnectError, connect
 
 KEEPALIVE_INTERVAL = 2.0  # seconds between liveness questions to each host; timeouts.connect is the answer limit
+HostsCheck = Callable[[list[Host], JobSpec, dict[str, Connection]], Mapping[str, str]]
+"""The check SSH hosts pass before a plan starts on them (preflight's fast checks, handed in by whoever
+builds the backend: targets never import preflight): hosts about to run the job, the launch's open
+connections (reused, and the ones it opens added) -> the network interface found per host name (to pin
+in the plan). Raises CheckFailed; nothing is started."""
 
 
 def resolve_master_ip(inventory: Inventory, master: Host) -> str:
@@ -96,9 +101,11 @@ class SSHOptions:
 
 
 class SSHBackend:
-    """Nodes on the inventory's hosts, master first. Connections may be lent by the caller (preflight's
-    collective reuses its own); lent ones are left open at close. check: what the hosts must pass
-    before a plan starts on them (preflight's fast checks; None: start without)."""
+    """Nodes on the inventory's hosts, master first, over one SSH connection per host per attempt: the
+    check opens it, the master's serves the port pick, and the nodes start on them. Connections may be
+    lent by the caller (preflight's collective reuses its own); lent ones are left open at close.
+    check: what the hosts must pass before a plan starts on them (preflight's fast checks; None: start
+    without)."""
 
     name = "ssh"
 
@@ -127,7 +134,7 @@ class SSHBackend:
         """The check on the plan's hosts; the plan comes back with the network interface it found per
         host pinned, and with master_port auto a port that the master host finds free."""
         hosts = [node.ssh for node in plan.nodes if node.ssh is not None]
-        interfaces = self._check(hosts, spec) if self._check is not None else None
+        interfaces = self._check(hosts, spec, self._opened) if self._check is not None else None
         if spec.master_port == "auto":
             spec = spec.at_port(self._free_port(hosts[0], spec.timeouts.connect))
         return self.pinned_plan(spec, plan.run_id, hosts, plan.attempt, interfaces, plan.master_addr)

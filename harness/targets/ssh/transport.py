@@ -149,6 +149,7 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
 def connect(host: Host, *, known_hosts: Path | str | None = None, accept_new_host_keys: bool = False,
             timeout: float = 10.0) -> Connection:
     """Open one authenticated SSH connection to host or raise SSHConnectError naming the cause and fix."""
+    began = time.monotonic()
     key = _load_key(host)
     path = Path(known_hosts or DEFAULT_KNOWN_HOSTS).expanduser()
     sock = _open_socket(host, timeout)
@@ -187,16 +188,18 @@ def connect(host: Host, *, known_hosts: Path | str | None = None, accept_new_hos
         kind = "timeout" if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() else "protocol"
         reason = f"SSH handshake with {host.address}:{host.port} failed ({exc or type(exc).__name__})"
         raise SSHConnectError(host, kind, reason, "check that an SSH server listens on that port") from None
-    return Connection(host, client, new_host_key=policy.added)
+    return Connection(host, client, new_host_key=policy.added, seconds=time.monotonic() - began)
 
 
 class Connection:
     """One SSH connection to a host. Every command gets its own session channel on the one transport."""
 
-    def __init__(self, host: Host, client: paramiko.SSHClient, *, new_host_key: str | None = None) -> None:
+    def __init__(self, host: Host, client: paramiko.SSHClient, *, new_host_key: str | None = None,
+                 seconds: float = 0.0) -> None:
         self.host = host
         self.client = client
         self.new_host_key = new_host_key
+        self.seconds = seconds  # how long connecting took
         transport = client.get_transport()
         assert transport is not None
         self.transport: paramiko.Transport = transport
