@@ -127,6 +127,25 @@ def agent_pid(run_id: str, node_rank: int) -> int:
 
 
 GPU_TESTS = REPO / "tests" / "gpu"
+PAYLOAD_TESTS = REPO / "tests" / "integration" / "payload"
+# The area markers (pyproject.toml lists them; `pytest -m ssh` runs one area), given by what a test uses:
+# its clusters, or the payload's training (the reference runs of resume_job.py and tests/integration/payload).
+AREAS = {
+    "ssh": {"cluster2", "cluster3", "multi_nic_cluster2", "doomed_cluster3", "podman_cluster"},
+    "slurm": {"slurm_cluster", "slurm_cluster3"},
+    "podman": {"podman_cluster"},
+    "payload": {"uninterrupted"},
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in AREAS.items():
+            if used & fixtures:
+                item.add_marker(marker)
+        if PAYLOAD_TESTS in item.path.parents:
+            item.add_marker("payload")
 
 
 @pytest.fixture
