@@ -3,7 +3,9 @@ after a node dies, each against the same job under plain torchrun.
 
 3. Time from starting the command to the payload's first progress line (`--log-every 1`, printed by
    rank 0 right after step 1), for `harness launch` (2 simulated nodes x 1 process) and for plain
-   torchrun: two agents started by hand (the same topology) and one agent with 2 processes.
+   torchrun: two agents started by hand (the same topology) and one agent with 2 processes. And the
+   whole of a trivial job (bench/noop.py: join, one all_reduce, leave), end to end: `harness launch
+   bench/noop.py --nnodes 2` as a user types it against the two agents by hand.
 5. bench/ddp_fail.py: rank 1 records the time and dies at step 3 while rank 0 is blocked. The figure
    is the time from that death to the moment no process of the job is left. Plain torchrun gets a
    bounded wait, after which the survivors still alive are counted and killed.
@@ -79,6 +81,41 @@ def _first_step(start: Start, timeout: float = 120) -> tuple[float, float]:
             p.kill()
 
 
+NOOP = str(procs.REPO / "bench" / "noop.py")
+
+
+def _end_to_end(start: Start, timeout: float = 120) -> float:
+    """Seconds from starting the command to the end of every process it started."""
+    begun = time.monotonic()
+    started = start()
+    try:
+        codes = [p.wait(timeout) for p in started]
+        if any(codes):
+            raise RuntimeError(f"job exited {codes}:\n{started[0].output[-2000:]}")
+        return max(p.ended or 0.0 for p in started) - begun
+    finally:
+        for p in started:
+            p.kill()
+
+
+def trivial_job(repeats: int, runs: Path) -> list[dict[str, Any]]:
+    """bench/noop.py end to end, the two launchers alternating; medians and every attempt."""
+    variants: dict[str, Start] = {
+        "harness launch bench/noop.py --nnodes 2": lambda: [procs.Proc(
+            [procs.PY, "-m", "harness.cli", "launch", NOOP, "--nnodes", "2", "--runs-dir", str(runs)])],
+        "torchrun by hand (2 agents)": lambda: torchrun_by_hand([NOOP], SHARE),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, start in variants.items():
+            seconds[name].append(_end_to_end(start))
+    by_hand = statistics.median(seconds["torchrun by hand (2 agents)"])
+    return [{"name": name, "end_to_end_s": round(statistics.median(runs_s), 2),
+             "vs_torchrun_by_hand_s": round(statistics.median(runs_s) - by_hand, 2),
+             "ratio": round(statistics.median(runs_s) / by_hand, 3), "attempts_s": [round(s, 2) for s in runs_s]}
+            for name, runs_s in seconds.items()]
+
+
 def time_to_first_step(cfg: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
         job = write_job(Path(tmp) / "overhead.yaml", "module", "harness.payload.train", PAYLOAD_ARGS, {})
@@ -104,9 +141,10 @@ def time_to_first_step(cfg: dict[str, Any]) -> dict[str, Any]:
              "attempts_first_step_s": [round(r[0], 2) for r in runs]} for name, runs in attempts.items()]
     for row in rows:
         row["vs_torchrun_by_hand_s"] = round(row["first_step_s"] - rows[1]["first_step_s"], 2)
+        trivial = trivial_job(cfg["repeats"], Path(tmp) / "runs")
     return {"job": "payload: synthetic data, small model, batch 32, gloo on CPU, world size 2",
             "repeats": cfg["repeats"], "statistic": "median", "rows": rows,
-            "harness_render_s": round(statistics.median(render), 2)}
+            "harness_render_s": round(statistics.median(render), 2), "trivial_job": trivial}
 
 
 def died_at(path: Path, watched: procs.Proc | None = None, timeout: float = 120) -> float:

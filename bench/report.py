@@ -208,10 +208,16 @@ def _strategies(s: dict[str, Any]) -> list[str]:
 def _first_step(f: dict[str, Any]) -> list[str]:
     lines = [f"{f['job']}; from starting the command to rank 0's first progress line; median of "
              f"{f['repeats']}. `harness render` of the same job (CLI start + plan): {f['harness_render_s']} s.", ""]
-    return lines + _table(
+    lines += _table(
         ["launcher", "first step s", "vs torchrun by hand", "job end s", "attempts"],
         [[r["name"], r["first_step_s"], f"{r['vs_torchrun_by_hand_s']:+.2f} s", r["job_end_s"],
           ", ".join(str(a) for a in r["attempts_first_step_s"])] for r in f["rows"]])
+    if "trivial_job" not in f:  # results recorded before the trivial job's rows
+        return lines
+    trivial = _table(["launcher", "end to end s", "vs torchrun by hand", "ratio", "attempts"],
+                     [[r["name"], r["end_to_end_s"], f"{r['vs_torchrun_by_hand_s']:+.2f} s", f"{r['ratio']:.2f}x",
+                       ", ".join(str(a) for a in r["attempts_s"])] for r in f["trivial_job"]])
+    return [*lines, "bench/noop.py (join, one all_reduce, leave), end to end, the launchers alternating:", "", *trivial]
 
 
 def _preflight(p: dict[str, Any]) -> list[str]:
