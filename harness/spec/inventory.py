@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from harness.errors import SpecError, short_repr
 from harness.spec.job import DNS1123_LABEL, InterfaceName
 from harness.spec.validation import StrictModel, validate
-from harness.spec.yamlsource import Document, load_document
+from harness.spec.yamlsource import Document, KeyPath, load_document, not_regular
 
 
 class HostDefaults(StrictModel):
@@ -81,12 +81,33 @@ def _merge_host(doc: Document, index: int, raw: dict[str, Any], defaults: HostDe
     return validate(Host, doc, at=("hosts", index), data=defaults.model_dump(exclude_none=True) | raw)
 
 
+def _key_problem(identity_file: str) -> str | None:
+    """Why identity_file cannot be read as a key here (None when it can): the controller reads it at the
+    first connection, so without this check a wrong path surfaces only then, and without the file's line."""
+    key = Path(identity_file).expanduser()
+    shown = short_repr(str(key), limit=200)  # a path cut short names no file
+    try:
+        kind = not_regular(key.stat().st_mode)
+    except FileNotFoundError:
+        return (f"{shown} does not exist; expected the path of an SSH private key on this machine, or no "
+                f"identity_file (ssh-agent and ~/.ssh/id_* are tried then)")
+    except OSError as exc:
+        return f"cannot read {shown}: {exc.strerror}"
+    return None if kind is None else f"{shown} is {kind}, not an SSH private key file"
+
+
 def load_inventory(path: str | Path) -> Inventory:
     """Read and validate hosts.yaml: defaults merged, names and addresses unique, master known."""
     doc = load_document(path)
     parsed = validate(_InventoryFile, doc)
     hosts = [_merge_host(doc, i, raw, parsed.defaults) for i, raw in enumerate(parsed.hosts)]
-    problems = []
+    # Each key file once, where it is written: a host's own, or the defaults' that it inherits.
+    keys: dict[KeyPath, str] = {
+        ("hosts", index, "identity_file") if "identity_file" in raw else ("defaults", "identity_file"): identity
+        for index, (raw, host) in enumerate(zip(parsed.hosts, hosts, strict=True))
+        if (identity := host.identity_file) is not None
+    }
+    problems = [doc.problem(where, why) for where, identity in keys.items() if (why := _key_problem(identity))]
     for field, key in (("name", "name"), ("address", "address_key")):
         seen: dict[str, int] = {}
         for index, host in enumerate(hosts):

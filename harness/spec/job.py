@@ -8,6 +8,8 @@ import os
 import posixpath
 import re
 import shutil
+from collections.abc import Callable
+from decimal import Decimal, DecimalException
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,6 +33,11 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 # Kubernetes resource.Quantity: a decimal number with an optional binary/decimal suffix or exponent.
 QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)([eE][+-]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?", re.ASCII)
+# What a quantity's suffix multiplies by (an exponent, 1e3, is Decimal's own notation).
+_QUANTITY_SCALE = {"": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+                   "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
+                   "P": Decimal("1e15"), "E": Decimal("1e18"), "Ki": Decimal(2**10), "Mi": Decimal(2**20),
+                   "Gi": Decimal(2**30), "Ti": Decimal(2**40), "Pi": Decimal(2**50), "Ei": Decimal(2**60)}
 # Docker image reference: [registry[:port]/]path[:tag][@digest], lower-case path components.
 IMAGE_REF = re.compile(
     r"(?:[A-Za-z0-9.-]+(?::\d+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
@@ -85,11 +92,36 @@ def _master_port(value: Any) -> int | Literal["auto"]:
                         "a port from 1024 to 65535, or auto (a free port picked on the master host at launch)")
 
 
-def _quantity(value: Any) -> str:
-    text = source_text(value)
-    if isinstance(value, bool) or text is None or not QUANTITY.fullmatch(text):
-        raise ValueError(f"expected a Kubernetes quantity such as 4, 500m, 16Gi or 512Mi, got {short_repr(value)}")
-    return text
+def quantity_value(text: str) -> Decimal | None:
+    """The number a Kubernetes quantity stands for (500m: 0.5, 16Gi: 17179869184), as the targets render it
+    (sbatch --mem, docker --shm-size); None when text is not one,
+    or is too far from 1 for Decimal (1e99999999999999999999, a million digits then Ei): no bound is."""
+    match = QUANTITY.fullmatch(text)
+    if match is None:
+        return None
+    suffix = match.group(3) or ""
+    try:
+        return Decimal(match.group(1)) * _QUANTITY_SCALE[suffix] if suffix in _QUANTITY_SCALE else Decimal(text)
+    except DecimalException:
+        return None
+
+
+def _quantity(low: str, high: str, unit: str, examples: str) -> Callable[[Any], str]:
+    """A validator of Kubernetes quantities from low to high (both quantities): past high no node has that
+    much, so a pod asking for it never schedules (and past 2^63 - 1 Kubernetes caps it without a word);
+    below low nothing runs, or Kubernetes rounds it up."""
+    least, most = quantity_value(low), quantity_value(high)
+    assert least is not None and most is not None
+
+    def check(value: Any) -> str:
+        text = source_text(value)
+        number = None if text is None else quantity_value(text)
+        if text is None or number is None or not least <= number <= most:
+            raise ValueError(f"expected a Kubernetes quantity from {low} to {high} {unit}, such as {examples}, "
+                             f"got {as_written(value)}")
+        return text
+
+    return check
 
 
 def _no_nul(text: str) -> str:
@@ -163,7 +195,10 @@ def _whole_seconds(value: Any) -> int:
 
 PositiveInt = Annotated[int, PlainValidator(_positive_int)]
 Count = Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=MAX_NPROC)]
-Quantity = Annotated[str, PlainValidator(_quantity)]
+# No node has 16384 CPUs or a pebibyte of memory (the largest have about 2000 and tens of TiB).
+Cpus = Annotated[str, PlainValidator(_quantity("1m", "16384", "CPUs", "4 or 500m"))]
+MemorySize = Annotated[str, PlainValidator(_quantity("1Mi", "1Pi", "bytes", "16Gi or 512Mi"))]
+VolumeSize = Annotated[str, PlainValidator(_quantity("1Mi", "1Ei", "bytes", "50Gi or 2Ti"))]
 Argument = Annotated[str, PlainValidator(_argument)]
 EnvName = Annotated[str, PlainValidator(_env_name)]
 EnvValue = Annotated[str, PlainValidator(_env_value)]
@@ -216,10 +251,10 @@ class Resources(StrictModel):
     """
 
     gpus: Count = 0
-    cpu: Quantity | None = None
-    memory: Quantity | None = None
-    shm_size: Quantity | None = None
-    storage: Quantity = "50Gi"
+    cpu: Cpus | None = None
+    memory: MemorySize | None = None
+    shm_size: MemorySize | None = None
+    storage: VolumeSize = "50Gi"
 
 
 class Timeouts(StrictModel):

@@ -6,7 +6,9 @@ map from key path to source position alongside the plain Python data.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,10 @@ class Document:
 MAX_BYTES = 1 << 20  # a job spec or inventory is a few KB; a bound keeps hostile input bounded
 MAX_VALUES = 100_000  # after aliases are expanded: an alias bomb stops here, not at the memory limit
 MAX_DEPTH = 32
+_TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep (the limit is {MAX_DEPTH}; a job spec or inventory needs a few)"
+# What a path may be instead of a regular file: each can block open() or read() forever, or never end.
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 _NULL = {"", "~", "null", "Null", "NULL"}
 _BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
 # YAML 1.2 core schema numbers. YAML 1.1's octal 0123, base-60 12:30, 1_000 and dates are not
@@ -114,16 +120,34 @@ def _plain_scalar(text: str) -> Any:
     if text in _BOOL:
         return _BOOL[text]
     if _INT.fullmatch(text):
-        return YamlInt(text)
+        try:
+            return YamlInt(text)
+        except ValueError:  # more digits than int() reads (4300): text, which a number's key refuses
+            return text
     if _FLOAT.fullmatch(text):
         return YamlFloat(text)
     return text
 
 
+class _TooDeep(yaml.MarkedYAMLError):
+    """Nesting past MAX_DEPTH, at the node where it begins."""
+
+
 class _Loader(yaml.SafeLoader):
-    """Composes nodes without resolving any scalar: every untagged scalar is text until _Builder types it."""
+    """Composes nodes without resolving any scalar: every untagged scalar is text until _Builder types it.
+    Nesting is bounded as it is composed: PyYAML composes each level in a recursive call, so a few
+    hundred levels would end in a RecursionError that knows no position."""
 
     yaml_implicit_resolvers: dict[Any, Any] = {}  # noqa: RUF012 - PyYAML's own class-level table, replaced
+    depth = 0  # the nodes around the one composed next: the length of its key path
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.depth > MAX_DEPTH:
+            raise _TooDeep(problem_mark=self.peek_event().start_mark)
+        self.depth += 1
+        node = super().compose_node(parent, index)
+        self.depth -= 1
+        return node
 
 
 def _mark(node: yaml.Node) -> Mark:
@@ -144,7 +168,7 @@ class _Builder:
             raise SpecError([self._problem(node, path, f"more than {MAX_VALUES} values once anchors and aliases "
                                                        f"are expanded; write the values out")])
         if len(path) > MAX_DEPTH:
-            raise SpecError([self._problem(node, path, f"nested more than {MAX_DEPTH} levels deep")])
+            raise SpecError([self._problem(node, path, _TOO_DEEP)])  # aliases nest what they name deeper
         self.marks.setdefault(path, _mark(node))
         if node.tag != _UNTAGGED[type(node)]:
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
@@ -197,12 +221,33 @@ def located(path: str | Path | None, key_path: KeyPath, message: str) -> SpecErr
         return SpecError([Problem(str(path), None, None, key_path, message)])
 
 
+def not_regular(mode: int) -> str | None:
+    """What a file of this st_mode is when it is not a regular file ('a FIFO (named pipe)'), else None."""
+    return next((kind for test, kind in _NOT_REGULAR if test(mode)), None)
+
+
+def _regular(doc_path: Path, mode: int) -> None:
+    """Refuse what is not a regular file, saying what it is instead."""
+    if (kind := not_regular(mode)) is not None:
+        raise SpecError([Problem(str(doc_path), None, None, (), f"is {kind}, not a regular file; a job spec or "
+                                                                f"inventory is a YAML file")])
+
+
+def _read(doc_path: Path) -> bytes:
+    """The first MAX_BYTES + 1 bytes of a regular file. Anything else is refused before it is opened: a FIFO
+    without a writer blocks open() forever, a device or socket may never end. O_NONBLOCK, and the check again
+    on the open file, keep a file swapped for a FIFO meanwhile from blocking either."""
+    _regular(doc_path, doc_path.stat().st_mode)
+    with open(os.open(doc_path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
+        _regular(doc_path, os.fstat(handle.fileno()).st_mode)
+        return handle.read(MAX_BYTES + 1)
+
+
 def load_document(path: str | Path) -> Document:
     """Read one YAML document; syntax errors become SpecError with the parser's position."""
     doc_path = Path(path)
     try:
-        with doc_path.open("rb") as handle:
-            raw = handle.read(MAX_BYTES + 1)
+        raw = _read(doc_path)
     except FileNotFoundError:
         raise SpecError([Problem(str(doc_path), None, None, (), "file not found")]) from None
     except OSError as exc:
@@ -220,12 +265,10 @@ def load_document(path: str | Path) -> Document:
         mark = exc.problem_mark
         line: int | None = mark.line + 1 if mark else None
         column: int | None = mark.column + 1 if mark else None
-        raise SpecError([Problem(str(doc_path), line, column, (), f"invalid YAML: {exc.problem}")]) from None
+        message = _TOO_DEEP if isinstance(exc, _TooDeep) else f"invalid YAML: {exc.problem}"
+        raise SpecError([Problem(str(doc_path), line, column, (), message)]) from None
     except yaml.YAMLError as exc:
         raise SpecError([Problem(str(doc_path), None, None, (), f"invalid YAML: {exc}")]) from None
-    except RecursionError:
-        raise SpecError([Problem(str(doc_path), None, None, (), f"nested too deeply (more than {MAX_DEPTH} "
-                                                                f"levels are never needed)")]) from None
     if root is None:
         raise SpecError([Problem(str(doc_path), None, None, (), "the file is empty; expected a mapping")])
     builder = _Builder(doc_path)

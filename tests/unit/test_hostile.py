@@ -11,6 +11,7 @@ import os
 import random
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -35,8 +36,8 @@ def argv_of(result: subprocess.CompletedProcess[str]) -> list[str]:
     return argv[argv.index("harness.payload.train") + 1:]
 
 
-def refused(path: Path, *extra: str) -> str:
-    result = harness("render", str(path), *extra)
+def refused(path: Path, *extra: str, timeout: float = 120) -> str:
+    result = harness("render", str(path), *extra, timeout=timeout)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
     return result.stderr
@@ -85,18 +86,33 @@ def test_two_spellings_of_one_ipv6_address_are_one_host(write_yaml):
     ("base: &b {nnodes: 2}\njob:\n  <<: *b\n", "job.yaml:3:3: job: YAML merge keys (<<) are not supported"),
     ("name: !secret demo\n", "job.yaml:1:7: name: YAML tag '!secret' is not supported"),
     ("name: !!python/object:os.system demo\n", "YAML tag '!!python/object:os.system' is not supported"),
-    ("a: " + "[" * 3000 + "]" * 3000 + "\n", "job.yaml: nested too deeply"),
     ("a: " + "[" * 40 + "]" * 40 + "\n", "nested more than 32 levels deep"),
     ("name: d\xe9mo\n".encode("latin-1"), "job.yaml:1:8: not UTF-8 text (byte 0xe9); save the file as UTF-8"),
     ("name: " + "x" * 1_000_000 + "\n", "name: expected a DNS-1123 label"),
+    ("nnodes: " + "9" * 5000 + "\n", "nnodes: expected an integer from 1 to 4096, got '999"),  # past int()'s digits
+    ("resources: {memory: " + "9" * 999_000 + "Ei}\n", "resources.memory: expected a Kubernetes quantity from 1Mi"),
     ("a: \"x\\0y\"\nnnodes: 1\nname: d\nentrypoint: {module: m, args: [\"a\\0b\"]}\n", "contains a NUL byte"),
-], ids=["merge", "tag", "python-tag", "deep", "deep-32", "latin-1", "megabyte", "nul"])
+], ids=["merge", "tag", "python-tag", "deep-32", "latin-1", "megabyte", "5000-digits", "megabyte-quantity", "nul"])
 def test_malformed_files_are_located_errors(tmp_path, text, message):
     path = tmp_path / "job.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     error = refused(path)
     assert message in error, error
     assert len(error) < 1000, "a hostile value must not be echoed back whole"
+
+
+TOO_DEEP = "nested more than 32 levels deep (the limit is 32; a job spec or inventory needs a few)"
+
+
+@pytest.mark.parametrize("nested, job_column, hosts_column", [
+    ("[" * 3000 + "]" * 3000, 36, 67),  # the 33rd level: the 33rd `[` in the job, the 31st in a host
+    ("{a: " * 3000 + "}" * 3000, 129, 154),  # the key of the 32nd mapping in the job, of the 30th in a host
+], ids=["sequences", "mappings"])
+def test_deep_nesting_is_refused_where_it_passes_the_limit(write_yaml, nested, job_column, hosts_column):
+    job = write_yaml(f"a: {nested}\n")
+    assert refused(job) == f"harness: error: {job}:1:{job_column}: {TOO_DEEP}\n"
+    hosts = write_yaml(f"hosts:\n  - {{name: a, address: 10.0.0.1, x: {nested}}}\n", "h.yaml")
+    assert refused(write_yaml(JOB), "--hosts", str(hosts)) == f"harness: error: {hosts}:2:{hosts_column}: {TOO_DEEP}\n"
 
 
 def test_an_alias_bomb_stops_early_with_bounded_memory(tmp_path):
@@ -131,27 +147,84 @@ def test_bad_output_and_runs_directories_are_errors(write_yaml, tmp_path):
     assert afile.read_text() == "x"
 
 
-FIFO_OPEN_WAITS = {"fifo_open", "wait_for_partner"}  # where the kernel waits in open() for a FIFO's writer
+def _socket(path: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))  # the socket file outlives the socket
 
 
-def test_ctrl_c_while_reading_a_file_is_exit_130(tmp_path):
-    fifo = tmp_path / "job.yaml"
-    os.mkfifo(fifo)  # opening it blocks until a writer comes: the user presses Ctrl-C meanwhile
+NOT_REGULAR = {"a FIFO (named pipe)": os.mkfifo, "a directory": os.mkdir, "a socket": _socket,
+               "a character device": lambda path: os.symlink("/dev/null", path)}
+
+
+@pytest.mark.parametrize("kind", NOT_REGULAR)
+def test_a_spec_or_inventory_that_is_not_a_regular_file_is_refused_unopened(write_yaml, tmp_path, kind):
+    path = tmp_path / "x.yaml"
+    NOT_REGULAR[kind](path)
+    expected = f"harness: error: {path}: is {kind}, not a regular file; a job spec or inventory is a YAML file\n"
+    # A FIFO without a writer once blocked open() forever: the timeout ends the test if it ever does again.
+    assert refused(path, timeout=20) == expected
+    assert refused(write_yaml(JOB), "--hosts", str(path), timeout=20) == expected
+
+
+def test_ctrl_c_while_reading_a_file_is_exit_130(write_yaml):
+    # A read that takes long (a stalled network filesystem) stands in for the slow file; Ctrl-C comes meanwhile.
+    probe = ("import sys, time; from harness import cli; from harness.spec import job; "
+             "job.load_document = lambda path: (print('reading', flush=True), time.sleep(120)); "
+             "sys.exit(cli.main(['render', sys.argv[1]]))")
     # Ctrl-C as at a terminal: a handled SIGINT is reset to its default by exec, an ignored one (as in a
     # background job) would stay ignored, so the test handles it while it starts the harness.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        reader = subprocess.Popen([sys.executable, "-m", "harness.cli", "render", str(fifo)], cwd=REPO,
+        reader = subprocess.Popen([sys.executable, "-c", probe, str(write_yaml(JOB))], cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     finally:
         signal.signal(signal.SIGINT, previous)
-    deadline = time.monotonic() + 120
-    while Path(f"/proc/{reader.pid}/wchan").read_text() not in FIFO_OPEN_WAITS:
-        assert time.monotonic() < deadline and reader.poll() is None, "never blocked opening the FIFO"
-        time.sleep(0.05)
+    assert reader.stdout is not None and reader.stdout.readline() == "reading\n"
     reader.send_signal(signal.SIGINT)
     _, err = reader.communicate(timeout=30)
     assert (reader.returncode, err) == (130, "harness: interrupted\n")
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("memory", "1e400", "from 1Mi to 1Pi bytes, such as 16Gi or 512Mi, got 1e400"),
+    ("memory", ".inf", "from 1Mi to 1Pi bytes, such as 16Gi or 512Mi, got .inf"),
+    ("memory", ".nan", "from 1Mi to 1Pi bytes, such as 16Gi or 512Mi, got .nan"),
+    ("memory", "-1Gi", "from 1Mi to 1Pi bytes, such as 16Gi or 512Mi, got '-1Gi'"),
+    ("memory", "2Pi", "from 1Mi to 1Pi bytes, such as 16Gi or 512Mi, got '2Pi'"),
+    ("memory", "64", "from 1Mi to 1Pi bytes, such as 16Gi or 512Mi, got 64"),  # 64 bytes: 64Gi was meant
+    ("shm_size", "1e99999999999999999999", "from 1Mi to 1Pi bytes, such as 16Gi or 512Mi, got 1e99999999999999999999"),
+    ("cpu", "1e400", "from 1m to 16384 CPUs, such as 4 or 500m, got 1e400"),
+    ("cpu", "0.0001", "from 1m to 16384 CPUs, such as 4 or 500m, got 0.0001"),  # Kubernetes would make it 1m
+    ("storage", "9Ei", "from 1Mi to 1Ei bytes, such as 50Gi or 2Ti, got '9Ei'"),  # past 2^63 - 1: capped unsaid
+])
+def test_resources_no_node_can_have_are_refused_at_their_key(write_yaml, key, value, expected):
+    error = refused(write_yaml(JOB + f"resources:\n  {key}: {value}\n"))
+    assert f"job.yaml:8:3: resources.{key}: expected a Kubernetes quantity {expected}\n" in error, error
+
+
+def test_the_bounds_of_resources_are_accepted(write_yaml):
+    assert render(write_yaml(JOB + "resources: {cpu: 1m, memory: 1Pi, shm_size: 1Mi, storage: 1Ei}\n")).returncode == 0
+    assert render(write_yaml(JOB + "resources: {cpu: 16384, memory: 1Mi, storage: 1Mi}\n")).returncode == 0
+
+
+def test_an_identity_file_that_is_not_a_key_file_is_refused_at_its_line(write_yaml, tmp_path):
+    key = tmp_path / "id_ed25519"
+    key.write_text("a key\n")
+    missing = f"~/no-such-dir-{os.getpid()}/id_ed25519"  # ~ expanded as ssh does
+    hosts = write_yaml(f"defaults: {{identity_file: {missing}}}\nhosts:\n"
+                       f"  - {{name: a, address: 10.0.0.1, identity_file: {key}}}\n"
+                       f"  - {{name: b, address: 10.0.0.2, identity_file: {tmp_path}}}\n"
+                       f"  - {{name: c, address: 10.0.0.3}}\n"
+                       f"  - {{name: d, address: 10.0.0.4, identity_file: {tmp_path}/nope}}\n", "h.yaml")
+    error = refused(write_yaml(JOB), "--hosts", str(hosts))
+    expected = "; expected the path of an SSH private key on this machine, or no identity_file (ssh-agent and " \
+               "~/.ssh/id_* are tried then)"
+    assert error.splitlines() == [
+        f"harness: error: {hosts}:4:34: hosts[1].identity_file: '{tmp_path}' is a directory, not an SSH private "
+        f"key file",
+        f"{hosts}:1:12: defaults.identity_file: '{Path(missing).expanduser()}' does not exist{expected}",  # c's, once
+        f"{hosts}:6:34: hosts[3].identity_file: '{tmp_path}/nope' does not exist{expected}",
+    ]
 
 
 # -- nothing outside the run's own space ----------------------------------------------------------------

@@ -77,7 +77,8 @@ def test_shipped_jobs_are_valid():
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nenv:\n  OMP_NUM_THREADS: 4\n",
          "job.yaml:5:3: env.OMP_NUM_THREADS: expected a string, got 4; quote it if you mean the text: '4'"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nresources: {memory: 16GB}\n",
-         "job.yaml:4:13: resources.memory: expected a Kubernetes quantity such as 4, 500m, 16Gi or 512Mi, got '16GB'"),
+         "job.yaml:4:13: resources.memory: expected a Kubernetes quantity from 1Mi to 1Pi bytes, such as 16Gi or 512Mi, "
+         "got '16GB'"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nresources: {gpus: -1}\n",
          "resources.gpus: Input should be greater than or equal to 0"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nimage: 'Not An Image'\n", "job.yaml:4:1: image: expected an image reference"),

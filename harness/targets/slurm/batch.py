@@ -27,27 +27,18 @@ from harness.plan.planner import (
     torchrun_flags,
 )
 from harness.plan.setup_script import setup_script, with_setup
-from harness.spec.job import QUANTITY, SLURM_OPTIONS, JobSpec
+from harness.spec.job import SLURM_OPTIONS, JobSpec, quantity_value
 
 _NODE, _MASTER, _JOB, _ATTEMPT, _PORT = "\0node\0", "\0master\0", "\0job\0", "\0attempt\0", "\0port\0"
 _SHELL = {_NODE: '"$SLURM_NODEID"', _MASTER: '"$MASTER_ADDR"', _JOB: '"$SLURM_JOB_ID"', _PORT: '"$MASTER_PORT"',
           _ATTEMPT: '"${SLURM_RESTART_COUNT:-0}"'}
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal(10**3),
-            "M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12), "P": Decimal(10**15),
-            "E": Decimal(10**18)}
 
 
-def _quantity(text: str) -> Decimal:
-    """A Kubernetes quantity (the spec's resources) as a plain number."""
-    match = QUANTITY.fullmatch(text)
-    assert match is not None  # the spec validated it
-    number, suffix = Decimal(match.group(1)), match.group(3) or ""
-    if suffix in _BINARY:
-        return number * _BINARY[suffix]
-    if suffix in _DECIMAL:
-        return number * _DECIMAL[suffix]
-    return number * (Decimal(10) ** int(suffix[1:]) if suffix else 1)
+def _number(quantity: str) -> Decimal:
+    """A quantity of the spec's resources (validated there) as a plain number."""
+    number = quantity_value(quantity)
+    assert number is not None
+    return number
 
 
 def _megabytes(size: Decimal) -> str:
@@ -77,9 +68,9 @@ def sbatch_options(spec: JobSpec, log_dir: Path | None = None) -> list[str]:
     time-limit warning, then the job's slurm: section."""
     options = [f"--job-name={spec.name}", f"--nodes={spec.nnodes}", "--ntasks-per-node=1"]
     if spec.resources.cpu is not None:
-        options.append(f"--cpus-per-task={max(1, math.ceil(_quantity(spec.resources.cpu)))}")
+        options.append(f"--cpus-per-task={max(1, math.ceil(_number(spec.resources.cpu)))}")
     if spec.resources.memory is not None:
-        options.append(f"--mem={_megabytes(_quantity(spec.resources.memory))}")
+        options.append(f"--mem={_megabytes(_number(spec.resources.memory))}")
     if spec.resources.gpus:
         options.append(f"--gpus-per-node={spec.resources.gpus}")
     slurm = spec.slurm

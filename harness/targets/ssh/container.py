@@ -17,12 +17,12 @@ import io
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from decimal import ROUND_CEILING, Decimal
+from decimal import ROUND_CEILING
 
 from harness.errors import UsageError
 from harness.plan.planner import Plan
 from harness.plan.setup_script import with_setup
-from harness.spec.job import QUANTITY, ContainerEngine, JobSpec
+from harness.spec.job import ContainerEngine, JobSpec, quantity_value
 
 # All GPUs: docker through the NVIDIA container toolkit's runtime hook, podman through the toolkit's
 # CDI spec (`nvidia-ctk cdi generate`; podman ignores --gpus).
@@ -31,13 +31,6 @@ RUN_ID_LABEL = "harness.run-id"
 NODE_RANK_LABEL = "harness.node-rank"
 # docker's rule for container names.
 CONTAINER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
-_SUFFIX = {
-    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
-    "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
-}
 
 
 @dataclass(frozen=True)
@@ -67,12 +60,9 @@ def shm_bytes(quantity: str) -> int:
 
     docker reads `16G` as 16 GiB and `500m` as 500 MiB; bytes mean the same on both backends.
     """
-    match = QUANTITY.fullmatch(quantity)
-    if match is None:
+    value = quantity_value(quantity)
+    if value is None:
         raise UsageError(f"shm_size: expected a quantity such as 16Gi or 512Mi, got {quantity!r}")
-    suffix = match.group(3) or ""
-    exponent = len(suffix) > 1 and suffix[0] in "eE" and suffix != "Ei"
-    value = Decimal(quantity) if exponent else Decimal(match.group(1)) * _SUFFIX[suffix]
     size = int(value.to_integral_value(rounding=ROUND_CEILING))
     if size < 1:
         raise UsageError(f"shm_size: {quantity!r} is less than one byte")
