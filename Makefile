@@ -20,7 +20,7 @@ IMAGE ?= harness
 TAG ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' harness/__init__.py)
 IMAGE_FLAGS ?=
 
-.PHONY: setup system-packages test-packages lint test test-fast test-gpu launch render k8s image push image-test bench bench-quick bench-gpu bench-health lock clean
+.PHONY: setup system-packages test-packages test-image lint test test-fast test-soak test-gpu launch render k8s image push image-test bench bench-quick bench-gpu bench-health lock clean
 
 setup: system-packages $(STAMP)
 
@@ -58,8 +58,17 @@ lint: setup
 	$(BIN)/ruff check harness tests bench docker testbed
 	$(BIN)/mypy
 
-test: lint test-packages
+# The suite's container tests run the image docker/Dockerfile builds: built here, before pytest, into the
+# cache that `make image-test` reuses (~7 min cold, seconds warm; tests/image/build.sh).
+test-image: setup test-packages
+	tests/image/build.sh
+
+test: lint test-packages test-image
 	$(BIN)/python -m pytest
+
+# What only length shows (tests marked soak: a healthy 4-node job for five minutes); not in `make test`.
+test-soak: setup
+	$(BIN)/python -m pytest -m soak
 
 # The unit tier alone (tests/unit, under a minute): no root, daemons, clusters or launches, no lint.
 # `make test` runs it too, with tests/integration (the clusters of testbed/, real launches and training).
