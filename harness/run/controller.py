@@ -14,12 +14,9 @@ and the report.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
@@ -38,6 +35,7 @@ from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds
 from harness.run.report import report, say
 from harness.run.results import failure_of, hang_failure, recorded_node, stopped_status, summary_error
 from harness.run.rundir import RunDir, run_dir
+from harness.run.stopping import stop_on_signals
 from harness.run.supervisor import Supervisor
 from harness.spec.job import JobSpec
 from harness.targets.base import Backend, CheckFailed, Scheduler
@@ -62,7 +60,7 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
                                 started_at=began, nnodes=course.nnodes, world_size=course.world_size,
                                 controller=ControllerId(os.getpid(), start_ticks(os.getpid())), hosts=course.hosts)
         stop = threading.Event()
-        with _stop_on_signals(stop):
+        with stop_on_signals(stop):
             try:
                 attempts, reason = course.run(run, stop)
             except BaseException as exc:
@@ -72,17 +70,6 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
         return _finish(run, course.state, attempts, stop, reason, out)
     finally:
         course.close()
-
-
-@contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """Ctrl-C and SIGTERM (`harness stop` sends it) set stop; the run then ends as a stop, not an error."""
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 class _Course:

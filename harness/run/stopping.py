@@ -1,16 +1,32 @@
-"""Stopping every node of an attempt: TERM now, KILL to whatever is left after the grace period, and
-KILL to every agent at the end, which sweeps stragglers (workers that outlived their torchrun). A failed
-node must not leave the survivors hanging in a collective until NCCL or gloo time out."""
+"""Stopping a run: Ctrl-C and SIGTERM to the controller become one stop request (stop_on_signals), and
+every node of an attempt is stopped: TERM now, KILL to whatever is left after the grace period, and KILL
+to every agent at the end, which sweeps stragglers (workers that outlived their torchrun). A failed node
+must not leave the survivors hanging in a collective until NCCL or gloo time out."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from harness.run.live import LiveNode
 from harness.targets.base import NodeProcess
 
 POLL_SECONDS = 0.05
+
+
+@contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Ctrl-C and SIGTERM (`harness stop` sends it) set stop, the one handler of both: the run then ends as a
+    stop, not an error (`harness stop`'s marker tells stopped from interrupted: results.stopped_status)."""
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class Stopper:
