@@ -9,6 +9,9 @@
   renames that folder into place once every shard and the state are fsynced.
 
 Either way a kill at any moment leaves the complete new checkpoint or none, never a truncated one.
+What a checkpoint holds is a `Checkpoint`; the files keep it as a plain dict (they are read with
+weights_only, which unpickles no classes), under the same keys as before that class existed, so older
+checkpoints still resume.
 
 Test hook: with HARNESS_PAYLOAD_STALL_SAVE=<name> (`ckpt-00000012.pt` or `ckpt-00000012`) in the env,
 writing that checkpoint stops halfway (half the file written; every shard written but not the state)
@@ -23,18 +26,83 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from harness.payload import PayloadError
+from harness.payload.metrics import EpochRecord
+from harness.payload.progress import Config, Progress
 
 PREFIX = "ckpt-"
 SUFFIX = ".pt"
 STALL_ENV = "HARNESS_PAYLOAD_STALL_SAVE"
 SHARDED_STATE = "state.pt"  # a sharded checkpoint's own small state, beside the shards
 SHARDS_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards, written last
-STATE = ("scheduler", "epoch", "step", "global_step", "config")
-REQUIRED = ("model", "optimizer", *STATE)
+
+
+@dataclass(frozen=True)
+class Rng:
+    """The global generators' states: a resumed run draws what the unbroken one would have."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> Rng:
+        return cls(torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
+
+    def restore(self, device: torch.device) -> None:
+        """The states may have been loaded onto the device; the setters take CPU tensors."""
+        torch.set_rng_state(self.cpu.cpu())
+        if device.type == "cuda" and self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda.cpu())
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Everything a run resumes from. A file checkpoint holds the whole model and optimizer state; a
+    sharded one leaves them None here, as its shards hold them (payload/strategy.py reads those)."""
+
+    progress: Progress
+    scheduler: dict[str, Any]
+    rng: Rng
+    model: dict[str, Any] | None = None
+    optimizer: dict[str, Any] | None = None
+
+    def encode(self) -> dict[str, Any]:
+        """The plain dict the files hold: the progress's fields at the top, beside the other states."""
+        weights = {} if self.model is None else {"model": self.model, "optimizer": self.optimizer}
+        return {**weights, "scheduler": self.scheduler, "rng": {"cpu": self.rng.cpu, "cuda": self.rng.cuda},
+                **asdict(self.progress)}
+
+    @classmethod
+    def decode(cls, state: object, sharded: bool) -> Checkpoint:
+        """Back from encode's dict; a PayloadError names every field it lacks (not a checkpoint of this
+        payload's)."""
+        weights = [] if sharded else ["model", "optimizer"]
+        top = _entries(state, [*weights, "scheduler", "rng", *_names(Progress)])
+        progress = {name: top[name] for name in _names(Progress)}
+        progress["config"] = Config(**_entries(top["config"], _names(Config), "config."))
+        progress["history"] = [EpochRecord(**_entries(record, _names(EpochRecord), "history."))
+                               for record in top["history"]]
+        rng = Rng(**_entries(top["rng"], _names(Rng), "rng."))
+        return cls(Progress(**progress), top["scheduler"], rng, top.get("model"), top.get("optimizer"))
+
+
+def _names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _entries(state: object, names: list[str], where: str = "") -> dict[str, Any]:
+    """The named entries of a dict read from a checkpoint; a PayloadError names each one it lacks."""
+    found = state if isinstance(state, dict) else {}
+    missing = [where + name for name in names if name not in found]
+    if missing:
+        raise PayloadError(f"missing {', '.join(missing)}")
+    return {name: found[name] for name in names}
 
 
 def path_for(ckpt_dir: Path, global_step: int, sharded: bool = False) -> Path:
@@ -46,20 +114,20 @@ def is_sharded(path: Path) -> bool:
     return not path.name.endswith(SUFFIX)
 
 
-def save(state: dict[str, Any], ckpt_dir: Path, global_step: int, keep: int) -> Path:
+def save(saved: Checkpoint, ckpt_dir: Path, global_step: int, keep: int) -> Path:
     """Write the checkpoint for global_step atomically, then drop all but the newest `keep`."""
     path = path_for(ckpt_dir, global_step)
-    atomic_write(path, serialize(state))
+    atomic_write(path, serialize(saved.encode()))
     prune(ckpt_dir, keep)
     return path
 
 
 def save_sharded(
-    shards: dict[str, Any], state: dict[str, Any], ckpt_dir: Path, global_step: int, keep: int, *, is_main: bool,
+    shards: dict[str, Any], saved: Checkpoint, ckpt_dir: Path, global_step: int, keep: int, *, is_main: bool,
     barrier: Callable[[], None],
 ) -> Path:
-    """Collective: every rank writes its shards of `shards` (DTensor state dicts), rank 0 the state, and
-    rank 0 renames the finished folder into place; then all but the newest `keep` are dropped."""
+    """Collective: every rank writes its shards of `shards` (DTensor state dicts), rank 0 the rest of
+    `saved`, and rank 0 renames the finished folder into place; then all but the newest `keep` are dropped."""
     from torch.distributed.checkpoint.state_dict_saver import save as save_shards
 
     final = path_for(ckpt_dir, global_step, sharded=True)
@@ -74,7 +142,7 @@ def save_sharded(
     if is_main:
         if os.environ.get(STALL_ENV) == final.name:
             _stall(str(tmp))
-        atomic_write(tmp / SHARDED_STATE, serialize(state))
+        atomic_write(tmp / SHARDED_STATE, serialize(saved.encode()))
         if final.exists():  # the same step saved again: a run started over in the same folder
             aside = final.with_name(f".{final.name}.old")
             os.replace(final, aside)
@@ -150,22 +218,19 @@ def remove_partial_writes(ckpt_dir: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def load(path: Path, device: torch.device) -> dict[str, Any]:
+def load(path: Path, device: torch.device) -> Checkpoint:
     """Tensors land on this rank's device; weights_only refuses arbitrary pickled code. A sharded
     checkpoint's state only: its shards are loaded into the sharded model (payload/strategy.py)."""
     sharded = is_sharded(path)
     if sharded and not (path / SHARDS_METADATA).is_file():
         raise ValueError(f"no {SHARDS_METADATA}: its shards are incomplete")
     state = torch.load(path / SHARDED_STATE if sharded else path, map_location=device, weights_only=True)
-    missing = [key for key in (STATE if sharded else REQUIRED) if not isinstance(state, dict) or key not in state]
-    if missing:
-        raise ValueError(f"missing {', '.join(missing)}")
-    return state
+    return Checkpoint.decode(state, sharded)
 
 
 def load_newest(
     ckpt_dir: Path, device: torch.device, warn: Callable[[str], None]
-) -> tuple[Path, dict[str, Any]] | None:
+) -> tuple[Path, Checkpoint] | None:
     """The newest checkpoint that loads; each one that does not is reported through warn and skipped."""
     for path in newest_first(ckpt_dir):
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +46,17 @@ class Replicated:
         """Gradients are averaged across ranks only on a step's last micro-batch."""
         return net.no_sync() if isinstance(net, DDP) and not last else nullcontext()
 
-    def save(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], ckpt_dir: Path, global_step: int,
-             keep: int) -> None:
+    def save(self, optimizer: torch.optim.Optimizer, saved: checkpoint.Checkpoint, ckpt_dir: Path,
+             global_step: int, keep: int) -> None:
         if self.rt.is_main:
-            full = {"model": self.model.state_dict(), "optimizer": optimizer.state_dict(), **state}
-            checkpoint.save(full, ckpt_dir, global_step, keep)
+            whole = replace(saved, model=self.model.state_dict(), optimizer=optimizer.state_dict())
+            checkpoint.save(whole, ckpt_dir, global_step, keep)
         runtime.barrier(self.rt)
 
-    def load(self, path: Path, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        self.model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    def load(self, path: Path, saved: checkpoint.Checkpoint, optimizer: torch.optim.Optimizer) -> None:
+        assert saved.model is not None and saved.optimizer is not None, "checkpoint.load checks a file's weights"
+        self.model.load_state_dict(saved.model)
+        optimizer.load_state_dict(saved.optimizer)
 
     def full_state(self) -> dict[str, Any] | None:
         """The whole model's state on rank 0 (None elsewhere)."""
@@ -94,12 +96,12 @@ class Sharded:
         model_state, optimizer_state = get_state_dict(self.model, optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
 
-    def save(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], ckpt_dir: Path, global_step: int,
-             keep: int) -> None:
-        checkpoint.save_sharded(self._shards(optimizer), state, ckpt_dir, global_step, keep,
+    def save(self, optimizer: torch.optim.Optimizer, saved: checkpoint.Checkpoint, ckpt_dir: Path,
+             global_step: int, keep: int) -> None:
+        checkpoint.save_sharded(self._shards(optimizer), saved, ckpt_dir, global_step, keep,
                                 is_main=self.rt.is_main, barrier=lambda: runtime.barrier(self.rt))
 
-    def load(self, path: Path, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    def load(self, path: Path, saved: checkpoint.Checkpoint, optimizer: torch.optim.Optimizer) -> None:
         """Each rank reads the parts of the shards it holds now, whatever world size wrote them."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load

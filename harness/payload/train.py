@@ -23,13 +23,12 @@ The last line is `done: test_acc=... global_step=... world_size=... seconds=... 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +37,12 @@ from torch import nn
 from harness.payload import PayloadError, batches, checkpoint, data, metrics, runtime
 from harness.payload import model as models
 from harness.payload import strategy as strategies
+from harness.payload.metrics import EpochRecord
+from harness.payload.progress import Config, Progress
+from harness.payload.report import LossFile, StepReport
 from harness.payload.runtime import Runtime
 
 Log = Callable[[str], None]
-Normalize = Callable[[torch.Tensor], torch.Tensor]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -106,27 +107,9 @@ def autocast(rt: Runtime, precision: str) -> torch.autocast:
     return torch.autocast(rt.device.type, torch.bfloat16, enabled=precision == "bf16")
 
 
-@torch.no_grad()
-def evaluate(net: nn.Module, ds: data.Dataset, rt: Runtime, norm: Normalize, precision: str, batch_size: int) -> float:
-    """Test accuracy; each rank scores a disjoint slice, one all-reduce at the end. Every rank runs
-    the same number of batches (a short slice is padded with image 0, not counted): under FSDP
-    each forward is a collective."""
-    net.eval()
-    n = len(ds.test_y)
-    mine = torch.arange(rt.rank, n, rt.world_size, device=rt.device)
-    share = -(-n // rt.world_size)
-    idx_all = torch.cat([mine, mine.new_zeros(share - len(mine))])
-    correct = torch.zeros((), dtype=torch.int64, device=rt.device)
-    for start, idx in zip(range(0, len(idx_all), batch_size), idx_all.split(batch_size), strict=True):
-        counted = (torch.arange(start, start + len(idx), device=rt.device) < len(mine))
-        with autocast(rt, precision):
-            correct += ((net(norm(ds.test_x[idx])).argmax(1) == ds.test_y[idx]) & counted).sum()
-    net.train()
-    counts = runtime.all_reduce_sum(rt, torch.stack([correct, torch.tensor(len(mine), device=rt.device)]))
-    return counts[0].item() / max(1, counts[1].item())
-
-
-def find_checkpoint(ckpt_dir: Path, rt: Runtime, strategy: str, log: Log) -> tuple[Path, dict[str, Any]] | None:
+def find_checkpoint(
+    ckpt_dir: Path, rt: Runtime, strategy: str, log: Log
+) -> tuple[Path, checkpoint.Checkpoint] | None:
     """Rank 0 picks the newest readable checkpoint; every rank then loads that same one (the state; a
     sharded checkpoint's shards are loaded once the model is sharded)."""
     found = None
@@ -154,9 +137,9 @@ def find_checkpoint(ckpt_dir: Path, rt: Runtime, strategy: str, log: Log) -> tup
         ) from None
 
 
-def check_same_config(saved: dict[str, Any], config: dict[str, Any], ckpt_dir: Path) -> None:
+def check_same_config(saved: Config, config: Config, ckpt_dir: Path) -> None:
     """Resuming is exact only with the settings that shaped the run so far."""
-    changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in config.items() if saved.get(k) != v]
+    changed = saved.changes(config)
     if changed:
         raise PayloadError(
             f"the checkpoint in {ckpt_dir} was made with other settings ({', '.join(changed)}); "
@@ -164,232 +147,250 @@ def check_same_config(saved: dict[str, Any], config: dict[str, Any], ckpt_dir: P
         )
 
 
-def batch_split(args: argparse.Namespace, rt: Runtime, saved: dict[str, Any] | None, log: Log) -> batches.Split:
+def batch_split(args: argparse.Namespace, rt: Runtime, saved: Progress | None, log: Log) -> batches.Split:
     """The global batch: --global-batch, else the checkpoint's, else --batch-size x world size; cut
     into each rank's micro-batches of at most --batch-size."""
-    global_batch = args.global_batch or (saved["config"]["global_batch"] if saved else args.batch_size * rt.world_size)
+    global_batch = args.global_batch or (saved.config.global_batch if saved else args.batch_size * rt.world_size)
     split = batches.split(global_batch, rt.world_size, args.batch_size)
-    before = saved.get("world_size") if saved else None
-    if before is not None and before != rt.world_size:
-        log(f"resume: world size {before} -> {rt.world_size}; the same steps continue: {split.describe()}")
+    if saved is not None and saved.world_size != rt.world_size:
+        log(f"resume: world size {saved.world_size} -> {rt.world_size}; the same steps continue: {split.describe()}")
     return split
 
 
-def train(args: argparse.Namespace, rt: Runtime) -> None:
-    log: Log = (lambda msg: print(msg, flush=True)) if rt.is_main else (lambda msg: None)
-    started = time.perf_counter()
-    torch.manual_seed(args.seed)
-    ds = data.load(args.data, args.data_dir, args.seed, args.subset).to(rt.device)
-    # SIGUSR1 (a time-limit or preemption warning): the ranks agree at the next log interval, save a
-    # checkpoint there and stop, so that the requeued job loses nothing.
-    warned = runtime.warning_signal() if args.ckpt_dir is not None else None
-    found = find_checkpoint(args.ckpt_dir, rt, args.strategy, log) if args.resume else None
-    split = batch_split(args, rt, found[1] if found else None, log)
-    global_batch = split.global_batch
-    steps_per_epoch = len(ds.train_y) // global_batch
-    if steps_per_epoch == 0:
-        raise PayloadError(f"{len(ds.train_y)} training images do not fill one step's {split.describe()}; "
-                           f"lower --global-batch or --batch-size")
-    total_steps = args.epochs * steps_per_epoch
-    max_steps = total_steps if args.max_steps is None else min(args.max_steps, total_steps)
-
-    cuda = rt.device.type == "cuda"
-    if cuda:
-        torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    model = models.build(args.model, ds.channels, ds.num_classes, args.norm)
-    parallel = strategies.build(args.strategy, model.to(rt.device), rt)
-    # fused: one kernel for the whole update on CUDA instead of a few per parameter group.
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay,
-        fused=(cuda and not parallel.sharded) or None,
+def run_config(args: argparse.Namespace, global_batch: int) -> Config:
+    """The flags a checkpoint records: the ones --resume must find unchanged."""
+    return Config(
+        data=args.data, subset=args.subset, model=args.model, norm=args.norm, seed=args.seed,
+        global_batch=global_batch, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
+        warmup=args.warmup, augment=not args.no_augment,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(total_steps, args.warmup))
-    config = {
-        "data": args.data, "subset": args.subset, "model": args.model, "norm": args.norm, "seed": args.seed,
-        "global_batch": global_batch, "epochs": args.epochs, "lr": args.lr, "weight_decay": args.weight_decay,
-        "warmup": args.warmup, "augment": not args.no_augment,
-    }
 
-    epoch = step = global_step = 0
-    loss_carry = seconds_carry = 0.0
-    history: list[dict[str, Any]] = []
-    if found is not None:
-        path, state = found
-        check_same_config(state["config"], config, args.ckpt_dir)
-        parallel.load(path, state, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["cpu"].cpu())
-        if cuda and state["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu())
-        epoch, step, global_step = state["epoch"], state["step"], state["global_step"]
-        loss_carry, seconds_carry, history = state["loss_carry"], state["seconds_carry"], state["history"]
-        log(f"resume: epoch {epoch + 1} step {step} (global step {global_step}) from {path}")
 
-    # Static shapes: every training batch has one shape, so a changed shape is a bug to recompile for,
-    # not a reason to switch to slower shape-generic kernels.
-    net = parallel.wrap(torch.compile(model, mode=args.compile, dynamic=False) if args.compile else model)
-    mean = torch.tensor(ds.mean, device=rt.device).view(1, -1, 1, 1) * 255
-    std = torch.tensor(ds.std, device=rt.device).view(1, -1, 1, 1) * 255
+class Trainer:
+    """One rank's part of the run: its data, its model as the strategy holds it, the optimizer and the
+    progress. Every rank calls the same methods in the same order, since most of them hold collectives
+    (inside a step, the loss's all-reduces, checkpoints)."""
 
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        return batches.normalize(x, mean, std)
+    def __init__(self, args: argparse.Namespace, rt: Runtime) -> None:
+        self.args, self.rt = args, rt
+        self.log: Log = (lambda msg: print(msg, flush=True)) if rt.is_main else (lambda msg: None)
+        self.started = time.perf_counter()
+        torch.manual_seed(args.seed)
+        self.ds = data.load(args.data, args.data_dir, args.seed, args.subset).to(rt.device)
+        # SIGUSR1 (a time-limit or preemption warning): the ranks agree at the next log interval, save a
+        # checkpoint there and stop, so that the requeued job loses nothing.
+        self.warned = runtime.warning_signal() if args.ckpt_dir is not None else None
+        found = find_checkpoint(args.ckpt_dir, rt, args.strategy, self.log) if args.resume else None
+        self.split = batch_split(args, rt, found[1].progress if found else None, self.log)
+        self.steps_per_epoch = len(self.ds.train_y) // self.split.global_batch
+        if self.steps_per_epoch == 0:
+            raise PayloadError(f"{len(self.ds.train_y)} training images do not fill one step's "
+                               f"{self.split.describe()}; lower --global-batch or --batch-size")
+        total_steps = args.epochs * self.steps_per_epoch
+        self.max_steps = total_steps if args.max_steps is None else min(args.max_steps, total_steps)
+        self.model, self.parallel, self.optimizer, self.scheduler = self._build(total_steps)
+        config = run_config(args, self.split.global_batch)
+        self.progress = self._resume(*found, config) if found else Progress(config, rt.world_size)
+        # Static shapes: every training batch has one shape, so a changed shape is a bug to recompile for,
+        # not a reason to switch to slower shape-generic kernels.
+        compiled = torch.compile(self.model, mode=args.compile, dynamic=False) if args.compile else self.model
+        self.net = self.parallel.wrap(compiled)
+        self.mean = torch.tensor(self.ds.mean, device=rt.device).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(self.ds.std, device=rt.device).view(1, -1, 1, 1) * 255
+        self._announce()
+        # Losses stay on the device; they reach the host once per log interval, checkpoint or epoch.
+        self.loss_sum = torch.zeros((), device=rt.device)
+        self.report = StepReport(rt, self.log, args.log_every, self.split.global_batch, self.scheduler)
+        self.losses = LossFile(rt, args.losses) if args.losses is not None else None
+        self.epoch_started = time.perf_counter()  # when this process took up the current epoch
 
-    log(
-        f"train: data={args.data} ({len(ds.train_y)} train / {len(ds.test_y)} test) model={args.model} "
-        f"world_size={rt.world_size} device={rt.device.type} backend={rt.backend or 'none'} "
-        f"strategy={parallel.name} {split.describe()}, steps/epoch={steps_per_epoch} max_steps={max_steps} "
-        f"precision={args.precision} compile={args.compile or 'off'}"
-    )
-    # Losses stay on the device; they reach the host once per log interval, checkpoint or epoch.
-    loss_sum = torch.zeros((), device=rt.device)
-    log_loss = torch.zeros((), device=rt.device)
-    losses = _loss_writer(args.losses) if rt.is_main and args.losses is not None else None
+    def _build(self, total_steps: int) -> tuple[nn.Module, strategies.Replicated | strategies.Sharded,
+                                                 torch.optim.SGD, torch.optim.lr_scheduler.LambdaLR]:
+        """The model, placed by its strategy before the optimizer is made (FSDP swaps in its shards)."""
+        cuda = self.rt.device.type == "cuda"
+        if cuda:
+            torch.backends.cudnn.benchmark = True
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        model = models.build(self.args.model, self.ds.channels, self.ds.num_classes, self.args.norm)
+        parallel = strategies.build(self.args.strategy, model.to(self.rt.device), self.rt)
+        # fused: one kernel for the whole update on CUDA instead of a few per parameter group.
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=self.args.lr, momentum=0.9, nesterov=True, weight_decay=self.args.weight_decay,
+            fused=(cuda and not parallel.sharded) or None,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(total_steps, self.args.warmup))
+        return model, parallel, optimizer, scheduler
 
-    def fold_losses() -> None:
-        """Move the ranks' loss sums into loss_carry (the global mean loss, summed over steps)."""
-        nonlocal loss_carry
-        loss_carry += runtime.all_reduce_sum(rt, loss_sum).item() / rt.world_size
-        loss_sum.zero_()
+    def _resume(self, path: Path, saved: checkpoint.Checkpoint, config: Config) -> Progress:
+        """Load the checkpoint's states; its progress goes on with this run's world size."""
+        check_same_config(saved.progress.config, config, self.args.ckpt_dir)
+        self.parallel.load(path, saved, self.optimizer)
+        self.scheduler.load_state_dict(saved.scheduler)
+        saved.rng.restore(self.rt.device)
+        p = saved.progress
+        self.log(f"resume: epoch {p.epoch + 1} step {p.step} (global step {p.global_step}) from {path}")
+        return replace(p, world_size=self.rt.world_size)
 
-    def save(at_epoch: int, at_step: int, seconds: float) -> None:
-        if args.ckpt_dir is None:
-            return
-        fold_losses()
-        state = {
-            "scheduler": scheduler.state_dict(), "epoch": at_epoch, "step": at_step, "global_step": global_step,
-            "loss_carry": loss_carry, "seconds_carry": seconds, "history": history, "config": config,
-            "world_size": rt.world_size,
-            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if cuda else None},
-        }
-        parallel.save(optimizer, state, args.ckpt_dir, global_step, args.keep)
+    def _announce(self) -> None:
+        """One line that says what runs, before the first step: logs and tests read it."""
+        args, rt = self.args, self.rt
+        self.log(
+            f"train: data={args.data} ({len(self.ds.train_y)} train / {len(self.ds.test_y)} test) model={args.model} "
+            f"world_size={rt.world_size} device={rt.device.type} backend={rt.backend or 'none'} "
+            f"strategy={self.parallel.name} {self.split.describe()}, steps/epoch={self.steps_per_epoch} "
+            f"max_steps={self.max_steps} precision={args.precision} compile={args.compile or 'off'}"
+        )
 
-    def train_step(plan: batches.Epoch) -> torch.Tensor:
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 images as the model takes them (batches.normalize)."""
+        return batches.normalize(x, self.mean, self.std)
+
+    def run(self) -> None:
+        """Epochs up to --epochs or --max-steps, then the last line; SIGUSR1 stops it early, checkpointed."""
+        p = self.progress
+        while p.epoch < self.args.epochs and p.global_step < self.max_steps:
+            if not self.train_epoch():
+                return
+            self.end_epoch()
+        self.finish()
+
+    def train_epoch(self) -> bool:
+        """The current epoch's remaining steps (within --max-steps); False when SIGUSR1 stopped the run."""
+        p, rt = self.progress, self.rt
+        plan = batches.epoch_plan(len(self.ds.train_y), self.args.seed, p.epoch, rt.rank, rt.world_size, self.ds.pad,
+                                  self.ds.flip, rt.device, self.split.accumulation)
+        self.report.begin(f"epoch {p.epoch + 1}/{self.args.epochs}", self.steps_per_epoch, p.step, p.global_step)
+        self.epoch_started = time.perf_counter()
+        while p.step < self.steps_per_epoch and p.global_step < self.max_steps:
+            loss = self.train_step(plan)
+            self.loss_sum += loss
+            p.step += 1
+            p.global_step += 1
+            if self.losses is not None:
+                self.losses.add(p.global_step, loss)
+            self.report.step(loss, p.step, p.global_step)
+            if self.save_mid_epoch():
+                return False
+        self.report.end()
+        return True
+
+    def train_step(self, plan: batches.Epoch) -> torch.Tensor:
         """One optimizer step on this rank's share of the global batch, micro-batch by micro-batch; the
         rank's mean loss. Each micro-batch's loss is scaled so the gradients sum to the share's mean."""
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), device=rt.device)
-        for micro in range(split.accumulation):
-            idx = plan.batch(step, split.micro, micro)
-            x = ds.train_x[idx]
-            if not args.no_augment:
-                x = batches.augment(x, plan.offsets[idx], plan.flips[idx], ds.pad)
-            with parallel.accumulating(net, last=micro == split.accumulation - 1):
-                with autocast(rt, args.precision):
-                    loss = F.cross_entropy(net(norm(x)), ds.train_y[idx])
-                (loss / split.accumulation).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        accumulation = self.split.accumulation
+        step_loss = torch.zeros((), device=self.rt.device)
+        for micro in range(accumulation):
+            idx = plan.batch(self.progress.step, self.split.micro, micro)
+            x = self.ds.train_x[idx]
+            if not self.args.no_augment:
+                x = batches.augment(x, plan.offsets[idx], plan.flips[idx], self.ds.pad)
+            with self.parallel.accumulating(self.net, last=micro == accumulation - 1):
+                with autocast(self.rt, self.args.precision):
+                    loss = F.cross_entropy(self.net(self.norm(x)), self.ds.train_y[idx])
+                (loss / accumulation).backward()
             step_loss += loss.detach()
-        optimizer.step()
-        scheduler.step()
-        return step_loss / split.accumulation
+        self.optimizer.step()
+        self.scheduler.step()
+        return step_loss / accumulation
 
-    while epoch < args.epochs and global_step < max_steps:
-        plan = batches.epoch_plan(
-            len(ds.train_y), args.seed, epoch, rt.rank, rt.world_size, ds.pad, ds.flip, rt.device, split.accumulation
+    def save_mid_epoch(self) -> bool:
+        """Checkpoint every --ckpt-every steps, and when SIGUSR1 came: then True, to stop. Not on an
+        epoch's last step, whose end saves anyway; SIGUSR1 is looked for at log intervals only, as
+        the ranks must agree on it in a collective."""
+        p, args = self.progress, self.args
+        if not (p.step < self.steps_per_epoch and p.global_step < self.max_steps):
+            return False
+        if args.ckpt_every and p.global_step % args.ckpt_every == 0:
+            self.save(p.seconds_carry + time.perf_counter() - self.epoch_started)
+        if self.warned is None or p.global_step % args.log_every or not runtime.any_rank(self.rt, self.warned.is_set()):
+            return False
+        self.save(p.seconds_carry + time.perf_counter() - self.epoch_started)
+        self.log(f"warning signal (SIGUSR1): checkpoint saved at global step {p.global_step}; stopping here, "
+                 f"to resume with --resume")
+        return True
+
+    def fold_losses(self) -> None:
+        """Move the ranks' loss sums into loss_carry (the global mean loss, summed over steps): a host
+        sync, so only at checkpoints and epoch ends."""
+        self.progress.loss_carry += runtime.all_reduce_sum(self.rt, self.loss_sum).item() / self.rt.world_size
+        self.loss_sum.zero_()
+
+    def save(self, seconds: float) -> None:
+        """A checkpoint of the progress, with `seconds` of this epoch's training so far (a collective)."""
+        if self.args.ckpt_dir is None:
+            return
+        self.fold_losses()
+        saved = checkpoint.Checkpoint(replace(self.progress, seconds_carry=seconds), self.scheduler.state_dict(),
+                                      checkpoint.Rng.capture(self.rt.device))
+        self.parallel.save(self.optimizer, saved, self.args.ckpt_dir, self.progress.global_step, self.args.keep)
+
+    def end_epoch(self) -> None:
+        """Score and record the epoch just ended (finished or stopped by --max-steps) and checkpoint; a
+        finished one hands over to the next epoch with nothing carried."""
+        p = self.progress
+        self.fold_losses()
+        seconds = p.seconds_carry + time.perf_counter() - self.epoch_started
+        accuracy = self.evaluate()
+        record = EpochRecord(
+            epoch=p.epoch + 1, steps=p.step, loss=p.loss_carry / p.step, accuracy=accuracy,
+            images_per_s=p.step * self.split.global_batch / seconds, seconds=seconds, world_size=self.rt.world_size,
+            global_step=p.global_step,
         )
-        bar = _progress_bar(rt, steps_per_epoch, step, f"epoch {epoch + 1}/{args.epochs}")
-        t_epoch = t_log = time.perf_counter()
-        logged_at = global_step
-        log_loss.zero_()
-        while step < steps_per_epoch and global_step < max_steps:
-            loss = train_step(plan)
-            loss_sum += loss
-            step += 1
-            global_step += 1
-            if args.losses is not None:
-                mean_loss = runtime.all_reduce_sum(rt, loss.clone()).item() / rt.world_size
-                if losses is not None:
-                    losses(global_step, mean_loss)
-            if rt.is_main:
-                log_loss += loss
-                if bar is not None:
-                    bar.update()
-                if global_step % args.log_every == 0:
-                    now, steps = time.perf_counter(), global_step - logged_at
-                    shown = (
-                        f"loss {log_loss.item() / steps:.4f} lr {scheduler.get_last_lr()[0]:.4f} "
-                        f"img/s {steps * global_batch / (now - t_log):.0f}"
-                    )
-                    log_loss.zero_()
-                    t_log, logged_at = now, global_step
-                    if bar is not None:
-                        bar.set_postfix_str(shown)
-                    else:
-                        log(f"epoch {epoch + 1}/{args.epochs} step {step}/{steps_per_epoch} {shown}")
-            mid_epoch = step < steps_per_epoch and global_step < max_steps  # an epoch's end saves anyway
-            if args.ckpt_every and global_step % args.ckpt_every == 0 and mid_epoch:
-                save(epoch, step, seconds_carry + time.perf_counter() - t_epoch)
-            if warned is not None and mid_epoch and global_step % args.log_every == 0 \
-                    and runtime.any_rank(rt, warned.is_set()):
-                save(epoch, step, seconds_carry + time.perf_counter() - t_epoch)
-                log(f"warning signal (SIGUSR1): checkpoint saved at global step {global_step}; stopping here, "
-                    f"to resume with --resume")
-                return
-        if bar is not None:
-            bar.close()
-
-        fold_losses()
-        seconds = seconds_carry + time.perf_counter() - t_epoch
-        accuracy = evaluate(model, ds, rt, norm, args.precision, args.eval_batch_size)
-        record = {
-            "epoch": epoch + 1, "steps": step, "loss": loss_carry / step, "accuracy": accuracy,
-            "images_per_s": step * global_batch / seconds, "seconds": seconds, "world_size": rt.world_size,
-            "global_step": global_step,
-        }
-        history = [r for r in history if r["epoch"] != epoch + 1] + [record]
-        log(
-            f"epoch {epoch + 1}/{args.epochs}: train_loss {record['loss']:.4f} test_acc {accuracy:.4f} "
-            f"time {seconds:.1f}s img/s {record['images_per_s']:.0f}"
-            + ("" if step == steps_per_epoch else f" (stopped at step {step})")
+        p.history = [r for r in p.history if r.epoch != record.epoch] + [record]
+        self.log(
+            f"epoch {record.epoch}/{self.args.epochs}: train_loss {record.loss:.4f} test_acc {accuracy:.4f} "
+            f"time {seconds:.1f}s img/s {record.images_per_s:.0f}"
+            + ("" if p.step == self.steps_per_epoch else f" (stopped at step {p.step})")
         )
-        if rt.is_main and args.out_dir is not None:
-            metrics.write(args.out_dir, history)
-        seconds_carry = seconds
-        if step == steps_per_epoch:
-            epoch, step = epoch + 1, 0
-            loss_carry = seconds_carry = 0.0
-        save(epoch, step, seconds_carry)
+        if self.rt.is_main and self.args.out_dir is not None:
+            metrics.write(self.args.out_dir, p.history)
+        p.seconds_carry = seconds
+        if p.step == self.steps_per_epoch:
+            p.epoch, p.step = p.epoch + 1, 0
+            p.loss_carry = p.seconds_carry = 0.0
+        self.save(p.seconds_carry)
 
-    last = history[-1] if history else None
-    if last is not None and last["global_step"] == global_step:
-        accuracy = last["accuracy"]
-    else:
-        accuracy = evaluate(model, ds, rt, norm, args.precision, args.eval_batch_size)
-    if args.save_final is not None and (final := parallel.full_state()) is not None:
-        checkpoint.atomic_write(args.save_final, checkpoint.serialize(final))
-    peak = runtime.peak_memory_mib(rt)
-    held = runtime.most_of_any_rank(rt, strategies.state_mib(model, optimizer))
-    log(
-        f"done: test_acc={accuracy:.4f} global_step={global_step} world_size={rt.world_size} "
-        f"seconds={time.perf_counter() - started:.1f} peak_memory_mib={peak:.0f} state_mib={held:.2f}"
-    )
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Test accuracy; each rank scores a disjoint slice, one all-reduce at the end. Every rank runs
+        the same number of batches (a short slice is padded with image 0, not counted): under FSDP
+        each forward is a collective."""
+        rt, ds, batch_size = self.rt, self.ds, self.args.eval_batch_size
+        self.model.eval()
+        n = len(ds.test_y)
+        mine = torch.arange(rt.rank, n, rt.world_size, device=rt.device)
+        share = -(-n // rt.world_size)
+        idx_all = torch.cat([mine, mine.new_zeros(share - len(mine))])
+        correct = torch.zeros((), dtype=torch.int64, device=rt.device)
+        for start, idx in zip(range(0, len(idx_all), batch_size), idx_all.split(batch_size), strict=True):
+            counted = (torch.arange(start, start + len(idx), device=rt.device) < len(mine))
+            with autocast(rt, self.args.precision):
+                correct += ((self.model(self.norm(ds.test_x[idx])).argmax(1) == ds.test_y[idx]) & counted).sum()
+        self.model.train()
+        counts = runtime.all_reduce_sum(rt, torch.stack([correct, torch.tensor(len(mine), device=rt.device)]))
+        return counts[0].item() / max(1, counts[1].item())
 
-
-def _loss_writer(path: Path) -> Callable[[int, float], None]:
-    """Appends one JSON line per optimizer step: a resumed run's lines follow the killed run's."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a", buffering=1)  # noqa: SIM115 - open for the whole run; closed when the process ends
-
-    def write(global_step: int, loss: float) -> None:
-        f.write(json.dumps({"global_step": global_step, "loss": loss}) + "\n")
-
-    return write
-
-
-def _progress_bar(rt: Runtime, total: int, initial: int, desc: str) -> Any:
-    """tqdm on a terminal; otherwise None, and progress goes out as one line per log interval."""
-    if not (rt.is_main and sys.stderr.isatty()):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+    def finish(self) -> None:
+        """The final accuracy (the last record's when no step followed it), --save-final, and the last line."""
+        p, rt = self.progress, self.rt
+        last = p.history[-1] if p.history else None
+        accuracy = last.accuracy if last is not None and last.global_step == p.global_step else self.evaluate()
+        if self.args.save_final is not None and (final := self.parallel.full_state()) is not None:
+            checkpoint.atomic_write(self.args.save_final, checkpoint.serialize(final))
+        peak = runtime.peak_memory_mib(rt)
+        held = runtime.most_of_any_rank(rt, strategies.state_mib(self.model, self.optimizer))
+        self.log(
+            f"done: test_acc={accuracy:.4f} global_step={p.global_step} world_size={rt.world_size} "
+            f"seconds={time.perf_counter() - self.started:.1f} peak_memory_mib={peak:.0f} state_mib={held:.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         rt = runtime.setup(args.device, args.local_rank)
-        train(args, rt)
+        Trainer(args, rt).run()
     except PayloadError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
