@@ -29,6 +29,7 @@ class LiveNode:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=500))
     joined: set[int] = field(default_factory=set)  # ranks seen connecting to the rendezvous store
     torchrun_reporting: bool = False  # torchrun's failure report began: its lines stay in the log
+    in_agent_cpp_log: bool = False  # within a C++ log line of torchrun's own and its exception dump
     oom: dict[int, str] = field(default_factory=dict)  # rank -> the kernel's line: its OOM killer ended it
 
     def root_cause(self) -> tuple[int | None, int | None]:
@@ -48,15 +49,20 @@ class LiveNode:
     def take(self, raw: str, quiet_cpp_info: bool = False) -> tuple[str, bool]:
         """A line of the node's output as it is logged (one rank prefix), and whether the live stream
         shows it: not torch's C++ INFO lines when they are the harness's own watch (quiet_cpp_info), nor
-        torchrun's ChildFailedError report, which repeats what the harness reports better. Notes which
-        ranks joined the rendezvous store."""
+        torchrun's own C++ log lines with their exception dumps (its store client's, e.g. a peer's agent
+        that left first at the end of a run), nor torchrun's ChildFailedError report: the harness reports
+        what they mean. Notes which ranks joined the rendezvous store."""
         line = worker_output.normalize(raw)
         if worker_output.is_cpp_info(line):
             if (rank := worker_output.joined_rank(line)) is not None:
                 self.joined.add(rank)
             if quiet_cpp_info:
                 return line, False
+        self.in_agent_cpp_log = worker_output.is_agent_cpp_log(line) or \
+            (self.in_agent_cpp_log and worker_output.continues_cpp_dump(line))
         self.tail.append(line)
+        if self.in_agent_cpp_log:
+            return line, False
         self.torchrun_reporting = self.torchrun_reporting or worker_output.starts_torchrun_report(line)
         return line, not (self.torchrun_reporting and worker_output.rank_of(line) is None)
 

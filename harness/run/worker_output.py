@@ -18,6 +18,10 @@ RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
 DOUBLED_PREFIX = re.compile(r"^(\[rank(\d+)\]: )(\[rank\2\]: ?)+")
 # glog's INFO format, which torch's C++ logging uses: `[I1123 04:19:10.615279659 socket.cpp:955] ...`
 CPP_INFO = re.compile(r"^(\[rank\d+\]: )?\[I\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
+# torchrun's own C++ log lines (no rank prefix: its agent's store client and rendezvous), and the exception
+# dumps that follow one: `Exception raised from ...`, `frame #N: ...`, `<omitting python frames>`, a blank.
+AGENT_CPP_LOG = re.compile(r"^\[[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
+CPP_DUMP = re.compile(r"^(Exception raised from .*|frame #\d+: .*|<omitting python frames>|\s*)$")
 STORE_CONNECTED = re.compile(r"^\[rank(\d+)\]: \[I\d{4} [^]]*socket\.cpp:\d+\] \[c10d\] The client socket has "
                              r"connected")
 # torchrun's own failure report begins with its elastic agent's error or warning log line.
@@ -50,6 +54,14 @@ def rank_of(line: str) -> int | None:
 
 def is_cpp_info(line: str) -> bool:
     return CPP_INFO.match(line) is not None
+
+
+def is_agent_cpp_log(line: str) -> bool:
+    return AGENT_CPP_LOG.match(line) is not None
+
+
+def continues_cpp_dump(line: str) -> bool:
+    return CPP_DUMP.match(line) is not None
 
 
 def joined_rank(line: str) -> int | None:

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from harness.plan.planner import Node
+from harness.run.live import LiveNode
 from harness.run.worker_output import is_cpp_info, normalize, user_error
 from harness.spec.job import load_job
 from harness.targets.k8s.manifests import render_manifests
@@ -53,3 +55,24 @@ def test_local_rank_arg_reaches_slurm_and_kubernetes_as_torchruns_macro(write_ya
     assert "  /opt/code/train.py '--local_rank=${local_rank}' --lr '$$x'\n" in script, script
     container = render_manifests(spec, "", code={})[-1]["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][-4:] == ["/opt/code/train.py", "--local_rank=$${local_rank}", "--lr", "$$$$x"]
+
+
+def test_torchruns_own_cpp_log_and_its_exception_dump_go_to_the_log_only():
+    """What a node's torchrun prints when the master's agent left first at the end of a run: kept in the
+    tail (the node log), out of the live stream; the ranks' own lines around it are shown."""
+    lines = [
+        "[rank1]: rank 1 final loss 0.0023",
+        "[W1125 14:02:36.852364142 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=3): "
+        "Failed to recv, got 0 bytes. Connection was likely closed.",
+        "Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:786 "
+        "(most recent call first):",
+        "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f5e in libc10.so)",
+        "<omitting python frames>",
+        "frame #34: _start + 0x21 (0x562f0d7b4081 in /venv/bin/python)",
+        "",
+        "[rank1]: done",
+    ]
+    live = LiveNode(Node(host="sim1", address="127.0.0.1", node_rank=1, nproc=1), started=0.0)
+    shown = [line for line in lines if live.take(line)[1]]
+    assert shown == ["[rank1]: rank 1 final loss 0.0023", "[rank1]: done"]
+    assert list(live.tail) == lines
