@@ -63,8 +63,11 @@ lint: setup
 test-image: setup test-packages
 	tests/image/build.sh
 
+# On every core (at most 4 workers); the tests of one daemon cluster stay on one worker (tests/conftest.py).
+PARALLEL := --numprocesses=auto --maxprocesses=4 --dist=loadgroup
+
 test: lint test-packages test-image
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL)
 
 # What only length shows (tests marked soak: a healthy 4-node job for five minutes); not in `make test`.
 test-soak: setup
@@ -73,7 +76,7 @@ test-soak: setup
 # The unit tier alone (tests/unit, under a minute): no root, daemons, clusters or launches, no lint.
 # `make test` runs it too, with tests/integration (the clusters of testbed/, real launches and training).
 test-fast: setup
-	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest $(PARALLEL) tests/unit
 
 # On a CUDA machine: the payload's nccl, bf16, channels_last and compile, `harness launch` on one GPU
 # (tests/gpu; `make test` leaves them out, and each fails where torch sees no GPU).

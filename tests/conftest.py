@@ -138,6 +138,11 @@ AREAS = {
 }
 
 
+# Under pytest-xdist (make test: -n, --dist loadgroup), the tests of one daemon cluster run on one worker,
+# which builds it once: Slurm's slurmctld, slurmd per node and munged; the podman hosts.
+SHARED_CLUSTERS = ("slurm", "podman")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
@@ -146,6 +151,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(marker)
         if PAYLOAD_TESTS in item.path.parents:
             item.add_marker("payload")
+        if group := next((name for name in SHARED_CLUSTERS if item.get_closest_marker(name)), None):
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture

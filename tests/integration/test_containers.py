@@ -115,8 +115,9 @@ def test_two_hosts_train_inside_the_image(podman_cluster, launch, tmp_path):
     assert_all_gone(podman_cluster, run.run_id)
 
 
-def test_the_workers_run_in_the_image_not_on_the_host(podman_cluster, launch, tmp_path):
-    """The workers' interpreter is the image's /opt/venv python, in a container the engine lists."""
+def test_the_workers_run_in_the_image_and_harness_stop_removes_every_container(podman_cluster, launch, tmp_path):
+    """The workers' interpreter is the image's /opt/venv python, in a container the engine lists; `harness
+    stop` (the stop path Ctrl-C shares) ends the run and leaves no container."""
     run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05"),
                  *hosts_args(podman_cluster, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
@@ -124,8 +125,10 @@ def test_the_workers_run_in_the_image_not_on_the_host(podman_cluster, launch, tm
     for rank, host in ((0, "h1"), (1, "h2")):
         assert Path(f"/proc/{worker_pid(run.run_id, rank)}/root/opt/venv/bin/python").exists()
         assert containers(podman_cluster, host) == [f"harness-{run.run_id}-node{rank}"]
-    run.proc.send_signal(signal.SIGINT)
+    stopped = harness("stop", run.run_id, "--runs-dir", str(run.runs_dir))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert run.finish(timeout=60) == 130, run.output
+    assert run.summary()["status"] == "stopped"
     assert_all_gone(podman_cluster, run.run_id)
 
 
@@ -139,17 +142,6 @@ def test_a_rank_failure_stops_the_other_hosts_container(podman_cluster, launch, 
     failure = summary["first_failure"]
     assert (failure["host"], failure["node_rank"], failure["rank"], failure["rank_exit_code"]) == ("h2", 1, 1, -9)
     assert stragglers_s(summary) < 10.0, summary
-    assert_all_gone(podman_cluster, run.run_id)
-
-
-def test_harness_stop_removes_every_container(podman_cluster, launch, tmp_path):
-    run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05"),
-                 *hosts_args(podman_cluster, tmp_path))
-    run.wait_for(r"\[rank1\]: ")
-    stopped = harness("stop", run.run_id, "--runs-dir", str(run.runs_dir))
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    assert run.finish(timeout=60) == 130, run.output
-    assert run.summary()["status"] == "stopped"
     assert_all_gone(podman_cluster, run.run_id)
 
 

@@ -49,16 +49,6 @@ def test_sigkill_of_a_worker_stops_the_other_host_within_5_s(cluster2, write_yam
     assert_nothing_left(run.run_id)
 
 
-def test_ctrl_c_leaves_no_process_on_any_host(cluster2, write_yaml, launch, tmp_path):
-    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
-    run.wait_for(r"\[rank1\]: ")
-    run.wait_for(r"\[rank0\]: step 5 ")
-    assert {p for p in leftover(run.run_id)} & set(cluster2.pids("h2"))  # really running on h2
-    run.proc.send_signal(signal.SIGINT)
-    assert run.finish(timeout=20) == 130, run.output
-    assert_nothing_left(run.run_id)
-
-
 def test_dead_controller_stops_the_remote_nodes(cluster2, write_yaml, launch, tmp_path):
     run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
@@ -97,8 +87,11 @@ def test_dropped_connection_stops_the_run(cluster2, write_yaml, launch, tmp_path
 
 
 def test_stop_from_another_terminal_reaches_every_host(cluster2, write_yaml, launch, tmp_path):
+    """`harness stop` (SIGTERM to the controller), the one stop path that Ctrl-C shares (unit/test_stop_signals.py)."""
     run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[rank1\]: ")
+    run.wait_for(r"\[rank0\]: step 5 ")
+    assert {p for p in leftover(run.run_id)} & set(cluster2.pids("h2"))  # really running on h2
     stopped = harness("stop", run.run_id, "--runs-dir", str(run.runs_dir))
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert run.finish(timeout=20) == 130

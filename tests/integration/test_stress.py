@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from conftest import STOP_GRACE, Launch, ddp_job, leftover
 
 ROUNDS = 10
@@ -46,6 +48,7 @@ def _gone_after(run_id: str, limit: float) -> float | None:
     return time.monotonic() - started
 
 
+@pytest.mark.soak  # it saturates every core for a minute: in `make test`, the other tests' timings would pay
 def test_sigkilled_controller_leaves_nothing_ten_times_under_load(write_yaml, tmp_path: Path) -> None:
     chance = random.Random(20261122)  # kill moments vary, and the same ones every run
     limit = STOP_GRACE + 2

@@ -126,6 +126,23 @@ def test_status_shows_each_nodes_real_end_and_the_failing_ranks_own_code(tmp_pat
     assert "running" not in detail
 
 
+@pytest.mark.parametrize(("status", "why"), [(RunStatus.INTERRUPTED, "on Ctrl-C or SIGTERM to the controller"),
+                                             (RunStatus.STOPPED, "by `harness stop`")])
+def test_status_says_what_stopped_the_nodes_of_a_run_that_was_stopped(tmp_path: Path, status: RunStatus,
+                                                                     why: str) -> None:
+    """Ctrl-C and `harness stop` take one path (run/stopping.stop_on_signals); the record tells them apart."""
+    run = create_run_dir(tmp_path, "job-stopped")
+    state = _state("job-stopped", status, 1000.0, ControllerId(1, 1))
+    node = RecordedNode(node_rank=0, host="sim0", ranks=[0], exit_code=None, signal="SIGTERM", error=None,
+                        duration_s=4.6, log=str(run.log_file(0)))
+    run.write_state(state)
+    run.write_summary(replace(_summary(state, run), status=status, nodes=[node], first_failure=None, attempts=[]))
+    detail = run_details(run)
+    assert detail.startswith(f"run job-stopped: {status.value}"), detail
+    assert f"  node0 on sim0: stopped {why} (torchrun's signal SIGTERM) after 4.6 s" in detail, detail
+    assert "running" not in detail
+
+
 def test_status_of_a_lost_run_reads_its_nodes_from_the_process_table(tmp_path: Path) -> None:
     """No summary, the controller gone: a node with no process left is lost; one with a process left says
     so and how to end it."""
