@@ -138,9 +138,11 @@ AREAS = {
 }
 
 
-# Under pytest-xdist (make test: -n, --dist loadgroup), the tests of one daemon cluster run on one worker,
-# which builds it once: Slurm's slurmctld, slurmd per node and munged; the podman hosts.
-SHARED_CLUSTERS = ("slurm", "podman")
+# Under pytest-xdist (make test: -n, --dist loadgroup), the tests that share what is costly to build run on
+# one worker, which builds it once: Slurm's cluster (slurmctld, slurmd per node, munged), with the payload's
+# uninterrupted reference run (resume_job.py), which a Slurm test compares with too; the podman hosts. A
+# module whose own fixture is costly groups its tests itself (pytestmark = pytest.mark.xdist_group(...)).
+SHARED = {"slurm": AREAS["slurm"] | {"uninterrupted"}, "podman": AREAS["podman"]}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -151,7 +153,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(marker)
         if PAYLOAD_TESTS in item.path.parents:
             item.add_marker("payload")
-        if group := next((name for name in SHARED_CLUSTERS if item.get_closest_marker(name)), None):
+        if group := next((name for name, fixtures in SHARED.items() if used & fixtures), None):
             item.add_marker(pytest.mark.xdist_group(group))
 
 

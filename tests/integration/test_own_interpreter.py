@@ -19,6 +19,8 @@ import pytest
 
 from conftest import assert_nothing_left, free_port, harness, leftover
 
+pytestmark = pytest.mark.xdist_group("test_own_interpreter")  # one worker builds the environments (module fixture)
+
 # The ranks' script: prints its interpreter and the package only the own environment has, then steps (each step
 # an all_reduce in userpkg, so its frames are on the stack) until every rank has seen `stop`; rank 1 sticks in
 # userpkg's sleep once `hang` appears.

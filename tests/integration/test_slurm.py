@@ -12,16 +12,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from harness.node.freeport import ephemeral_start
+from harness.payload import checkpoint
 from harness.spec.job import load_job
 from harness.targets.slurm.batch import batch_script
 from testbed.slurm_cluster import SlurmCluster
 
-from conftest import REPO, SCRIPT, Launch, Streamed, harness
+from conftest import REPO, SCRIPT, Launch, Streamed, harness, worker_pid
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 from slurm_job import sum_job
 
@@ -188,25 +190,68 @@ def _release(cluster: SlurmCluster, run: Launch, job_id: int, requeues: int) -> 
     cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
 
-def test_warning_and_requeue_resume_and_end_bitwise_equal(slurm_cluster, launch_slurm, tmp_path):
-    # 512 steps per epoch: long enough that both interruptions land mid-run on a busy machine.
-    reference = harness("launch", str(payload_job(tmp_path / "reference", 16384)), "--runs-dir",
-                        str(tmp_path / "runs"), timeout=600)
-    assert reference.returncode == 0, reference.stdout + reference.stderr
-    run = launch_slurm(payload_job(tmp_path / "job", 16384))
-    run.wait_for(r"\[node0\] \[rank0\]: epoch 1/2 step 20/512 ", timeout=240)
+def _signal_mask(pid: int, field: str) -> int:
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1], 16)
+
+
+def catching_usr1(run_id: str, timeout: float = 240) -> list[int]:
+    """The training processes of the run's current attempt, once each has its SIGUSR1 handler (the payload
+    installs it before its first step)."""
+    usr1 = 1 << (signal.SIGUSR1 - 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(AssertionError, OSError, StopIteration):
+            pids = [worker_pid(run_id, rank) for rank in (0, 1)]
+            if all(_signal_mask(pid, "SigCgt:") & usr1 for pid in pids):
+                return pids
+        time.sleep(0.02)
+    raise AssertionError(f"no training process of {run_id} caught SIGUSR1 within {timeout:g} s")
+
+
+@contextlib.contextmanager
+def frozen(pids: list[int]) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) for the block, then continued: what the test does to the job meanwhile
+    lands at a known point however fast the job trains (a requeue kills them stopped)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def test_warning_and_requeue_resume_and_end_bitwise_equal(uninterrupted, slurm_cluster, launch_slurm, tmp_path):
+    """The payload job of resume_job.py (32 steps an epoch): a time-limit warning in its first epoch, then a
+    requeue (a preemption) in its second; it ends with the weights of the same job never interrupted."""
+    run = launch_slurm(payload_job(tmp_path / "job"))
+    ranks = catching_usr1(run.run_id)
     job_id = job_id_of(run)
-    # What --signal=B:USR1@T does before a time limit: USR1 to the batch script alone.
-    slurm_cluster.run(["scancel", "--batch", "--signal=USR1", str(job_id)])
+    with frozen(ranks):
+        # What --signal=B:USR1@T does before a time limit: USR1 to the batch script alone, which sends it on.
+        slurm_cluster.run(["scancel", "--batch", "--signal=USR1", str(job_id)])
+        deadline = time.monotonic() + 60
+        while not all(_signal_mask(pid, "ShdPnd:") & (1 << (signal.SIGUSR1 - 1)) for pid in ranks):
+            assert time.monotonic() < deadline, "the warning never reached the training processes"
+            time.sleep(0.05)
     saved = int(run.wait_for(r"\[node0\] \[rank0\]: warning signal \(SIGUSR1\): checkpoint saved at global step "
                              r"(\d+)", timeout=60).group(1))
+    assert saved < 32, f"saved at global step {saved}, past the first epoch"
     _release(slurm_cluster, run, job_id, 1)
     run.wait_for(rf"\[node0\] \[rank0\]: resume: epoch 1 step {saved} \(global step {saved}\)", timeout=240)
-    run.wait_for(r"\[node0\] \[rank0\]: epoch 2/2 step 5/512 ", timeout=240)
-    slurm_cluster.run(["scontrol", "requeue", str(job_id)])  # as a preemption does
-    _release(slurm_cluster, run, job_id, 2)
+    ranks = catching_usr1(run.run_id)
+    epoch_end = checkpoint.path_for(tmp_path / "job" / "ckpt", 32)
+    deadline = time.monotonic() + 240
+    while not epoch_end.exists():
+        assert time.monotonic() < deadline and run.proc.poll() is None, f"{epoch_end} never came:\n{run.output}"
+        time.sleep(0.01)
+    with frozen(ranks):
+        slurm_cluster.run(["scontrol", "requeue", str(job_id)])  # as a preemption does
+        _release(slurm_cluster, run, job_id, 2)
     assert run.finish(timeout=300) == 0, run.output
-    assert_same_weights(final_weights(tmp_path / "reference"), final_weights(tmp_path / "job"))
+    assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
     summary = run.summary()
     assert [a["status"] for a in summary["attempts"]] == ["failed", "failed", "succeeded"]
     path = run.runs_dir / run.run_id

@@ -17,6 +17,8 @@ from harness.payload import checkpoint
 
 from payload_procs import clean_env, job, losses, run, torchrun, weights
 
+pytestmark = pytest.mark.xdist_group("test_payload_elastic")  # one worker runs the references once
+
 # One thread per process whatever the world size (torchrun sets it only for several workers per node):
 # the runs then differ only by what the world size changes.
 ONE_THREAD = clean_env(OMP_NUM_THREADS="1")

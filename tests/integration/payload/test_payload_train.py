@@ -16,6 +16,8 @@ from harness.payload.model import build
 from conftest import free_port
 from payload_procs import PY, clean_env, job, records, run, single, torchrun, weights
 
+pytestmark = pytest.mark.xdist_group("test_payload_train")  # one worker runs the reference once
+
 # 1024 CIFAR-shaped images, 2 ranks x 16: 32 steps per epoch, 64 in all, a few seconds on 2 cores.
 SMALL = ["--data", "synthetic", "--model", "small", "--subset", "1024", "--batch-size", "16", "--epochs", "2",
          "--log-every", "1", "--ckpt-every", "4"]
