@@ -24,7 +24,7 @@ from harness.run.stopping import Stopper
 from harness.run.watch import Watch
 from harness.targets.base import NodeProcess, Outcome
 
-MESSAGE_POLL_SECONDS = 0.2
+MESSAGE_POLL_SECONDS = 0.05  # how soon a listener sees that its node ended and nothing is left to hear
 
 
 class Supervisor:
@@ -62,11 +62,12 @@ class Supervisor:
         self.output.say(message)
 
     def start(self, processes: list[NodeProcess]) -> None:
-        for process in processes:
-            live = LiveNode(process.node, started=time.time())
+        started = [(process, LiveNode(process.node, started=time.time())) for process in processes]
+        for process, live in started:  # every node known before any can end (_reap counts them)
             self.nodes.append(live)
             self.stopper.watch(process, live)
             self.stacks.watch(process, live)
+        for process, live in started:
             self._spawn(self.output.pump, process, live)
             self._spawn(self._reap, process, live)
             self._spawn(self._listen, process, live)
@@ -96,6 +97,8 @@ class Supervisor:
         live.ended = time.time()
         live.outcome = outcome
         self.stacks.node_ended()
+        if all(node.outcome is not None for node in self.nodes):
+            self.watch.ended.set()
         self._ended.put(live)
 
     def wait(self, stop_requested: threading.Event) -> None:

@@ -6,6 +6,7 @@ loop answers `harness stacks` requests."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 from harness.plan.planner import Node
@@ -31,11 +32,11 @@ class Watch:
         self.stacks, self.output, self.stopper = stacks, output, stopper
         self.hang: Verdict | None = None  # the job hung: who it is about
         self.hang_at: float | None = None
+        self.ended = threading.Event()  # every node has ended: the loop ends at once, not at its next tick
 
     def loop(self) -> None:
         """Until every node has ended."""
-        while any(live.outcome is None for live in self.nodes):
-            time.sleep(TICK_SECONDS)
+        while not self.ended.wait(TICK_SECONDS):
             if self.run is not None:
                 self.stacks.answer_requests(self.run)
             if self.health is None or self.stopper.since is not None:
