@@ -72,6 +72,7 @@ def test_a_rank_stuck_in_a_sleep_is_found_named_and_its_stacks_kept(write_yaml, 
 
 
 def test_a_sigstopped_rank_is_named_stopped(write_yaml, launch, tmp_path):
+    """And once the run has ended, `harness stacks` of it says where the hang's stacks are kept."""
     run = launch(hang_job(write_yaml))
     run.wait_for(r"\[rank1\]: step 10")
     pid = worker_pid(run.run_id, 0)
@@ -82,6 +83,9 @@ def test_a_sigstopped_rank_is_named_stopped(write_yaml, launch, tmp_path):
     assert "rank 0 (node0 on sim0) is stopped (SIGSTOP)" in text, text
     assert re.search(r"rank 1 waits in all_reduce at .*ddp_hang.py:\d+ in train_step", text), text
     assert_hang_recorded(run, tmp_path / "runs", culprit=0)
+    shown = harness("stacks", run.run_id, "--runs-dir", str(tmp_path / "runs"))
+    assert shown.returncode == 2, shown
+    assert "is not running (failed)" in shown.stderr and "stacks/attempt-N/" in shown.stderr, shown.stderr
 
 
 def test_a_rank_that_skips_an_all_reduce_hangs_in_another_collective(write_yaml, launch, tmp_path):
@@ -120,14 +124,6 @@ def test_harness_stacks_shows_every_rank_of_a_running_job_grouped(write_yaml, la
     assert run.proc.poll() is None
     kept = json.loads(next((tmp_path / "runs" / run.run_id / "stacks").glob("*/stacks.json")).read_text())
     assert set(kept) == {"0", "1", "2", "3"}
-
-
-def test_stacks_of_a_run_that_is_not_running_say_where_a_hang_keeps_them(write_yaml, launch, tmp_path):
-    run = launch(hang_job(write_yaml, STEPS="3"))
-    assert run.finish(timeout=120) == 0, run.output
-    shown = harness("stacks", run.run_id, "--runs-dir", str(tmp_path / "runs"))
-    assert shown.returncode != 0
-    assert "is not running (succeeded)" in shown.stderr and "stacks/attempt-N/" in shown.stderr
 
 
 @contextmanager

@@ -234,8 +234,8 @@ def test_a_host_cut_off_by_a_firewall_is_noticed_replaced_and_stops_its_own_node
 
 # 3 nodes x 1 rank and no spare: a global batch of 48 that 3 ranks (16 each) and 2 ranks (24 each, as 2
 # micro-batches of 12) both share; GroupNorm keeps no per-rank statistics, so both worlds step alike. Real
-# digits at a stable learning rate (the loss falls from 2.4 to 0.6 in 58 steps): rounding differences between
-# the worlds do not grow there as they do on random data at a rate too high for it.
+# digits at a stable learning rate (the loss falls steadily over the epoch's 29 steps): rounding differences
+# between the worlds do not grow there as they do on random data at a rate too high for it.
 ELASTIC_JOB = """
 name: elastic
 nnodes: 3
@@ -243,7 +243,7 @@ backend: gloo
 entrypoint:
   module: harness.payload.train
   args: [--data, digits, --model, small, --norm, group, --global-batch, "48", --batch-size, "16", --lr, "0.1",
-         --epochs, "2", --log-every, "1", --ckpt-every, "4", --ckpt-dir, {root}/ckpt, --resume,
+         --epochs, "1", --log-every, "1", --ckpt-every, "4", --ckpt-dir, {root}/ckpt, --resume,
          --losses, {root}/losses.jsonl, --save-final, {root}/final.pt]
 env: {{OMP_NUM_THREADS: "1"}}
 restarts: {{max: 1, on: infra, backoff: 1, min_nnodes: 2}}
@@ -264,7 +264,7 @@ def test_a_lost_host_without_a_spare_leaves_the_job_on_fewer_hosts_with_the_same
     assert unbroken.finish(timeout=300) == 0, unbroken.output
     cluster = doomed_cluster3
     run = launch(elastic_job(tmp_path / "job"), *ssh_args(cluster, tmp_path))
-    run.wait_for(r"\[rank0\]: epoch 1/2 step 11/29 ", timeout=180)
+    run.wait_for(r"\[rank0\]: epoch 1/1 step 11/29 ", timeout=180)
     kill_host(cluster, "h2")
     assert run.finish(timeout=300) == 0, run.output
     first, second = run.summary()["attempts"]
@@ -278,7 +278,7 @@ def test_a_lost_host_without_a_spare_leaves_the_job_on_fewer_hosts_with_the_same
     assert re.search(r"\[rank0\]: resume: world size 3 -> 2; the same steps continue: global batch 48 = 2 rank\(s\) "
                      r"x 24 image\(s\) per rank as 2 micro-batches of 12", run.output), run.output
     expected, got = losses(tmp_path / "unbroken" / "losses.jsonl"), losses(tmp_path / "job" / "losses.jsonl")
-    assert list(got) == list(expected) == list(range(1, 59))
+    assert list(got) == list(expected) == list(range(1, 30))
     assert max(abs(got[s] - expected[s]) for s in got) <= 1e-4
     final, reference = weights(tmp_path / "job" / "final.pt"), weights(tmp_path / "unbroken" / "final.pt")
     assert final.keys() == reference.keys()

@@ -82,25 +82,31 @@ def test_a_script_runs_on_two_simulated_nodes_with_one_command(tmp_path: Path) -
 
 
 def test_save_job_writes_a_spec_that_launches_the_same_job(tmp_path: Path) -> None:
+    """`render --save-job` (the README's way) writes the spec the flags make; launching it runs exactly the plan
+    render showed, the script's arguments as typed."""
     script = _script(tmp_path)
     saved = tmp_path / "job.yaml"
-    first = Launch(script, tmp_path / "runs", "--nnodes", "2", "--name", "mine", "--env", "MY_FLAG=1",
-                   "--save-job", str(saved), "--", "--lr", "1.10", cwd=tmp_path)
+    rendered = harness("render", str(script), "--nnodes", "2", "--name", "mine", "--env", "MY_FLAG=1", "--save-job",
+                       str(saved), "--format", "json", "--runs-dir", str(tmp_path / "runs"), "--run-id", "rendered",
+                       "--", "--lr", "1.10", cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stderr
+    assert f"harness launch {saved}" in rendered.stderr
+    spec = load_job(saved)
+    assert (spec.name, spec.nnodes, spec.env, spec.entrypoint.script, spec.entrypoint.args) == \
+        ("mine", 2, {"MY_FLAG": "1"}, str(script), ["--lr", "1.10"])
+    run = Launch(saved, tmp_path / "runs", cwd=tmp_path)
     try:
-        assert first.finish() == 0, first.output
-        assert f"harness launch {saved}" in first.output
-        second = Launch(saved, tmp_path / "runs", cwd=tmp_path)
-        assert second.finish() == 0, second.output
+        assert run.finish() == 0, run.output
     finally:
-        first.cleanup()
-    assert load_job(saved).model_dump() == load_job(first.runs_dir / first.run_id / "spec.yaml").model_dump()
+        run.cleanup()
+    assert len(re.findall(r"rank \d/2 lr 1.1 sum 1", run.output)) == 2, run.output
+    plan, shown = _plan(run), json.loads(rendered.stdout)
 
-    def same(run: Launch) -> str:
-        text = json.dumps(_plan(run)).replace(run.run_id, "RUN").replace(str(_plan(run)["master_port"]), "PORT")
-        return text
+    def same(text: str, run_id: str, port: int) -> str:
+        return text.replace(run_id, "RUN").replace(str(port), "PORT")
 
-    assert same(first) == same(second)
-    assert "lr 1.1 sum 1" in second.output
+    assert same(json.dumps(plan), run.run_id, plan["master_port"]) == same(json.dumps(shown), "rendered",
+                                                                          shown["master_port"])
     again = harness("launch", str(script), "--save-job", str(saved), "--", "--lr", "1", cwd=tmp_path)
     assert again.returncode == 2 and "the file exists" in again.stderr  # never overwritten
 
