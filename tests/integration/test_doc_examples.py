@@ -87,7 +87,8 @@ IMAGE = "builds or runs the container image: root and docker, podman or buildah 
 # Commands not run here, each with the reason.
 NOT_RUN: dict[str, str] = {
     "make setup": "installs system packages with apt-get and the pinned dependencies: root and a network; CI runs it (.ci/run)",
-    "make test": "the whole suite, this test included: ~32 min, root, namespace clusters; CI runs it",
+    "make test": "the whole suite, this test included: root, namespace clusters, the image; CI runs it",
+    "make test-soak": "the soak tier: a 5-minute job and a loop that saturates every core (docs/testing.md)",
     "make test-fast": "runs the test suite this test is part of",
     "make test-gpu": "needs a CUDA GPU",
     "make launch JOB=jobs/cifar.yaml HOSTS=hosts.yaml": "needs GPU hosts over SSH, listed in hosts.yaml",
