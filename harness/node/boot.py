@@ -13,6 +13,7 @@ Nothing is written to the node's disk, and the node needs nothing but Python's s
 from __future__ import annotations
 
 import ast
+import functools
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,8 +48,10 @@ load(MAIN[0], MAIN[1], "__main__")
 """
 
 
-def siblings(name: str) -> list[str]:
-    """The modules of harness.node that `name` imports, and theirs, dependencies first."""
+@functools.cache
+def siblings(name: str) -> tuple[str, ...]:
+    """The modules of harness.node that `name` imports, and theirs, dependencies first (found once per
+    process: every node and every preflight host ships the same)."""
     order: list[str] = []
 
     def visit(module: str) -> None:
@@ -65,7 +68,7 @@ def siblings(name: str) -> list[str]:
                     order.append(sibling)
 
     visit(name)
-    return order
+    return tuple(order)
 
 
 def shipped(name: str, args: Sequence[str]) -> bytes:

@@ -12,6 +12,7 @@ a container job's host, where the agent runs while the probe proper runs inside 
 from __future__ import annotations
 
 import array
+import concurrent.futures
 import ctypes
 import fcntl
 import hashlib
@@ -493,6 +494,8 @@ def _shm_bytes() -> int | None:
 def probe(config: dict[str, Any]) -> Facts | StacksOnly:
     if config.get("stacks_only"):
         return {"python_executable": sys.executable, "stacks": _stacks()}
+    # The stack check waits on two processes (py-spy and the test Python it reads): meanwhile, the rest.
+    stacks = concurrent.futures.ThreadPoolExecutor(1).submit(_stacks) if config.get("stacks", True) else None
     workdir = os.path.expanduser(config.get("workdir") or "~")
     workdir_ok = os.path.isdir(workdir)
     if workdir_ok:
@@ -517,7 +520,7 @@ def probe(config: dict[str, Any]) -> Facts | StacksOnly:
         "master_resolves": _addresses(config["master_address"]),
         "self_resolves": _addresses(socket.gethostname()),
         "network": _network(config.get("peers", {})),
-        "stacks": _stacks() if config.get("stacks", True) else None,
+        "stacks": stacks.result() if stacks is not None else None,
         "nccl": _nccl_from_library(versions["cuda"]),
     }
     if config.get("import_torch") and facts["torch"] != MISSING:

@@ -157,10 +157,10 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ["oom", "proctable", "protocol", "ranks", "stacks"]
-    assert siblings("kill_tree") == ["proctable"]
-    assert siblings("probe") == ["stacks"]
-    assert siblings("netcheck") == []
+    assert siblings("agent") == ("oom", "proctable", "protocol", "ranks", "stacks")
+    assert siblings("kill_tree") == ("proctable",)
+    assert siblings("probe") == ("stacks",)
+    assert siblings("netcheck") == ()
     assert shipped("agent", ["x"]).count(b"\n") == 1, "the program must be one line: BOOT reads one"
 
 
