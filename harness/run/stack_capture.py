@@ -21,24 +21,22 @@ STACKS_SECONDS = 20.0  # how long the nodes have to answer for their ranks' stac
 
 
 class StackCapture:
-    """The answers of every node's agent, as its listener hands them over (take), for whoever asked."""
+    """The answers of every node's agent, as its listener hands them over (take), for whoever asked. nodes:
+    the attempt's started nodes (the supervisor's list, filled as it starts them)."""
 
-    def __init__(self) -> None:
-        self._nodes: list[tuple[NodeProcess, LiveNode]] = []
+    def __init__(self, nodes: list[tuple[NodeProcess, LiveNode]]) -> None:
+        self._nodes = nodes
         self._chunks: dict[int, StackChunks] = {}  # node rank -> its answers' chunks so far
         self._answers: dict[str, dict[int, dict[str, Any]]] = {}  # tag -> rank -> answer
         self._answered: dict[str, set[int]] = {}  # tag -> node ranks done
         self._changed = threading.Condition()
 
-    def watch(self, process: NodeProcess, live: LiveNode) -> None:
-        self._nodes.append((process, live))
-        self._chunks[live.node.node_rank] = StackChunks()
-
     def take(self, live: LiveNode, message: Message) -> None:
         """A STACKS or STACKS_DONE message of live's agent; ValueError for a damaged one."""
         with self._changed:
             if message.kind is Kind.STACKS:
-                if (answer := self._chunks[live.node.node_rank].take(message.body)) is not None:
+                chunks = self._chunks.setdefault(live.node.node_rank, StackChunks())
+                if (answer := chunks.take(message.body)) is not None:
                     tag, rank, stacks = answer
                     if isinstance(stacks, dict):
                         self._answers.setdefault(tag, {})[rank] = stacks

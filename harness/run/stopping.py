@@ -30,16 +30,14 @@ def stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
 
 class Stopper:
-    """grace: SIGTERM-to-SIGKILL seconds. since: when the stop began (None: not stopping)."""
+    """grace: SIGTERM-to-SIGKILL seconds; nodes: the attempt's started nodes (the supervisor's list, filled
+    as it starts them). since: when the stop began (None: not stopping)."""
 
-    def __init__(self, grace: float) -> None:
+    def __init__(self, grace: float, nodes: list[tuple[NodeProcess, LiveNode]]) -> None:
         self.grace = grace
         self.since: float | None = None
-        self._nodes: list[tuple[NodeProcess, LiveNode]] = []
+        self._nodes = nodes
         self._killers: list[threading.Thread] = []
-
-    def watch(self, process: NodeProcess, live: LiveNode) -> None:
-        self._nodes.append((process, live))
 
     def stop_all(self) -> None:
         """SIGTERM every running node now; SIGKILL whatever is left after the grace period (in background)."""

@@ -37,8 +37,9 @@ class Supervisor:
                  quiet_cpp_info: bool = False, health: HealthWatch | None = None, run: RunDir | None = None,
                  attempt: int = 0) -> None:
         self.output = Output(out, log_file, quiet_cpp_info)
-        self.stopper = Stopper(grace)
-        self.stacks = StackCapture()
+        self._started: list[tuple[NodeProcess, LiveNode]] = []  # every started node, what stops and asks it
+        self.stopper = Stopper(grace, self._started)
+        self.stacks = StackCapture(self._started)
         self.nodes: list[LiveNode] = []
         self.watch = Watch(health, run, attempt, self.nodes, self.stacks, self.output, self.stopper)
         self.first_failure: LiveNode | None = None
@@ -62,12 +63,9 @@ class Supervisor:
         self.output.say(message)
 
     def start(self, processes: list[NodeProcess]) -> None:
-        started = [(process, LiveNode(process.node, started=time.time())) for process in processes]
-        for process, live in started:  # every node known before any can end (_reap counts them)
-            self.nodes.append(live)
-            self.stopper.watch(process, live)
-            self.stacks.watch(process, live)
-        for process, live in started:
+        self._started += [(process, LiveNode(process.node, started=time.time())) for process in processes]
+        self.nodes += [live for _, live in self._started]  # every node known before any can end (_reap counts)
+        for process, live in self._started:
             self._spawn(self.output.pump, process, live)
             self._spawn(self._reap, process, live)
             self._spawn(self._listen, process, live)
