@@ -110,6 +110,25 @@ class Failure:
     hint: str | None = None  # advice for a known signature (worker_output.hint)
 
 
+class HealthEventKind(StrEnum):
+    """What the health watch said during an attempt (run/watch.py)."""
+
+    SLOW = "slow"  # a rank its peers wait for (waited: the percentage of the time they do)
+    RECOVERED = "recovered"  # a rank named slow is no longer
+    HANG = "hang"  # no progress for health.stall seconds: text is the verdict
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """One verdict of the health watch, kept so that status and the report show it after the run."""
+
+    at: float
+    kind: HealthEventKind
+    text: str  # as the stream said it
+    rank: int | None = None
+    waited: float | None = None
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One start of every node. failures: cause first (a node's own failure before the consequences
@@ -133,6 +152,7 @@ class Attempt:
     joined_ranks: list[int] | None = None  # ranks seen joining a process group; None: not watched
     nnodes: int | None = None  # fewer than the job's when it went on without lost hosts (restarts.min_nnodes)
     world_size: int | None = None  # None in records written before attempts recorded their size
+    health: list[HealthEvent] = field(default_factory=list)  # the health watch's verdicts, in order
 
     def where(self, resized: bool) -> str:
         """Its hosts, and with them its size when the run's attempts did not all have the same (resized)."""

@@ -90,6 +90,17 @@ class RunDir:
         """The running attempt's health as the controller judges it (slow ranks, a hang's verdict)."""
         return self.path / "health.json"
 
+    @property
+    def timeline(self) -> Path:
+        """timeline.jsonl: every rank's CPU use, busy share and step over time (run/timeline.py), for the report."""
+        return self.path / "timeline.jsonl"
+
+    @property
+    def stream(self) -> Path:
+        """The run's stream as it was shown, and every line the ranks printed, each with its time
+        (run/record.py): what `harness logs` reads."""
+        return self.path / "logs"
+
     def log_file(self, node_rank: int, attempt: int = 0) -> Path:
         """Each attempt's own file (never overwritten): node1.log, then node1.attempt1.log, ..."""
         return self.path / f"node{node_rank}{_attempt_suffix(attempt)}.log"

@@ -1,0 +1,56 @@
+"""timeline.jsonl: how every rank ran over time -- its CPU use, how busy its main thread was (the rest
+of the time it waited, e.g. for its peers in a collective) and the step it was at -- one line per health
+sample, appended while the run runs, for `harness report`'s plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RankPoint:
+    """cpu: CPUs the rank (with its children) used over the interval before t (1.0: one CPU all the time);
+    busy: the share of that interval its main thread ran (None: not measured); step: its progress, where
+    the job prints it (None: not known)."""
+
+    cpu: float
+    busy: float | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    attempt: int
+    ranks: Mapping[int, RankPoint]
+
+
+def append_sample(path: Path, sample: Sample) -> None:
+    """One line, in one write: a reader sees whole lines, or a last one cut short by a crash."""
+    ranks = {str(rank): {"cpu": round(p.cpu, 3), "busy": None if p.busy is None else round(p.busy, 3), "step": p.step}
+             for rank, p in sorted(sample.ranks.items())}
+    line = json.dumps({"t": round(sample.t, 3), "attempt": sample.attempt, "ranks": ranks}, separators=(",", ":"))
+    with open(path, "a", encoding="utf-8") as file:
+        file.write(line + "\n")
+
+
+def read_timeline(path: Path) -> list[Sample]:
+    """Every sample that can be read, in order; a damaged or cut line is skipped, a missing file is none."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    samples = []
+    for line in text.splitlines():
+        try:
+            data = json.loads(line)
+            samples.append(Sample(float(data["t"]), int(data["attempt"]), {
+                int(rank): RankPoint(float(p["cpu"]), None if p.get("busy") is None else float(p["busy"]),
+                                     None if p.get("step") is None else int(p["step"]))
+                for rank, p in data["ranks"].items()}))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return samples
