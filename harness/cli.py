@@ -1,4 +1,4 @@
-"""The `harness` command: render, launch, stop, stacks, status, preflight, prepare.
+"""The `harness` command: render, launch, stop, stacks, status, logs, preflight, prepare.
 
 This module parses the command line and dispatches to harness.commands, nothing more.
 """
@@ -6,6 +6,7 @@ This module parses the command line and dispatches to harness.commands, nothing 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -123,6 +124,41 @@ def _nnodes(text: str) -> NodeCount:
         raise argparse.ArgumentTypeError(f"expected a number of nodes, or MIN:N (e.g. 2:4), got {text!r}") from None
 
 
+def _ranks(text: str) -> frozenset[int]:
+    try:
+        ranks = frozenset(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ranks such as 3 or 0,2,5, got {text!r}") from None
+    if min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"expected ranks of 0 or more, got {text!r}")
+    return ranks
+
+
+def _attempt(text: str) -> int | None:
+    """None: every attempt."""
+    if text == "all":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an attempt number (0 is the first) or all, got {text!r}")
+    return int(text)
+
+
+def _regex(text: str) -> re.Pattern[str]:
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"expected a regular expression, got {text!r}: {exc}") from None
+
+
+def _duration(text: str) -> float:
+    from harness.run.logs import duration
+
+    try:
+        return duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _number_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
@@ -192,6 +228,24 @@ def parser() -> argparse.ArgumentParser:
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
     status.add_argument("run_id", nargs="?", help="one run to show node by node (default: list the runs)")
     status.set_defaults(func=commands.status)
+    logs = verbs.add_parser("logs", parents=[runs_dir], help="a run's output in time order, as its stream showed it "
+                            "(the lines held back from the terminal too), by rank, node or attempt",
+                            epilog="examples:\n  harness logs RUN_ID --rank 3 --grep 'loss|Error'\n"
+                                   "  harness logs RUN_ID --since 5m --follow",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    logs.add_argument("run_id", help="the run, as `harness status` lists it")
+    logs.add_argument("--rank", type=_ranks, metavar="R[,R...]", help="only these global ranks' lines")
+    logs.add_argument("--node", type=int, metavar="N", help="only node N's lines (its ranks' and torchrun's own)")
+    logs.add_argument("--attempt", type=_attempt, default=None, metavar="N|all",
+                      help="only attempt N's lines (default: all attempts)")
+    logs.add_argument("--grep", type=_regex, metavar="REGEX", help="only lines this regular expression finds")
+    logs.add_argument("--since", type=_duration, metavar="DURATION",
+                      help="only lines of the last DURATION (90s, 5m, 1h30m, 2d)")
+    logs.add_argument("--timestamps", action="store_true", help="each line with the time it arrived (UTC)")
+    logs.add_argument("--follow", "-f", action="store_true",
+                      help="go on printing lines as they come, until the run ends")
+    logs.set_defaults(func=commands.logs)
+
     preflight = verbs.add_parser("preflight", help="prove before launch that every host can run the job")
     preflight.add_argument("hosts", nargs="?", help="host inventory, e.g. hosts.yaml (none with --target slurm)")
     preflight.add_argument("--target", choices=("ssh", "slurm"), default="ssh",

@@ -222,6 +222,14 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
+def logs(args: argparse.Namespace) -> int:
+    from harness.run.logs import Selection, print_logs, since_stamp
+
+    selection = Selection(args.rank, args.node, args.attempt, args.grep,
+                          None if args.since is None else since_stamp(args.since), args.timestamps)
+    return print_logs(find_run(args.runs_dir, args.run_id), selection, sys.stdout, follow=args.follow)
+
+
 def preflight(args: argparse.Namespace) -> int:
     from harness.preflight.verb import preflight_command
 

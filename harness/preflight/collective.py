@@ -17,6 +17,7 @@ from harness.plan.planner import Plan, job_hosts
 from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, answer_in
 from harness.preflight.report import Check, Status
 from harness.run.supervisor import Supervisor
+from harness.run.terminal import Terminal
 from harness.spec.inventory import Inventory
 from harness.spec.job import Entrypoint, JobSpec
 from harness.targets.ssh.backend import SSHBackend
@@ -44,7 +45,8 @@ def _supervise(backend: SSHBackend, plan: Plan, job: JobSpec, seconds: float) ->
     Returns the supervisor (its nodes, the first failure) and whether the deadline was reached."""
     deadline = threading.Event()
     timer = threading.Timer(seconds, deadline.set)
-    sup = Supervisor(grace=job.timeouts.stop_grace, out=io.StringIO())
+    terminal = Terminal(io.StringIO())  # the checks' report says what matters
+    sup = Supervisor(grace=job.timeouts.stop_grace, terminal=terminal)
     timer.start()
     try:
         sup.start(backend.start(plan, job))
@@ -53,6 +55,7 @@ def _supervise(backend: SSHBackend, plan: Plan, job: JobSpec, seconds: float) ->
         timer.cancel()
         sup.finish()
         backend.close()
+        terminal.close()
     return sup, deadline.is_set()
 
 

@@ -32,11 +32,13 @@ from harness.run.health import HealthWatch
 from harness.run.index import create_run_dir
 from harness.run.records import Attempt, ControllerId, FailureKind, RunState, RunStatus, RunSummary
 from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
-from harness.run.report import report, say
+from harness.run.report import report
 from harness.run.results import failure_of, hang_failure, recorded_node, stopped_status, summary_error
 from harness.run.rundir import RunDir, run_dir
 from harness.run.stopping import stop_on_signals
+from harness.run.stream_record import StreamRecord
 from harness.run.supervisor import Supervisor
+from harness.run.terminal import Terminal
 from harness.spec.job import JobSpec
 from harness.targets.base import Backend, CheckFailed, Scheduler
 
@@ -49,11 +51,15 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
     status. Nothing exists yet when the first check fails. A backend is closed at the end. spec_text:
     the spec as its file holds it (kept as the run's spec.yaml); source: that file, or the command that
     made the spec."""
-    course: _Course = _Followed(target, spec, out) if isinstance(target, Scheduler) else _Supervised(target, spec, out)
+    terminal = Terminal(out)
+    course: _Course = _Followed(target, spec, terminal) if isinstance(target, Scheduler) else \
+        _Supervised(target, spec, terminal)
     try:
         began = time.time()
         course.prepare(source, runs_root, run_id)
         run = create_run_dir(runs_root, run_id)
+        course.record = terminal.record = StreamRecord(run.stream)
+        terminal.logs_command = f"harness logs {run_id}"
         write_text_atomic(run.spec_copy, spec_text)
         write_entrypoint_record(run.path, spec, target.name)
         course.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
@@ -67,15 +73,19 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
                 run.write_state(replace(course.state, status=RunStatus.ERROR, error=str(exc), ended_at=time.time()))
                 course.failed()
                 raise
-        return _finish(run, course.state, attempts, stop, reason, out)
+        return _finish(run, course.state, attempts, stop, reason, terminal)
     finally:
         course.close()
+        terminal.close()
+        if terminal.record is not None:
+            terminal.record.close()
 
 
 class _Course:
     """How one kind of target runs: what launch needs before the run directory exists, then the run."""
 
     state: RunState
+    record: StreamRecord | None = None
     nnodes: int
     world_size: int
     hosts: list[str]
@@ -98,7 +108,7 @@ class _Course:
 class _Supervised(_Course):
     """A Backend: every node started here and supervised, attempt after attempt."""
 
-    def __init__(self, backend: Backend, spec: JobSpec, out: IO[str]) -> None:
+    def __init__(self, backend: Backend, spec: JobSpec, out: Terminal) -> None:
         self.backend, self.spec, self.out = backend, spec, out
         self.down: set[str] = set()
 
@@ -122,8 +132,8 @@ class _Supervised(_Course):
                                  nnodes=plan.nnodes, world_size=plan.world_size)
             run.write_state(self.state)
             if plan.nnodes < spec.nnodes:
-                say(out, _fewer_nodes(spec, plan, down))
-            attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out))
+                out.say(_fewer_nodes(spec, plan, down))
+            attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out, self.record))
             if attempts[-1].status is not RunStatus.FAILED or stop.is_set():
                 break
             reason = no_restart_reason(spec.restarts, attempts)
@@ -132,7 +142,7 @@ class _Supervised(_Course):
             down |= set(attempts[-1].down)
             delay = backoff_seconds(spec.restarts, len(attempts) - 1)
             cause = attempts[-1].failures[0]
-            say(out, f"attempt {plan.attempt} failed at the {attempts[-1].kind} level on {cause.host} "
+            out.say(f"attempt {plan.attempt} failed at the {attempts[-1].kind} level on {cause.host} "
                       f"({cause.evidence}); restart {len(attempts)} of {spec.restarts.max} in {delay:g} s"
                       + (f", without {', '.join(sorted(down))}" if down else ""))
             attempts[-1] = replace(attempts[-1], backoff_s=delay)
@@ -156,7 +166,7 @@ class _Supervised(_Course):
 class _Followed(_Course):
     """A Scheduler: the job submitted once and followed; its requeues are the attempts."""
 
-    def __init__(self, scheduler: Scheduler, spec: JobSpec, out: IO[str]) -> None:
+    def __init__(self, scheduler: Scheduler, spec: JobSpec, out: Terminal) -> None:
         self.scheduler, self.spec, self.out = scheduler, spec, out
         self.job_id: str | None = None
         self.follower: Follower | None = None
@@ -173,7 +183,7 @@ class _Followed(_Course):
         run.write_state(self.state)
         what = f"{self.scheduler.name.capitalize()} job {self.job_id}"
         nproc = self.world_size // self.nnodes
-        say(self.out, f"run {run.run_id}: submitted {what} ({self.nnodes} node(s) x {nproc} process(es)); "
+        self.out.say(f"run {run.run_id}: submitted {what} ({self.nnodes} node(s) x {nproc} process(es)); "
                       f"logs in {run.path}/")
         self.follower = Follower(self.scheduler, run, self.state, self.job_id, self.out)
         try:
@@ -185,12 +195,12 @@ class _Followed(_Course):
     def failed(self) -> None:
         if self.job_id is not None and not (self.follower and self.follower.cancelled):
             what = f"{self.scheduler.name.capitalize()} job {self.job_id}"
-            say(self.out, f"{what} is still in {self.scheduler.name.capitalize()}'s hands: `harness stop "
+            self.out.say(f"{what} is still in {self.scheduler.name.capitalize()}'s hands: `harness stop "
                           f"{self.state.run_id}` cancels it")
 
 
 def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, attempt: int, down: set[str],
-                out: IO[str]) -> Plan:
+                out: Terminal) -> Plan:
     """Plan on the hosts not down and check them; a host that fails the check is down too and a spare
     takes its place, until the check passes or no spare is left (the check's report is then the error).
     With no spare left the plan has fewer nodes as restarts.min_nnodes allows (the planner's
@@ -208,7 +218,7 @@ def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, att
             except NoSpareHosts as none_left:
                 raise CheckFailed(f"{exc}\n{none_left}", exc.hosts) from None
             instead = "a spare host takes its place" if again.nnodes == plan.nnodes else "no spare is left"
-            say(out, f"preflight failed on {', '.join(sorted(exc.hosts))}: {instead}")
+            out.say(f"preflight failed on {', '.join(sorted(exc.hosts))}: {instead}")
             plan = again
 
 
@@ -220,15 +230,15 @@ def _fewer_nodes(spec: JobSpec, plan: Plan, down: set[str]) -> str:
 
 
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
-             before: list[Attempt], out: IO[str]) -> Attempt:
+             before: list[Attempt], out: Terminal, record: StreamRecord | None) -> Attempt:
     """Start every node of plan (spec on the plan's nodes, which may be fewer than the job's), supervise
     them to their end, and say how this attempt went."""
     watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes)
-    sup = Supervisor(grace=spec.timeouts.stop_grace, out=out,
+    sup = Supervisor(grace=spec.timeouts.stop_grace, terminal=out,
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
                      quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys(),
                      health=HealthWatch(spec.health.stall, spec.health.slow) if spec.health.watched else None, run=run,
-                     attempt=plan.attempt)
+                     attempt=plan.attempt, record=record, progress=spec.health.progress_pattern)
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     hosts = ", ".join(n.host for n in plan.nodes)
     sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "
@@ -263,7 +273,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)
         if previous_failure else None,
         joined_ranks=sorted(set().union(*(r.joined for r in sup.nodes))) if watched else None,
-        nnodes=plan.nnodes, world_size=plan.world_size,
+        nnodes=plan.nnodes, world_size=plan.world_size, health=sup.watch.events,
     )
 
 
@@ -278,7 +288,7 @@ def _not_distributed(attempt: Attempt) -> str | None:
 
 
 def _finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threading.Event, reason: str | None,
-             out: IO[str]) -> int:
+             out: Terminal) -> int:
     last = attempts[-1] if attempts else None
     if stop.is_set():
         status, code, reason = stopped_status(run), EXIT_INTERRUPTED, None

@@ -8,15 +8,14 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO
 
 from harness.plan.planner import Node
 from harness.run.live import LiveNode
 from harness.run.records import Attempt, RunState, RunStatus
 from harness.run.recovery import attempt_failures, attempt_kind
-from harness.run.report import say
 from harness.run.results import failure_of, recorded_node, stopped_status
 from harness.run.rundir import RunDir
+from harness.run.terminal import Terminal
 from harness.targets.base import JobStatus, Scheduler
 
 POLL_SECONDS = 0.5  # how often the job's state is asked for and the logs are read
@@ -62,7 +61,7 @@ class _Attempt:
 class Follower:
     """One submitted job, followed to its end; what it saw becomes Attempt records."""
 
-    def __init__(self, scheduler: Scheduler, run: RunDir, state: RunState, job_id: str, out: IO[str]) -> None:
+    def __init__(self, scheduler: Scheduler, run: RunDir, state: RunState, job_id: str, out: Terminal) -> None:
         self.scheduler, self.run, self.state, self.job_id, self.out = scheduler, run, state, job_id, out
         self.nproc = state.world_size // state.nnodes
         self.own = Tail(scheduler.own_log(run.path, job_id))
@@ -88,7 +87,7 @@ class Follower:
                 self.reason = f"{self.what} can never start: {job.never_starts} (pending reason {job.reason})"
                 self._cancel()
             if stop.is_set() and not self.cancelled:
-                say(self.out, f"stop requested: cancelling {self.what}")
+                self.out.say(f"stop requested: cancelling {self.what}")
                 self._cancel()
             self._pump()
             if job.finished:
@@ -103,12 +102,12 @@ class Follower:
     def _announce(self, job: JobStatus) -> None:
         why = f" ({job.reason})" if job.reason else ""
         if job.state == "PENDING":
-            say(self.out, f"{self.what} pending{why}")
+            self.out.say(f"{self.what} pending{why}")
         elif job.state == "RUNNING":
-            say(self.out, f"{self.what} running on {job.where}"
+            self.out.say(f"{self.what} running on {job.where}"
                           + (f" (attempt {job.attempt})" if job.attempt else ""))
         elif job.state not in ("CONFIGURING", "COMPLETING"):
-            say(self.out, f"{self.what} {job.state.lower()}{why}")
+            self.out.say(f"{self.what} {job.state.lower()}{why}")
 
     def _running(self, job: JobStatus) -> None:
         attempt = self.current
@@ -131,12 +130,11 @@ class Follower:
             self._print(f"[{self.scheduler.name}] {line}")
 
     def _print(self, line: str) -> None:
-        self.out.write(line + "\n")
-        self.out.flush()
+        self.out.job_lines(line + "\n", 1)
 
     def _requeued(self, job: JobStatus) -> None:
         self._pump(final=True)
-        say(self.out, f"{self.what} was requeued (restart {job.attempt}): the next attempt resumes from the "
+        self.out.say(f"{self.what} was requeued (restart {job.attempt}): the next attempt resumes from the "
                       f"newest checkpoint")
         self.attempts.append(self._attempt_record(None))
         self.current = _Attempt(job.attempt)

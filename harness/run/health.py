@@ -25,6 +25,7 @@ from harness.plan.planner import Node
 
 IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU between two samples made no progress
 SLOW_WINDOW = 20.0  # seconds over which each rank's busy share is measured
+STILL_SECONDS = 10.0  # idle this long (and for three samples) is shown as no progress, before it is a hang
 SLOW_CONFIRM = 20.0  # seconds a rank must stay slow before it is named (and well again before it is cleared)
 # Frames inside these parts of torch are a rank waiting for its peers (a collective, DDP's backward).
 WAITING = re.compile(r"torch/(distributed|autograd|nn/parallel)/")
@@ -32,6 +33,19 @@ WRAPPERS = ("wrapper", "_fn", "inner", "decorate_context", "wrapped")
 LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python3[.\d]*/|^<")
 STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)", "t": "traced",
           "Z": "a zombie", "gone": "gone"}
+
+
+@dataclass(frozen=True)
+class RankView:
+    """A rank as the watch sees it now. state: computing (its main thread runs), waiting (it sleeps: for
+    its peers in a collective, for data, in a sleep), no progress for N s, or stopped; cpu: CPUs used over
+    the last sample interval; busy: its main thread's share of that interval; idle: seconds without progress."""
+
+    node: Node
+    state: str
+    cpu: float
+    busy: float
+    idle: float
 
 
 @dataclass
@@ -87,6 +101,27 @@ class HealthWatch:
             if all(b[1] - a[1] <= IDLE_SHARE * (b[0] - a[0]) and b[3] == a[3] for a, b in pairwise(window)):
                 found.append(number)
         return found
+
+    def views(self) -> dict[int, RankView]:
+        """Each live rank as `harness status` shows it, from its last two samples and its idle time."""
+        views = {}
+        for number, rank in self._live().items():
+            if len(rank.samples) < 2:
+                continue
+            (t0, cpu0, busy0, _), (t1, cpu1, busy1, _) = rank.samples[-2], rank.samples[-1]
+            span = max(t1 - t0, 1e-6)
+            progressed = [b[0] for a, b in pairwise(rank.samples)
+                          if b[1] - a[1] > IDLE_SHARE * (b[0] - a[0]) or b[3] != a[3]]
+            idle = t1 - (progressed[-1] if progressed else rank.samples[0][0])
+            busy = min(1.0, (busy1 - busy0) / span)
+            if rank.state in ("T", "t"):
+                state = _state(rank.state)
+            elif idle >= max(3 * span, STILL_SECONDS):
+                state = f"no progress for {idle:.0f} s"
+            else:
+                state = "computing" if busy >= 0.5 else "waiting"
+            views[number] = RankView(rank.node, state, (cpu1 - cpu0) / span, busy, idle)
+        return views
 
     def busy_shares(self) -> dict[int, float]:
         """Each live rank's main-thread busy share over the last SLOW_WINDOW seconds (1: never waits)."""

@@ -10,9 +10,35 @@ from dataclasses import dataclass, field
 
 from harness.plan.planner import Node
 from harness.run import worker_output
+from harness.run.cascade import Cascade
 from harness.targets.base import Outcome
 
 TAIL_LINES = 20
+TAIL_KEPT = 500
+# A block whose every line is a rank's plain line (one rank prefix, not a traceback's start): the fast path.
+NEEDS_A_LOOK = re.compile(r"^(?!\[rank\d+\]: (?!\[|Traceback \(most))(?=.)", re.MULTILINE)
+LAST_LINES_LOOKED_AT = 64  # per block, from its end: each rank's last line and step
+STEPS_KEPT = 30
+
+
+@dataclass
+class Block:
+    """What a block of a node's output becomes: logged (every line, one rank prefix), streamed (the lines
+    meant for the stream: not the harness's own noise), shown (streamed, but not held back)."""
+
+    logged: str
+    streamed: str
+    shown: str
+    shown_lines: int
+
+
+@dataclass
+class RankActivity:
+    """A rank's last line and when it came; the steps it reported (time, step), where the job says them."""
+
+    line: str
+    at: float
+    steps: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
 # torchrun's ChildFailedError report names the root-cause rank; use it when present.
 ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)")
 ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
@@ -26,11 +52,14 @@ class LiveNode:
     started: float
     ended: float | None = None
     outcome: Outcome | None = None
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=500))
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_KEPT))
     joined: set[int] = field(default_factory=set)  # ranks seen connecting to the rendezvous store
     torchrun_reporting: bool = False  # torchrun's failure report began: its lines stay in the log
     in_agent_cpp_log: bool = False  # within a C++ log line of torchrun's own and its exception dump
     oom: dict[int, str] = field(default_factory=dict)  # rank -> the kernel's line: its OOM killer ended it
+    cascade: Cascade = field(default_factory=Cascade)  # its ranks' consequent errors, held back
+    held_all: bool = False  # another node failed first: all this node says now is held back
+    activity: dict[int, RankActivity] = field(default_factory=dict)
 
     def root_cause(self) -> tuple[int | None, int | None]:
         """(global rank, exit code) of the first failed worker, from torchrun's "Root Cause" report."""
@@ -53,20 +82,81 @@ class LiveNode:
         that left first at the end of a run), nor torchrun's ChildFailedError report: the harness reports
         what they mean. Notes which ranks joined the rendezvous store."""
         line = worker_output.normalize(raw)
+        # An INFO line of torchrun's own may begin an exception dump too (a c10d rendezvous store's).
+        self.in_agent_cpp_log = worker_output.is_agent_cpp_log(line) or \
+            (self.in_agent_cpp_log and worker_output.continues_cpp_dump(line))
         if worker_output.is_cpp_info(line):
             if (rank := worker_output.joined_rank(line)) is not None:
                 self.joined.add(rank)
             if quiet_cpp_info:
                 return line, False
-        self.in_agent_cpp_log = worker_output.is_agent_cpp_log(line) or \
-            (self.in_agent_cpp_log and worker_output.continues_cpp_dump(line))
         self.tail.append(line)
         if self.in_agent_cpp_log:
             return line, False
         self.torchrun_reporting = self.torchrun_reporting or worker_output.starts_torchrun_report(line)
         return line, not (self.torchrun_reporting and worker_output.rank_of(line) is None)
 
+    def take_block(self, text: str, at: float, quiet_cpp_info: bool = False,
+                   progress: re.Pattern[str] | None = None) -> Block:
+        """A block of whole lines that arrived at `at`: what is logged, streamed and shown of it (take()'s
+        rules line by line, and the cascade's), each rank's last line and step noted. A block of plain rank
+        lines, while nothing is held or being read, passes whole."""
+        if not (self.in_agent_cpp_log or self.torchrun_reporting or self.held_all or not self.cascade.idle) and \
+                NEEDS_A_LOOK.search(text) is None:
+            lines = text.splitlines()
+            self.tail.extend(lines[-TAIL_KEPT:])
+            self._note(lines, at, progress)
+            return Block(text, text, text, len(lines))
+        logged: list[str] = []
+        streamed: list[str] = []
+        shown: list[str] = []
+        for raw in text.splitlines():
+            line, show = self.take(raw, quiet_cpp_info)
+            logged.append(line)
+            if not show:
+                continue
+            streamed.append(line)
+            rank = worker_output.rank_of(line)
+            if self.held_all:
+                self.cascade.hold(rank)
+            elif rank is None:
+                shown.append(line)
+            else:
+                shown += self.cascade.take(rank, line, line[len(f"[rank{rank}]: "):])
+        self._note(streamed, at, progress)
+        return Block(_text(logged), _text(streamed), _text(shown), len(shown))
+
+    def release(self) -> Block:
+        """The node's output ended: what the cascade was still reading is shown."""
+        shown = [] if self.held_all else self.cascade.release()
+        return Block("", "", _text(shown), len(shown))
+
+    def _note(self, lines: list[str], at: float, progress: re.Pattern[str] | None) -> None:
+        """Each rank's last line and, where progress finds one, its last step, from the block's last lines."""
+        seen: set[int] = set()
+        stepped: set[int] = set()
+        for line in reversed(lines[-LAST_LINES_LOOKED_AT:]):
+            rank = worker_output.rank_of(line)
+            if rank is None or rank in stepped:
+                continue
+            activity = self.activity.get(rank)
+            if rank not in seen:
+                seen.add(rank)
+                if activity is None:
+                    activity = self.activity[rank] = RankActivity(line, at)
+                else:
+                    activity.line, activity.at = line, at
+            if progress is not None and activity is not None and (found := progress.search(line)):
+                stepped.add(rank)
+                step = int(found["step"])
+                if not activity.steps or activity.steps[-1][1] != step:
+                    activity.steps.append((at, step))
+
     def last_lines(self, rank: int | None, count: int = TAIL_LINES) -> list[str]:
         """The failing rank's own last lines say why; the node's tail is the fallback."""
         own = [line for line in self.tail if rank is not None and line.startswith(f"[rank{rank}]:")]
         return (own or list(self.tail))[-count:]
+
+
+def _text(lines: list[str]) -> str:
+    return "".join(line + "\n" for line in lines)

@@ -1,50 +1,62 @@
-"""The run's one stream: every node's lines with the node's prefix, each also appended to the node's
-log, and the harness's own words between them, never two lines interleaved mid-line."""
+"""The run's one stream: every node's lines with the node's prefix on the terminal (run/terminal.py),
+in the node's log as they came, and with their times in the run's record (run/stream_record.py). Each
+node's output is taken a block at a time -- all that arrived since the last read -- so that the stream
+costs per read, not per line, and keeps up with any job's output."""
 
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
+import re
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
 from harness.plan.planner import Node
-from harness.run.live import LiveNode
+from harness.run.live import Block, LiveNode
+from harness.run.stream_record import StreamRecord, stamp, stamped
+from harness.run.terminal import Terminal
 from harness.targets.base import NodeProcess
 
 
 class Output:
-    """log_file: where each node's lines go (None: nowhere); quiet_cpp_info: torch's C++ INFO lines are
-    the harness's own watch (plan.STORE_WATCH_ENV), so they go to the log only."""
+    """log_file: where each node's lines go (None: nowhere); record: the run's timed record (None: none);
+    quiet_cpp_info: torch's C++ INFO lines are the harness's own watch (plan.STORE_WATCH_ENV), so they go
+    to the log only; progress: the pattern of the job's step lines (health.progress)."""
 
-    def __init__(self, out: IO[str] = sys.stdout, log_file: Callable[[Node], Path] | None = None,
-                 quiet_cpp_info: bool = False) -> None:
-        self.out = out
+    def __init__(self, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
+                 record: StreamRecord | None = None, attempt: int = 0, quiet_cpp_info: bool = False,
+                 progress: re.Pattern[str] | None = None) -> None:
+        self.terminal = terminal
         self.log_file = log_file
+        self.record = record
+        self.attempt = attempt
         self.quiet_cpp_info = quiet_cpp_info
-        self._lock = threading.Lock()
+        self.progress = progress
 
     def say(self, message: str) -> None:
-        self._write(f"harness: {message}\n")
+        self.terminal.say(message)
 
     def pump(self, process: NodeProcess, live: LiveNode) -> None:
-        """Until the node's output ends: each line to its log, and to the stream unless live.take hides it."""
+        """Until the node's output ends: each block to the node's log, the record and the terminal."""
         prefix = f"[{live.node.label}] "
         with contextlib.ExitStack() as stack:
-            log = None
+            log = timed = None
             if self.log_file is not None:
                 log = stack.enter_context(open(self.log_file(live.node), "a", encoding="utf-8"))
-            for raw in process.output():
-                line, show = live.take(raw, self.quiet_cpp_info)
+            if self.record is not None:
+                timed = stack.enter_context(self.record.open_node(self.attempt, live.node.node_rank))
+            for text in process.output():
+                at = time.time()
+                block = live.take_block(text, at, self.quiet_cpp_info, self.progress)
                 if log is not None:
-                    log.write(line + "\n")
+                    log.write(block.logged)
                     log.flush()
-                if show:
-                    self._write(prefix + line + "\n")
+                if timed is not None and block.streamed:
+                    timed.write(stamped(block.streamed, f"{stamp(at)} {prefix}"))
+                    timed.flush()
+                self._show(block, prefix)
+            self._show(live.release(), prefix)
 
-    def _write(self, text: str) -> None:
-        with self._lock:
-            self.out.write(text)
-            self.out.flush()
+    def _show(self, block: Block, prefix: str) -> None:
+        if block.shown_lines:
+            self.terminal.job_lines(stamped(block.shown, prefix), block.shown_lines)

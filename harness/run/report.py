@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-from typing import IO
-
 from harness.run.records import Failure, RunStatus, RunSummary
 from harness.run.rundir import RunDir
-
-
-def say(out: IO[str], message: str) -> None:
-    out.write(f"harness: {message}\n")
-    out.flush()
+from harness.run.terminal import Terminal
 
 
 def _describe(failure: Failure) -> str:
@@ -25,39 +19,39 @@ def _describe(failure: Failure) -> str:
     return f"{text} ({failure.kind.value}{extra})"
 
 
-def report(out: IO[str], summary: RunSummary, run: RunDir) -> None:
+def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
     resized = len(summary.world_sizes) > 1
     if len(summary.attempts) > 1:
         for attempt in summary.attempts:
             recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
             how = f"failed on {_describe(attempt.failures[0])}" if attempt.failures else attempt.status.value
-            say(out, f"attempt {attempt.attempt} on {attempt.where(resized)}{recovered}: {how}")
+            out.say(f"attempt {attempt.attempt} on {attempt.where(resized)}{recovered}: {how}")
     failure = summary.first_failure
     if summary.status is RunStatus.SUCCEEDED:
         sizes = f", world size {' -> '.join(map(str, summary.world_sizes))}" if resized else ""
         warned = "".join(f", but {warning}" for warning in summary.warnings)
-        say(out, f"run {summary.run_id} succeeded in {summary.duration_s} s{sizes}{warned}; logs in {run.path}/")
+        out.say(f"run {summary.run_id} succeeded in {summary.duration_s} s{sizes}{warned}; logs in {run.path}/")
     elif failure is not None:
         if failure.error is not None:  # what the user must change first: the exception and their own frame
-            say(out, f"run {summary.run_id} FAILED: {failure.error}")
+            out.say(f"run {summary.run_id} FAILED: {failure.error}")
             if failure.error_at is not None:
                 out.write(f"    at {failure.error_at}\n" + (f"        {failure.error_source}\n"
                                                            if failure.error_source else ""))
-            say(out, f"first failure on {_describe(failure)}")
+            out.say(f"first failure on {_describe(failure)}")
         else:
-            say(out, f"run {summary.run_id} FAILED: first failure on {_describe(failure)}")
+            out.say(f"run {summary.run_id} FAILED: first failure on {_describe(failure)}")
         if failure.hint:
-            say(out, f"hint: {failure.hint}")
+            out.say(f"hint: {failure.hint}")
         if summary.reason:
-            say(out, f"not restarted: {summary.reason}")
-        say(out, f"last lines of node{failure.node_rank}" + (f", rank {failure.rank}:" if failure.rank is not None
+            out.say(f"not restarted: {summary.reason}")
+        out.say(f"last lines of node{failure.node_rank}" + (f", rank {failure.rank}:" if failure.rank is not None
                                                              else ":"))
         for line in failure.last_lines[-10:]:
             out.write(f"    {line}\n")
         last = summary.attempts[-1].attempt
-        say(out, f"full logs: {run.log_file(failure.node_rank, last)}; summary: {run.summary_file}")
+        out.say(f"full logs: {run.log_file(failure.node_rank, last)}; summary: {run.summary_file}")
     elif summary.reason:
-        say(out, f"run {summary.run_id} FAILED: {summary.reason}")
+        out.say(f"run {summary.run_id} FAILED: {summary.reason}")
     else:
-        say(out, f"run {summary.run_id} {summary.status.value}: every node stopped; logs in {run.path}/")
+        out.say(f"run {summary.run_id} {summary.status.value}: every node stopped; logs in {run.path}/")
     out.flush()

@@ -6,21 +6,23 @@ and the ranks' stacks (stack_capture.py); its threads route what each node says 
 from __future__ import annotations
 
 import queue
-import sys
+import re
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from harness.node.protocol import Kind, parse_health, parse_oom
 from harness.plan.planner import Node
-from harness.run.health import HealthWatch, Verdict
+from harness.run.health import HealthWatch, Verdict, ranks_text
 from harness.run.live import LiveNode
 from harness.run.output import Output
 from harness.run.rundir import RunDir
 from harness.run.stack_capture import StackCapture
 from harness.run.stopping import Stopper
+from harness.run.stream_record import StreamRecord
+from harness.run.terminal import Terminal
 from harness.run.watch import Watch
 from harness.targets.base import NodeProcess, Outcome
 
@@ -28,15 +30,16 @@ MESSAGE_POLL_SECONDS = 0.05  # how soon a listener sees that its node ended and 
 
 
 class Supervisor:
-    """grace: SIGTERM-to-SIGKILL seconds; log_file: where each node's lines go (None: nowhere);
-    quiet_cpp_info: torch's C++ INFO lines are the harness's own watch, so they go to the log only.
+    """grace: SIGTERM-to-SIGKILL seconds; terminal: the user's; log_file: where each node's lines go (None:
+    nowhere); record: the run's timed record of its stream (None: none); quiet_cpp_info: torch's C++ INFO
+    lines are the harness's own watch, so they go to the log only; progress: the job's step lines.
     health: the watch for hangs and slow ranks (None: off); run: where stacks, the health file and
     `harness stacks` requests live; attempt: this attempt's number."""
 
-    def __init__(self, grace: float, out: IO[str] = sys.stdout, log_file: Callable[[Node], Path] | None = None,
+    def __init__(self, grace: float, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
                  quiet_cpp_info: bool = False, health: HealthWatch | None = None, run: RunDir | None = None,
-                 attempt: int = 0) -> None:
-        self.output = Output(out, log_file, quiet_cpp_info)
+                 attempt: int = 0, record: StreamRecord | None = None, progress: re.Pattern[str] | None = None) -> None:
+        self.output = Output(terminal, log_file, record, attempt, quiet_cpp_info, progress)
         self._started: list[tuple[NodeProcess, LiveNode]] = []  # every started node, what stops and asks it
         self.stopper = Stopper(grace, self._started)
         self.stacks = StackCapture(self._started)
@@ -116,6 +119,8 @@ class Supervisor:
             assert live.outcome is not None
             if not live.outcome.ok and self.first_failure is None and self.stopping_since is None:
                 self.first_failure = live
+                for other in self.nodes:  # what the others say now follows from this failure
+                    other.held_all = other is not live
                 # The failing rank's own code, as the report and `harness status` give it (torchrun's is 1).
                 rank, code = live.root_cause()
                 how = f"rank {rank} {Outcome.from_returncode(code).describe()}" if rank is not None and \
@@ -128,10 +133,18 @@ class Supervisor:
         self.stopper.stop_all()
 
     def finish(self) -> None:
-        """Every node has ended: sweep stragglers (orphaned workers), drain output threads."""
+        """Every node has ended: sweep stragglers (orphaned workers), drain output threads, and say what
+        was held back from the terminal."""
         self.stopper.sweep()
         for thread in self._threads:
             thread.join(timeout=2)
+        held = sum(live.cascade.held for live in self.nodes)
+        if held:
+            ranks = sorted(set().union(*(live.cascade.held_from for live in self.nodes)))
+            whose = f"of {ranks_text(ranks)} " if ranks else ""
+            self.say(f"{held} line(s) {whose}held back from this terminal: they follow from the first failure (a "
+                     f"peer that went away); see them with `{self.output.terminal.logs_command}"
+                     + (f" --rank {','.join(map(str, ranks))}`" if ranks else "`"))
 
     def _spawn(self, target: Callable[..., Any], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)

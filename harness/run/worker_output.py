@@ -29,6 +29,13 @@ TORCHRUN_REPORT = re.compile(r"^[EW]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distr
 # A C++ exception nothing caught (gloo's enforce, in its own threads): std::terminate's two lines.
 CPP_TERMINATE = re.compile(r"^terminate called after throwing an instance of '(?P<type>[^']+)'$")
 CPP_WHAT = re.compile(r"^\s*what\(\):\s*(?P<what>.*)$")
+# An exception that only says a peer went away: the rank failed because another one did (run/cascade.py).
+AFTER_A_PEER = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|remote process exited|"
+    r"NCCL communicator was aborted|[Ww]atchdog caught collective operation timeout|DistNetworkError|"
+    r"DistBackendError|recvBytes|sendBytes|failed to recv|Failed to recv|The client socket has failed|"
+    r"Socket Timeout"
+)
 FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
 # Where the standard library and installed packages live: not the user's code.
 NOT_USER_CODE = re.compile(r"^<|/site-packages/|/dist-packages/|/lib/python\d\.\d+/")
@@ -62,6 +69,11 @@ def is_agent_cpp_log(line: str) -> bool:
 
 def continues_cpp_dump(line: str) -> bool:
     return CPP_DUMP.match(line) is not None
+
+
+def after_a_peer(exception: str) -> bool:
+    """Whether a rank's exception line says it failed because a peer did."""
+    return AFTER_A_PEER.search(exception) is not None
 
 
 def joined_rank(line: str) -> int | None:

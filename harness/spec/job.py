@@ -305,15 +305,38 @@ class Restarts(StrictModel):
     min_nnodes: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=MAX_NNODES)] | None = None
 
 
+# The payload's progress lines (`epoch 1 step 12/97 ...`), and many scripts' `step 12`.
+DEFAULT_PROGRESS = r"\bstep (?P<step>\d+)"
+
+
 class Health(StrictModel):
     """What the harness watches while a job runs (run/health.py). stall: seconds a rank may make no
     progress (no CPU time used, in it or its children) before the job counts as hung: every rank's
     stack is captured, the job stopped and the attempt classed `hang`; 0 turns the watch off. slow: a
     rank that its peers wait for at least this percentage of the time, for a minute, is named as
-    slow; 0 turns it off."""
+    slow; 0 turns it off. progress: the regular expression that finds a step number (a group named
+    `step`) in a rank's lines, for the step and step rate `harness status` shows; empty turns it off."""
 
     stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
     slow: Annotated[Seconds, Field(ge=0, le=100)] = 20
+    progress: str = DEFAULT_PROGRESS
+
+    @field_validator("progress")
+    @classmethod
+    def _progress(cls, value: str) -> str:
+        if not value:
+            return value
+        try:
+            pattern = re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"expected a regular expression, got {short_repr(value)}: {exc}") from None
+        if "step" not in pattern.groupindex:
+            raise ValueError(f"expected a group named step in {short_repr(value)}, e.g. 'step (?P<step>\\d+)'")
+        return value
+
+    @property
+    def progress_pattern(self) -> re.Pattern[str] | None:
+        return re.compile(self.progress) if self.progress else None
 
     @property
     def watched(self) -> bool:

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from harness.node.boot import BOOT, shipped
-from harness.node.protocol import Kind, Message, Word, split_line, word_line
+from harness.node.protocol import MARKER, Kind, Message, Word, split_line, word_line
 from harness.plan.planner import NodePlan
 from harness.plan.shell import shell_command
 from harness.spec.job import JobSpec
@@ -28,6 +28,7 @@ OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may
 PING_SECONDS = 2.0  # how often the controller tells each agent it is still there
 # Linux's longest single argument to execve (32 pages of 4 KiB): the node's shell line is one (`sh -c LINE`).
 MAX_ARG_STRLEN = 32 * 4096
+READ_BYTES = 1 << 16  # a pipe's default capacity: one read takes all a busy node wrote meanwhile
 
 
 def agent_argv(python: str, node: NodePlan) -> list[str]:
@@ -101,8 +102,9 @@ class AgentNode(ABC):
         self._send_lock = threading.Lock()
 
     @abstractmethod
-    def _lines(self) -> Iterable[bytes]:
-        """The agent's raw stdout lines until it ends (raising OSError/EOFError when the link breaks)."""
+    def _chunks(self) -> Iterable[bytes]:
+        """The agent's raw stdout as it arrives, in chunks of any size, until it ends (raising
+        OSError/EOFError when the link breaks)."""
 
     @abstractmethod
     def _send(self, data: bytes) -> None:
@@ -117,27 +119,46 @@ class AgentNode(ABC):
         """The agent ended without reporting, so it may not have stopped its node: what the backend can do."""
 
     def output(self) -> Iterator[str]:
-        """The node's lines; the agent's messages go to self.messages (node-exit is kept as the exit
-        code). A message may follow a worker's unfinished line: that part joins the worker's next line."""
-        unfinished = b""
+        """The node's lines, in blocks of whole lines as they arrive (each line ends with a newline); the
+        agent's messages go to self.messages (node-exit is kept as the exit code). A message may follow a
+        worker's unfinished line: that part joins the worker's next line. Chunks without a message (nearly
+        all) pass whole: the stream costs per read, not per line."""
+        pending = b""  # the start of a line whose end has not arrived
+        unfinished = b""  # a worker's text before a message on the same line
         try:
-            for raw in self._lines():
-                text, message = split_line(raw)
-                if text is raw:  # no message on this line
-                    yield (unfinished + raw).decode("utf-8", errors="replace").rstrip("\r\n")
+            for chunk in self._chunks():
+                data = pending + chunk
+                cut = data.rfind(b"\n") + 1
+                pending, whole = data[cut:], data[:cut]
+                if not whole:
+                    continue
+                if MARKER not in whole:
+                    yield (unfinished + whole).decode("utf-8", errors="replace")
                     unfinished = b""
                     continue
-                unfinished += text
-                if message is not None and message.kind is Kind.NODE_EXIT:
-                    self._exit_code = int(message.body)
-                elif message is not None:
-                    self.messages.put(message)
-            if unfinished:
-                yield unfinished.decode("utf-8", errors="replace")
+                text = []
+                for raw in whole.splitlines(keepends=True):
+                    node_text, message = split_line(raw)
+                    if node_text is raw:
+                        text.append(unfinished + raw)
+                        unfinished = b""
+                    else:
+                        unfinished += node_text
+                        self._take(message)
+                if text:
+                    yield b"".join(text).decode("utf-8", errors="replace")
+            if rest := unfinished + pending:
+                yield rest.decode("utf-8", errors="replace").rstrip("\r\n") + "\n"
         except (OSError, EOFError):
             return
         finally:
             self._output_done.set()
+
+    def _take(self, message: Message | None) -> None:
+        if message is not None and message.kind is Kind.NODE_EXIT:
+            self._exit_code = int(message.body)
+        elif message is not None:
+            self.messages.put(message)
 
     def wait(self) -> Outcome:
         lost = self._wait_agent()
@@ -180,9 +201,11 @@ class ChildAgentNode(AgentNode):
         self._proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True)
 
-    def _lines(self) -> Iterable[bytes]:
+    def _chunks(self) -> Iterator[bytes]:
         assert self._proc.stdout is not None
-        return self._proc.stdout
+        fd = self._proc.stdout.fileno()
+        while chunk := os.read(fd, READ_BYTES):
+            yield chunk
 
     def _send(self, data: bytes) -> None:
         assert self._proc.stdin is not None

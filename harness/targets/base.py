@@ -61,7 +61,8 @@ class NodeProcess(Protocol):
     messages: queue.Queue[Message]  # the node agent's messages (harness.node.protocol)
 
     def output(self) -> Iterator[str]:
-        """Lines of the node's combined stdout/stderr until its output ends."""
+        """The node's combined stdout/stderr until its output ends, in blocks of whole lines (each ending
+        with a newline) as they arrive."""
 
     def wait(self) -> Outcome:
         """Block until the node has ended."""

@@ -14,6 +14,7 @@ from harness.errors import SpecError
 from harness.plan.planner import NoSpareHosts, job_hosts
 from harness.run.records import Attempt, FailureKind, RunStatus, RunSummary
 from harness.run.report import report
+from harness.run.terminal import Terminal
 from harness.run.rundir import RunDir
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job
@@ -115,7 +116,9 @@ def test_the_report_names_each_attempts_size_when_the_run_went_on_with_fewer(tmp
                          duration_s=9.0, nodes=[], first_failure=None, attempts=attempts)
     assert summary.world_sizes == [6, 4]
     out = io.StringIO()
-    report(out, summary, RunDir(tmp_path))
+    terminal = Terminal(out)
+    report(terminal, summary, RunDir(tmp_path))
+    terminal.close()
     assert out.getvalue().splitlines() == [
         "harness: attempt 0 on h1, h2, h3 (3 node(s), world size 6): failed",
         "harness: attempt 1 on h1, h3 (2 node(s), world size 4): succeeded",
@@ -124,7 +127,9 @@ def test_the_report_names_each_attempts_size_when_the_run_went_on_with_fewer(tmp
     same = RunSummary(run_id="r", name="a", status=RunStatus.SUCCEEDED, exit_code=0, started_at=0.0, ended_at=9.0,
                       duration_s=9.0, nodes=[], first_failure=None, attempts=[attempts[1], attempts[1]])
     out = io.StringIO()
-    report(out, same, RunDir(tmp_path))
+    terminal = Terminal(out)
+    report(terminal, same, RunDir(tmp_path))
+    terminal.close()
     assert "world size" not in out.getvalue()
 
 

@@ -23,7 +23,7 @@ from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
 from harness.spec.yamlsource import located
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
-from harness.targets.agent_link import AgentNode, agent_argv, agent_env, start_all
+from harness.targets.agent_link import READ_BYTES, AgentNode, agent_argv, agent_env, start_all
 from harness.targets.base import CheckFailed, NodeProcess
 from harness.targets.host_command import NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.ssh.container import in_containers
@@ -67,9 +67,10 @@ class SSHAgentNode(AgentNode):
         self._channel.exec_command(remote_command(argv, env=agent_env(node)))
         self._connection = connection
 
-    def _lines(self) -> Iterator[bytes]:
+    def _chunks(self) -> Iterator[bytes]:
         try:
-            yield from self._channel.makefile("rb")
+            while chunk := self._channel.recv(READ_BYTES):
+                yield chunk
         except paramiko.SSHException as exc:
             raise EOFError(str(exc)) from exc
 

@@ -1,0 +1,61 @@
+"""What keeps a failed run's terminal on its root cause: once a rank fails, its peers fail too, each with a
+traceback that only says a peer went away (gloo's `Connection closed by peer`, NCCL's abort, a store
+that closed). Those consequent tracebacks, and whatever such a rank prints after one, are held back
+from the terminal; the record keeps them (`harness logs`). Pure: lines in, lines to show out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.run import worker_output
+
+TRACEBACK = "Traceback (most recent call last):"
+LONGEST_TRACEBACK = 400  # lines buffered before a traceback that never ends is shown as it is
+
+
+@dataclass
+class Cascade:
+    """One node's ranks: tracebacks being read (rank -> its lines so far), ranks whose failure was a
+    consequence (everything they say next is held), and how many lines were held."""
+
+    reading: dict[int, list[str]] = field(default_factory=dict)
+    consequent: set[int] = field(default_factory=set)
+    held: int = 0
+    held_from: set[int] = field(default_factory=set)  # the ranks whose lines were held
+
+    def hold(self, rank: int | None, lines: int = 1) -> None:
+        self.held += lines
+        if rank is not None:
+            self.held_from.add(rank)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing read or held yet: every line can be shown as it comes."""
+        return not self.reading and not self.consequent
+
+    def take(self, rank: int, line: str, text: str) -> list[str]:
+        """A line of rank's (text: without the rank prefix); the lines to show now."""
+        if rank in self.consequent:
+            self.hold(rank)
+            return []
+        lines = self.reading.get(rank)
+        if lines is None:
+            if text != TRACEBACK:
+                return [line]
+            self.reading[rank] = [line]
+            return []
+        lines.append(line)
+        if text.startswith(" ") or not text or text == TRACEBACK:
+            return [] if len(lines) < LONGEST_TRACEBACK else self.reading.pop(rank)
+        del self.reading[rank]  # the exception line ends the traceback
+        if worker_output.after_a_peer(text):
+            self.consequent.add(rank)
+            self.hold(rank, len(lines))
+            return []
+        return lines
+
+    def release(self) -> list[str]:
+        """The node's output ended: tracebacks cut short are shown as they are."""
+        lines = [line for rank in sorted(self.reading) for line in self.reading[rank]]
+        self.reading.clear()
+        return lines

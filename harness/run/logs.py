@@ -1,0 +1,127 @@
+"""`harness logs RUN_ID`: the run's stream as it was shown, from its timed record (run/stream_record.py),
+in time order -- lines held back from the terminal included -- filtered by rank, node, attempt, a
+regular expression and age; --follow prints lines as they come until the run ends."""
+
+from __future__ import annotations
+
+import heapq
+import re
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from harness.errors import HarnessError, UsageError
+from harness.run.records import RunStatus
+from harness.run.rundir import RunDir
+from harness.run.stream_record import HARNESS_FILE, STAMP_WIDTH, stamp
+
+FOLLOW_POLL_SECONDS = 0.25
+NODE_FILE = re.compile(r"^attempt(\d+)/node(\d+)\.log$")
+RANK_OF_LINE = re.compile(r"^\[[^]]+\] \[rank(\d+)\]: ")
+DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """`90s`, `5m`, `1h30m`, `2d` (a bare number is seconds) in seconds."""
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = DURATION.findall(text)
+    if not parts or "".join(number + unit for number, unit in parts) != text:
+        raise ValueError(f"expected a duration such as 90s, 5m, 1h30m or 2d, got {text!r}")
+    return sum(float(number) * UNIT_SECONDS[unit] for number, unit in parts)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which lines to print: ranks and node (None: all), attempt (None: all), grep, since (a stamp)."""
+
+    ranks: frozenset[int] | None = None
+    node: int | None = None
+    attempt: int | None = None
+    grep: re.Pattern[str] | None = None
+    since: str | None = None
+    timestamps: bool = False
+
+    def files(self, folder: Path) -> list[Path]:
+        """The record's files these lines can be in: the harness's own words only when no rank or node is asked for."""
+        chosen = [folder / HARNESS_FILE] if self.ranks is None and self.node is None else []
+        for path in sorted(folder.glob("attempt*/node*.log")):
+            match = NODE_FILE.match(path.relative_to(folder).as_posix())
+            if match and (self.attempt is None or int(match[1]) == self.attempt) and \
+                    (self.node is None or int(match[2]) == self.node):
+                chosen.append(path)
+        return chosen
+
+    def keeps(self, line: str) -> bool:
+        if self.since is not None and line[:STAMP_WIDTH] < self.since:
+            return False
+        text = line[STAMP_WIDTH + 1:]
+        if self.ranks is not None:
+            rank = RANK_OF_LINE.match(text)
+            if rank is None or int(rank[1]) not in self.ranks:
+                return False
+        return self.grep is None or self.grep.search(text) is not None
+
+    def shown(self, line: str) -> str:
+        return line if self.timestamps else line[STAMP_WIDTH + 1:]
+
+
+def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = False) -> int:
+    folder = run.stream
+    if not folder.is_dir():
+        raise HarnessError(f"run {run.run_id} has no timed record of its stream ({folder}/ is missing: it was "
+                           f"launched by an older harness); its nodes' logs are {run.path}/node*.log")
+    if selection.attempt is not None and not (folder / f"attempt{selection.attempt}").is_dir():
+        raise UsageError(f"run {run.run_id} has no attempt {selection.attempt}; it has "
+                         f"{', '.join(p.name for p in sorted(folder.glob('attempt*'))) or 'none yet'}")
+    readers = {path: _Reader(path) for path in selection.files(folder)}
+    _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
+    while follow:
+        ended = _ended(run)  # read before the last lines: what the run wrote before it ended is all there
+        for path in selection.files(folder):
+            readers.setdefault(path, _Reader(path))
+        _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
+        if ended:
+            break
+        time.sleep(FOLLOW_POLL_SECONDS)
+    return 0
+
+
+def _ended(run: RunDir) -> bool:
+    from harness.run.status import live_status
+
+    return live_status(run.read_state()) is not RunStatus.RUNNING
+
+
+def _write(out: IO[str], selection: Selection, lines: Iterable[str]) -> None:
+    for line in lines:
+        if selection.keeps(line):
+            out.write(selection.shown(line))
+    out.flush()
+
+
+class _Reader:
+    """One file of the record, read on from where the last read stopped; a line still being written waits."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def lines(self) -> Iterator[str]:
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self.offset)
+                for line in file:
+                    if not line.endswith(b"\n"):
+                        break
+                    self.offset += len(line)
+                    yield line.decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return
+
+
+def since_stamp(seconds: float) -> str:
+    return stamp(time.time() - seconds)

@@ -1,0 +1,62 @@
+"""logs/ in a run's directory: the run's stream as it would be shown with nothing held back, each line
+with the time it arrived, appended as it arrives -- logs/harness.log for the harness's own words, and per
+attempt one file per node, logs/attempt<N>/node<R>.log, whose lines carry their rank as the stream shows
+them (`[node1] [rank3]: ...`). `harness logs` merges them in time order (run/logs.py).
+
+Each line is `STAMP LINE`: STAMP is UTC to the microsecond in a fixed width (STAMP_WIDTH), so that
+lines sort by time as text. The node logs beside them (node<R>.log) keep the node's output as it came,
+torchrun's own noise included, without times."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+STAMP_WIDTH = len("2026-01-01T00:00:00.000000Z")
+HARNESS_FILE = "harness.log"
+
+
+def stamp(t: float) -> str:
+    """`2026-11-25T17:10:59.123456Z`: sortable as text, readable, the same on every machine."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+
+
+def stamped(text: str, head: str) -> str:
+    """Every line of text (whole lines, each ending with a newline) with head in front."""
+    return head + text[:-1].replace("\n", "\n" + head) + "\n" if text else ""
+
+
+def attempt_folder(folder: Path, attempt: int) -> Path:
+    return folder / f"attempt{attempt}"
+
+
+def node_file(folder: Path, attempt: int, node_rank: int) -> Path:
+    return attempt_folder(folder, attempt) / f"node{node_rank}.log"
+
+
+class StreamRecord:
+    """The run's logs/ folder, opened for appending."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(exist_ok=True)
+        self._harness = open(folder / HARNESS_FILE, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._lock = threading.Lock()
+
+    def harness(self, text: str) -> None:
+        """The harness's own whole lines."""
+        with self._lock:
+            self._harness.write(stamped(text, f"{stamp(time.time())} "))
+            self._harness.flush()
+
+    def open_node(self, attempt: int, node_rank: int) -> IO[str]:
+        """The node's file of this attempt: its pump is its only writer."""
+        path = node_file(self.folder, attempt, node_rank)
+        path.parent.mkdir(exist_ok=True)
+        return open(path, "a", encoding="utf-8")
+
+    def close(self) -> None:
+        with self._lock:
+            self._harness.close()
