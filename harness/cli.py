@@ -1,4 +1,4 @@
-"""The `harness` command: render, launch, stop, stacks, status, logs, preflight, prepare.
+"""The `harness` command: render, launch, stop, stacks, status, top, logs, preflight, prepare.
 
 This module parses the command line and dispatches to harness.commands, nothing more.
 """
@@ -228,6 +228,12 @@ def parser() -> argparse.ArgumentParser:
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
     status.add_argument("run_id", nargs="?", help="one run to show node by node (default: list the runs)")
     status.set_defaults(func=commands.status)
+    live = verbs.add_parser("top", parents=[runs_dir], help="a running run's ranks live: state, CPU, step, last line, "
+                           "and its stream below (q quits; the job never waits for it)")
+    live.add_argument("run_id", help="the run, as `harness status` lists it")
+    live.add_argument("--once", action="store_true", help="print one screen and return (as off a terminal)")
+    live.set_defaults(func=commands.top)
+
     logs = verbs.add_parser("logs", parents=[runs_dir], help="a run's output in time order, as its stream showed it "
                             "(the lines held back from the terminal too), by rank, node or attempt",
                             epilog="examples:\n  harness logs RUN_ID --rank 3 --grep 'loss|Error'\n"

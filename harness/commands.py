@@ -222,6 +222,12 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
+def top(args: argparse.Namespace) -> int:
+    from harness.run.top import top as show
+
+    return show(find_run(args.runs_dir, args.run_id), once=args.once)
+
+
 def logs(args: argparse.Namespace) -> int:
     from harness.run.logs import Selection, print_logs, since_stamp
 

@@ -4,14 +4,18 @@ given), or one run's nodes, from the run records."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from harness.node.proctable import run_processes
 from harness.run.index import RunsLookup, runs_lookup
-from harness.run.records import Attempt, Failure, RecordedNode, RecordError, RunState, RunStatus
+from harness.run.records import Attempt, Failure, RecordedNode, RecordError, RunState, RunStatus, RunSummary
 from harness.run.rundir import RunDir
 from harness.run.stop import controller_alive
+
+STALE_SECONDS = 10.0  # health.json older than this, while the run runs, is said to be so
 
 
 def live_status(state: RunState) -> RunStatus:
@@ -53,8 +57,9 @@ def runs_table(lookup: RunsLookup) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_details(run: RunDir) -> str:
-    """The run's status, then per node how it ended and where its log is, then the first failure."""
+def run_details(run: RunDir, width: int = 200) -> str:
+    """The run's status, then per node how it ended and where its log is (while it runs, each rank as the
+    health watch sees it, cut to width), then the first failure and the health watch's verdicts."""
     state, summary = run.read_state(), run.read_summary()
     mode = f"{state.mode} job {state.scheduler_job}" if state.scheduler_job else state.mode
     status = live_status(state)
@@ -69,7 +74,7 @@ def run_details(run: RunDir) -> str:
         lines += [f"  node{rank} on {host}: {_unrecorded_end(state, status, rank)}; log "
                   f"{run.log_file(rank, state.attempt)}" for rank, host in enumerate(state.hosts)]
         if status is RunStatus.RUNNING:
-            lines += _health_lines(run, state)
+            lines += _health_lines(run, state, width)
         return "\n".join(lines) + "\n"
     if len(summary.attempts) > 1:
         lines += [_attempt_line(attempt, len(summary.world_sizes) > 1) for attempt in summary.attempts]
@@ -87,23 +92,61 @@ def run_details(run: RunDir) -> str:
             lines.append(f"  error: {failure.error}" + (f" at {failure.error_at}" if failure.error_at else ""))
         if failure.hint:
             lines.append(f"  hint: {failure.hint}")
+    lines += _verdict_lines(summary)
     lines += [f"  warning: {warning}" for warning in summary.warnings]
     if summary.reason:
         lines.append(f"  not restarted: {summary.reason}")
     return "\n".join(lines) + "\n"
 
 
-def _health_lines(run: RunDir, state: RunState) -> list[str]:
-    """What the controller's health watch says of the running attempt: slow ranks, a hang being stopped."""
+def read_health(run: RunDir, state: RunState) -> dict[str, Any] | None:
+    """health.json of the running attempt, as the controller's watch last wrote it (None: none yet)."""
     try:
         health = json.loads(run.health_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return None
+    return health if isinstance(health, dict) and health.get("attempt") == state.attempt else None
+
+
+def _health_lines(run: RunDir, state: RunState, width: int) -> list[str]:
+    """What the controller's health watch says of the running attempt: each rank, slow ranks, a hang."""
+    health = read_health(run, state)
+    if health is None:
         return []
-    if health.get("attempt") != state.attempt:
-        return []
-    lines = [f"  slow: rank {rank}: its peers wait for it {waited:g}% of the time"
-             for rank, waited in sorted(health.get("slow", {}).items(), key=lambda item: int(item[0]))]
+    lines = rank_rows(health, time.time(), width)
+    lines += [f"  slow: rank {rank}: its peers wait for it {waited:g}% of the time"
+              for rank, waited in sorted(health.get("slow", {}).items(), key=lambda item: int(item[0]))]
     return lines + ([f"  {health['hang']}"] if health.get("hang") else [])
+
+
+def rank_rows(health: dict[str, Any], now: float, width: int) -> list[str]:
+    """One row per rank: its state as the health watch sees it, CPU use, step and rate where the job
+    prints them, and its last line with how long ago it came, cut to the width."""
+    ranks = health.get("ranks") or {}
+    if not ranks:
+        return []
+    head = f"  {'RANK':>4} {'NODE':<7} {'HOST':<12} {'STATE':<24} {'CPU':>5} {'STEP':>7} {'STEP/S':>7}  LAST LINE"
+    rows = [head]
+    for rank, row in sorted(ranks.items(), key=lambda item: int(item[0])):
+        cpu = "-" if row.get("cpu") is None else f"{100 * row['cpu']:.0f}%"
+        step = "-" if row.get("step") is None else str(row["step"])
+        rate = "-" if row.get("step_rate") is None else f"{row['step_rate']:.3g}"
+        line = "-" if row.get("last_line") is None else \
+            f"{_age(max(0.0, now - row['last_line_at']))} ago: {row['last_line']}"
+        text = (f"  {rank:>4} {row.get('node', '')!s:<7.7} {row.get('host', '')!s:<12.12} "
+                f"{row.get('state', '')!s:<24.24} {cpu:>5} {step:>7} {rate:>7}  {line}")
+        rows.append(text[:width])
+    stale = now - float(health.get("t", now))
+    if stale > STALE_SECONDS:
+        rows.append(f"  (the watch last wrote this {stale:.0f} s ago: its controller may be busy or gone)")
+    return rows
+
+
+def _verdict_lines(summary: RunSummary) -> list[str]:
+    """The health watch's verdicts during the run (a hang is also its attempt's first failure)."""
+    return [f"  {event.kind.value} at {time.strftime('%H:%M:%S', time.localtime(event.at))}"
+            + (f" (attempt {attempt.attempt})" if len(summary.attempts) > 1 else "") + f": {event.text}"
+            for attempt in summary.attempts for event in attempt.health]
 
 
 def _recorded_end(node: RecordedNode, failure: Failure | None, status: RunStatus) -> str:
@@ -153,4 +196,5 @@ def _attempt_line(attempt: Attempt, resized: bool) -> str:
 def status_text(runs_dir: str | None, run_id: str | None) -> str:
     """runs_dir: --runs-dir, None when not given."""
     lookup = runs_lookup(runs_dir)
-    return runs_table(lookup) if run_id is None else run_details(lookup.find(run_id))
+    width = shutil.get_terminal_size((200, 24)).columns
+    return runs_table(lookup) if run_id is None else run_details(lookup.find(run_id), width)

@@ -1,0 +1,84 @@
+"""`harness top RUN_ID`: `harness status` of a running run, redrawn every second in the terminal, with
+the tail of the job's stream below it; q quits. It only reads the run's files: the job never waits for it."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import os
+import select
+import shutil
+import sys
+import termios
+import tty
+from collections.abc import Callable, Iterator
+from typing import IO
+
+from harness.run.records import RunStatus
+from harness.run.rundir import RunDir
+from harness.run.status import live_status, run_details
+from harness.run.stream_record import HARNESS_FILE, STAMP_WIDTH
+
+TAIL_BYTES = 1 << 16  # read from the end of each file of the record, for the stream's last lines
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def frame(run: RunDir, width: int, height: int) -> str:
+    """One screen: the run's status, rank by rank, then as many of the stream's last lines as fit."""
+    head = run_details(run, width).splitlines()
+    room = max(0, height - len(head) - 2)
+    tail = [line[STAMP_WIDTH + 1:].rstrip("\n")[:width] for line in stream_tail(run, room)] if room else []
+    return "\n".join([*head, "", *tail]) + "\n"
+
+
+def stream_tail(run: RunDir, count: int) -> list[str]:
+    """The last count lines of the run's record, in time order, read from the end of each file."""
+    files = [*sorted(run.stream.glob("attempt*/node*.log")), run.stream / HARNESS_FILE]
+    return list(heapq.merge(*(_last_lines(path, count) for path in files)))[-count:]
+
+
+def _last_lines(path: os.PathLike[str], count: int) -> Iterator[str]:
+    try:
+        with open(path, "rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(0, size - TAIL_BYTES))
+            data = file.read()
+    except FileNotFoundError:
+        return
+    lines = data.decode("utf-8", errors="replace").splitlines(keepends=True)
+    if size > TAIL_BYTES:
+        lines = lines[1:]  # the first may be cut
+    yield from (line for line in lines[-count:] if line.endswith("\n"))
+
+
+def top(run: RunDir, out: IO[str] = sys.stdout, interval: float = 1.0, once: bool = False) -> int:
+    """Redraw until q or the run's end (then its last frame stays); once, or off a terminal: one frame."""
+    if once or not (out.isatty() and sys.stdin.isatty()):
+        size = shutil.get_terminal_size((200, 40))
+        out.write(frame(run, size.columns, size.lines))
+        return 0
+    with _keys() as key:
+        while True:
+            size = shutil.get_terminal_size()
+            ended = live_status(run.read_state()) is not RunStatus.RUNNING
+            out.write(CLEAR + frame(run, size.columns, size.lines - 1))
+            out.flush()
+            if ended or key(interval) in ("q", "Q"):
+                return 0
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[Callable[[float], str | None]]:
+    """A key at a time, without echo, until the context ends (the terminal's settings come back)."""
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+
+    def key(timeout: float) -> str | None:
+        readable, _, _ = select.select([fd], [], [], timeout)
+        return os.read(fd, 1).decode(errors="replace") if readable else None
+
+    tty.setcbreak(fd)
+    try:
+        yield key
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
