@@ -2,10 +2,10 @@
 header, the attempts on a time axis with the health watch's verdicts and the failures, every rank's CPU
 use, waiting and step rate over time (timeline.jsonl), the first failure and each node's end.
 
-The page fetches nothing (CSS inline, charts inline SVG from run/svg_chart.py), so it can be mailed or
-attached to a ticket as one file. Every string from the record is escaped. A run without a summary yet
-(still running, or its controller gone) gets what is known so far; wording is run/status.py's, so the
-page and `harness status` say the same."""
+The page fetches nothing (CSS inline, charts inline SVG written by hand in run/svg_chart.py, which says
+why not matplotlib), so it can be mailed or attached to a ticket as one file. Every string from the
+record is escaped. A run without a summary yet (still running, or its controller gone) gets what is
+known so far; wording is run/status.py's, so the page and `harness status` say the same."""
 
 from __future__ import annotations
 
@@ -305,6 +305,5 @@ PLOTS = (
     _Plot("CPU use (CPUs)", _cpu, "{:g}".format, "CPU use: no rank was sampled"),
     _Plot("Waiting (% of the time a rank's main thread did not run: for its peers, or for I/O)", _waiting,
           "{:.0f}%".format, "waiting: no rank's busy share was measured", 100.0),
-    _Plot("Step rate (steps/s)", _step_rate, "{:g}".format,
-          "the step rate: no rank's step is known"),
+    _Plot("Step rate (steps/s)", _step_rate, "{:g}".format, "the step rate: no rank's step is known"),
 )
