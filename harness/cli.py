@@ -1,4 +1,4 @@
-"""The `harness` command: render, launch, stop, stacks, status, top, logs, preflight, prepare.
+"""The `harness` command: render, launch, stop, stacks, status, top, logs, report, preflight, prepare.
 
 This module parses the command line and dispatches to harness.commands, nothing more.
 """
@@ -18,8 +18,8 @@ from harness.spec.job import SLURM_OPTIONS
 # What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir,
 # and the job spec it saved already).
 _NOT_RERUN = {"detach", "run_id", "runs_dir", "save_job"}
-RUNS_DIR_HELP = ("where run records live (default: $HARNESS_RUNS_DIR, else ./runs); without either, status, stop "
-                 "and stacks also find runs launched from any directory through the index of your runs "
+RUNS_DIR_HELP = ("where run records live (default: $HARNESS_RUNS_DIR, else ./runs); without either, the verbs "
+                 "that take a run id also find runs launched from any directory through the index of your runs "
                  "($XDG_STATE_HOME/harness/runs, default ~/.local/state/harness/runs); when given, it is the only "
                  "place they look")
 
@@ -251,6 +251,14 @@ def parser() -> argparse.ArgumentParser:
     logs.add_argument("--follow", "-f", action="store_true",
                       help="go on printing lines as they come, until the run ends")
     logs.set_defaults(func=commands.logs)
+
+    report = verbs.add_parser("report", parents=[runs_dir],
+                              help="one run as a self-contained HTML page: its attempts, health verdicts and failures "
+                                   "on a time axis, every rank's CPU use, waiting and step rate, each node's end")
+    report.add_argument("run_id", help="the run, as `harness status` lists it (running or ended)")
+    report.add_argument("-o", "--output", metavar="FILE",
+                        help="where to write the page (default: report.html in the run's directory; - for stdout)")
+    report.set_defaults(func=commands.report)
 
     preflight = verbs.add_parser("preflight", help="prove before launch that every host can run the job")
     preflight.add_argument("hosts", nargs="?", help="host inventory, e.g. hosts.yaml (none with --target slurm)")

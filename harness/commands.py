@@ -234,6 +234,25 @@ def logs(args: argparse.Namespace) -> int:
     selection = Selection(args.rank, args.node, args.attempt, args.grep,
                           None if args.since is None else since_stamp(args.since), args.timestamps)
     return print_logs(find_run(args.runs_dir, args.run_id), selection, sys.stdout, follow=args.follow)
+def report(args: argparse.Namespace) -> int:
+    """The run's HTML page, written whole (atomically) to report.html in its directory or -o FILE, or to
+    stdout with -o -; prints the path written."""
+    from harness.run.html_report import html_report
+
+    run = find_run(args.runs_dir, args.run_id)
+    page = html_report(run)
+    if args.output == "-":
+        sys.stdout.write(page)
+        return 0
+    out = run.html_report if args.output is None else Path(args.output)
+    if out.is_dir():
+        raise UsageError(f"-o {out} is a directory; name the file to write (e.g. {out / 'report.html'})")
+    try:
+        write_text_atomic(out, page)
+    except OSError as exc:
+        raise HarnessError(f"cannot write {out}: {exc.strerror}") from None
+    print(out)
+    return 0
 
 
 def preflight(args: argparse.Namespace) -> int:

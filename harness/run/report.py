@@ -7,7 +7,7 @@ from harness.run.rundir import RunDir
 from harness.run.terminal import Terminal
 
 
-def _describe(failure: Failure) -> str:
+def describe_failure(failure: Failure) -> str:
     """Where and how: `node 1 (h2, global rank 1): exit code 1 after 3.2 s`, then the class and the
     evidence when they add to that."""
     first, last = failure.ranks[0], failure.ranks[-1]
@@ -24,7 +24,7 @@ def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
     if len(summary.attempts) > 1:
         for attempt in summary.attempts:
             recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
-            how = f"failed on {_describe(attempt.failures[0])}" if attempt.failures else attempt.status.value
+            how = f"failed on {describe_failure(attempt.failures[0])}" if attempt.failures else attempt.status.value
             out.say(f"attempt {attempt.attempt} on {attempt.where(resized)}{recovered}: {how}")
     failure = summary.first_failure
     if summary.status is RunStatus.SUCCEEDED:
@@ -37,9 +37,9 @@ def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
             if failure.error_at is not None:
                 out.write(f"    at {failure.error_at}\n" + (f"        {failure.error_source}\n"
                                                            if failure.error_source else ""))
-            out.say(f"first failure on {_describe(failure)}")
+            out.say(f"first failure on {describe_failure(failure)}")
         else:
-            out.say(f"run {summary.run_id} FAILED: first failure on {_describe(failure)}")
+            out.say(f"run {summary.run_id} FAILED: first failure on {describe_failure(failure)}")
         if failure.hint:
             out.say(f"hint: {failure.hint}")
         if summary.reason:

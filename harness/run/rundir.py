@@ -96,6 +96,11 @@ class RunDir:
         return self.path / "timeline.jsonl"
 
     @property
+    def html_report(self) -> Path:
+        """report.html: `harness report`'s page of the run, where it writes it unless told otherwise."""
+        return self.path / "report.html"
+
+    @property
     def stream(self) -> Path:
         """The run's stream as it was shown, and every line the ranks printed, each with its time
         (run/record.py): what `harness logs` reads."""

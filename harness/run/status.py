@@ -71,19 +71,17 @@ def run_details(run: RunDir, width: int = 200) -> str:
         if state.attempt:
             lines.append(f"  attempt {state.attempt} (restarted {state.attempt} time(s); `harness status` shows the "
                          f"earlier attempts once the run has ended)")
-        lines += [f"  node{rank} on {host}: {_unrecorded_end(state, status, rank)}; log "
+        lines += [f"  node{rank} on {host}: {unrecorded_end(state, status, rank)}; log "
                   f"{run.log_file(rank, state.attempt)}" for rank, host in enumerate(state.hosts)]
-        if status is RunStatus.RUNNING:
-            lines += _health_lines(run, state, width)
+        if status is RunStatus.RUNNING and (health := read_health(run, state)) is not None:
+            lines += rank_rows(health, time.time(), width)
+            lines += [f"  {line}" for line in health_lines(run, state)]
         return "\n".join(lines) + "\n"
     if len(summary.attempts) > 1:
         lines += [_attempt_line(attempt, len(summary.world_sizes) > 1) for attempt in summary.attempts]
-    failed: dict[int, Failure] = {}  # each node's first failure (a hang's verdict comes first)
-    for f in summary.attempts[-1].failures if summary.attempts else []:
-        failed.setdefault(f.node_rank, f)
-    # The log as found from here: the record keeps it as the launch saw it (relative to its directory).
-    lines += [f"  node{n.node_rank} on {n.host}: {_recorded_end(n, failed.get(n.node_rank), summary.status)} after "
-              f"{n.duration_s} s; log {run.path / Path(n.log).name}" for n in summary.nodes]
+    failed = node_failures(summary.attempts[-1].failures if summary.attempts else [])
+    lines += [f"  node{n.node_rank} on {n.host}: {recorded_end(n, failed.get(n.node_rank), summary.status)} after "
+              f"{n.duration_s} s; log {node_log(run, n)}" for n in summary.nodes]
     failure = summary.first_failure
     if failure:
         lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), rank {failure.rank}, "
@@ -108,15 +106,27 @@ def read_health(run: RunDir, state: RunState) -> dict[str, Any] | None:
     return health if isinstance(health, dict) and health.get("attempt") == state.attempt else None
 
 
-def _health_lines(run: RunDir, state: RunState, width: int) -> list[str]:
-    """What the controller's health watch says of the running attempt: each rank, slow ranks, a hang."""
+def node_failures(failures: list[Failure]) -> dict[int, Failure]:
+    """Each node's first failure of an attempt (a hang's verdict comes first), by node rank."""
+    failed: dict[int, Failure] = {}
+    for failure in failures:
+        failed.setdefault(failure.node_rank, failure)
+    return failed
+
+
+def node_log(run: RunDir, node: RecordedNode) -> Path:
+    """The node's log as found from here: the record keeps it as the launch saw it (relative to its directory)."""
+    return run.path / Path(node.log).name
+
+
+def health_lines(run: RunDir, state: RunState) -> list[str]:
+    """What the controller's health watch says of the running attempt: slow ranks, a hang being stopped."""
     health = read_health(run, state)
     if health is None:
         return []
-    lines = rank_rows(health, time.time(), width)
-    lines += [f"  slow: rank {rank}: its peers wait for it {waited:g}% of the time"
-              for rank, waited in sorted(health.get("slow", {}).items(), key=lambda item: int(item[0]))]
-    return lines + ([f"  {health['hang']}"] if health.get("hang") else [])
+    lines = [f"slow: rank {rank}: its peers wait for it {waited:g}% of the time"
+             for rank, waited in sorted(health.get("slow", {}).items(), key=lambda item: int(item[0]))]
+    return lines + ([health["hang"]] if health.get("hang") else [])
 
 
 def rank_rows(health: dict[str, Any], now: float, width: int) -> list[str]:
@@ -149,7 +159,7 @@ def _verdict_lines(summary: RunSummary) -> list[str]:
             for attempt in summary.attempts for event in attempt.health]
 
 
-def _recorded_end(node: RecordedNode, failure: Failure | None, status: RunStatus) -> str:
+def recorded_end(node: RecordedNode, failure: Failure | None, status: RunStatus) -> str:
     """How a node of an ended run ended: its failing rank's own code (torchrun's is 1), or the harness's
     stop when it did not fail by itself."""
     if failure is not None:
@@ -161,7 +171,7 @@ def _recorded_end(node: RecordedNode, failure: Failure | None, status: RunStatus
     return f"stopped {why.get(status, 'by the harness after the first failure')} ({how})"
 
 
-def _unrecorded_end(state: RunState, status: RunStatus, node_rank: int) -> str:
+def unrecorded_end(state: RunState, status: RunStatus, node_rank: int) -> str:
     """A node of a run without a summary: running while its controller is, else what this machine's
     process table shows of it (a local run's nodes run here; a remote node's agent stops it once the
     controller's connection closes)."""

@@ -56,6 +56,7 @@ RUN: dict[str, Expect] = {
     "harness status": Expect(),
     "harness stacks smoke-20261121-101500-3fa2c1": Expect(),
     "harness stop smoke-20261121-101500-3fa2c1": Expect(),
+    "harness report smoke-20261121-101500-3fa2c1": Expect(),
     # docs/health.md
     "harness launch stuck.yaml": Expect(status=1, output=True),  # the hang, found and explained
     "harness launch stuck.yaml --detach": Expect(),
@@ -65,6 +66,8 @@ RUN: dict[str, Expect] = {
     "harness render jobs/cifar.yaml --hosts hosts.example.yaml --format json | jq '.nodes[].argv'": Expect(),  # jq: a test package (make test-packages)
     "harness launch jobs/cifar.yaml": Expect(status=2, output=True),  # refused: nccl and no GPU
     "harness status smoke-20261121-101500-3fa2c1": Expect(),
+    "harness launch jobs/smoke.yaml": Expect(),
+    "harness report smoke-20261121-101500-3fa2c1 -o smoke.html": Expect(),
     # docs/inventory.md, docs/ssh.md
     "cp hosts.example.yaml hosts.yaml": Expect(),
     # docs/slurm.md

@@ -29,7 +29,8 @@ def test_two_nodes_train_over_gloo(write_yaml, launch):
 
 def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
     """Rank 1 exits 3 while rank 0 is blocked for an hour: the harness must end rank 0, fast. The live line,
-    the report and `harness status` all give rank 1's own exit code, 3 (torchrun's own is 1)."""
+    the report, `harness status` and `harness report`'s page all give rank 1's own exit code, 3 (torchrun's own
+    is 1)."""
     run = launch(job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="3", FAIL_CODE="3", HANG_AT_STEP="3", STEPS="1000"))
     assert run.finish() == 1, run.output
     summary = run.summary()
@@ -46,6 +47,11 @@ def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
     assert "  node1 on sim1: failed: rank 1 exit code 3 after " in status, status
     assert "  first failure: node1 (sim1), rank 1, exit code 3 (program: rank 1 exit code 3)" in status, status
     assert "exit code 1" not in run.output + status, "torchrun's code is not the rank's"
+    report = harness("report", run.run_id, "--runs-dir", str(run.runs_dir))
+    page = run.runs_dir / run.run_id / "report.html"
+    assert report.returncode == 0 and report.stdout == f"{page}\n", report.stdout + report.stderr
+    assert "node 1 (sim1, global rank 1): exit code 3 after " in page.read_text()
+    assert "failing on purpose" in page.read_text()
     assert_nothing_left(run.run_id)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from harness import cli
 
-VERBS = ["render", "launch", "stop", "status", "preflight"]
+VERBS = ["render", "launch", "stop", "status", "report", "preflight"]
 
 
 def _parsed(argv: list[str]) -> argparse.Namespace:

@@ -1,0 +1,309 @@
+"""`harness report RUN_ID`: one run as one self-contained HTML page, easier to look at than its JSON: the
+header, the attempts on a time axis with the health watch's verdicts and the failures, every rank's CPU
+use, waiting and step rate over time (timeline.jsonl), the first failure and each node's end.
+
+The page fetches nothing (CSS inline, charts inline SVG written by hand in run/svg_chart.py, which says
+why not matplotlib), so it can be mailed or attached to a ticket as one file. Every string from the
+record is escaped. A run without a summary yet (still running, or its controller gone) gets what is
+known so far; wording is run/status.py's, so the page and `harness status` say the same."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from html import escape
+
+from harness.run.records import Attempt, Failure, RecordedNode, RunState, RunStatus, RunSummary
+from harness.run.report import describe_failure
+from harness.run.rundir import RunDir
+from harness.run.status import health_lines, live_status, node_failures, node_log, recorded_end, unrecorded_end
+from harness.run.svg_chart import Dot, Mark, Row, Segments, Span, TimeAxis, legend, line_chart, rows_chart
+from harness.run.timeline import RankPoint, Sample, read_timeline
+
+MAX_SAMPLES = 600  # per plot: a long run's samples are thinned to about this many, so the page stays small
+# A rank's value at a sample, from its point, its point at the sample before in the same attempt (None:
+# the first of the attempt) and the seconds between the two; None: not known there.
+Measure = Callable[[RankPoint, RankPoint | None, float], float | None]
+
+CSS = """
+body{font:14px/1.45 system-ui,sans-serif;color:#1b1b1b;max-width:1000px;margin:24px auto;padding:0 16px}
+h1{font-size:20px;margin:0 0 6px;word-break:break-all}h2{font-size:16px;margin:28px 0 8px;padding-bottom:4px;
+border-bottom:1px solid #ddd}h3{font-size:14px;margin:16px 0 6px}
+dl{display:grid;grid-template-columns:max-content 1fr;gap:2px 16px;margin:8px 0}dt{color:#666}dd{margin:0}
+.note{background:#fff7e0;border-left:4px solid #f0b400;padding:6px 10px}
+.badge{display:inline-block;padding:0 8px;border-radius:10px;color:#fff;font-weight:600}
+table{border-collapse:collapse;width:100%;margin:6px 0}th,td{text-align:left;padding:3px 8px;vertical-align:top;
+border-bottom:1px solid #eee}th{color:#666;font-weight:600}
+pre{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:12px;white-space:pre-wrap}
+svg.chart{display:block;max-width:100%;height:auto;font-size:11px}
+.grid{stroke:#e8e8e8}.tick,.label{fill:#555}line.mark{stroke:#888;stroke-dasharray:4 3}text.mark{fill:#555}
+.backoff{fill:#d9d9d9}.running{background:#1f77b4;fill:#1f77b4}.succeeded{background:#2e9e44;fill:#2e9e44}
+.failed,.error{background:#d62728;fill:#d62728}.lost{background:#e08a00;fill:#e08a00}
+.stopped,.interrupted,.unreadable{background:#7f7f7f;fill:#7f7f7f}
+.slow circle{fill:#f0b400}.recovered circle{fill:#2e9e44}.hang circle{fill:#5a0000}g circle{stroke:#fff}
+.failure path{stroke:#000;stroke-width:2.5}.legend .slow{color:#f0b400}.legend .recovered{color:#2e9e44}
+.legend .hang{color:#5a0000}
+.legend span{margin-right:14px;white-space:nowrap}.legend i{display:inline-block;width:14px;height:4px;
+margin-right:4px;vertical-align:middle}
+"""
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every part of the page reads: the record, and the time axis all charts share."""
+
+    run: RunDir
+    state: RunState
+    summary: RunSummary | None
+    status: RunStatus
+    axis: TimeAxis
+
+    def since(self, t: float) -> float:
+        """Seconds since the run started: the charts' x."""
+        return t - self.state.started_at
+
+
+def html_report(run: RunDir) -> str:
+    """The page of run, from its record and timeline as they are now."""
+    state, summary = run.read_state(), run.read_summary()
+    samples = read_timeline(run.timeline)
+    ended = summary.ended_at if summary else max([time.time(), *(s.t for s in samples)])
+    r = _Run(run, state, summary, live_status(state), TimeAxis(max(ended - state.started_at, 1.0)))
+    body = [_header(r), _attempts(r), _plots(r, samples), _first_failure(r), _nodes(r),
+            f"<footer><p>written by harness report on {escape(_clock(time.time()))} from "
+            f"<code>{escape(str(run.path))}</code></p></footer>"]
+    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>harness report: '
+            f"{escape(run.run_id)}</title><style>{CSS}</style></head>\n<body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(t))
+
+
+def _header(r: _Run) -> str:
+    state, summary = r.state, r.summary
+    sizes = (summary.world_sizes if summary else []) or [state.world_size]
+    nnodes = list(dict.fromkeys(a.nnodes for a in summary.attempts if a.nnodes)) if summary else []
+    duration = f"{summary.duration_s:.1f} s" if summary else f"{time.time() - state.started_at:.1f} s so far"
+    facts = [("job", state.name),
+             ("target", f"{state.mode} job {state.scheduler_job}" if state.scheduler_job else state.mode),
+             ("nodes", " → ".join(map(str, nnodes or [state.nnodes]))),
+             ("world size", " → ".join(map(str, sizes))),
+             ("started", _clock(state.started_at)),
+             ("duration", duration),
+             ("exit code", str(summary.exit_code) if summary else "none yet"),
+             ("attempts", str(len(summary.attempts)) if summary else f"{state.attempt + 1} so far")]
+    error = (summary.error if summary else None) or state.error
+    facts += [("error", error)] if error else []
+    facts += [("not restarted", summary.reason)] if summary and summary.reason else []
+    facts += [("warning", warning) for warning in (summary.warnings if summary else [])]
+    parts = [f'<header><h1>{escape(r.run.run_id)}</h1><p><span class="badge {r.status.value}">{r.status.value}'
+             f"</span></p>"]
+    if summary is None:
+        parts.append('<p class="note">' + escape(
+            f"Still running (attempt {state.attempt}): this is what is known so far; `harness report "
+            f"{r.run.run_id}` again shows more. Attempts, failures and the nodes' ends are recorded when it ends."
+            if r.status is RunStatus.RUNNING else
+            f"No end was recorded for this run (it is {r.status.value}; no summary.json): this is what was known "
+            f"before.") + "</p>")
+    parts.append("<dl>" + "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in facts) + "</dl></header>")
+    return "".join(parts)
+
+
+def _attempts(r: _Run) -> str:
+    head = "<section><h2>Timeline</h2>"
+    if r.summary is None:
+        health = "".join(f"<li>{escape(line)}</li>" for line in health_lines(r.run, r.state))
+        return (head + f"<p>Attempt {r.state.attempt} runs on {escape(', '.join(r.state.hosts))}.</p>"
+                + (f"<p>The health watch says:</p><ul>{health}</ul>" if health else "") + "</section>")
+    attempts = r.summary.attempts
+    if not attempts:
+        return head + "<p>No attempt started.</p></section>"
+    rows = [Row(f"attempt {a.attempt}", _spans(r, a), _dots(r, a)) for a in attempts]
+    key = ('<p class="legend">bars: attempts, colored by how they ended (grey after one: the backoff); '
+           '<span class="slow">● slow rank</span> <span class="recovered">● recovered</span> '
+           '<span class="hang">● hang</span> ✕ failure; hover for details</p>')
+    table = _table(["attempt", "hosts", "nodes", "world size", "status", "cause", "times"],
+                   [[str(a.attempt), a.where(False), _known(a.nnodes), _known(a.world_size), a.status.value,
+                     _cause(a), _timings(a)] for a in attempts])
+    events = sorted(_events(r, attempts))
+    listed = _table(["at", "attempt", "what", "who", "said"], [[f"+{at:.1f} s", *rest] for at, *rest in events])
+    resized = len(r.summary.world_sizes) > 1
+    return (head + rows_chart(r.axis, rows) + key + table
+            + ("<p>The run went on with fewer nodes: its world size changed.</p>" if resized else "")
+            + ("<h3>Verdicts and failures</h3>" + listed if events else "") + "</section>")
+
+
+def _spans(r: _Run, a: Attempt) -> list[Span]:
+    spans = [Span(r.since(a.started_at), r.since(a.ended_at), a.status.value,
+                  f"attempt {a.attempt}: {a.status.value} after {a.ended_at - a.started_at:.1f} s on {a.where(True)}")]
+    if a.backoff_s:
+        spans.append(Span(r.since(a.ended_at), r.since(a.ended_at + a.backoff_s), "backoff",
+                          f"backoff: {a.backoff_s} s before the next attempt"))
+    return spans
+
+
+def _dots(r: _Run, a: Attempt) -> list[Dot]:
+    return ([Dot(r.since(e.at), e.kind.value, f"+{r.since(e.at):.1f} s {e.kind.value}: {e.text}") for e in a.health]
+            + [Dot(r.since(a.started_at + f.after_s), "failure", f"failure: {describe_failure(f)}")
+               for f in a.failures])
+
+
+def _events(r: _Run, attempts: Iterable[Attempt]) -> Iterable[tuple[float, str, str, str, str]]:
+    """Every verdict and failure: seconds since the run started, attempt, what, who, what was said."""
+    for a in attempts:
+        yield from ((r.since(e.at), str(a.attempt), e.kind.value, "" if e.rank is None else f"rank {e.rank}", e.text)
+                    for e in a.health)
+        yield from ((r.since(a.started_at + f.after_s), str(a.attempt), f"{f.kind.value} failure",
+                     f"node{f.node_rank} ({f.host})" + ("" if f.rank is None else f", rank {f.rank}"),
+                     f"{f.description}: {f.error or f.evidence}") for f in a.failures)
+
+
+def _known(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _cause(a: Attempt) -> str:
+    cause = describe_failure(a.failures[0]) if a.failures else ""
+    return cause + (f"; lost {', '.join(a.down)}" if a.down else "")
+
+
+def _timings(a: Attempt) -> str:
+    times = [("preflight", a.preflight_s), ("teardown", a.teardown_s), ("backoff", a.backoff_s),
+             ("recovered in", a.recover_s)]
+    return ", ".join(f"{name} {seconds} s" for name, seconds in times if seconds is not None)
+
+
+def _plots(r: _Run, samples: Sequence[Sample]) -> str:
+    head = "<section><h2>Ranks over time</h2>"
+    if not r.run.timeline.exists():
+        return head + (f"<p>No plots: this run has no {r.run.timeline.name} (runs recorded before the harness kept "
+                       f"one have none).</p></section>")
+    if not samples:
+        return head + f"<p>No plots: {r.run.timeline.name} holds no sample yet.</p></section>"
+    kept = samples[::math.ceil(len(samples) / MAX_SAMPLES)]
+    ranks = sorted({rank for sample in kept for rank in sample.ranks})
+    key = legend({i: f"rank {rank}" for i, rank in enumerate(ranks)})
+    starts = {a.attempt: a.started_at for a in r.summary.attempts} if r.summary else {}
+    if r.summary is None:
+        for sample in samples:
+            starts.setdefault(sample.attempt, sample.t)
+    marks = [Mark(r.since(t), f"attempt {n}") for n, t in starts.items()] if len(starts) > 1 else []
+    parts = [head]
+    for plot in PLOTS:
+        series = _series(r, kept, ranks, plot.measure)
+        values = [y for segments in series for points in segments for _, y in points]
+        if values:
+            chart = line_chart(r.axis, series, marks, plot.y_max or max(*values, 1e-3), plot.y_text)
+            parts.append(f"<h3>{escape(plot.title)}</h3>{chart}{key}")
+        else:
+            parts.append(f"<p>No plot of {escape(plot.missing)}.</p>")
+    if len(kept) < len(samples):
+        parts.append(f"<p>{len(kept)} of {len(samples)} samples drawn, evenly spread.</p>")
+    return "".join(parts) + "</section>"
+
+
+@dataclass(frozen=True)
+class _Plot:
+    title: str
+    measure: Measure
+    y_text: Callable[[float], str]
+    missing: str  # what the page says instead, when no rank has a value
+    y_max: float | None = None  # None: the largest value
+
+
+def _cpu(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
+    return point.cpu
+
+
+def _waiting(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
+    return None if point.busy is None else 100.0 * (1.0 - point.busy)
+
+
+def _step_rate(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
+    """Steps per second since the sample before; None across a restart or a step that went back (a resume)."""
+    if before is None or point.step is None or before.step is None or seconds <= 0 or point.step < before.step:
+        return None
+    return (point.step - before.step) / seconds
+
+
+def _series(r: _Run, samples: Sequence[Sample], ranks: list[int], measure: Measure) -> list[Segments]:
+    """Each rank's points (in ranks' order), a new segment at every attempt and after each gap."""
+    segments: dict[int, Segments] = {rank: [] for rank in ranks}
+    last: dict[int, tuple[int, float, RankPoint]] = {}
+    joined: set[int] = set()  # ranks whose last sample had a value: the next one continues its line
+    for sample in samples:
+        for rank, point in sample.ranks.items():
+            before = last.get(rank)
+            last[rank] = (sample.attempt, sample.t, point)
+            same = before if before is not None and before[0] == sample.attempt else None
+            value = measure(point, same[2] if same else None, sample.t - same[1] if same else 0.0)
+            if value is None:
+                joined.discard(rank)
+                continue
+            if rank not in joined or same is None:
+                segments[rank].append([])
+                joined.add(rank)
+            segments[rank][-1].append((r.since(sample.t), value))
+    return [segments[rank] for rank in ranks]
+
+
+def _first_failure(r: _Run) -> str:
+    failure = r.summary.first_failure if r.summary else None
+    if failure is None:
+        return ""
+    parts = [f"<section><h2>First failure</h2><p>{escape(describe_failure(failure))}</p>"]
+    if failure.error:
+        parts.append(f"<p><strong>{escape(failure.error)}</strong></p>")
+    if failure.error_at:
+        parts.append(f"<p>at <code>{escape(failure.error_at)}</code></p>")
+    if failure.error_source:
+        parts.append(f"<pre>{escape(failure.error_source)}</pre>")
+    if failure.hint:
+        parts.append(f'<p class="note">hint: {escape(failure.hint)}</p>')
+    if failure.last_lines:
+        parts.append(f"<h3>Last lines of node{failure.node_rank}</h3><pre>{escape(chr(10).join(failure.last_lines))}"
+                     f"</pre>")
+    return "".join(parts) + "</section>"
+
+
+def _nodes(r: _Run) -> str:
+    parts = ["<section><h2>Nodes</h2>"]
+    state, summary = r.state, r.summary
+    if summary is None:
+        parts.append(_table(["node", "host", "end", "log"],
+                            [[f"node{rank}", host, unrecorded_end(state, r.status, rank),
+                              str(r.run.log_file(rank, state.attempt))] for rank, host in enumerate(state.hosts)]))
+    elif not summary.attempts:
+        first = [summary.first_failure] if summary.first_failure else []
+        parts.append(_node_table(r, summary.nodes, first, summary.status))
+    for a in summary.attempts if summary else []:
+        parts.append(f"<h3>attempt {a.attempt}: {escape(a.status.value)} on {escape(a.where(False))}</h3>"
+                     + _node_table(r, a.nodes, a.failures, a.status))
+    return "".join(parts) + "</section>"
+
+
+def _node_table(r: _Run, nodes: Sequence[RecordedNode], failures: list[Failure], status: RunStatus) -> str:
+    failed = node_failures(failures)
+    return _table(["node", "host", "ranks", "end", "after", "log"],
+                  [[f"node{n.node_rank}", n.host, ", ".join(map(str, n.ranks)),
+                    recorded_end(n, failed.get(n.node_rank), status), f"{n.duration_s} s", str(node_log(r.run, n))]
+                   for n in nodes])
+
+
+def _table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """Plain text cells, every one escaped."""
+    return ("<table><thead><tr>" + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr></thead><tbody>"
+            + "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+            + "</tbody></table>")
+
+
+PLOTS = (
+    _Plot("CPU use (CPUs)", _cpu, "{:g}".format, "CPU use: no rank was sampled"),
+    _Plot("Waiting (% of the time a rank's main thread did not run: for its peers, or for I/O)", _waiting,
+          "{:.0f}%".format, "waiting: no rank's busy share was measured", 100.0),
+    _Plot("Step rate (steps/s)", _step_rate, "{:g}".format, "the step rate: no rank's step is known"),
+)

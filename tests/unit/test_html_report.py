@@ -1,0 +1,193 @@
+"""`harness report`: a run's record and timeline as one HTML page that parses, fetches nothing, escapes the
+record's strings, and shows the attempts, the health verdicts, the first failure and a chart per plot; also
+for a run still running and for a run recorded before timeline.jsonl."""
+
+from __future__ import annotations
+
+import os
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from harness import cli
+from harness.node.proctable import start_ticks
+from harness.run.html_report import html_report
+from harness.run.index import create_run_dir
+from harness.run.records import (
+    Attempt,
+    ControllerId,
+    Failure,
+    FailureKind,
+    HealthEvent,
+    HealthEventKind,
+    RecordedNode,
+    RunState,
+    RunStatus,
+    RunSummary,
+)
+from harness.run.rundir import RunDir
+from harness.run.timeline import RankPoint, Sample, append_sample
+
+T0 = 1_700_000_000.0
+HOSTILE = "RuntimeError: <script>alert('x')</script> & \"quoted\""
+VOID = {"meta", "br", "hr", "img", "input", "link"}
+
+
+class Balanced(HTMLParser):
+    """Every element the page opens is closed, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[str] = []
+        self.tags: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        if tag not in VOID:
+            self.open.append(tag)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        assert self.open and self.open[-1] == tag, f"</{tag}> closes <{self.open[-1] if self.open else None}>"
+        self.open.pop()
+
+
+def parsed(page: str) -> Balanced:
+    parser = Balanced()
+    parser.feed(page)
+    parser.close()
+    assert parser.open == [], f"never closed: {parser.open}"
+    assert parser.tags[:2] == ["html", "head"]
+    return parser
+
+
+def fetches_nothing(page: str) -> None:
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
+    assert "http://" not in page and "https://" not in page and "url(" not in page and "@import" not in page
+
+
+def _state(run_id: str, status: RunStatus, controller: ControllerId, attempt: int = 0) -> RunState:
+    return RunState(run_id=run_id, name="train", mode="local", status=status, started_at=T0, nnodes=3, world_size=6,
+                    controller=controller, hosts=["sim0", "sim1"], attempt=attempt)
+
+
+def _node(run: RunDir, node_rank: int, ranks: list[int], attempt: int, exit_code: int | None) -> RecordedNode:
+    return RecordedNode(node_rank=node_rank, host=f"sim{node_rank}", ranks=ranks, exit_code=exit_code,
+                        signal=None if exit_code is not None else "SIGTERM", error=None, duration_s=9.5,
+                        log=str(run.log_file(node_rank, attempt)))
+
+
+def _summary(run: RunDir) -> RunSummary:
+    """Attempt 0 on three nodes loses sim2 (a rank named slow, then recovered, before); attempt 1 goes on with
+    two and fails in the program, the health watch having called a hang."""
+    lost = Failure(node_rank=2, host="sim2", ranks=[4, 5], rank=None, rank_exit_code=None, exit_code=None,
+                   description="lost its node agent", after_s=9.0, last_lines=[], kind=FailureKind.INFRA,
+                   evidence="the agent's connection closed", host_down=True)
+    first = Attempt(attempt=0, hosts=["sim0", "sim1", "sim2"], status=RunStatus.FAILED, started_at=T0 + 1,
+                    ended_at=T0 + 11, nodes=[_node(run, 0, [0, 1], 0, None), _node(run, 1, [2, 3], 0, None),
+                                             _node(run, 2, [4, 5], 0, None)],
+                    failures=[lost], kind=FailureKind.INFRA, down=["sim2"], preflight_s=0.5, teardown_s=0.4,
+                    backoff_s=2.0, nnodes=3, world_size=6,
+                    health=[HealthEvent(at=T0 + 4, kind=HealthEventKind.SLOW, rank=3, waited=68.0,
+                                        text="slow: rank 3 (node1 on sim1): its peers wait for it 68% of the time"),
+                            HealthEvent(at=T0 + 7, kind=HealthEventKind.RECOVERED, rank=3,
+                                        text="rank 3 (node1 on sim1) is no longer slow")])
+    crash = Failure(node_rank=1, host="sim1", ranks=[2, 3], rank=3, rank_exit_code=3, exit_code=1,
+                    description="exit code 3", after_s=6.0, last_lines=["[rank3]: step 40", f"[rank3]: {HOSTILE}"],
+                    kind=FailureKind.PROGRAM, evidence="rank 3 exit code 3", error=HOSTILE,
+                    error_at="train.py:13, in train_step", error_source="loss = model(x) / 0", hint="look at step 40")
+    second = Attempt(attempt=1, hosts=["sim0", "sim1"], status=RunStatus.FAILED, started_at=T0 + 14, ended_at=T0 + 21,
+                     nodes=[_node(run, 0, [0, 1], 1, None), _node(run, 1, [2, 3], 1, 1)], failures=[crash],
+                     kind=FailureKind.PROGRAM, down=[], preflight_s=0.6, teardown_s=0.3, recover_s=4.9, nnodes=2,
+                     world_size=4,
+                     health=[HealthEvent(at=T0 + 19, kind=HealthEventKind.HANG,
+                                         text="hang: rank 1 waits in all_reduce <b>while</b> rank 3 does not")])
+    return RunSummary(run_id=run.run_id, name="train", status=RunStatus.FAILED, exit_code=1, started_at=T0,
+                      ended_at=T0 + 21, duration_s=21.0, nodes=second.nodes, first_failure=crash,
+                      attempts=[first, second], reason="a program failure is not restarted", error=HOSTILE)
+
+
+def _timeline(run: RunDir, attempts: dict[int, tuple[float, int]]) -> None:
+    """One sample a second per attempt (start, world size): CPU, busy and steps that move."""
+    for attempt, (start, world) in attempts.items():
+        for second in range(6):
+            append_sample(run.timeline, Sample(start + second, attempt, {
+                rank: RankPoint(cpu=0.9 + rank / 10, busy=0.5 if rank == 3 else 0.95, step=10 * second + rank)
+                for rank in range(world)}))
+
+
+def _ended(tmp_path: Path, timeline: bool = True) -> RunDir:
+    run = create_run_dir(tmp_path, "train-1")
+    run.write_state(_state(run.run_id, RunStatus.FAILED, ControllerId(1, None), attempt=1))
+    run.write_summary(_summary(run))
+    if timeline:
+        _timeline(run, {0: (T0 + 2, 6), 1: (T0 + 15, 4)})
+    return run
+
+
+def test_the_page_of_a_failed_restarted_run(tmp_path: Path) -> None:
+    page = html_report(_ended(tmp_path))
+    tags = parsed(page).tags
+    fetches_nothing(page)
+    assert tags.count("svg") == 4, "the timeline, CPU use, waiting, step rate"
+    assert "attempt 0" in page and "attempt 1" in page
+    assert "6 → 4" in page, "the world size, as it changed"
+    assert "sim0, sim1, sim2" in page and "lost sim2" in page
+    assert "slow: rank 3 (node1 on sim1): its peers wait for it 68% of the time" in page
+    assert "rank 3 (node1 on sim1) is no longer slow" in page
+    assert "train.py:13, in train_step" in page and "loss = model(x) / 0" in page and "look at step 40" in page
+    assert "a program failure is not restarted" in page
+    assert "failed: rank 3 exit code 3" in page, "each node's end, worded as `harness status` does"
+    assert str(run_log := tmp_path / "train-1" / "node1.attempt1.log") in page, run_log
+
+
+def test_every_string_of_the_record_is_escaped(tmp_path: Path) -> None:
+    page = html_report(_ended(tmp_path))
+    assert "<script" not in page and "<b>" not in page
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; &quot;quoted&quot;" in page
+    assert "&lt;b&gt;while&lt;/b&gt;" in page
+
+
+def test_a_run_recorded_before_timelines_gets_its_page_without_plots(tmp_path: Path) -> None:
+    page = html_report(_ended(tmp_path, timeline=False))
+    assert parsed(page).tags.count("svg") == 1, "the timeline of attempts only"
+    assert "No plots: this run has no timeline.jsonl" in page
+    assert "train.py:13, in train_step" in page
+
+
+def test_a_running_run_gets_what_is_known_so_far(tmp_path: Path) -> None:
+    run = create_run_dir(tmp_path, "train-2")
+    me = ControllerId(os.getpid(), start_ticks(os.getpid()))  # a live controller: the run is running
+    run.write_state(_state(run.run_id, RunStatus.RUNNING, me))
+    run.health_file.write_text('{"attempt": 0, "slow": {"1": 72.5}, "hang": null}')
+    append_sample(run.timeline, Sample(T0 + 2, 0, {0: RankPoint(0.5), 1: RankPoint(0.7)}))
+    append_sample(run.timeline, Sample(T0 + 3, 0, {0: RankPoint(0.6), 1: RankPoint(0.8)}))
+    page = html_report(run)
+    tags = parsed(page).tags
+    fetches_nothing(page)
+    assert "Still running (attempt 0): this is what is known so far" in page
+    assert "slow: rank 1: its peers wait for it 72.5% of the time" in page
+    assert "node1" in page and "running" in page
+    assert tags.count("svg") == 1, "CPU use; busy and steps were not measured"
+    assert "No plot of waiting" in page and "No plot of the step rate" in page
+
+
+def test_the_verb_writes_the_page_whole_where_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _ended(tmp_path)
+    runs = ["--runs-dir", str(tmp_path)]
+    assert cli.main(["report", run.run_id, *runs]) == 0
+    assert capsys.readouterr().out == f"{run.html_report}\n"
+    assert "train.py:13, in train_step" in run.html_report.read_text()
+    assert cli.main(["report", run.run_id, *runs, "-o", str(tmp_path / "mine.html")]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'mine.html'}\n"
+    assert "train.py:13, in train_step" in (tmp_path / "mine.html").read_text()
+    assert cli.main(["report", run.run_id, *runs, "-o", "-"]) == 0
+    assert capsys.readouterr().out.startswith("<!doctype html>")
+    assert cli.main(["report", run.run_id, *runs, "-o", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert cli.main(["report", "train-404", *runs]) == 2
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary file left"
