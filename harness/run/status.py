@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from harness.run.records import Attempt, Failure, RecordedNode, RecordError, Run
 from harness.run.rundir import RunDir
 from harness.run.stop import controller_alive
 
+UNCUT = 1 << 16  # the width of lines that are not cut to a terminal's
 STALE_SECONDS = 10.0  # health.json older than this, while the run runs, is said to be so
 
 
@@ -57,7 +59,7 @@ def runs_table(lookup: RunsLookup) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_details(run: RunDir, width: int = 200) -> str:
+def run_details(run: RunDir, width: int = UNCUT) -> str:
     """The run's status, then per node how it ended and where its log is (while it runs, each rank as the
     health watch sees it, cut to width), then the first failure and the health watch's verdicts."""
     state, summary = run.read_state(), run.read_summary()
@@ -154,7 +156,7 @@ def rank_rows(health: dict[str, Any], now: float, width: int) -> list[str]:
 
 def _verdict_lines(summary: RunSummary) -> list[str]:
     """The health watch's verdicts during the run (a hang is also its attempt's first failure)."""
-    return [f"  {event.kind.value} at {time.strftime('%H:%M:%S', time.localtime(event.at))}"
+    return [f"  at {time.strftime('%H:%M:%S', time.localtime(event.at))}"
             + (f" (attempt {attempt.attempt})" if len(summary.attempts) > 1 else "") + f": {event.text}"
             for attempt in summary.attempts for event in attempt.health]
 
@@ -206,5 +208,5 @@ def _attempt_line(attempt: Attempt, resized: bool) -> str:
 def status_text(runs_dir: str | None, run_id: str | None) -> str:
     """runs_dir: --runs-dir, None when not given."""
     lookup = runs_lookup(runs_dir)
-    width = shutil.get_terminal_size((200, 24)).columns
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else UNCUT  # a pipe gets whole lines
     return runs_table(lookup) if run_id is None else run_details(lookup.find(run_id), width)

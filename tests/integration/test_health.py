@@ -10,6 +10,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -172,8 +174,28 @@ def test_a_throttled_rank_is_named_slow_within_a_minute(write_yaml, launch, tmp_
         assert named.group(1) == "1" and int(named.group(2)) >= 20, named.group(0)
         status = harness("status", run.run_id, "--runs-dir", str(tmp_path / "runs"))
         assert re.search(r"slow: rank 1: its peers wait for it [\d.]+% of the time", status.stdout), status.stdout
-    assert harness("stop", run.run_id, "--runs-dir", str(tmp_path / "runs")).returncode == 0
+        # Every rank as the watch sees it: state, CPU, the step it printed and its rate, its last line.
+        rows = re.findall(r"^ +(\d) node\d +sim\d +(computing|waiting) +(\d+)% +(\d+) +([\d.]+) +(\d+)s ago: "
+                          r"\[rank\1\]: step (\d+)", status.stdout, re.MULTILINE)
+        assert sorted(row[0] for row in rows) == ["0", "1"], status.stdout
+        assert all(row[3] == row[6] and float(row[4]) > 0 for row in rows), status.stdout
+        shown = harness("top", run.run_id, "--once", "--runs-dir", str(tmp_path / "runs"))
+        assert status.stdout.splitlines()[0] in shown.stdout and "[node1] [rank1]: step" in shown.stdout, shown.stdout
+    follow = subprocess.Popen([sys.executable, "-m", "harness.cli", "logs", run.run_id, "--follow", "--rank", "1",
+                               "--runs-dir", str(tmp_path / "runs")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert harness("stop", run.run_id, "--runs-dir", str(tmp_path / "runs")).returncode == 0
+        assert run.finish(timeout=30) == 130
+        followed = follow.communicate(timeout=30)[0].splitlines()  # it ends once the run has ended
+    finally:
+        follow.kill()
     assert "slow: rank 0" not in run.output
+    assert followed and all(line.startswith("[node1] [rank1]: ") for line in followed), followed[-5:]
+    assert followed[-1] in run.output.splitlines()
+    events = run.summary()["attempts"][0]["health"]
+    assert [(e["kind"], e["rank"]) for e in events][:1] == [("slow", 1)] and events[0]["waited"] >= 20, events
+    after = harness("status", run.run_id, "--runs-dir", str(tmp_path / "runs")).stdout
+    assert re.search(r"^  at \d\d:\d\d:\d\d: slow: rank 1 \(node1 on sim1\): its peers wait for it", after, re.M), after
 
 
 @pytest.mark.soak

@@ -86,6 +86,12 @@ def test_a_program_error_is_not_retried_under_on_infra(write_yaml, launch):
     assert (summary["first_failure"]["node_rank"], summary["first_failure"]["rank"]) == (1, 1)
     assert "not restarted: the program failed (not the infrastructure), and restarts.on is infra" in run.output
     assert "rank 1 failing on purpose at step 3" in run.output
+    # Rank 0's traceback only says its peer went away: held back from the stream, kept for `harness logs`.
+    assert "Connection closed by peer" not in run.output and "Traceback" not in run.output, run.output
+    if held := re.search(r"harness: \d+ line\(s\) of rank 0 held back from this terminal: .* see them with "
+                         r"`(harness logs \S+ --rank 0)`", run.output):
+        logs = harness(*held[1].split()[1:], "--runs-dir", str(run.runs_dir)).stdout
+        assert "[node0] [rank0]: RuntimeError: " in logs and "Connection closed by peer" in logs, logs
     assert_nothing_left(run.run_id)
 
 

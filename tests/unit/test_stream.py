@@ -1,0 +1,201 @@
+"""The run's stream, pure parts: a node's output taken a block at a time (the fast path and the line by
+line path agree), failed peers' consequent tracebacks held back, the terminal that never holds a rank
+up, the agent link's blocks, and the timed record that `harness logs` reads. (For real: the launches of
+tests/integration, e.g. test_health.py's slow rank and test_recovery.py's program error.)"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.node.protocol import Kind, message_line
+from harness.plan.planner import Node
+from harness.run.live import LiveNode
+from harness.run.logs import Selection, duration, print_logs
+from harness.run.rundir import RunDir
+from harness.run.stream_record import STAMP_WIDTH, StreamRecord, stamp
+from harness.run.terminal import Terminal
+from harness.targets.agent_link import AgentNode
+
+PROGRESS = re.compile(r"\bstep (?P<step>\d+)")
+GLOO_PEER_GONE = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
+                  "peer [127.0.0.1]:16069. This is typically caused by a remote worker crashing. GLHF!")
+
+
+def live(node_rank: int = 0) -> LiveNode:
+    return LiveNode(Node(host=f"sim{node_rank}", address="127.0.0.1", node_rank=node_rank, nproc=2), started=0.0)
+
+
+def traceback(rank: int, exception: str) -> list[str]:
+    return [f"[rank{rank}]: Traceback (most recent call last):", f'[rank{rank}]:   File "/job/t.py", line 8, in <module>',
+            f"[rank{rank}]:     dist.all_reduce(t)", f"[rank{rank}]: {exception}"]
+
+
+def text(lines: list[str]) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+def test_a_block_of_plain_rank_lines_passes_whole_and_notes_each_ranks_last_line_and_step():
+    node = live()
+    lines = [f"[rank{i % 2}]: epoch 0 step {i}/90 loss 0.5" for i in range(1, 9)] + ["[rank1]: saving"]
+    block = node.take_block(text(lines), at=100.0, progress=PROGRESS)
+    assert block.logged == block.streamed == block.shown == text(lines) and block.shown_lines == 9
+    assert (node.activity[0].line, node.activity[0].at, list(node.activity[0].steps)) == (lines[-2], 100.0, [(100.0, 8)])
+    assert (node.activity[1].line, list(node.activity[1].steps)) == ("[rank1]: saving", [(100.0, 7)])
+    assert list(node.tail) == lines
+
+
+def test_block_by_block_and_line_by_line_say_the_same():
+    """A doubled prefix, torchrun's own lines, its report: the line path's rules, whatever the block sizes."""
+    lines = ["[rank0]: [rank0]: warning", "[rank0]: step 1", "W1125 10:00:00.000 123 torch/distributed/elastic/x.py] "
+             "failed", "[rank1]: still here", "Root Cause"]
+    whole, single = live(), live()
+    block = whole.take_block(text(lines), at=1.0)
+    shown = [line for line, show in map(single.take, lines) if show]
+    assert block.shown == text(shown) == "[rank0]: warning\n[rank0]: step 1\n[rank1]: still here\n"
+    assert block.logged == text(["[rank0]: warning", *lines[1:]])
+
+
+def test_a_peers_consequent_traceback_is_held_back_and_the_root_cause_shown():
+    """In either order: the rank that raised its own error is shown, the one that lost its peer is held."""
+    for first, second in ((0, 1), (1, 0)):
+        node = live()
+        own = traceback(first, "ValueError: bad batch")
+        consequent = traceback(second, GLOO_PEER_GONE)
+        shown = node.take_block(text(own + consequent + [f"[rank{second}]: terminate called"]), at=1.0).shown
+        assert shown == text(own), shown
+        assert (node.cascade.held, node.cascade.held_from) == (5, {second})
+
+
+def test_a_traceback_split_across_blocks_waits_for_its_exception_line():
+    node = live()
+    lines = traceback(1, "KeyError: 'x'")
+    assert node.take_block(text(lines[:2]), at=1.0).shown == ""
+    assert node.take_block(text(["[rank0]: step 3"]), at=1.1).shown == "[rank0]: step 3\n"
+    assert node.take_block(text(lines[2:]), at=1.2).shown == text(lines)
+
+
+def test_a_traceback_cut_short_by_the_nodes_end_is_shown_at_the_end():
+    node = live()
+    lines = traceback(1, "")[:2]
+    assert node.take_block(text(lines), at=1.0).shown == ""
+    assert node.release().shown == text(lines)
+
+
+def test_once_another_node_failed_everything_this_node_says_is_held():
+    node = live(1)
+    node.held_all = True
+    block = node.take_block(text(["[rank2]: step 9", "[rank3]: step 9"]), at=1.0)
+    assert (block.shown, block.streamed, node.cascade.held) == ("", "[rank2]: step 9\n[rank3]: step 9\n", 2)
+
+
+def test_a_c10d_stores_info_line_and_its_exception_dump_stay_out_of_the_stream():
+    """torchrun's own store with --rdzv-backend c10d: an INFO line that begins an exception dump."""
+    lines = ["[I1125 17:10:49.112694679 TCPStoreLibUvBackend.cpp:1266] [c10d] Failed to bind to ipv6 address, "
+             "trying ipv4.",
+             "Exception raised from makeWithPort at /pytorch/torch/csrc/distributed/c10d/TCPStoreLibUvBackend.cpp:313 "
+             "(most recent call first):",
+             "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f58 in libc10.so)",
+             "<omitting python frames>", "frame #38: _start + 0x21 (0x559b in /venv/bin/python3)", "",
+             "[rank0]: sum 4.0"]
+    block = live().take_block(text(lines), at=1.0, quiet_cpp_info=True)
+    assert block.shown == "[rank0]: sum 4.0\n"
+    assert block.logged == text(lines)
+
+
+class _Blocking(io.StringIO):
+    """A terminal that hangs until released, as a paused SSH session does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.release.wait()
+        return super().write(text)
+
+
+def test_a_stuck_terminal_never_holds_up_the_job_and_is_told_what_it_missed():
+    out = _Blocking()
+    terminal = Terminal(out, backlog_bytes=1000)
+    terminal.say("started")
+    began = time.monotonic()
+    for i in range(1000):
+        terminal.job_lines(f"[node0] [rank0]: line {i}\n", 1)
+    assert time.monotonic() - began < 5, "the job's lines waited for the terminal"
+    terminal.say("ended")
+    out.release.set()
+    terminal.close()
+    shown = out.getvalue().splitlines()
+    assert shown[0] == "harness: started" and "harness: ended" in shown
+    missed = next(line for line in shown if "fell behind" in line)
+    assert int(re.search(r"(\d+) of its lines", missed)[1]) + sum("line " in s for s in shown) == 1000
+
+
+class _Chunks(AgentNode):
+    """The agent link's parsing over given chunks of bytes (what a pipe or a channel delivers)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        super().__init__(None)  # type: ignore[arg-type]  # no node: only the stream is read
+        self.chunks = chunks
+
+    def _chunks(self) -> Iterator[bytes]:
+        yield from self.chunks
+
+    def _send(self, data: bytes) -> None:
+        raise AssertionError("nothing is sent")
+
+    def _wait_agent(self) -> str:
+        return ""
+
+    def _agent_lost(self) -> None:
+        pass
+
+
+def test_the_agent_link_yields_whole_lines_and_takes_messages_from_the_middle_of_a_chunk():
+    exit_line = message_line(Kind.NODE_EXIT, "0")
+    health = message_line(Kind.HEALTH, '{"t": 1, "ranks": {}}')
+    link = _Chunks([b"[rank0]: a\n[rank0]: b", b"c\n[rank1]: half ", health + b"line\n", exit_line + b"tail"])
+    assert list(link.output()) == ["[rank0]: a\n", "[rank0]: bc\n", "[rank1]: half line\n", "tail\n"]
+    assert link._exit_code == 0 and link.messages.get_nowait().kind is Kind.HEALTH
+
+
+def test_harness_logs_merges_the_record_in_time_order_and_filters_it(tmp_path: Path):
+    run = RunDir(tmp_path / "r")
+    run.path.mkdir()
+    record = StreamRecord(run.stream)
+    record.harness("harness: started\n")
+    with record.open_node(0, 0) as node0, record.open_node(0, 1) as node1:
+        node0.write(f"{stamp(time.time())} [node0] [rank0]: step 1\n")
+        node1.write(f"{stamp(time.time())} [node1] [rank1]: step 1 Error\n")
+        node0.write(f"{stamp(time.time())} [node0] [rank0]: done\n")
+    record.close()
+
+    def logs(**chosen: object) -> str:
+        out = io.StringIO()
+        print_logs(run, Selection(**chosen), out)  # type: ignore[arg-type]
+        return out.getvalue()
+
+    assert logs() == "harness: started\n[node0] [rank0]: step 1\n[node1] [rank1]: step 1 Error\n[node0] [rank0]: done\n"
+    assert logs(ranks=frozenset({1})) == logs(node=1) == "[node1] [rank1]: step 1 Error\n"
+    assert logs(grep=re.compile("step"), ranks=frozenset({0})) == "[node0] [rank0]: step 1\n"
+    assert logs(since=stamp(time.time() + 60)) == ""
+    timed = logs(timestamps=True).splitlines()
+    assert [line[:STAMP_WIDTH] for line in timed] == sorted(line[:STAMP_WIDTH] for line in timed)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("5m", 300), ("1h30m", 5400), ("2d", 172800)])
+def test_durations(text: str, seconds: float):
+    assert duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "5x", "m5", "1h 30m", "-5m"])
+def test_a_duration_that_is_none_is_refused(text: str):
+    with pytest.raises(ValueError, match="expected a duration such as 90s"):
+        duration(text)
