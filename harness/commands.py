@@ -185,7 +185,9 @@ def launch(args: argparse.Namespace) -> int:
         from harness.run.detach import start_detached
 
         run = run_dir(root, new_run_id(spec.name))
-        argv = [sys.executable, "-m", "harness.cli", *args.rerun, "--runs-dir", str(root), "--run-id", run.run_id]
+        # Its own options right after the verb: args.rerun may end with `-- SCRIPT ARGS`, all the script's.
+        verb, *words = args.rerun
+        argv = [sys.executable, "-m", "harness.cli", verb, f"--runs-dir={root}", f"--run-id={run.run_id}", *words]
         return start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
     return controller.launch(_target(args, spec), spec, job.text, job.source, root, run_id)
