@@ -50,9 +50,7 @@ def register_run(run: RunDir, index: Path) -> None:
     temp = index / f".{run.run_id}.{secrets.token_hex(4)}"
     try:
         index.mkdir(parents=True, exist_ok=True)
-        for entry in index.iterdir():
-            if RUN_ID.fullmatch(entry.name) and not entry.exists():
-                entry.unlink(missing_ok=True)
+        prune_index(index)
         temp.symlink_to(os.path.abspath(run.path))
         try:
             os.replace(temp, index / run.run_id)
@@ -63,6 +61,13 @@ def register_run(run: RunDir, index: Path) -> None:
         print(f"harness: warning: cannot register run {run.run_id} in the index of your runs {index} "
               f"({exc.strerror or exc}); from other directories, `harness status` finds it only with "
               f"--runs-dir {os.path.abspath(run.path.parent)}", file=sys.stderr)
+
+
+def prune_index(index: Path) -> None:
+    """Remove the entries whose run directory is gone (deleted, or a detached launch's that never started)."""
+    for entry in index.iterdir():
+        if RUN_ID.fullmatch(entry.name) and not entry.exists():
+            entry.unlink(missing_ok=True)
 
 
 def _indexed(entry: Path) -> RunDir | None:
