@@ -96,6 +96,14 @@ def _job_arguments() -> argparse.ArgumentParser:
     flags.add_argument("--save-job", metavar="FILE",
                        help="also write the job spec these flags make to FILE (not overwritten), to launch or "
                             "edit later")
+    health = job.add_argument_group("job health (a script or a job spec: these win over its health: keys; see "
+                                    "docs/health.md)")
+    health.add_argument("--stall", type=_number, metavar="SECONDS",
+                        help="seconds a rank may make no progress before the job counts as hung and is stopped with "
+                             "every rank's stack, 0 to 86400; 0: off (health.stall, default 300)")
+    health.add_argument("--slow", type=_number, metavar="PERCENT",
+                        help="name a rank its peers wait for at least this percentage of the time, 0 to 100; 0: off "
+                             "(health.slow, default 20)")
     return job
 
 
@@ -121,6 +129,18 @@ def _nnodes(text: str) -> NodeCount:
         return NodeCount(int(fewest) if colon else None, int(nodes))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of nodes, or MIN:N (e.g. 2:4), got {text!r}") from None
+
+
+def _number(text: str) -> int | float:
+    """An integer as typed (a saved spec writes `stall: 60`, not 60.0), else a float; the spec checks its range."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
 def _number_or_auto(text: str) -> int | str:
