@@ -17,6 +17,8 @@ from harness.spec.job import SLURM_OPTIONS
 # What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir,
 # and the job spec it saved already).
 _NOT_RERUN = {"detach", "run_id", "runs_dir", "save_job"}
+# How every verb that takes a run names it (run/index.py RunsLookup.find resolves it).
+RUN_HELP = "a run id as `harness status` lists it, a unique prefix of one, or `latest` for the newest run"
 RUNS_DIR_HELP = ("where run records live (default: $HARNESS_RUNS_DIR, else ./runs); without either, status, stop "
                  "and stacks also find runs launched from any directory through the index of your runs "
                  "($XDG_STATE_HOME/harness/runs, default ~/.local/state/harness/runs); when given, it is the only "
@@ -199,18 +201,19 @@ def parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=commands.launch)
 
     stop = verbs.add_parser("stop", parents=[runs_dir], help="stop a running run (from any terminal)")
-    stop.add_argument("run_id", help="the run to stop, as `harness status` lists it")
+    stop.add_argument("run_id", metavar="RUN_ID", help=f"the run to stop: {RUN_HELP}")
     stop.add_argument("--timeout", type=_seconds, default=15.0, help="seconds to wait for the run to end")
     stop.set_defaults(func=commands.stop)
 
     stacks = verbs.add_parser("stacks", parents=[runs_dir],
                               help="every rank's Python stack of a running run, alike ones grouped (the job goes on)")
-    stacks.add_argument("run_id", help="a running run, as `harness status` lists it")
+    stacks.add_argument("run_id", metavar="RUN_ID", help=f"a running run: {RUN_HELP}")
     stacks.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the nodes' answer")
     stacks.set_defaults(func=commands.stacks)
 
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
-    status.add_argument("run_id", nargs="?", help="one run to show node by node (default: list the runs)")
+    status.add_argument("run_id", nargs="?", metavar="RUN_ID",
+                        help=f"one run to show node by node: {RUN_HELP} (default: list the runs)")
     status.set_defaults(func=commands.status)
     preflight = verbs.add_parser("preflight", help="prove before launch that every host can run the job")
     preflight.add_argument("hosts", nargs="?", help="host inventory, e.g. hosts.yaml (none with --target slurm)")
