@@ -18,6 +18,8 @@ from harness.spec.job import SLURM_OPTIONS
 # What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir,
 # and the job spec it saved already).
 _NOT_RERUN = {"detach", "run_id", "runs_dir", "save_job"}
+# How every verb that takes a run names it (run/index.py RunsLookup.find resolves it).
+RUN_HELP = "a run id as `harness status` lists it, a unique prefix of one, or `latest` for the newest run"
 RUNS_DIR_HELP = ("where run records live (default: $HARNESS_RUNS_DIR, else ./runs); without either, the verbs "
                  "that take a run id also find runs launched from any directory through the index of your runs "
                  "($XDG_STATE_HOME/harness/runs, default ~/.local/state/harness/runs); when given, it is the only "
@@ -97,6 +99,14 @@ def _job_arguments() -> argparse.ArgumentParser:
     flags.add_argument("--save-job", metavar="FILE",
                        help="also write the job spec these flags make to FILE (not overwritten), to launch or "
                             "edit later")
+    health = job.add_argument_group("job health (a script or a job spec: these win over its health: keys; see "
+                                    "docs/health.md)")
+    health.add_argument("--stall", type=_number, metavar="SECONDS",
+                        help="seconds a rank may make no progress before the job counts as hung and is stopped with "
+                             "every rank's stack, 0 to 86400; 0: off (health.stall, default 300)")
+    health.add_argument("--slow", type=_number, metavar="PERCENT",
+                        help="name a rank its peers wait for at least this percentage of the time, 0 to 100; 0: off "
+                             "(health.slow, default 20)")
     return job
 
 
@@ -159,6 +169,18 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _number(text: str) -> int | float:
+    """An integer as typed (a saved spec writes `stall: 60`, not 60.0), else a float; the spec checks its range."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
 def _number_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
@@ -215,22 +237,23 @@ def parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=commands.launch)
 
     stop = verbs.add_parser("stop", parents=[runs_dir], help="stop a running run (from any terminal)")
-    stop.add_argument("run_id", help="the run to stop, as `harness status` lists it")
+    stop.add_argument("run_id", metavar="RUN_ID", help=f"the run to stop: {RUN_HELP}")
     stop.add_argument("--timeout", type=_seconds, default=15.0, help="seconds to wait for the run to end")
     stop.set_defaults(func=commands.stop)
 
     stacks = verbs.add_parser("stacks", parents=[runs_dir],
                               help="every rank's Python stack of a running run, alike ones grouped (the job goes on)")
-    stacks.add_argument("run_id", help="a running run, as `harness status` lists it")
+    stacks.add_argument("run_id", metavar="RUN_ID", help=f"a running run: {RUN_HELP}")
     stacks.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the nodes' answer")
     stacks.set_defaults(func=commands.stacks)
 
     status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
-    status.add_argument("run_id", nargs="?", help="one run to show node by node (default: list the runs)")
+    status.add_argument("run_id", nargs="?", metavar="RUN_ID",
+                        help=f"one run to show node by node: {RUN_HELP} (default: list the runs)")
     status.set_defaults(func=commands.status)
     live = verbs.add_parser("top", parents=[runs_dir], help="a running run's ranks live: state, CPU, step, last line, "
                            "and its stream below (q quits; the job never waits for it)")
-    live.add_argument("run_id", help="the run, as `harness status` lists it")
+    live.add_argument("run_id", metavar="RUN_ID", help=f"a running run: {RUN_HELP}")
     live.add_argument("--once", action="store_true", help="print one screen and return (as off a terminal)")
     live.set_defaults(func=commands.top)
 
@@ -239,7 +262,7 @@ def parser() -> argparse.ArgumentParser:
                             epilog="examples:\n  harness logs RUN_ID --rank 3 --grep 'loss|Error'\n"
                                    "  harness logs RUN_ID --since 5m --follow",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    logs.add_argument("run_id", help="the run, as `harness status` lists it")
+    logs.add_argument("run_id", metavar="RUN_ID", help=RUN_HELP)
     logs.add_argument("--rank", type=_ranks, metavar="R[,R...]", help="only these global ranks' lines")
     logs.add_argument("--node", type=int, metavar="N", help="only node N's lines (its ranks' and torchrun's own)")
     logs.add_argument("--attempt", type=_attempt, default=None, metavar="N|all",
@@ -255,7 +278,7 @@ def parser() -> argparse.ArgumentParser:
     report = verbs.add_parser("report", parents=[runs_dir],
                               help="one run as a self-contained HTML page: its attempts, health verdicts and failures "
                                    "on a time axis, every rank's CPU use, waiting and step rate, each node's end")
-    report.add_argument("run_id", help="the run, as `harness status` lists it (running or ended)")
+    report.add_argument("run_id", metavar="RUN_ID", help=f"a running or ended run: {RUN_HELP}")
     report.add_argument("-o", "--output", metavar="FILE",
                         help="where to write the page (default: report.html in the run's directory; - for stdout)")
     report.set_defaults(func=commands.report)

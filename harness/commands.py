@@ -17,7 +17,7 @@ from harness.errors import HarnessError, UsageError
 from harness.run.atomic import write_text_atomic
 from harness.run.index import find_run
 from harness.run.rundir import check_run_id, new_run_id, run_dir, runs_root
-from harness.spec.from_flags import ScriptFlags, spec_from_flags, spec_yaml
+from harness.spec.from_flags import ScriptFlags, spec_from_flags, spec_yaml, with_spec_file_flags
 from harness.spec.job import SLURM_OPTIONS, JobSpec, Slurm, load_job
 from harness.targets.base import Backend, Scheduler
 
@@ -59,26 +59,30 @@ class Job:
 
 
 def job_of(args: argparse.Namespace) -> Job:
-    """A spec file (*.yaml) as it is; a script or -m module with torchrun's flags as the spec they make,
-    also written to --save-job."""
+    """A spec file (*.yaml) as it is, but for the flags that win over its keys (--stall, --slow); a script or
+    -m module with torchrun's flags as the spec they make, also written to --save-job."""
     flags = ScriptFlags(script=None if args.module else args.job, module=args.module, args=args.script_args,
                         name=args.name, min_nnodes=args.nnodes.fewest if args.nnodes else None,
                         nnodes=args.nnodes.nodes if args.nnodes else None, nproc_per_node=args.nproc_per_node,
                         master_port=args.master_port, rdzv=args.rdzv, backend=args.backend,
-                        max_restarts=args.max_restarts, env=args.env)
+                        max_restarts=args.max_restarts, env=args.env, stall=args.stall, slow=args.slow)
+    command = shlex.join(["harness", *args.rerun])
     if args.module is None and args.job is not None and args.job.endswith((".yaml", ".yml")):
-        given = flags.given() + (["--save-job"] if args.save_job else [])
-        if given or args.script_args:
-            what = given[0] if given else f"`-- {shlex.join(args.script_args)}`"
+        refused = flags.given(script_only=True) + (["--save-job"] if args.save_job else [])
+        if refused or args.script_args:
+            what = refused[0] if refused else f"`-- {shlex.join(args.script_args)}`"
             raise UsageError(f"{what} is for a script launch (harness launch train.py --nnodes 2); {args.job} is a "
                              f"job spec: set its keys there (docs/job-spec.md)")
-        return Job(load_job(args.job), Path(args.job).read_text(), args.job)
+        spec = with_spec_file_flags(load_job(args.job), flags)  # the file's errors first, located
+        text = Path(args.job).read_text()
+        if flags.given():  # --stall, --slow: the run's spec.yaml says that they won over the file's keys
+            text = f"# Launched with: {command} (its flags override this file's keys)\n{text}"
+        return Job(spec, text, args.job)
     if args.job is None and args.module is None:
         raise UsageError("expected a job spec (jobs/cifar.yaml), a script (train.py) or -m MODULE")
     if args.job is not None and args.module is not None:
         raise UsageError(f"give a script ({args.job}) or -m {args.module}, not both")
     spec = spec_from_flags(flags)
-    command = shlex.join(["harness", *args.rerun])
     text = spec_yaml(flags, command, args.save_job)
     if args.save_job is not None:
         _save_job(Path(args.save_job), text)
@@ -185,7 +189,9 @@ def launch(args: argparse.Namespace) -> int:
         from harness.run.detach import start_detached
 
         run = run_dir(root, new_run_id(spec.name))
-        argv = [sys.executable, "-m", "harness.cli", *args.rerun, "--runs-dir", str(root), "--run-id", run.run_id]
+        # Its own options right after the verb: args.rerun may end with `-- SCRIPT ARGS`, all the script's.
+        verb, *words = args.rerun
+        argv = [sys.executable, "-m", "harness.cli", verb, f"--runs-dir={root}", f"--run-id={run.run_id}", *words]
         return start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
     return controller.launch(_target(args, spec), spec, job.text, job.source, root, run_id)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
-from harness.run.index import index_dir, register_run
+from harness.run.index import index_dir, prune_index, register_run
 from harness.run.rundir import RunDir
 
 DETACH_STARTUP_TIMEOUT = 300.0
@@ -30,7 +31,10 @@ def start_detached(argv: Sequence[str], run: RunDir, timeout: float = DETACH_STA
         if controller.poll() is None:
             controller.kill()
         code = controller.wait()
-        shutil.rmtree(run.path, ignore_errors=True)  # no run started: leave no directory `status` cannot list
+        # No run started: leave no directory `status` cannot list, and no index entry pointing at it.
+        shutil.rmtree(run.path, ignore_errors=True)
+        with contextlib.suppress(OSError):  # a home that cannot be written has no entry of it either
+            prune_index(index_dir())
         return code
     print(f"run {run.run_id} started in the background (controller pid {controller.pid})\n"
           f"  follow: tail -f {run.controller_log}\n  status: harness status {run.run_id}\n"

@@ -1,5 +1,6 @@
 """The user's index of runs: every run registers in it ($XDG_STATE_HOME/harness/runs), so that `status`,
-`stop` and `stacks` find it from any directory (RunsLookup), whatever runs directory it was launched with."""
+`stop` and `stacks` find it from any directory (RunsLookup), whatever runs directory it was launched with;
+and the one place a run named on the command line is found (by its id, a unique prefix of one, or `latest`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from pathlib import Path
 
 from harness.errors import UsageError
 from harness.run.records import RecordError, RunState
-from harness.run.rundir import RUN_ID, RunDir, run_dir, runs_root
+from harness.run.rundir import RUN_ID, RUN_ID_PREFIX, RunDir, check_run_id, run_dir, runs_root
+
+LATEST = "latest"  # names the newest run: `harness status latest`
+LISTED = 10  # matching ids an ambiguous prefix's error names
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,7 @@ def register_run(run: RunDir, index: Path) -> None:
     temp = index / f".{run.run_id}.{secrets.token_hex(4)}"
     try:
         index.mkdir(parents=True, exist_ok=True)
-        for entry in index.iterdir():
-            if RUN_ID.fullmatch(entry.name) and not entry.exists():
-                entry.unlink(missing_ok=True)
+        prune_index(index)
         temp.symlink_to(os.path.abspath(run.path))
         try:
             os.replace(temp, index / run.run_id)
@@ -63,6 +65,13 @@ def register_run(run: RunDir, index: Path) -> None:
         print(f"harness: warning: cannot register run {run.run_id} in the index of your runs {index} "
               f"({exc.strerror or exc}); from other directories, `harness status` finds it only with "
               f"--runs-dir {os.path.abspath(run.path.parent)}", file=sys.stderr)
+
+
+def prune_index(index: Path) -> None:
+    """Remove the entries whose run directory is gone (deleted, or a detached launch's that never started)."""
+    for entry in index.iterdir():
+        if RUN_ID.fullmatch(entry.name) and not entry.exists():
+            entry.unlink(missing_ok=True)
 
 
 def _indexed(entry: Path) -> RunDir | None:
@@ -101,8 +110,8 @@ def list_runs(root: Path) -> list[RunEntry]:
 
 
 def find_run(runs_dir: str | None, run_id: str) -> RunDir:
-    """The directory of run_id as `harness status` lists it: under --runs-dir or $HARNESS_RUNS_DIR when
-    given, else under ./runs or through the index of the user's runs."""
+    """The directory of the run a verb was given (RunsLookup.find): under --runs-dir or $HARNESS_RUNS_DIR
+    when given, else under ./runs or through the index of the user's runs."""
     return runs_lookup(runs_dir).find(run_id)
 
 
@@ -134,15 +143,34 @@ class RunsLookup:
         parent = run.path.parent
         return None if os.path.realpath(parent) == os.path.realpath(self.root) else parent
 
-    def find(self, run_id: str) -> RunDir:
-        """run_id's directory: under root, else where the index points; UsageError saying where it looked."""
+    def find(self, name: str) -> RunDir:
+        """The run a verb was given: its id (under root, else where the index points), else `latest` (the newest
+        start among runs()), else the one run whose id starts with name; an exact id wins over the longer ids it
+        starts. UsageError when none matches (saying where it looked) or several do (naming them)."""
+        if RUN_ID.fullmatch(name) and (run := self._exact(name)):
+            return run
+        if not RUN_ID_PREFIX.fullmatch(name):
+            check_run_id(name)  # not even the start of a run id: its error
+        entries = self.runs()
+        if name == LATEST and entries:
+            return entries[-1].run
+        matches = {entry.run.run_id: entry.run for entry in entries if entry.run.run_id.startswith(name)}
+        if len(matches) == 1:
+            return next(iter(matches.values()))
+        if matches:
+            newest = list(reversed(matches))[:LISTED]
+            more = f" and {len(matches) - LISTED} more" if len(matches) > LISTED else ""
+            raise UsageError(f"{name} is the start of {len(matches)} run ids: {', '.join(newest)}{more}; type more "
+                             f"of the one you mean")
+        recent = ", ".join(entry.run.run_id for entry in entries[-5:]) or "none"
+        raise UsageError(f"no run {name} in {self.searched}; recent runs: {recent}; {self.hint}")
+
+    def _exact(self, run_id: str) -> RunDir | None:
+        """run_id's directory with a record: under root, else where the index points."""
         run = run_dir(self.root, run_id)
         if not run.state_file.exists() and self.index is not None:
             run = _indexed(self.index / run_id) or run
-        if not run.state_file.exists():
-            recent = ", ".join(entry.run.run_id for entry in self.runs()[-5:]) or "none"
-            raise UsageError(f"no run {run_id} in {self.searched}; recent runs: {recent}; {self.hint}")
-        return run
+        return run if run.state_file.exists() else None
 
     @property
     def searched(self) -> str:

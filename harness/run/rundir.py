@@ -16,6 +16,8 @@ DEFAULT_RUNS_DIR = "runs"
 # What new_run_id makes (a job name, a time, a random suffix) and nothing that could leave the runs
 # directory: no `/`, no `..`, no leading `-` or `.`.
 RUN_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,126}[a-z0-9])?")
+# The start of one, as a user types it to name a run (`harness status smoke-2026`).
+RUN_ID_PREFIX = re.compile(r"[a-z0-9][-a-z0-9]{0,127}")
 
 
 def check_run_id(run_id: str) -> str:

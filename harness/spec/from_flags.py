@@ -1,6 +1,7 @@
 """A job spec from torchrun-style flags: `harness launch train.py --nnodes 2 --nproc-per-node 4 -- ARGS`
 builds in memory the spec a YAML file would hold, validated by the same model, and can write it out
-(--save-job) so that the next step is the full spec. Pure: the caller writes the file."""
+(--save-job) so that the next step is the full spec; the flags a spec file takes too (--stall, --slow) win
+over its keys. Pure: the caller writes the file."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from harness.errors import UsageError
-from harness.spec.job import JobSpec
+from harness.errors import UsageError, short_repr
+from harness.spec.job import Health, JobSpec
 
 # Each ScriptFlags field that a flag sets: the spec's key path it lands at, and the flag (errors name it).
 FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -26,7 +27,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "max_restarts": (("restarts", "max"), "--max-restarts"),
     "min_nnodes": (("restarts", "min_nnodes"), "--nnodes"),
     "env": (("env",), "--env"),
+    "stall": (("health", "stall"), "--stall"),
+    "slow": (("health", "slow"), "--slow"),
 }
+# The fields whose flags a spec file takes too (harness launch job.yaml --stall 60): they win over its keys.
+SPEC_FILE_FLAGS = ("stall", "slow")
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,13 @@ class ScriptFlags:
     max_restarts: int | None = None
     min_nnodes: int | None = None  # --nnodes MIN:N
     env: list[str] = field(default_factory=list)
+    stall: float | None = None  # health.stall: seconds
+    slow: float | None = None  # health.slow: percent
 
-    def given(self) -> list[str]:
-        """The flags that were set, as the user types them."""
-        return list(dict.fromkeys(flag for name, (_, flag) in FLAGS.items() if getattr(self, name) not in (None, [])))
+    def given(self, script_only: bool = False) -> list[str]:
+        """The flags that were set, as the user types them; script_only: only those a spec file refuses."""
+        return list(dict.fromkeys(flag for name, (_, flag) in FLAGS.items() if getattr(self, name) not in (None, [])
+                                  and not (script_only and name in SPEC_FILE_FLAGS)))
 
 
 def job_name(entry: str) -> str:
@@ -85,7 +93,13 @@ def spec_data(flags: ScriptFlags) -> dict[str, Any]:
     restarts = {"max": flags.max_restarts, "min_nnodes": flags.min_nnodes}
     if given := {key: value for key, value in restarts.items() if value is not None}:
         data["restarts"] = given
+    if health := _health(flags):
+        data["health"] = health
     return data
+
+
+def _health(flags: ScriptFlags) -> dict[str, float]:
+    return {key: value for key in SPEC_FILE_FLAGS if (value := getattr(flags, key)) is not None}
 
 
 def spec_from_flags(flags: ScriptFlags) -> JobSpec:
@@ -94,12 +108,31 @@ def spec_from_flags(flags: ScriptFlags) -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = tuple(str(part) for part in first["loc"])
-        flag = next((f for keys, f in FLAGS.values() if loc[:len(keys)] == keys),
-                    "the script's arguments" if loc[:2] == ("entrypoint", "args") else
-                    "-m" if flags.module is not None else "the script")
-        raise UsageError(f"{flag}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise _flag_error(exc, flags) from None
+
+
+def with_spec_file_flags(spec: JobSpec, flags: ScriptFlags) -> JobSpec:
+    """A spec file's spec with the flags that win over its keys (--stall, --slow), validated as the file's values
+    are; a bad value is a usage error naming its flag."""
+    if not (health := _health(flags)):
+        return spec
+    try:
+        return spec.model_copy(update={"health": Health.model_validate(spec.health.model_dump() | health)})
+    except ValidationError as exc:
+        raise _flag_error(exc, flags, within=("health",)) from None
+
+
+def _flag_error(exc: ValidationError, flags: ScriptFlags, within: tuple[str, ...] = ()) -> UsageError:
+    """The first problem, named by the flag that set the value (within: where the model validated sits)."""
+    first = exc.errors()[0]
+    loc = within + tuple(str(part) for part in first["loc"])
+    flag = next((f for keys, f in FLAGS.values() if loc[:len(keys)] == keys),
+                "the script's arguments" if loc[:2] == ("entrypoint", "args") else
+                "-m" if flags.module is not None else "the script")
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] in ("greater_than_equal", "less_than_equal"):  # pydantic's range: say what was given too
+        message += f", got {short_repr(first['input'])}"
+    return UsageError(f"{flag}: {message}")
 
 
 def spec_yaml(flags: ScriptFlags, command: str, path: str | None = None) -> str:

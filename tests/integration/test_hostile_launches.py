@@ -3,6 +3,7 @@ nothing outlives the run, the program's own exit code is reported, refusals are 
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -46,8 +47,11 @@ def test_an_argument_list_too_long_for_the_os_is_one_line_exit_1(write_yaml, tmp
     assert "Traceback" not in result.stderr
 
 
-def test_detach_with_a_missing_script_leaves_no_run_directory(write_yaml, tmp_path):
+def test_detach_with_a_missing_script_leaves_no_run_directory_nor_index_entry(write_yaml, tmp_path):
     job = write_yaml(JOB.replace("module: harness.payload.train", "script: missing.py"))
-    result = harness("launch", str(job), "--detach", "--runs-dir", str(tmp_path / "runs"))
+    state = tmp_path / "state"
+    result = harness("launch", str(job), "--detach", "--runs-dir", str(tmp_path / "runs"),
+                     env=os.environ | {"XDG_STATE_HOME": str(state)})
     assert result.returncode == 1 and "entrypoint missing.py: " in result.stderr and "does not exist" in result.stderr
     assert list((tmp_path / "runs").iterdir()) == []
+    assert list((state / "harness" / "runs").iterdir()) == []

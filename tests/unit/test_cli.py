@@ -31,6 +31,7 @@ def _rerun(argv: list[str]) -> list[str]:
     ["launch", "jobs/cifar.yaml", "--target", "slurm", "--partition", "gpu", "--time", "01:00:00", "--qos=-odd"],
     ["launch", "a b.yaml", "--hosts=--weird=name.yaml"],
     ["launch", "--hosts", "h.yaml", "--", "-odd.yaml"],
+    ["launch", "jobs/smoke.yaml", "--stall", "60", "--slow", "0.5"],
 ])
 def test_a_detached_launch_re_runs_what_it_was_given(argv: list[str]) -> None:
     detached = [argv[0], "--detach", "--runs-dir", "r", "--run-id", "x", *argv[1:]]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.errors import UsageError
 from harness.run.index import RunsLookup, create_run_dir, index_dir, register_run
 from harness.run.records import ControllerId, RunState, RunStatus
 from harness.run.rundir import RunDir
@@ -117,3 +118,54 @@ def test_a_given_runs_directory_wins_and_every_miss_says_where_it_looked(tmp_pat
     assert (listing.returncode, listing.stdout) == (0, (
         "no runs in elsewhere/ (named by HARNESS_RUNS_DIR); unset HARNESS_RUNS_DIR to look in ./runs and the "
         "index of your runs, or set it to another directory\n"))
+
+
+def test_a_run_is_named_by_its_id_a_unique_prefix_of_one_or_latest(tmp_path: Path) -> None:
+    """One lookup for every verb: an exact id first (even when longer ids start with it), then `latest`, the
+    newest start among the runs listed (the index's included), then a prefix that only one id starts with."""
+    root, index = tmp_path / "runs", tmp_path / "index"
+    smoke = _recorded(root, "smoke-20261121-101500-abcdef", 3.0)
+    _recorded(root, "smoke-20261121-101500-aa0000", 1.0)
+    train = _recorded(root, "train-20261121-090000-cccccc", 2.0)
+    job, longer = _recorded(root, "job-1", 0.5), _recorded(root, "job-1-2", 0.7)
+    elsewhere = _recorded(tmp_path / "there" / "runs", "other-20261121-120000-dddddd", 4.0)
+    register_run(elsewhere, index)
+    lookup = RunsLookup(root, index, None)
+    assert lookup.find("train") == train
+    assert lookup.find("smoke-20261121-101500-ab") == smoke
+    assert lookup.find("o") == elsewhere
+    assert (lookup.find("job-1"), lookup.find("job-1-")) == (job, longer)
+    assert lookup.find("latest") == elsewhere
+    assert RunsLookup(root, None, "--runs-dir").find("latest") == smoke, "newest by start, not by name"
+    _recorded(root, "latest", 0.1)
+    assert lookup.find("latest").run_id == "latest", "an exact id wins over the word too"
+
+
+def test_a_prefix_of_several_runs_names_them_and_a_miss_says_where_it_looked(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    lookup = RunsLookup(root, None, "--runs-dir")
+    with pytest.raises(UsageError) as none:
+        lookup.find("latest")
+    assert str(none.value) == (f"no run latest in {root}/ (named by --runs-dir); recent runs: none; leave out "
+                               f"--runs-dir to look in ./runs and the index of your runs, or pass another directory")
+    for number in range(12):
+        _recorded(root, f"sweep-{number:02d}", float(number))
+    with pytest.raises(UsageError) as several:
+        lookup.find("sweep-0")
+    assert str(several.value) == ("sweep-0 is the start of 10 run ids: sweep-09, sweep-08, sweep-07, sweep-06, "
+                                  "sweep-05, sweep-04, sweep-03, sweep-02, sweep-01, sweep-00; type more of the one "
+                                  "you mean")
+    with pytest.raises(UsageError, match=r"^sweep is the start of 12 run ids: sweep-11, sweep-10, .*, sweep-02 and 2 "
+                                         r"more; type more of the one you mean$"):
+        lookup.find("sweep")
+    with pytest.raises(UsageError, match=r"^no run sweep-2 in .*; recent runs: sweep-07, sweep-08, sweep-09, sweep-10, "
+                                         r"sweep-11; leave out --runs-dir"):
+        lookup.find("sweep-2")
+    with pytest.raises(UsageError, match=r"^run id 'Sweep' is not a run id: expected lower-case letters"):
+        lookup.find("Sweep")
+    for verb in ("status", "stop", "stacks"):  # every verb that takes a run finds it through the lookup
+        result = harness(verb, "sweep-1", "--runs-dir", str(root))
+        assert (result.returncode, result.stderr) == (2, "harness: error: sweep-1 is the start of 2 run ids: "
+                                                         "sweep-11, sweep-10; type more of the one you mean\n"), result
+    shown = harness("status", "latest", "--runs-dir", str(root))
+    assert shown.stdout.startswith("run sweep-11: succeeded"), shown

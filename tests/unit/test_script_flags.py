@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from harness import cli
+from harness.commands import Job, job_of
 from harness.errors import UsageError
 from harness.node.freeport import ephemeral_start
 from harness.plan.planner import TORCHRUN_PORT
@@ -58,11 +59,53 @@ def test_only_what_the_flags_set_is_written() -> None:
     (ScriptFlags(script="-t.py"), "the script: script '-t.py' starts with '-'"),
     (ScriptFlags(module="not a module"), "-m: module must be a dotted Python module name"),
     (ScriptFlags(script="t.py", args=["a\0b"]), "the script's arguments: contains a NUL byte"),
+    (ScriptFlags(script="t.py", stall=-1), "--stall: Input should be greater than or equal to 0, got -1"),
+    (ScriptFlags(script="t.py", stall=86401), "--stall: Input should be less than or equal to 86400, got 86401"),
+    (ScriptFlags(script="t.py", stall=float("nan")), "--stall: expected a finite number of seconds, got nan"),
+    (ScriptFlags(script="t.py", slow=100.5), "--slow: Input should be less than or equal to 100, got 100.5"),
 ])
 def test_a_bad_flag_is_named(flags: ScriptFlags, message: str) -> None:
     with pytest.raises(UsageError) as error:
         spec_from_flags(flags)
     assert str(error.value).startswith(message), error.value
+
+
+def test_stall_and_slow_set_the_health_section_and_are_saved(write_yaml) -> None:
+    flags = ScriptFlags(script="t.py", stall=0, slow=12.5)
+    spec = spec_from_flags(flags)
+    assert (spec.health.stall, spec.health.slow, spec.health.watched) == (0, 12.5, True)
+    text = spec_yaml(flags, "harness launch t.py --stall 0 --slow 12.5", "job.yaml")
+    assert text.endswith("health:\n  stall: 0\n  slow: 12.5\n"), text
+    assert load_job(write_yaml(text)).health == spec.health
+    assert spec_from_flags(ScriptFlags(script="t.py", stall=60)).health.slow == 20, "the other keeps its default"
+
+
+def _spec_file_job(write_yaml, *flags: str) -> Job:
+    path = write_yaml("name: x\nnnodes: 1\nentrypoint: {script: t.py}\nhealth: {stall: 30, slow: 50}\n")
+    args = _main_args(["launch", str(path), *flags])
+    args.rerun = ["launch", *cli.command_line(args.verbs.choices["launch"], args, {"verbs"})]
+    return job_of(args)
+
+
+def test_stall_and_slow_win_over_a_spec_files_health_keys(write_yaml) -> None:
+    job = _spec_file_job(write_yaml, "--stall", "600")
+    assert (job.spec.health.stall, job.spec.health.slow) == (600, 50)
+    assert job.text.startswith(f"# Launched with: harness launch --stall=600 {job.source} (its flags override this file's keys)\n"), job.text
+    assert job.text.endswith("health: {stall: 30, slow: 50}\n"), "the file's text follows as it is"
+    untouched = _spec_file_job(write_yaml)
+    assert (untouched.spec.health.stall, untouched.text[:5]) == (30, "name:")
+    assert _spec_file_job(write_yaml, "--slow", "0").spec.health.slow == 0
+    with pytest.raises(UsageError, match=r"^--slow: Input should be less than or equal to 100, got 101$"):
+        _spec_file_job(write_yaml, "--slow", "101")
+    with pytest.raises(UsageError, match=r"^--save-job is for a script launch"):
+        _spec_file_job(write_yaml, "--stall", "1", "--save-job", "x.yaml")
+
+
+@pytest.mark.parametrize("argv", [["launch", "t.py", "--stall", "x"], ["render", "j.yaml", "--slow", "1e"]])
+def test_a_stall_or_slow_that_is_no_number_is_a_usage_error(argv: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", "harness.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"argument {argv[2]}: expected a number, got '{argv[3]}'" in result.stderr, \
+        result.stderr
 
 
 def test_nnodes_min_colon_n_is_torchruns_elastic_range_as_restarts_min_nnodes() -> None:
@@ -92,6 +135,7 @@ def _main_args(argv: list[str]):
     ["launch", "--hosts", "h.yaml", "--", "-odd.yaml"],
     ["launch", "--nproc_per_node", "auto", "--master_port", "auto", "t.py"],
     ["launch", "t.py", "--nnodes", "2:3", "--max-restarts", "2"],
+    ["launch", "t.py", "--stall", "0", "--slow", "12.5", "--", "--stall", "1"],
 ])
 def test_a_detached_script_launch_re_runs_its_words(argv: list[str]) -> None:
     args = _main_args(argv)
@@ -99,12 +143,14 @@ def test_a_detached_script_launch_re_runs_its_words(argv: list[str]) -> None:
     assert {k: v for k, v in vars(again).items() if k != "verbs"} == {k: v for k, v in vars(args).items() if k != "verbs"}
 
 
-def test_launch_help_documents_every_argument() -> None:
-    result = subprocess.run([sys.executable, "-m", "harness.cli", "launch", "--help"], capture_output=True, text=True,
+@pytest.mark.parametrize("verb", ["launch", "render"])
+def test_launch_and_render_help_document_every_argument(verb: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "harness.cli", verb, "--help"], capture_output=True, text=True,
                             timeout=60)
     options = re.findall(r"^  (-[-\w]+|JOB\|SCRIPT)", result.stdout, re.M)
-    assert {"JOB|SCRIPT", "-m", "--nnodes", "--nproc-per-node", "--master-port", "--save-job", "--hosts"} <= \
-        set(options), result.stdout
+    assert {"JOB|SCRIPT", "-m", "--nnodes", "--nproc-per-node", "--master-port", "--save-job", "--hosts", "--stall",
+            "--slow"} <= set(options), result.stdout
+    assert "these win over its health: keys" in result.stdout, result.stdout
     undocumented = re.findall(r"^  (\S+(?: \S+)?)\n(?!  {10,})", result.stdout, re.M)
     assert undocumented == [], undocumented
 
