@@ -9,6 +9,7 @@ H100_GOAL = 60_000  # ResNet-18-CIFAR bf16 images/s on one H100
 FAILURE_GOAL = 5.0  # seconds from a node's death to the last process of the job gone
 LINEAR_GOAL = 0.25  # preflight over the most hosts: t(k) / (k * t(1)) at most this
 HANG_MARGIN = 15.0  # a hang found within health.stall + this many seconds (issue 28)
+STREAM_GOAL = 1.2  # a chatty job's stream against torchrun --tee 3 (issue 38)
 WATCH_GOAL = 0.99  # the payload's img/s with the health watch on / off, at least this
 
 
@@ -53,6 +54,10 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
         found.append({"goal": f"every process of the job gone < {FAILURE_GOAL:g} s after a node dies",
                       "value": f"{gone} s" if gone is not None else "processes left",
                       "met": gone is not None and gone < FAILURE_GOAL})
+    st = b.get("stream")
+    if _ok(st):
+        found.append({"goal": f"a chatty job's stream (terminal and record) within {STREAM_GOAL:g}x torchrun --tee 3",
+                      "value": f"{st['ratio']:.3f}x", "met": st["ratio"] <= STREAM_GOAL})
     hg = b.get("hangs")
     if _ok(hg):
         worst = max((r["detected_s"]["max"] for r in hg["rows"] if r["detected_s"]["max"] is not None), default=None)
@@ -381,6 +386,12 @@ def _watch_cost(w: dict[str, Any]) -> list[str]:
             f"{w['sampling_cpu_share']:.3%} of one core per node.", ""]
 
 
+def _stream(s: dict[str, Any]) -> list[str]:
+    return [f"{s['job']}; median of {s['repeats']}, alternating. Harness / torchrun: {s['ratio']:.3f}.", "",
+            *_table(["launcher", "end to end (s)", "attempts (s)"],
+                    [[r["name"], r["seconds"], ", ".join(str(a) for a in r["attempts_s"])] for r in s["rows"]]), ""]
+
+
 SECTIONS = (
     ("throughput", "1. Payload throughput vs the seed recipe", _throughput),
     ("tuning", "1b. Batch size and compile mode on the GPU", _tuning),
@@ -394,6 +405,7 @@ SECTIONS = (
     ("containers", "8. Containers: a node's start-up in the image vs on the bare host", _containers),
     ("hangs", "9. Hangs: detection time and culprit, against torchrun alone", _hangs),
     ("watch_cost", "10. The health watch's cost: img/s and time to first step", _watch_cost),
+    ("stream", "11. The stream: a chatty job's lines, against torchrun --tee", _stream),
 )
 
 

@@ -25,7 +25,7 @@ from bench import machine, procs, report
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
 NAMES = ("throughput", "tuning", "ddp", "strategies", "first_step", "preflight", "failure", "recovery", "slurm",
-         "containers", "hangs", "watch_cost")
+         "containers", "hangs", "watch_cost", "stream")
 HEALTH = ("hangs", "watch_cost")
 # What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed);
 # health is the health watch's alone (benchmarks 9 and 10: 60 hung launches, ~21 min on 2 cores).
@@ -80,16 +80,30 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
         "hangs": {"faults": faults, "stall": 5, "steps": [5, 15], "seed": 28, "torchrun_repeats": 1,
                   "torchrun_timeout": 30, "torchrun_wait": 15},
         "watch_cost": {"repeats": 4, "model": "small", "batch_size": 32, "steps": 300, "warmup": 20},
+        "stream": {"lines": 1_000_000, "repeats": 1 if quick else 3},
     }
 
 
 def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-    from bench import containers, ddp, health, launch, preflight, recovery, slurm, strategies, throughput, tuning
+    from bench import (
+        containers,
+        ddp,
+        health,
+        launch,
+        preflight,
+        recovery,
+        slurm,
+        strategies,
+        stream,
+        throughput,
+        tuning,
+    )
 
     return {"throughput": throughput.run, "tuning": tuning.run, "ddp": ddp.run, "strategies": strategies.run,
             "first_step": launch.time_to_first_step, "preflight": preflight.run,
             "failure": launch.failure_propagation, "recovery": recovery.run, "slurm": slurm.run,
-            "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost}
+            "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost,
+            "stream": stream.run}
 
 
 def resolve_device(device: str) -> str:

@@ -10,13 +10,11 @@ from dataclasses import dataclass, field
 
 from harness.plan.planner import Node
 from harness.run import worker_output
-from harness.run.cascade import Cascade
+from harness.run.cascade import TRACEBACK, Cascade
 from harness.targets.base import Outcome
 
 TAIL_LINES = 20
 TAIL_KEPT = 500
-# A block whose every line is a rank's plain line (one rank prefix, not a traceback's start): the fast path.
-NEEDS_A_LOOK = re.compile(r"^(?!\[rank\d+\]: (?!\[|Traceback \(most))(?=.)", re.MULTILINE)
 LAST_LINES_LOOKED_AT = 64  # per block, from its end: each rank's last line and step
 STEPS_KEPT = 30
 
@@ -101,12 +99,13 @@ class LiveNode:
         """A block of whole lines that arrived at `at`: what is logged, streamed and shown of it (take()'s
         rules line by line, and the cascade's), each rank's last line and step noted. A block of plain rank
         lines, while nothing is held or being read, passes whole."""
+        count = text.count("\n")
         if not (self.in_agent_cpp_log or self.torchrun_reporting or self.held_all or not self.cascade.idle) and \
-                NEEDS_A_LOOK.search(text) is None:
-            lines = text.splitlines()
-            self.tail.extend(lines[-TAIL_KEPT:])
-            self._note(lines, at, progress)
-            return Block(text, text, text, len(lines))
+                _plain(text, count):
+            last = text[:-1].rsplit("\n", TAIL_KEPT)[-TAIL_KEPT:]  # from the end: no str for each line of a big block
+            self.tail.extend(last)
+            self._note(last, at, progress)
+            return Block(text, text, text, count)
         logged: list[str] = []
         streamed: list[str] = []
         shown: list[str] = []
@@ -133,11 +132,16 @@ class LiveNode:
 
     def _note(self, lines: list[str], at: float, progress: re.Pattern[str] | None) -> None:
         """Each rank's last line and, where progress finds one, its last step, from the block's last lines."""
+        looked_at = lines[-LAST_LINES_LOOKED_AT:]
+        if progress is not None and progress.search("\n".join(looked_at)) is None:
+            progress = None  # one scan says no line here has a step
         seen: set[int] = set()
         stepped: set[int] = set()
-        for line in reversed(lines[-LAST_LINES_LOOKED_AT:]):
+        for line in reversed(looked_at):
+            if progress is None and len(seen) == len(self.node.ranks):
+                break
             rank = worker_output.rank_of(line)
-            if rank is None or rank in stepped:
+            if rank is None or rank in stepped or (rank in seen and progress is None):
                 continue
             activity = self.activity.get(rank)
             if rank not in seen:
@@ -156,6 +160,14 @@ class LiveNode:
         """The failing rank's own last lines say why; the node's tail is the fallback."""
         own = [line for line in self.tail if rank is not None and line.startswith(f"[rank{rank}]:")]
         return (own or list(self.tail))[-count:]
+
+
+def _plain(text: str, count: int) -> bool:
+    """Whether every line of text is a rank's plain line -- one rank prefix, no C++ log line of torch's, no
+    traceback's start -- by a few scans of the whole text, not a look at each line (lines that merely look
+    otherwise go the slow way, and come out the same)."""
+    return text.startswith("[rank") and text.count("\n[rank") == count - 1 and "]: [" not in text and \
+        "]:[" not in text and TRACEBACK not in text
 
 
 def _text(lines: list[str]) -> str:

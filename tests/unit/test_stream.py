@@ -16,7 +16,7 @@ import pytest
 
 from harness.node.protocol import Kind, message_line
 from harness.plan.planner import Node
-from harness.run.live import LiveNode
+from harness.run.live import TAIL_KEPT, LiveNode
 from harness.run.logs import Selection, duration, print_logs
 from harness.run.rundir import RunDir
 from harness.run.stream_record import STAMP_WIDTH, StreamRecord, stamp
@@ -49,6 +49,15 @@ def test_a_block_of_plain_rank_lines_passes_whole_and_notes_each_ranks_last_line
     assert (node.activity[0].line, node.activity[0].at, list(node.activity[0].steps)) == (lines[-2], 100.0, [(100.0, 8)])
     assert (node.activity[1].line, list(node.activity[1].steps)) == ("[rank1]: saving", [(100.0, 7)])
     assert list(node.tail) == lines
+
+
+def test_a_big_block_keeps_its_last_lines_in_the_tail():
+    node = live()
+    lines = [f"[rank0]: line {i}" for i in range(TAIL_KEPT * 3)]
+    assert node.take_block(text(lines), at=1.0).shown_lines == TAIL_KEPT * 3
+    assert list(node.tail) == lines[-TAIL_KEPT:]
+    node.take_block(text(lines[:2]), at=2.0)
+    assert list(node.tail) == lines[-TAIL_KEPT + 2:] + lines[:2]
 
 
 def test_block_by_block_and_line_by_line_say_the_same():
