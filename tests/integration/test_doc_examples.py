@@ -57,6 +57,8 @@ RUN: dict[str, Expect] = {
     "harness stacks smoke-20261121-101500-3fa2c1": Expect(),
     "harness stop smoke-20261121-101500-3fa2c1": Expect(),
     "harness report smoke-20261121-101500-3fa2c1": Expect(),
+    "harness top latest --once": Expect(),
+    "harness logs smoke-2026 --rank 0 --grep step": Expect(),
     # docs/health.md
     "harness launch stuck.yaml": Expect(status=1, output=True),  # the hang, found and explained
     "harness launch stuck.yaml --detach": Expect(),
@@ -68,6 +70,8 @@ RUN: dict[str, Expect] = {
     "harness status smoke-20261121-101500-3fa2c1": Expect(),
     "harness launch jobs/smoke.yaml": Expect(),
     "harness report smoke-20261121-101500-3fa2c1 -o smoke.html": Expect(),
+    "harness logs latest --rank 1 --grep 'loss|Error'": Expect(),
+    "harness logs smoke-2026 --since 5m --follow": Expect(),
     # docs/inventory.md, docs/ssh.md
     "cp hosts.example.yaml hosts.yaml": Expect(),
     # docs/slurm.md
@@ -294,7 +298,7 @@ def test_the_example_runs_as_printed(block: Block, tmp_path: Path) -> None:
     (work / ".venv").symlink_to(sys.prefix)
     for name, text in files_of(block.page).items():
         (work / name).write_text(text)
-    env = environment()
+    env = environment() | {"XDG_STATE_HOME": str(tmp_path / "state")}  # its own index of runs: `latest` is its own
     ids: dict[str, str] = {}  # job name -> the run id of its latest run here
     try:
         for command in block.commands:
