@@ -15,6 +15,7 @@ from harness.run.records import Attempt, RunState, RunStatus
 from harness.run.recovery import attempt_failures, attempt_kind
 from harness.run.results import failure_of, recorded_node, stopped_status
 from harness.run.rundir import RunDir
+from harness.run.stream_record import stamp, stamped
 from harness.run.terminal import Terminal
 from harness.targets.base import JobStatus, Scheduler
 
@@ -121,10 +122,15 @@ class Follower:
     def _pump(self, final: bool = False) -> None:
         """Print every node's new lines with its prefix, and the scheduler's own (srun, harness)."""
         for record, tail in zip(self.current.nodes, self.current.tails, strict=True):
+            shown = []
             for raw in tail.rest() if final else tail.lines():
                 line, show = record.take(raw)
                 if show:
-                    self._print(f"[{record.node.label}] {line}")
+                    shown.append(f"[{record.node.label}] {line}\n")
+                    self._print(shown[-1][:-1])
+            if shown and self.out.record is not None:  # the run's timed record, as a supervised run's
+                with self.out.record.open_node(self.current.number, record.node.node_rank) as timed:
+                    timed.write(stamped("".join(shown), f"{stamp(time.time())} "))
         for line in self.own.rest() if final else self.own.lines():
             self.current.own_lines.append(line)
             self._print(f"[{self.scheduler.name}] {line}")

@@ -112,6 +112,9 @@ def test_launch_submits_follows_and_streams_every_node(slurm_cluster, write_yaml
     assert summary["status"] == "succeeded" and [n["exit_code"] for n in summary["nodes"]] == [0, 0]
     status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir))
     assert f"(slurm job {job_id}" in status.stdout.lower(), status.stdout
+    logs = harness("logs", run.run_id, "--rank", "1", "--runs-dir", str(run.runs_dir)).stdout.splitlines()
+    assert logs and all(line.startswith("[node1] [rank1]: ") for line in logs), logs
+    assert "[node1] [rank1]: rank 1 final loss" in "\n".join(logs) and len(logs) == run.output.count("[rank1]: ")
     slurm_cluster.assert_no_job_processes()
 
 
