@@ -58,6 +58,8 @@ RUN: dict[str, Expect] = {
     "harness stop smoke-20261121-101500-3fa2c1": Expect(),
     "harness report smoke-20261121-101500-3fa2c1": Expect(),
     "harness top latest --once": Expect(),
+    # docs/kubernetes.md
+    ".venv/bin/kubernetes-validate --strict k8s/*.yaml": Expect(),
     "harness logs smoke-2026 --rank 0 --grep step": Expect(),
     # docs/health.md
     "harness launch stuck.yaml": Expect(status=1, output=True),  # the hang, found and explained
