@@ -1,6 +1,7 @@
-"""One node of an attempt while it runs, as the controller sees it (LiveNode): its lines, which ranks
-joined, how and when it ended. run/results.py turns it into the run record's RecordedNode and Failure
-once the attempt is over; run/recovery.py classifies its failure."""
+"""One node of an attempt while it runs, as the controller sees it (LiveNode): its lines, taken a block
+at a time, which ranks joined, each rank's last line and step, how and when it ended. run/results.py
+turns it into the run record's RecordedNode and Failure once the attempt is over; run/recovery.py
+classifies its failure."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from harness.run import worker_output
 from harness.run.cascade import TRACEBACK, Cascade
 from harness.targets.base import Outcome
 
-TAIL_LINES = 20
-TAIL_KEPT = 500
+TAIL_LINES = 20  # of the failing rank's, in the report
+TAIL_KEPT = 500  # of the node's last lines, kept for the report and the root cause
 LAST_LINES_LOOKED_AT = 64  # per block, from its end: each rank's last line and step
 STEPS_KEPT = 30
 
@@ -37,6 +38,8 @@ class RankActivity:
     line: str
     at: float
     steps: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+
+
 # torchrun's ChildFailedError report names the root-cause rank; use it when present.
 ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)")
 ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
