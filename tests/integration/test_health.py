@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -128,6 +129,25 @@ def test_harness_stacks_shows_every_rank_of_a_running_job_grouped(write_yaml, la
     assert set(kept) == {"0", "1", "2", "3"}
 
 
+def top_in_a_terminal(run_id: str, runs: Path) -> str:
+    """`harness top` in a terminal (a pty) until it has drawn twice, then q: what it drew. It must quit."""
+    main, terminal = os.openpty()
+    top = subprocess.Popen([sys.executable, "-m", "harness.cli", "top", run_id, "--runs-dir", str(runs)],
+                           stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True)
+    os.close(terminal)
+    drawn, deadline = b"", time.monotonic() + 60
+    try:
+        while drawn.count(b"\x1b[2J") < 2 and time.monotonic() < deadline:
+            if select.select([main], [], [], 1)[0]:
+                drawn += os.read(main, 65536)
+        os.write(main, b"q")
+        assert top.wait(timeout=30) == 0
+    finally:
+        top.kill()
+        os.close(main)
+    return drawn.decode(errors="replace")
+
+
 @contextmanager
 def cpu_throttled(pid: int, share: float) -> Iterator[None]:
     """pid (every thread) held to `share` of one CPU by the kernel's CFS bandwidth control, as a throttled
@@ -181,6 +201,8 @@ def test_a_throttled_rank_is_named_slow_within_a_minute(write_yaml, launch, tmp_
         assert all(row[3] == row[6] and float(row[4]) > 0 for row in rows), status.stdout
         shown = harness("top", run.run_id, "--once", "--runs-dir", str(tmp_path / "runs"))
         assert status.stdout.splitlines()[0] in shown.stdout and "[node1] [rank1]: step" in shown.stdout, shown.stdout
+        screens = top_in_a_terminal(run.run_id, tmp_path / "runs")
+        assert screens.count("\x1b[2J") >= 2 and "RANK NODE" in screens, screens  # redrawn until q
     follow = subprocess.Popen([sys.executable, "-m", "harness.cli", "logs", run.run_id, "--follow", "--rank", "1",
                                "--runs-dir", str(tmp_path / "runs")], stdout=subprocess.PIPE, text=True)
     try:
