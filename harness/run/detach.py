@@ -37,6 +37,6 @@ def start_detached(argv: Sequence[str], run: RunDir, timeout: float = DETACH_STA
             prune_index(index_dir())
         return code
     print(f"run {run.run_id} started in the background (controller pid {controller.pid})\n"
-          f"  follow: tail -f {run.controller_log}\n  status: harness status {run.run_id}\n"
+          f"  follow: harness logs {run.run_id} --follow\n  status: harness status {run.run_id}\n"
           f"  stop:   harness stop {run.run_id}")
     return 0
