@@ -34,7 +34,7 @@ AFTER_A_PEER = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|remote process exited|"
     r"NCCL communicator was aborted|[Ww]atchdog caught collective operation timeout|DistNetworkError|"
     r"DistBackendError|recvBytes|sendBytes|failed to recv|Failed to recv|The client socket has failed|"
-    r"Socket Timeout"
+    r"Socket Timeout|Application timeout caused pair closure|Socket closed"
 )
 FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
 # Where the standard library and installed packages live: not the user's code.

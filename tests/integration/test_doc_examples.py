@@ -60,7 +60,7 @@ RUN: dict[str, Expect] = {
     "harness top latest --once": Expect(),
     # docs/kubernetes.md
     ".venv/bin/kubernetes-validate --strict k8s/*.yaml": Expect(),
-    "harness logs smoke-2026 --rank 0 --grep step": Expect(),
+    "harness logs smoke-20261121-101500-3fa2c1 --rank 0": Expect(),
     # docs/health.md
     "harness launch stuck.yaml": Expect(status=1, output=True),  # the hang, found and explained
     "harness launch stuck.yaml --detach": Expect(),
@@ -73,7 +73,7 @@ RUN: dict[str, Expect] = {
     "harness launch jobs/smoke.yaml": Expect(),
     "harness report smoke-20261121-101500-3fa2c1 -o smoke.html": Expect(),
     "harness logs latest --rank 1 --grep 'loss|Error'": Expect(),
-    "harness logs smoke-2026 --since 5m --follow": Expect(),
+    "harness logs smoke --since 5m --follow": Expect(),
     # docs/inventory.md, docs/ssh.md
     "cp hosts.example.yaml hosts.yaml": Expect(),
     # docs/slurm.md
