@@ -247,7 +247,8 @@ def parser() -> argparse.ArgumentParser:
     stacks.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the nodes' answer")
     stacks.set_defaults(func=commands.stacks)
 
-    status = verbs.add_parser("status", parents=[runs_dir], help="list runs, or show one run's nodes")
+    status = verbs.add_parser("status", parents=[runs_dir],
+                              help="list runs, or show one run: its nodes, and every rank while it runs")
     status.add_argument("run_id", nargs="?", metavar="RUN_ID",
                         help=f"one run to show node by node: {RUN_HELP} (default: list the runs)")
     status.set_defaults(func=commands.status)
