@@ -72,8 +72,7 @@ RUN: dict[str, Expect] = {
     "harness status smoke-20261121-101500-3fa2c1": Expect(),
     "harness launch jobs/smoke.yaml": Expect(),
     "harness report smoke-20261121-101500-3fa2c1 -o smoke.html": Expect(),
-    "harness logs latest --rank 1 --grep 'loss|Error'": Expect(),
-    "harness logs smoke --since 5m --follow": Expect(),
+    "harness logs smoke --rank 1 --since 5m --follow": Expect(),
     # docs/inventory.md, docs/ssh.md
     "cp hosts.example.yaml hosts.yaml": Expect(),
     # docs/slurm.md
