@@ -89,13 +89,20 @@ def job_of(args: argparse.Namespace) -> Job:
     return Job(spec, text, command)
 
 
+def write_file(path: Path, text: str, what: str = "", make_folder: bool = False) -> None:
+    """A file a verb writes for the user, whole or not at all; what: the flag it came from, for the error."""
+    try:
+        if make_folder:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text)
+    except OSError as exc:
+        raise HarnessError(f"{what}cannot write {path}: {exc.strerror}") from None
+
+
 def _save_job(path: Path, text: str) -> None:
     if path.exists():
         raise UsageError(f"--save-job {path}: the file exists; remove it or name another (it is never overwritten)")
-    try:
-        write_text_atomic(path, text)
-    except OSError as exc:
-        raise HarnessError(f"--save-job {path}: cannot write: {exc.strerror}") from None
+    write_file(path, text, "--save-job: ")
     print(f"wrote {path}; launch it again with: harness launch {path}", file=sys.stderr)
 
 
@@ -154,11 +161,7 @@ def _write_manifests(args: argparse.Namespace, job: Job) -> None:
     out = Path(args.out) / f"{spec.name}.yaml"
     if out.parent.exists() and not out.parent.is_dir():
         raise UsageError(f"--out {args.out} is a file; give the directory to write {out.name} into")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out, text)
-    except OSError as exc:
-        raise HarnessError(f"cannot write {out}: {exc.strerror}") from None
+    write_file(out, text, make_folder=True)
     # Client-side apply copies each object into an annotation, which may hold 256 KiB: too little for code.
     apply = "kubectl apply --server-side" if code else "kubectl apply"
     print(f"wrote {out}; apply with: {apply} -f {os.path.join(args.out, '')}")
@@ -240,6 +243,8 @@ def logs(args: argparse.Namespace) -> int:
     selection = Selection(args.rank, args.node, args.attempt, args.grep,
                           None if args.since is None else since_stamp(args.since), args.timestamps)
     return print_logs(find_run(args.runs_dir, args.run_id), selection, sys.stdout, follow=args.follow)
+
+
 def report(args: argparse.Namespace) -> int:
     """The run's HTML page, written whole (atomically) to report.html in its directory or -o FILE, or to
     stdout with -o -; prints the path written."""
@@ -253,10 +258,7 @@ def report(args: argparse.Namespace) -> int:
     out = run.html_report if args.output is None else Path(args.output)
     if out.is_dir():
         raise UsageError(f"-o {out} is a directory; name the file to write (e.g. {out / 'report.html'})")
-    try:
-        write_text_atomic(out, page)
-    except OSError as exc:
-        raise HarnessError(f"cannot write {out}: {exc.strerror}") from None
+    write_file(out, page)
     print(out)
     return 0
 

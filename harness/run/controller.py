@@ -58,7 +58,7 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
         began = time.time()
         course.prepare(source, runs_root, run_id)
         run = create_run_dir(runs_root, run_id)
-        course.record = terminal.record = StreamRecord(run.stream)
+        terminal.record = StreamRecord(run.stream)
         terminal.logs_command = f"harness logs {run_id}"
         write_text_atomic(run.spec_copy, spec_text)
         write_entrypoint_record(run.path, spec, target.name)
@@ -85,7 +85,6 @@ class _Course:
     """How one kind of target runs: what launch needs before the run directory exists, then the run."""
 
     state: RunState
-    record: StreamRecord | None = None
     nnodes: int
     world_size: int
     hosts: list[str]
@@ -133,7 +132,7 @@ class _Supervised(_Course):
             run.write_state(self.state)
             if plan.nnodes < spec.nnodes:
                 out.say(_fewer_nodes(spec, plan, down))
-            attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out, self.record))
+            attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out))
             if attempts[-1].status is not RunStatus.FAILED or stop.is_set():
                 break
             reason = no_restart_reason(spec.restarts, attempts)
@@ -230,7 +229,7 @@ def _fewer_nodes(spec: JobSpec, plan: Plan, down: set[str]) -> str:
 
 
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
-             before: list[Attempt], out: Terminal, record: StreamRecord | None) -> Attempt:
+             before: list[Attempt], out: Terminal) -> Attempt:
     """Start every node of plan (spec on the plan's nodes, which may be fewer than the job's), supervise
     them to their end, and say how this attempt went."""
     watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes)
@@ -238,7 +237,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
                      quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys(),
                      health=HealthWatch(spec.health.stall, spec.health.slow) if spec.health.watched else None, run=run,
-                     attempt=plan.attempt, record=record, progress=spec.health.progress_pattern)
+                     attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern)
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     hosts = ", ".join(n.host for n in plan.nodes)
     sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "

@@ -18,7 +18,15 @@ from html import escape
 from harness.run.records import Attempt, Failure, RecordedNode, RunState, RunStatus, RunSummary
 from harness.run.report import describe_failure
 from harness.run.rundir import RunDir
-from harness.run.status import health_lines, live_status, node_failures, node_log, recorded_end, unrecorded_end
+from harness.run.status import (
+    health_lines,
+    live_status,
+    node_failures,
+    node_log,
+    read_health,
+    recorded_end,
+    unrecorded_end,
+)
 from harness.run.svg_chart import Dot, Mark, Row, Segments, Span, TimeAxis, legend, line_chart, rows_chart
 from harness.run.timeline import RankPoint, Sample, read_timeline
 
@@ -116,7 +124,7 @@ def _header(r: _Run) -> str:
 def _attempts(r: _Run) -> str:
     head = "<section><h2>Timeline</h2>"
     if r.summary is None:
-        health = "".join(f"<li>{escape(line)}</li>" for line in health_lines(r.run, r.state))
+        health = "".join(f"<li>{escape(line)}</li>" for line in health_lines(read_health(r.run, r.state)))
         return (head + f"<p>Attempt {r.state.attempt} runs on {escape(', '.join(r.state.hosts))}.</p>"
                 + (f"<p>The health watch says:</p><ul>{health}</ul>" if health else "") + "</section>")
     attempts = r.summary.attempts

@@ -15,6 +15,7 @@ from typing import IO
 from harness.errors import HarnessError, UsageError
 from harness.run.records import RunStatus
 from harness.run.rundir import RunDir
+from harness.run.status import live_status
 from harness.run.stream_record import HARNESS_FILE, STAMP_WIDTH, stamp
 
 FOLLOW_POLL_SECONDS = 0.25
@@ -91,8 +92,6 @@ def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = F
 
 
 def _ended(run: RunDir) -> bool:
-    from harness.run.status import live_status
-
     return live_status(run.read_state()) is not RunStatus.RUNNING
 
 

@@ -77,7 +77,7 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
                   f"{run.log_file(rank, state.attempt)}" for rank, host in enumerate(state.hosts)]
         if status is RunStatus.RUNNING and (health := read_health(run, state)) is not None:
             lines += rank_rows(health, time.time(), width)
-            lines += [f"  {line}" for line in health_lines(run, state)]
+            lines += [f"  {line}" for line in health_lines(health)]
         return "\n".join(lines) + "\n"
     if len(summary.attempts) > 1:
         lines += [_attempt_line(attempt, len(summary.world_sizes) > 1) for attempt in summary.attempts]
@@ -121,9 +121,9 @@ def node_log(run: RunDir, node: RecordedNode) -> Path:
     return run.path / Path(node.log).name
 
 
-def health_lines(run: RunDir, state: RunState) -> list[str]:
-    """What the controller's health watch says of the running attempt: slow ranks, a hang being stopped."""
-    health = read_health(run, state)
+def health_lines(health: dict[str, Any] | None) -> list[str]:
+    """What the controller's health watch says of the running attempt (read_health): slow ranks, a hang
+    being stopped."""
     if health is None:
         return []
     lines = [f"slow: rank {rank}: its peers wait for it {waited:g}% of the time"

@@ -14,10 +14,11 @@ import tty
 from collections.abc import Callable, Iterator
 from typing import IO
 
+from harness.run.logs import Selection
 from harness.run.records import RunStatus
 from harness.run.rundir import RunDir
 from harness.run.status import live_status, run_details
-from harness.run.stream_record import HARNESS_FILE, STAMP_WIDTH
+from harness.run.stream_record import STAMP_WIDTH
 
 TAIL_BYTES = 1 << 16  # read from the end of each file of the record, for the stream's last lines
 CLEAR = "\x1b[H\x1b[2J"
@@ -33,7 +34,7 @@ def frame(run: RunDir, width: int, height: int) -> str:
 
 def stream_tail(run: RunDir, count: int) -> list[str]:
     """The last count lines of the run's record, in time order, read from the end of each file."""
-    files = [*sorted(run.stream.glob("attempt*/node*.log")), run.stream / HARNESS_FILE]
+    files = Selection().files(run.stream)
     return list(heapq.merge(*(_last_lines(path, count) for path in files)))[-count:]
 
 
