@@ -77,9 +77,11 @@ def node_failure(live: LiveNode, stopping_since: float | None) -> NodeFailure | 
     if outcome.error is not None:
         return NodeFailure(live, rank, code, FailureKind.INFRA, outcome.error, host_down=True)
     stopped = stopping_since is not None and (live.ended or stopping_since) >= stopping_since
-    if stopped and rank is None:
+    if stopped and (rank is None or code == -signal.SIGTERM):
         # torchrun reports a root cause only for a worker that failed by itself; on the supervisor's
-        # TERM it ends with a SignalException instead, and on KILL with nothing at all.
+        # TERM it ends with a SignalException instead, and on KILL with nothing at all. The TERM reaches
+        # the node's whole process group: a torchrun that sees its worker end by it first names that
+        # worker, whose end was still the stop's.
         return None
     if rank is None and any(line.startswith(SETUP_FAILED) for line in live.last_lines(None)[-2:]):
         return NodeFailure(live, None, None, FailureKind.PROGRAM, f"the job's setup failed, {outcome.describe()}; "

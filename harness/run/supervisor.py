@@ -27,6 +27,9 @@ from harness.run.watch import Watch
 from harness.targets.base import NodeProcess, Outcome
 
 MESSAGE_POLL_SECONDS = 0.05  # how soon a listener sees that its node ended and nothing is left to hear
+# How long the end of an attempt waits for its nodes' last output: their failure is judged from it (torchrun's
+# report comes last), and a loaded machine can keep a reader thread seconds behind its node.
+DRAIN_SECONDS = 10.0
 
 
 class Supervisor:
@@ -136,8 +139,9 @@ class Supervisor:
         """Every node has ended: sweep stragglers (orphaned workers), drain output threads, and say what
         was held back from the terminal."""
         self.stopper.sweep()
+        deadline = time.monotonic() + DRAIN_SECONDS
         for thread in self._threads:
-            thread.join(timeout=2)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         held = sum(live.cascade.held for live in self.nodes)
         if held:
             ranks = sorted(set().union(*(live.cascade.held_from for live in self.nodes)))

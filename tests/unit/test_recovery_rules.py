@@ -105,8 +105,12 @@ def test_nodes_the_supervisor_stopped_are_not_failures():
     stopped = record(0, Outcome(1), ended=1.5, lines=[
         "torch.distributed.elastic.multiprocessing.api.SignalException: Process 5960 got signal: 15"])
     killed = record(2, Outcome(None, signal=signal.SIGKILL), ended=4.0)
-    failures = attempt_failures([stopped, cause, killed], stopping_since=1.0)
+    # The stop's TERM reaches the whole process group; torchrun saw its worker end by it before its own.
+    termed = record(3, Outcome(1), ended=1.4, lines=[GLOO_PEER.replace("rank0", "rank3")], rank=3,
+                    code=-signal.SIGTERM)
+    failures = attempt_failures([stopped, cause, killed, termed], stopping_since=1.0)
     assert [f.live.node.node_rank for f in failures] == [1]
+    assert attempt_kind(failures) is FailureKind.PROGRAM
 
 
 def test_a_signal_before_the_stop_and_a_rendezvous_timeout_are_infra():
