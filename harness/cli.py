@@ -302,6 +302,11 @@ def parser() -> argparse.ArgumentParser:
     prepare = verbs.add_parser("prepare", add_help=False, help="download and verify CIFAR-10 once, before training "
                                "(harness prepare --data-dir DIR; --help for options)")
     prepare.set_defaults(func=commands.prepare)
+
+    # Not for users (no help: not listed): what the batch script of `harness launch --target slurm` runs.
+    batch_step = verbs.add_parser("batch-step")
+    batch_step.add_argument("run_dir", metavar="RUN_DIR")
+    batch_step.set_defaults(func=commands.batch_step)
     return top
 
 

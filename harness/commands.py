@@ -137,8 +137,9 @@ def render(args: argparse.Namespace) -> int:
     return 0
 
 
-# Who restarts a scheduler's job, and on what: it never goes on with fewer nodes.
-SCHEDULER_RESTARTS = {"slurm": "Slurm requeues the job on nnodes nodes it allocates afresh",
+# Who restarts a rendered job, and on what: it never goes on with fewer nodes.
+SCHEDULER_RESTARTS = {"slurm": "this script's job Slurm requeues on nnodes nodes it allocates afresh (`harness "
+                               "launch --target slurm` goes on with fewer)",
                       "k8s": "Kubernetes (--flavor jobset) recreates all nnodes pods"}
 
 
@@ -146,7 +147,8 @@ def _note_fixed_size(spec: JobSpec, target: str, verb: str) -> None:
     """restarts.min_nnodes is for the nodes the harness supervises; say so where a scheduler restarts."""
     if spec.fewest_nnodes < spec.nnodes:
         print(f"harness {verb}: restarts.min_nnodes ({spec.fewest_nnodes}) is for nodes the harness starts itself "
-              f"(simulated, --hosts, srun inside an allocation); {SCHEDULER_RESTARTS[target]}", file=sys.stderr)
+              f"(simulated, --hosts, Slurm's nodes under `harness launch`); {SCHEDULER_RESTARTS[target]}",
+              file=sys.stderr)
 
 
 def _write_manifests(args: argparse.Namespace, job: Job) -> None:
@@ -188,7 +190,8 @@ def launch(args: argparse.Namespace) -> int:
     root = runs_root(args.runs_dir)
     if args.target == "slurm" and args.hosts:
         raise UsageError("--hosts is for SSH hosts; with --target slurm, Slurm picks the nodes")
-    if args.detach:
+    target = _target(args, spec)
+    if args.detach and not isinstance(target, Scheduler):
         from harness.run.detach import start_detached
 
         run = run_dir(root, new_run_id(spec.name))
@@ -197,7 +200,7 @@ def launch(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "harness.cli", verb, f"--runs-dir={root}", f"--run-id={run.run_id}", *words]
         return start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
-    return controller.launch(_target(args, spec), spec, job.text, job.source, root, run_id)
+    return controller.launch(target, spec, job.text, job.source, root, run_id, detach=args.detach)
 
 
 def _target(args: argparse.Namespace, spec: JobSpec) -> Backend | Scheduler:
@@ -207,8 +210,31 @@ def _target(args: argparse.Namespace, spec: JobSpec) -> Backend | Scheduler:
 
     if in_allocation(os.environ):  # salloc, or a batch script: the nodes are ours, as srun steps
         return SrunBackend(Allocation.from_env(os.environ))
-    _note_fixed_size(spec, "slurm", "launch")
     return scheduler_for("slurm")
+
+
+def batch_step(args: argparse.Namespace) -> int:
+    """The controller in a Slurm batch job's batch step (targets/slurm/batch.controller_script): it
+    continues the run that `harness launch --target slurm` made, on the allocation's nodes as srun steps;
+    after a requeue, the job's next run continues the same run."""
+    from harness.run import controller
+    from harness.run.continued import Continued, earlier_attempts
+    from harness.run.rundir import RunDir
+    from harness.targets.slurm.client import SlurmClient
+    from harness.targets.slurm.job_file import read_job
+    from harness.targets.slurm.srun import Allocation, SrunBackend
+
+    run = RunDir(Path(args.run_dir).resolve())
+    spec = read_job(run.job_file)
+    run.time_limit_marker.unlink(missing_ok=True)  # an earlier allocation's
+    client, job_id = SlurmClient(), int(os.environ["SLURM_JOB_ID"])
+    before = earlier_attempts(run, requeued=int(os.environ.get("SLURM_RESTART_COUNT") or 0))
+    continued = Continued(run, before, lambda: TIME_LIMIT if run.time_limit_marker.exists() else None,
+                          lambda: client.requeue(job_id))
+    return controller.continue_run(SrunBackend(Allocation.from_env(os.environ, client)), spec, continued)
+
+
+TIME_LIMIT = "Slurm's time-limit warning came"
 
 
 def stop(args: argparse.Namespace) -> int:

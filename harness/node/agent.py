@@ -21,6 +21,8 @@ it obeys on the rest of its stdin, and the messages it says among the node's out
 - end of stdin, or SILENCE seconds without a word: the controller or its connection is gone (a
   host cut off by a dropped network stays silent instead of closing). TERM, GRACE seconds, then
   KILL: a lost controller never leaves a job running;
+- in an srun step, it and the node's command ignore SIGUSR1 (Slurm's time-limit warning, which the
+  training processes catch);
 - it says `health` every WATCH seconds (WATCH 0: never), `oom` before the exit when the kernel's OOM
   killer ended a rank (harness.node.oom), and `node-exit CODE` once the node has ended.
 
@@ -192,6 +194,10 @@ def say(kind: Kind, body: str) -> None:
 def main(argv: list[str]) -> None:
     run_id, node_rank, attempt, grace, silence, watch, command = argv[:7]
     cleanup = argv[7] if len(argv) > 7 else ""
+    if "SLURM_STEP_ID" in os.environ:
+        # Slurm's time-limit warning reaches every process of the step (scancel --signal=USR1): the training
+        # processes catch it and checkpoint; the agent and torchrun (which inherits this) must live on.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup)
     except OSError as exc:

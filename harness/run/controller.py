@@ -14,6 +14,7 @@ and the report.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from harness.node.proctable import start_ticks
 from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.plan.render import render_json, render_text
 from harness.run.atomic import write_text_atomic
+from harness.run.continued import Continued
 from harness.run.entrypoint_record import write_entrypoint_record
 from harness.run.follow import Follower
 from harness.run.health import HealthWatch
@@ -36,7 +38,7 @@ from harness.run.report import report
 from harness.run.results import failure_of, hang_failure, recorded_node, stopped_status, summary_error
 from harness.run.rundir import RunDir, run_dir
 from harness.run.stopping import stop_on_signals
-from harness.run.stream_record import StreamRecord
+from harness.run.stream_record import FOLLOWER_FILE, HARNESS_FILE, StreamRecord
 from harness.run.supervisor import Supervisor
 from harness.run.terminal import Terminal
 from harness.spec.job import JobSpec
@@ -46,39 +48,70 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: str, runs_root: Path, run_id: str,
-           out: IO[str] = sys.stdout) -> int:
+           out: IO[str] = sys.stdout, detach: bool = False) -> int:
     """Run the job on target to its end (restarting it as spec.restarts allows); the harness's exit
     status. Nothing exists yet when the first check fails. A backend is closed at the end. spec_text:
     the spec as its file holds it (kept as the run's spec.yaml); source: that file, or the command that
-    made the spec."""
+    made the spec. detach: a scheduler's job is submitted, not followed."""
     terminal = Terminal(out)
-    course: _Course = _Followed(target, spec, terminal) if isinstance(target, Scheduler) else \
+    course: _Course = _Followed(target, spec, terminal, detach) if isinstance(target, Scheduler) else \
         _Supervised(target, spec, terminal)
     try:
         began = time.time()
         course.prepare(source, runs_root, run_id)
         run = create_run_dir(runs_root, run_id)
-        terminal.record = StreamRecord(run.stream)
+        terminal.record = StreamRecord(run.stream, course.record_file)
         terminal.logs_command = f"harness logs {run_id}"
         write_text_atomic(run.spec_copy, spec_text)
         write_entrypoint_record(run.path, spec, target.name)
         course.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
                                 started_at=began, nnodes=course.nnodes, world_size=course.world_size,
-                                controller=ControllerId(os.getpid(), start_ticks(os.getpid())), hosts=course.hosts)
-        stop = threading.Event()
-        with stop_on_signals(stop):
-            try:
-                attempts, reason = course.run(run, stop)
-            except BaseException as exc:
-                run.write_state(replace(course.state, status=RunStatus.ERROR, error=str(exc), ended_at=time.time()))
-                course.failed()
-                raise
-        return _finish(run, course.state, attempts, stop, reason, terminal)
+                                controller=_this_controller(), hosts=course.hosts)
+        return _run(course, run, terminal)
     finally:
         course.close()
         terminal.close()
         if terminal.record is not None:
             terminal.record.close()
+
+
+def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[str] = sys.stdout) -> int:
+    """launch, for a run whose directory exists: its next attempt on backend, and on to the run's end,
+    unless the allocation's time is up first (then the job is requeued, and the run goes on there)."""
+    run = continued.run
+    terminal = Terminal(out)
+    course = _Supervised(backend, spec, terminal, continued)
+    try:
+        course.prepare(str(run.spec_copy), run.path.parent, run.run_id)
+        terminal.record = StreamRecord(run.stream)
+        terminal.logs_command = f"harness logs {run.run_id}"
+        course.state = replace(run.read_state(), status=RunStatus.RUNNING, controller=_this_controller(),
+                               nnodes=course.nnodes, world_size=course.world_size, hosts=course.hosts)
+        return _run(course, run, terminal)
+    finally:
+        course.close()
+        terminal.close()
+        if terminal.record is not None:
+            terminal.record.close()
+
+
+def _this_controller() -> ControllerId:
+    return ControllerId(os.getpid(), start_ticks(os.getpid()), socket.gethostname())
+
+
+def _run(course: _Course, run: RunDir, terminal: Terminal) -> int:
+    """The course's run under the signals that stop it, to its summary and exit status."""
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        try:
+            attempts, reason = course.run(run, stop)
+        except BaseException as exc:
+            run.write_state(replace(course.state, status=RunStatus.ERROR, error=str(exc), ended_at=time.time()))
+            course.failed()
+            raise
+    if course.ended_elsewhere():
+        return course.exit_code
+    return _finish(run, course.state, attempts, stop, reason, terminal)
 
 
 class _Course:
@@ -88,6 +121,12 @@ class _Course:
     nnodes: int
     world_size: int
     hosts: list[str]
+    record_file = HARNESS_FILE  # where the stream record keeps the harness's own words
+    exit_code = EXIT_OK
+
+    def ended_elsewhere(self) -> bool:
+        """The run's summary is not this controller's to write (another one wrote it or will): exit_code."""
+        return False
 
     def prepare(self, source: str, runs_root: Path, run_id: str) -> None:
         """Everything that can fail before anything exists: nnodes, world_size and hosts are known after."""
@@ -105,14 +144,17 @@ class _Course:
 
 
 class _Supervised(_Course):
-    """A Backend: every node started here and supervised, attempt after attempt."""
+    """A Backend: every node started here and supervised, attempt after attempt (after those of a
+    continued run)."""
 
-    def __init__(self, backend: Backend, spec: JobSpec, out: Terminal) -> None:
-        self.backend, self.spec, self.out = backend, spec, out
+    def __init__(self, backend: Backend, spec: JobSpec, out: Terminal, continued: Continued | None = None) -> None:
+        self.backend, self.spec, self.out, self.continued = backend, spec, out, continued
         self.down: set[str] = set()
+        self.requeued = False
 
     def prepare(self, source: str, runs_root: Path, run_id: str) -> None:
-        self.plan = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs, 0,
+        first = len(self.continued.before) if self.continued else 0
+        self.plan = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs, first,
                                 self.down, self.out)
         self.nnodes, self.world_size = self.plan.nnodes, self.plan.world_size
         self.hosts = [n.host for n in self.plan.nodes]
@@ -121,8 +163,10 @@ class _Supervised(_Course):
         """Attempt after attempt until one succeeds, the program fails (restarts.on: infra), the restarts
         or spares run out, or a stop is asked for (Ctrl-C, `harness stop`: no further attempt)."""
         backend, spec, out, plan, down = self.backend, self.spec, self.out, self.plan, self.down
-        attempts: list[Attempt] = []
-        reason: str | None = None
+        attempts: list[Attempt] = list(self.continued.before) if self.continued else []
+        reason = no_restart_reason(spec.restarts, attempts) if attempts else None
+        if reason is not None:
+            return attempts, reason  # the job's earlier runs used up every restart
         preflight_s = time.time() - self.state.started_at
         while True:
             write_text_atomic(run.plan_json(plan.attempt), render_json(plan))
@@ -133,6 +177,15 @@ class _Supervised(_Course):
             if plan.nnodes < spec.nnodes:
                 out.say(_fewer_nodes(spec, plan, down))
             attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out))
+            if self.continued is not None:
+                if (time_up := self.continued.time_up()) is not None:
+                    attempts[-1] = replace(attempts[-1], status=RunStatus.FAILED, ended_by=time_up,
+                                           kind=attempts[-1].kind or FailureKind.INFRA)
+                run.write_attempts(attempts)
+                if time_up is not None:
+                    stop.clear()  # the batch script's SIGTERM after the warning, not a stop asked for
+                    reason = self._requeue(time_up, attempts)
+                    break
             if attempts[-1].status is not RunStatus.FAILED or stop.is_set():
                 break
             reason = no_restart_reason(spec.restarts, attempts)
@@ -158,44 +211,75 @@ class _Supervised(_Course):
                 break
         return attempts, reason
 
+    def _requeue(self, time_up: str, attempts: list[Attempt]) -> str | None:
+        """The allocation ends: the job runs again on a new one when a restart is left (the reason why not,
+        else)."""
+        assert self.continued is not None
+        most = self.spec.restarts.max
+        if len(attempts) > most:
+            return f"{time_up}, and no restart is left (restarts.max: {most})"
+        self.out.say(f"{time_up}: requeueing the job (restart {len(attempts)} of {most}); the next attempt "
+                     f"resumes from the newest checkpoint")
+        self.continued.requeue()
+        self.requeued = True
+        return None
+
+    def ended_elsewhere(self) -> bool:
+        """Requeued: the run goes on in the job's next run, which writes the summary."""
+        return self.requeued
+
     def close(self) -> None:
         self.backend.close()
 
 
 class _Followed(_Course):
-    """A Scheduler: the job submitted once and followed; its requeues are the attempts."""
+    """A Scheduler: the job submitted, its controller in the allocation (the job's batch step) writing the
+    run's record; this one follows that record and the job's state to the end (run/follow.py), or only
+    submits the job (detach). It writes the summary only when the job ended without its controller's."""
 
-    def __init__(self, scheduler: Scheduler, spec: JobSpec, out: Terminal) -> None:
-        self.scheduler, self.spec, self.out = scheduler, spec, out
+    record_file = FOLLOWER_FILE
+
+    def __init__(self, scheduler: Scheduler, spec: JobSpec, out: Terminal, detach: bool) -> None:
+        self.scheduler, self.spec, self.out, self.detach = scheduler, spec, out, detach
         self.job_id: str | None = None
         self.follower: Follower | None = None
+        self.summary: RunSummary | None = None
 
     def prepare(self, source: str, runs_root: Path, run_id: str) -> None:
         self.submission = self.scheduler.prepare(self.spec, source, run_id, run_dir(runs_root, run_id).path)
         self.nnodes, self.world_size, self.hosts = self.submission.nnodes, self.submission.world_size, []
 
     def run(self, run: RunDir, stop: threading.Event) -> tuple[list[Attempt], str | None]:
-        path = run.path / self.submission.file_name
-        write_text_atomic(path, self.submission.text)
-        self.job_id = self.scheduler.submit(self.submission, path)
+        for name, text in self.submission.files.items():
+            write_text_atomic(run.path / name, text)
+        self.job_id = self.scheduler.submit(self.submission, run.path / self.submission.file_name)
         self.state = replace(self.state, scheduler_job=self.job_id)
         run.write_state(self.state)
         what = f"{self.scheduler.name.capitalize()} job {self.job_id}"
         nproc = self.world_size // self.nnodes
         self.out.say(f"run {run.run_id}: submitted {what} ({self.nnodes} node(s) x {nproc} process(es)); "
-                      f"logs in {run.path}/")
-        self.follower = Follower(self.scheduler, run, self.state, self.job_id, self.out)
-        try:
-            last = self.follower.follow(stop)
-        finally:
-            self.state = self.follower.state
-        return self.follower.attempts + ([last] if last is not None else []), self.follower.reason
+                     f"logs in {run.path}/")
+        if self.detach:
+            self.out.say(f"follow: harness logs {run.run_id} --follow; status: harness status {run.run_id}; stop: "
+                         f"harness stop {run.run_id}")
+            return [], None
+        self.follower = Follower(self.scheduler, run, self.job_id, self.out, self.record_file)
+        job = self.follower.follow(stop)
+        self.summary = run.read_summary()
+        if self.summary is not None:
+            self.exit_code = self.summary.exit_code
+            return self.summary.attempts, None
+        self.state = replace(run.read_state(), controller=self.state.controller)
+        return [], self.follower.ended_without_record(job)
+
+    def ended_elsewhere(self) -> bool:
+        return self.detach or self.summary is not None
 
     def failed(self) -> None:
         if self.job_id is not None and not (self.follower and self.follower.cancelled):
             what = f"{self.scheduler.name.capitalize()} job {self.job_id}"
             self.out.say(f"{what} is still in {self.scheduler.name.capitalize()}'s hands: `harness stop "
-                          f"{self.state.run_id}` cancels it")
+                         f"{self.state.run_id}` cancels it")
 
 
 def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, attempt: int, down: set[str],

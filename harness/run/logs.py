@@ -16,7 +16,7 @@ from harness.errors import HarnessError, UsageError
 from harness.run.records import RunStatus
 from harness.run.rundir import RunDir
 from harness.run.status import live_status
-from harness.run.stream_record import HARNESS_FILE, STAMP_WIDTH, stamp
+from harness.run.stream_record import STAMP_WIDTH, stamp
 
 FOLLOW_POLL_SECONDS = 0.25
 NODE_FILE = re.compile(r"^attempt(\d+)/node(\d+)\.log$")
@@ -48,13 +48,14 @@ class Selection:
 
     def files(self, folder: Path) -> list[Path]:
         """The record's files these lines can be in: the harness's own words only when no rank or node is asked for."""
-        chosen = [folder / HARNESS_FILE] if self.ranks is None and self.node is None else []
-        for path in sorted(folder.glob("attempt*/node*.log")):
-            match = NODE_FILE.match(path.relative_to(folder).as_posix())
-            if match and (self.attempt is None or int(match[1]) == self.attempt) and \
-                    (self.node is None or int(match[2]) == self.node):
-                chosen.append(path)
-        return chosen
+        return [path for path in record_files(folder) if self._may_hold(path.relative_to(folder).as_posix())]
+
+    def _may_hold(self, name: str) -> bool:
+        if "/" not in name:  # the harness's own words
+            return self.ranks is None and self.node is None
+        match = NODE_FILE.match(name)
+        return match is not None and (self.attempt is None or int(match[1]) == self.attempt) and \
+            (self.node is None or int(match[2]) == self.node)
 
     def keeps(self, line: str) -> bool:
         if self.since is not None and line[:STAMP_WIDTH] < self.since:
@@ -78,12 +79,12 @@ def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = F
     if selection.attempt is not None and not (folder / f"attempt{selection.attempt}").is_dir():
         raise UsageError(f"run {run.run_id} has no attempt {selection.attempt}; it has "
                          f"{', '.join(p.name for p in sorted(folder.glob('attempt*'))) or 'none yet'}")
-    readers = {path: _Reader(path) for path in selection.files(folder)}
+    readers = {path: RecordReader(path) for path in selection.files(folder)}
     _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
     while follow:
         ended = _ended(run)  # read before the last lines: what the run wrote before it ended is all there
         for path in selection.files(folder):
-            readers.setdefault(path, _Reader(path))
+            readers.setdefault(path, RecordReader(path))
         _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
         if ended:
             break
@@ -102,7 +103,13 @@ def _write(out: IO[str], selection: Selection, lines: Iterable[str]) -> None:
     out.flush()
 
 
-class _Reader:
+def record_files(folder: Path) -> list[Path]:
+    """Every file of a run's timed record: the harness's own words (the controller's, and a follower's on
+    the user's machine), then each attempt's node files."""
+    return sorted(folder.glob("*.log")) + sorted(folder.glob("attempt*/node*.log"))
+
+
+class RecordReader:
     """One file of the record, read on from where the last read stopped; a line still being written waits."""
 
     def __init__(self, path: Path) -> None:

@@ -49,6 +49,7 @@ class ControllerId:
 
     pid: int
     start_ticks: int | None
+    host: str | None = None  # the machine it runs on: another than the user's in a Slurm batch step
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class Attempt:
     nnodes: int | None = None  # fewer than the job's when it went on without lost hosts (restarts.min_nnodes)
     world_size: int | None = None  # None in records written before attempts recorded their size
     health: list[HealthEvent] = field(default_factory=list)  # the health watch's verdicts, in order
+    ended_by: str | None = None  # what ended it from outside the job: Slurm's time limit, a requeue
 
     def where(self, resized: bool) -> str:
         """Its hosts, and with them its size when the run's attempts did not all have the same (resized)."""
@@ -187,7 +189,9 @@ class RecordError(UsageError):
 
 
 def write_record(path: Path, record: Any) -> None:
-    write_text_atomic(path, json.dumps(dataclasses.asdict(record), indent=2, default=_enum_value) + "\n")
+    """A record (or a list of them) as JSON, whole or not at all."""
+    data = [dataclasses.asdict(item) for item in record] if isinstance(record, list) else dataclasses.asdict(record)
+    write_text_atomic(path, json.dumps(data, indent=2, default=_enum_value) + "\n")
 
 
 def _enum_value(value: object) -> object:

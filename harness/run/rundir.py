@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import UsageError, short_repr
-from harness.run.records import RunState, RunSummary, read_record, write_record
+from harness.run.records import Attempt, RunState, RunSummary, read_record, write_record
 
 DEFAULT_RUNS_DIR = "runs"
 # What new_run_id makes (a job name, a time, a random suffix) and nothing that could leave the runs
@@ -71,6 +71,22 @@ class RunDir:
     def spec_copy(self) -> Path:
         return self.path / "spec.yaml"
 
+    @property
+    def job_file(self) -> Path:
+        """The job as a Slurm batch step's controller runs it: the spec with every flag applied (JSON)."""
+        return self.path / "job.json"
+
+    @property
+    def attempts_file(self) -> Path:
+        """The attempts so far, written after each: a controller in a batch job that Slurm requeues
+        continues from them."""
+        return self.path / "attempts.json"
+
+    @property
+    def time_limit_marker(self) -> Path:
+        """Written by the batch script when Slurm warns of the time limit: the attempt ends for a requeue."""
+        return self.path / "time-limit"
+
     def plan_json(self, attempt: int = 0) -> Path:
         return self.path / f"plan{_attempt_suffix(attempt)}.json"
 
@@ -123,6 +139,12 @@ class RunDir:
 
     def write_summary(self, summary: RunSummary) -> None:
         write_record(self.summary_file, summary)
+
+    def read_attempts(self) -> list[Attempt]:
+        return read_record(self.attempts_file, list[Attempt]) if self.attempts_file.exists() else []
+
+    def write_attempts(self, attempts: list[Attempt]) -> None:
+        write_record(self.attempts_file, attempts)
 
 
 def _attempt_suffix(attempt: int) -> str:

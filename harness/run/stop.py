@@ -1,10 +1,12 @@
-"""`harness stop`: ask a run's controller to stop its nodes, from any terminal; when the controller is
-gone, end what it left directly (the run's processes on this machine, or its scheduler's job)."""
+"""`harness stop`: ask a run's controller to stop its nodes, from any terminal (one in a Slurm batch step
+through Slurm: SIGTERM to the batch step); when the controller is gone, end what it left directly (the
+run's processes on this machine, or its scheduler's job)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,8 +17,14 @@ from harness.run.rundir import RunDir
 from harness.targets.base import Scheduler
 
 
+def elsewhere(state: RunState) -> bool:
+    """Whether the run's controller runs on another machine (a Slurm batch step's)."""
+    return state.controller.host not in (None, socket.gethostname())
+
+
 def controller_alive(state: RunState) -> bool:
-    return is_alive(state.controller.pid, state.controller.start_ticks)
+    """Whether the controller still runs; one on another machine is taken at its record's word."""
+    return elsewhere(state) or is_alive(state.controller.pid, state.controller.start_ticks)
 
 
 def stop_run(run: RunDir, timeout: float, scheduler_for: Callable[[str], Scheduler]) -> int:
@@ -26,17 +34,17 @@ def stop_run(run: RunDir, timeout: float, scheduler_for: Callable[[str], Schedul
     if state.status is not RunStatus.RUNNING:
         print(f"run {run.run_id} already ended: {state.status.value}")
         return 0
-    if controller_alive(state):
+    if elsewhere(state) and state.scheduler_job is not None:
+        scheduler = scheduler_for(state.mode)
+        if scheduler.describe(state.scheduler_job).state == "RUNNING":
+            run.stop_marker.touch()
+            scheduler.stop(state.scheduler_job)  # SIGTERM to the controller in the job's batch step
+            return _ended(run, timeout, lambda: run.read_state().status is RunStatus.RUNNING,
+                          f"the controller in {state.mode.capitalize()} job {state.scheduler_job}")
+    elif controller_alive(state):
         run.stop_marker.touch()
         os.kill(state.controller.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while controller_alive(state):
-            if time.monotonic() > deadline:
-                print(f"harness: run {run.run_id}: controller {state.controller.pid} did not stop within {timeout} s")
-                return 1
-            time.sleep(0.1)
-        print(f"run {run.run_id} stopped")
-        return 0
+        return _ended(run, timeout, lambda: controller_alive(state), f"controller {state.controller.pid}")
     if state.scheduler_job is not None:  # the batch system owns the processes: it ends them
         scheduler_for(state.mode).cancel(state.scheduler_job)
         done = f"cancelled {state.mode.capitalize()} job {state.scheduler_job}"
@@ -44,4 +52,15 @@ def stop_run(run: RunDir, timeout: float, scheduler_for: Callable[[str], Schedul
         done = f"ended {len(kill_run_processes(run.run_id))} leftover process(es)"
     run.write_state(replace(state, status=RunStatus.STOPPED, ended_at=time.time()))
     print(f"run {run.run_id}: controller was gone; {done}")
+    return 0
+
+
+def _ended(run: RunDir, timeout: float, running: Callable[[], bool], who: str) -> int:
+    deadline = time.monotonic() + timeout
+    while running():
+        if time.monotonic() > deadline:
+            print(f"harness: run {run.run_id}: {who} did not stop within {timeout} s")
+            return 1
+        time.sleep(0.1)
+    print(f"run {run.run_id} stopped")
     return 0

@@ -1,5 +1,6 @@
 """logs/ in a run's directory: the run's stream as it would be shown with nothing held back, each line
-with the time it arrived, appended as it arrives -- logs/harness.log for the harness's own words, and per
+with the time it arrived, appended as it arrives -- logs/harness.log for the harness's own words (and
+logs/follower.log for those of a `harness launch` that follows a batch job's controller), and per
 attempt one file per node, logs/attempt<N>/node<R>.log, whose lines carry their rank as the stream shows
 them (`[node1] [rank3]: ...`). `harness logs` merges them in time order (run/logs.py).
 
@@ -16,6 +17,7 @@ from typing import IO
 
 STAMP_WIDTH = len("2026-01-01T00:00:00.000000Z")
 HARNESS_FILE = "harness.log"
+FOLLOWER_FILE = "follower.log"  # the words of `harness launch` following a controller that a scheduler runs
 
 
 def stamp(t: float) -> str:
@@ -39,10 +41,10 @@ def node_file(folder: Path, attempt: int, node_rank: int) -> Path:
 class StreamRecord:
     """The run's logs/ folder, opened for appending."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, harness_file: str = HARNESS_FILE) -> None:
         self.folder = folder
         folder.mkdir(exist_ok=True)
-        self._harness = open(folder / HARNESS_FILE, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._harness = open(folder / harness_file, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self._lock = threading.Lock()
 
     def harness(self, text: str) -> None:

@@ -390,6 +390,7 @@ class Slurm(StrictModel):
     python: the interpreter with torch on the compute nodes; workdir: where the job runs there
     (sbatch --chdir; default: where it was submitted); warning: seconds before the time limit at which
     the training processes get SIGUSR1 (checkpoint now) and the job requeues itself, 0 for none;
+    spares: nodes asked for beyond nnodes, which take the place of a lost node within the allocation;
     extra: further `#SBATCH` options."""
 
     partition: SlurmName | None = None
@@ -400,6 +401,7 @@ class Slurm(StrictModel):
     python: Annotated[str, Field(min_length=1, pattern=r"^[^\s\x00]+$")] = "python3"
     workdir: Annotated[str, Field(min_length=1, pattern=r"^[^\n\x00]+$")] | None = None
     warning: Annotated[int, Field(ge=0, le=3600)] = 120
+    spares: Annotated[int, Field(ge=0, le=1024)] = 0
     extra: list[Annotated[str, PlainValidator(_sbatch_line)]] = Field(default_factory=list)
 
 

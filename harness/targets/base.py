@@ -3,9 +3,10 @@
 
 - controller-supervised (`Backend`): the harness starts every node itself, each under the node
   agent, and supervises it (simulated nodes, SSH hosts, srun steps inside an allocation);
-- scheduler-owned (`Scheduler`): a batch system owns the processes (sbatch; Kubernetes next), so
-  there is no node to signal: the controller submits, follows what `describe` says, reads the node
-  logs, and cancels -- the verbs of TorchX's Scheduler.
+- scheduler-owned (`Scheduler`): a batch system owns the processes (sbatch), and its job's batch step
+  runs the harness's controller on the srun target inside the allocation; the user's controller
+  submits, follows what `describe` says and the run's record, and cancels -- the verbs of TorchX's
+  Scheduler.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import queue
 import signal
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -118,6 +119,12 @@ class Submission:
     file_name: str  # kept under this name in the run directory, and submitted from there
     nnodes: int
     world_size: int
+    others: dict[str, str] = field(default_factory=dict)  # further files the job reads from the run directory
+
+    @property
+    def files(self) -> dict[str, str]:
+        """Every file to write into the run directory before submission, by name."""
+        return {self.file_name: self.text, **self.others}
 
 
 @dataclass(frozen=True)
@@ -137,8 +144,9 @@ class JobStatus:
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """A scheduler-owned target. The run controller calls prepare -> submit, then describe until the
-    job has finished (cancel on a stop), reading every node's log and the scheduler's own output."""
+    """A scheduler-owned target: its job's first step runs the harness's controller in the allocation,
+    which writes the run's record. The user's controller calls prepare -> submit, then describe until the
+    job has finished (cancel on a stop), reading the record as it grows."""
 
     name: str  # recorded as the run's mode: "slurm"
 
@@ -152,11 +160,9 @@ class Scheduler(Protocol):
     def describe(self, job_id: str) -> JobStatus: ...
 
     def own_log(self, run_path: Path, job_id: str) -> Path:
-        """Where the scheduler writes its own lines about the job (srun's reports), beside the node logs."""
+        """Where the job's first step writes its output (the controller's terminal, or why it never ran)."""
 
-    def node_outcomes(self, own_lines: list[str], ended: JobStatus | None) -> tuple[dict[int, Outcome], Outcome]:
-        """How the nodes of an attempt ended, from the scheduler's own lines: the nodes it reports by
-        node rank, the first failure first, and how every other node ended (ended: None when the attempt
-        was requeued)."""
+    def stop(self, job_id: str) -> None:
+        """SIGTERM to the controller in the job: it stops the nodes and writes the record."""
 
     def cancel(self, job_id: str) -> None: ...

@@ -68,7 +68,7 @@ def test_records_round_trip_and_keep_their_json_shape(tmp_path: Path) -> None:
     raw = json.loads(run.summary_file.read_text())
     assert raw["status"] == "failed" and raw["first_failure"]["rank"] == 3 and raw["nodes"][0]["ranks"] == [2, 3]
     assert raw["attempts"][0]["kind"] == raw["first_failure"]["kind"] == "program"
-    assert json.loads(run.state_file.read_text())["controller"] == {"pid": 4242, "start_ticks": 17}
+    assert json.loads(run.state_file.read_text())["controller"] == {"pid": 4242, "start_ticks": 17, "host": None}
     with pytest.raises(Exception, match="already taken"):
         create_run_dir(tmp_path, "job-1")
 

@@ -3,17 +3,21 @@ launch mode, and srun's and scontrol's answers read (run on a real cluster: test
 
 from __future__ import annotations
 
+import json
 import re
-import signal
 import subprocess
 
 import pytest
 
+from harness import __version__
 from harness.errors import HarnessError, SpecError
+from harness.run.continued import earlier_attempts
+from harness.run.records import FailureKind, RunStatus
+from harness.run.rundir import RunDir
 from harness.spec.job import load_job
-from harness.targets.base import Outcome
-from harness.targets.slurm.batch import batch_script
-from harness.targets.slurm.client import parse_job, task_outcomes
+from harness.targets.slurm.batch import batch_script, controller_script
+from harness.targets.slurm.client import parse_job
+from harness.targets.slurm.job_file import job_json, read_job
 
 from conftest import REPO, harness
 from slurm_job import sum_job
@@ -77,11 +81,43 @@ def test_restarts_become_requeues_and_the_time_limit_warning_reaches_the_trainin
     assert subprocess.run(["bash", "-n"], input=again, text=True).returncode == 0
 
 
-def test_launch_mode_writes_each_node_log_into_the_run_directory(write_yaml, tmp_path):
-    script = batch_script(load_job(sum_job(write_yaml)), "job.yaml", run_id="sum-1", log_dir=tmp_path / "my run")
-    assert f"#SBATCH --output={tmp_path}/my run/slurm-%j.log\n" in script
-    assert f"--output='{tmp_path}/my run'/node%n\"$attempt_suffix\".log bash -c" in script
-    assert "export HARNESS_RUN_ID=sum-1\n" in script and "[node" not in script, "the file says the node"
+def test_launch_submits_a_script_whose_batch_step_runs_the_controller(write_yaml, tmp_path):
+    spec = load_job(sum_job(write_yaml, extra=", spares: 1"))
+    script = controller_script(spec, "job.yaml", tmp_path / "my run", "/opt/venv/bin/python")
+    options = re.findall(r"^#SBATCH (.*)$", script, re.M)
+    assert options[:3] == ["--job-name=sum", "--nodes=3", "--ntasks-per-node=1"], "nnodes + slurm.spares"
+    assert f"--output={tmp_path}/my run/slurm-%j.log" in options
+    assert f"run='{tmp_path}/my run'\n" in script
+    assert '/opt/venv/bin/python -m harness.cli batch-step "$run" &\n' in script
+    assert "trap on_warning USR1" in script and 'scancel --signal=USR1 "$SLURM_JOB_ID"' in script
+    assert not re.search(r"^(srun|torchrun|exec) ", script, re.M), "the controller starts the nodes"
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_the_batch_step_runs_the_spec_the_launch_made(write_yaml, tmp_path):
+    """Every flag applied (here the time and the stall); a harness of another version is named."""
+    spec = load_job(sum_job(write_yaml))
+    spec = spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"time": "00:05:00"}),
+                                   "health": spec.health.model_copy(update={"stall": 9})})
+    run = RunDir(tmp_path)
+    run.job_file.write_text(job_json(spec))
+    again = read_job(run.job_file)
+    assert (again.slurm.time, again.health.stall, again.nnodes, again.entrypoint) == \
+        ("00:05:00", 9, 2, spec.entrypoint)
+    run.job_file.write_text(job_json(spec).replace(f'"{__version__}"', '"0.0.1"'))
+    with pytest.raises(HarnessError, match=r"the job was submitted by harness 0.0.1, and \S+ here is harness "):
+        read_job(run.job_file)
+
+
+def test_an_attempt_the_end_of_an_allocation_cut_short_is_recorded_so(tmp_path):
+    run = RunDir(tmp_path)
+    run.plan_json(0).write_text(json.dumps({"nodes": [{"host": "n1"}, {"host": "n2"}], "nnodes": 2,
+                                            "world_size": 2}))
+    [lost] = earlier_attempts(run, requeued=1)
+    assert (lost.attempt, lost.hosts, lost.status, lost.kind) == (0, ["n1", "n2"], RunStatus.FAILED, FailureKind.INFRA)
+    assert lost.ended_by == "the allocation ended while it ran (Slurm requeued the job: restart 1)"
+    run.write_attempts([lost])
+    assert earlier_attempts(run, requeued=2) == [lost], "a recorded attempt is taken as recorded"
 
 
 def test_scontrol_and_srun_answers_are_read():
@@ -92,11 +128,6 @@ def test_scontrol_and_srun_answers_are_read():
     assert parse_job("JobId=8 JobState=PENDING Reason=Resources").never_starts is None
     with pytest.raises(HarnessError, match="cannot read scontrol's answer"):
         parse_job("slurm_load_jobs error: Invalid job id specified")
-    report = ["srun: error: n2: task 1: Exited with exit code 3", "srun: launch/slurm: _step_signal: Terminating",
-              "srun: error: n1: task 0: Terminated", "srun: error: n3: tasks 2-3: Killed"]
-    assert task_outcomes(report) == {1: Outcome(3), 0: Outcome(None, signal.SIGTERM),
-                                     2: Outcome(None, signal.SIGKILL), 3: Outcome(None, signal.SIGKILL)}
-    assert list(task_outcomes(report)) == [1, 0, 2, 3], "the first failure first"
 
 
 @pytest.mark.parametrize(("flags", "message"), [

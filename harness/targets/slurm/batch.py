@@ -1,10 +1,14 @@
-"""Spec -> a self-contained Slurm batch script (`harness render JOB --target slurm`). Pure.
+"""Spec -> the Slurm batch scripts. Pure.
 
-The script runs under plain `sbatch`, without the harness on the login node: one torchrun per node
-through `srun --ntasks-per-node=1`, the node rank from SLURM_NODEID, the master the first node of the
-allocation resolved to its IP inside the allocation, and the same torchrun flags and env contract as
-every other backend (plan.torchrun_args, plan.node_env). Values only the allocation knows (node rank,
-master address, job id, restart count) are sentinels here and shell variables in the script.
+`harness render JOB --target slurm` prints a self-contained script (batch_script) for plain `sbatch`,
+without the harness on the cluster: one torchrun per node through `srun --ntasks-per-node=1`, the node
+rank from SLURM_NODEID, the master the first node of the allocation resolved to its IP inside the
+allocation, and the same torchrun flags and env contract as every other backend (plan.torchrun_args,
+plan.node_env). Values only the allocation knows (node rank, master address, job id, restart count) are
+sentinels here and shell variables in the script.
+
+`harness launch JOB --target slurm` submits controller_script instead: its batch step runs the harness's
+own controller in the allocation (`harness batch-step`), which drives every node as an srun step (srun.py).
 """
 
 from __future__ import annotations
@@ -56,17 +60,17 @@ def _word(value: str) -> str:
     return "".join(_SHELL.get(part) or shlex.quote(part) for part in parts if part) or "''"
 
 
-BATCH_LOG = "slurm-%j.log"  # the batch script's own output in a launch's run directory (%j: the job id)
+BATCH_LOG = "slurm-%j.log"  # the batch step's own output in a launch's run directory (%j: the job id)
 
 
 def batch_log(log_dir: Path, job_id: int) -> Path:
     return log_dir / BATCH_LOG.replace("%j", str(job_id))
 
 
-def sbatch_options(spec: JobSpec, log_dir: Path | None = None) -> list[str]:
-    """The #SBATCH lines: the allocation from nnodes and resources, restarts as requeues, the
-    time-limit warning, then the job's slurm: section."""
-    options = [f"--job-name={spec.name}", f"--nodes={spec.nnodes}", "--ntasks-per-node=1"]
+def sbatch_options(spec: JobSpec, log_dir: Path | None = None, nodes: int | None = None) -> list[str]:
+    """The #SBATCH lines: the allocation from nnodes (or nodes) and resources, restarts as requeues,
+    the time-limit warning, then the job's slurm: section."""
+    options = [f"--job-name={spec.name}", f"--nodes={nodes or spec.nnodes}", "--ntasks-per-node=1"]
     if spec.resources.cpu is not None:
         options.append(f"--cpus-per-task={max(1, math.ceil(_number(spec.resources.cpu)))}")
     if spec.resources.memory is not None:
@@ -97,17 +101,15 @@ def _free_port(python: str) -> list[str]:
             'export MASTER_PORT PET_MASTER_PORT="$MASTER_PORT"']
 
 
-def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir: Path | None = None) -> str:
-    """The whole batch script, readable and editable by hand. run_id: the harness's (default: the job
-    name and the Slurm job id); log_dir (`harness launch`): every node's output in its own file there,
-    named as the run directory names node logs, and the script's own output beside them."""
+def batch_script(spec: JobSpec, source: str) -> str:
+    """The whole self-contained batch script, readable and editable by hand; the run id is the job name
+    and the Slurm job id."""
     nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each node (resources.gpus)"] * spec.nnodes)
-    run_id = run_id or f"{spec.name}-{_JOB}"
+    run_id = f"{spec.name}-{_JOB}"
     port = _PORT if spec.master_port == "auto" else None
     env = node_env(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, attempt=_ATTEMPT,
                    interface=spec.network.interface, master_port=port)
-    if log_dir is None:  # one output file for every node: each line says its node
-        env[LOG_LINE_PREFIX_ENV] = f"[node{_NODE}] {LOG_LINE_PREFIX}"
+    env[LOG_LINE_PREFIX_ENV] = f"[node{_NODE}] {LOG_LINE_PREFIX}"  # one output file for every node
     flags = torchrun_flags(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, master_port=port)
     launcher = with_setup([spec.slurm.python, "-m", TORCHRUN_MODULE, *flags], setup_script(spec.setup, spec.data_paths))
     per_node = {k: v for k, v in env.items() if _NODE in v}  # set in each task from SLURM_NODEID
@@ -115,13 +117,11 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
                and k != "MASTER_ADDR"]
     most = spec.restarts.max
     srun = f"srun --nodes={spec.nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
-    if log_dir is not None:
-        srun += f' --output={_word(str(log_dir))}/node%n"$attempt_suffix".log'
     lines = [
         "#!/bin/bash",
         f"# Rendered by `harness render {source} --target slurm` (harness {__version__}). Runs with plain",
         "# sbatch; edit freely. One torchrun per node, node rank = SLURM_NODEID, master = the first node.",
-        *(f"#SBATCH {option}" for option in sbatch_options(spec, log_dir)),
+        *(f"#SBATCH {option}" for option in sbatch_options(spec)),
         "set -uo pipefail",
         "",
         "# Each requeue (time limit, preemption, `scontrol requeue`) is a restart: at most restarts.max.",
@@ -131,7 +131,6 @@ def batch_script(spec: JobSpec, source: str, run_id: str | None = None, log_dir:
         ' not starting again" >&2',
         "  exit 1",
         "fi",
-        *(['attempt_suffix=""', '[ "$restarts" -eq 0 ] || attempt_suffix=".attempt$restarts"'] if log_dir else []),
         "",
         "# The master: the allocation's first node, as the IP the other nodes reach it at.",
         'master_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -223,3 +222,50 @@ def _requeue_on_warning(most: int) -> list[str]:
         "  exit 1",
         "fi",
     ]
+
+
+def controller_script(spec: JobSpec, source: str, run_path: Path, python: str) -> str:
+    """The batch script of `harness launch --target slurm`: its batch step runs the harness's controller
+    (`python -m harness.cli batch-step`, with the user's python, which has the harness) on the
+    allocation's first node; it drives nnodes of the allocation's nodes as srun steps and keeps the rest
+    (slurm.spares) to replace a lost one. The script itself only checks that the run directory is there,
+    passes Slurm's time-limit warning on (SIGUSR1 to every step's processes, then SIGTERM to the
+    controller, which requeues the job when a restart is left) and passes a stop on (SIGTERM)."""
+    run = _word(str(run_path))
+    warning = spec.slurm.warning
+    return "\n".join([
+        "#!/bin/bash",
+        f"# Submitted by `harness launch {source} --target slurm` (harness {__version__}): the harness's controller",
+        "# runs in this batch step and drives every node as an srun step (stall detection, stacks, failure classes,",
+        "# restarts and spares within the allocation). `harness render --target slurm` prints a script without it.",
+        *(f"#SBATCH {option}" for option in sbatch_options(spec, run_path, nodes=spec.nnodes + spec.slurm.spares)),
+        "set -u",
+        f"run={run}",
+        'if [ ! -r "$run/job.json" ]; then',
+        '  echo "harness: the run directory $run is not visible on $(hostname): launch with a --runs-dir on a file'
+        ' system that this machine and the nodes share" >&2',
+        "  exit 1",
+        "fi",
+        f"if ! [ -x {_word(python)} ]; then",
+        f"  echo \"harness: {python}, the Python of the harness that submitted the job, is not on $(hostname):"
+        " install the harness where the nodes see it (a shared file system), or submit the script of"
+        " \\`harness render --target slurm\\` instead\" >&2",
+        "  exit 1",
+        "fi",
+        'controller=""',
+        'stop_controller() { [ -z "$controller" ] || kill -TERM "$controller" 2>/dev/null; }',
+        *([f"# Slurm's warning, {warning} s before the time limit: the training processes checkpoint (SIGUSR1 to",
+           "# every step's processes; the node agents and torchrun ignore it), then the controller ends the attempt",
+           "# and requeues the job.",
+           "on_warning() {",
+           '  touch "$run/time-limit"',
+           '  scancel --signal=USR1 "$SLURM_JOB_ID"',
+           f"  (sleep {max(1, warning // 2)}; stop_controller) &",
+           "}",
+           "trap on_warning USR1"] if warning else []),
+        "trap stop_controller TERM INT",
+        f'{_word(python)} -m harness.cli batch-step "$run" &',
+        "controller=$!",
+        'while wait "$controller"; status=$?; kill -0 "$controller" 2>/dev/null; do :; done  # a trap ended the wait',
+        'exit "$status"',
+    ]) + "\n"

@@ -1,21 +1,18 @@
 """The Slurm client: sbatch, scontrol and scancel, and what their answers mean. Parsing is pure.
 
-Slurm owns a submitted job's processes, so there are no nodes to signal: the sbatch scheduler
-(scheduler.py) submits the batch script (batch.py), follows the job's state and cancels it through
-this client.
+The sbatch scheduler (scheduler.py) submits the batch script (batch.py), follows the job's state,
+stops and cancels it through this client; the batch step's controller requeues it at the time limit.
 """
 
 from __future__ import annotations
 
-import re
-import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.targets.base import CheckFailed, Outcome
+from harness.targets.base import CheckFailed
 
 CLIENT_TIMEOUT = 60.0  # slurmctld answers in milliseconds; a minute means it is gone
 # Every state a job ends in; COMPLETING (processes still being ended) is not one of them.
@@ -35,12 +32,6 @@ NEVER_STARTS = {
     "DependencyNeverSatisfied": "a job it depends on failed",
     "launch_failed_requeued_held": "Slurm could not launch it on its nodes and held it",
 }
-# srun's report of a task that did not end well: `srun: error: n2: task 1: Exited with exit code 3`.
-TASK_REPORT = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:-(\d+))?: (.+)$")
-_TASK_SIGNALS = {"Terminated": signal.SIGTERM, "Killed": signal.SIGKILL, "Aborted": signal.SIGABRT,
-                 "Segmentation fault": signal.SIGSEGV, "Interrupt": signal.SIGINT}
-
-
 @dataclass(frozen=True)
 class SlurmJob:
     """One job as `scontrol show job` shows it."""
@@ -71,27 +62,6 @@ def parse_job(text: str) -> SlurmJob:
                         exit_code=fields.get("ExitCode", "0:0"))
     except (KeyError, ValueError) as exc:
         raise HarnessError(f"cannot read scontrol's answer ({exc}): {text.strip()[:300]}") from None
-
-
-def task_outcomes(lines: Sequence[str]) -> dict[int, Outcome]:
-    """How srun says each task that did not succeed ended, by task id (= node rank: one task per node),
-    in the order srun reported them (the first is the one that failed first)."""
-    outcomes: dict[int, Outcome] = {}
-    for line in lines:
-        match = TASK_REPORT.match(line.strip())
-        if not match:
-            continue
-        what = match.group(4)
-        if code := re.fullmatch(r"Exited with exit code (\d+)", what):
-            outcome = Outcome(exit_code=int(code.group(1)))
-        elif what in _TASK_SIGNALS:
-            outcome = Outcome(exit_code=None, signal=_TASK_SIGNALS[what])
-        else:
-            outcome = Outcome(exit_code=None, error=f"srun: {what}")
-        first, last = int(match.group(2)), int(match.group(3) or match.group(2))
-        for task in range(first, last + 1):
-            outcomes.setdefault(task, outcome)
-    return outcomes
 
 
 @dataclass(frozen=True)
@@ -154,3 +124,14 @@ class SlurmClient:
         result = self._run(["scancel", str(job_id)])
         if result.returncode != 0:
             raise HarnessError(f"scancel {job_id} failed: {self._said(result)}")
+
+    def signal_batch(self, job_id: int, name: str) -> None:
+        """The signal to the job's batch step alone (its script and what it started), not to the other steps."""
+        result = self._run(["scancel", "--batch", f"--signal={name}", str(job_id)])
+        if result.returncode != 0:
+            raise HarnessError(f"scancel --batch --signal={name} {job_id} failed: {self._said(result)}")
+
+    def requeue(self, job_id: int) -> None:
+        result = self._run(["scontrol", "requeue", str(job_id)])
+        if result.returncode != 0:
+            raise HarnessError(f"scontrol requeue {job_id} failed: {self._said(result)}")

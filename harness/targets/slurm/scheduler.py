@@ -1,30 +1,29 @@
-"""`harness launch --target slurm` outside an allocation: the job submitted with sbatch, Slurm owning
-its processes (it outlives this terminal, requeues itself, runs without the harness).
+"""`harness launch --target slurm` outside an allocation: the job submitted with sbatch, its batch step
+running the harness's controller in the allocation (`harness batch-step`, on the srun target), Slurm owning its
+processes (it outlives this terminal and requeues itself).
 
-The run controller follows it through this Scheduler: `sbatch --test-only` says before anything is
+The user's controller follows it through this Scheduler: `sbatch --test-only` says before anything is
 submitted whether the job can ever start; `scontrol show job` its state (pending with the reason ->
-running on which nodes -> requeued -> ended); srun writes every node's output into the run directory
-(shared storage, as a Slurm submit directory is) under the run record's names, and its own report
-of the tasks that failed into the batch log; a requeue is the next attempt (HARNESS_ATTEMPT =
-SLURM_RESTART_COUNT); `scancel` ends it.
+running on which nodes -> requeued -> ended); the batch step's own output goes to the run directory
+(shared storage, as a Slurm submit directory is), beside the record that its controller writes;
+`scancel` ends the job, and `scancel --batch --signal=TERM` asks its controller to stop.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from harness.plan.planner import resolve_nproc
 from harness.spec.job import JobSpec
-from harness.targets.base import JobStatus, Outcome, Submission
-from harness.targets.slurm.batch import batch_log, batch_script
-from harness.targets.slurm.client import SlurmClient, task_outcomes
-
-# States in which every task that srun did not report as failed ended well.
-_TASKS_REPORTED = ("COMPLETED", "FAILED")
+from harness.targets.base import JobStatus, Submission
+from harness.targets.slurm.batch import batch_log, controller_script
+from harness.targets.slurm.client import SlurmClient
+from harness.targets.slurm.job_file import job_json
 
 
 class SbatchScheduler:
-    """Slurm as a scheduler-owned target: the batch script of harness.targets.slurm.batch, submitted."""
+    """Slurm as a scheduler-owned target: the batch script of batch.controller_script, submitted."""
 
     name = "slurm"
 
@@ -34,9 +33,10 @@ class SbatchScheduler:
 
     def prepare(self, spec: JobSpec, source: str, run_id: str, run_path: Path) -> Submission:
         nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each node (resources.gpus)"] * spec.nnodes)
-        script = batch_script(spec, source, run_id=run_id, log_dir=run_path.resolve())
+        script = controller_script(spec, source, run_path.resolve(), sys.executable)
         self.client.check(script)
-        return Submission(text=script, file_name="job.sbatch", nnodes=spec.nnodes, world_size=spec.nnodes * nproc)
+        return Submission(text=script, file_name="job.sbatch", nnodes=spec.nnodes, world_size=spec.nnodes * nproc,
+                          others={"job.json": job_json(spec)})
 
     def submit(self, submission: Submission, path: Path) -> str:
         return str(self.client.submit(path))
@@ -56,13 +56,8 @@ class SbatchScheduler:
     def own_log(self, run_path: Path, job_id: str) -> Path:
         return batch_log(run_path, int(job_id))
 
-    def node_outcomes(self, own_lines: list[str], ended: JobStatus | None) -> tuple[dict[int, Outcome], Outcome]:
-        """srun reports the tasks that did not succeed, the first failure first; an unreported one
-        succeeded, unless Slurm ended the job (or requeued it) around it."""
-        state = ended.state if ended is not None else "REQUEUED"
-        rest = Outcome(exit_code=0) if state in _TASKS_REPORTED else \
-            Outcome(exit_code=None, error=f"ended with the job ({state})")
-        return task_outcomes(own_lines), rest
-
     def cancel(self, job_id: str) -> None:
         self.client.cancel(int(job_id))
+
+    def stop(self, job_id: str) -> None:
+        self.client.signal_batch(int(job_id), "TERM")
