@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _pytest.nodeid import NodeId
 
 from harness.node.proctable import run_processes
 
@@ -145,7 +146,7 @@ AREAS = {
 SHARED = {"slurm": AREAS["slurm"] | {"uninterrupted"}, "podman": AREAS["podman"]}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         for marker, fixtures in AREAS.items():
@@ -155,6 +156,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker("payload")
         if group := next((name for name, fixtures in SHARED.items() if used & fixtures), None):
             item.add_marker(pytest.mark.xdist_group(group))
+        if config.getvalue("loadgroup"):
+            _join_group(item)
+
+
+def _join_group(item: pytest.Item) -> None:
+    """What pytest-xdist 3.8 does for --dist loadgroup, in the way pytest 9 reads it: the group's name
+    after `@` in the node id, which the scheduler sends to one worker (xdist sets `_nodeid`, which pytest
+    9 no longer reads: every group's tests were spread over every worker, each building the cluster)."""
+    groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                     for mark in item.iter_markers("xdist_group")})
+    if groups and "@" not in item.nodeid:
+        item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")  # type: ignore[attr-defined]
 
 
 @pytest.fixture
