@@ -156,7 +156,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("payload")
         if group := next((name for name, fixtures in SHARED.items() if used & fixtures), None):
             item.add_marker(pytest.mark.xdist_group(group))
-        if config.getvalue("loadgroup"):
+        if config.getoption("loadgroup", default=False):
             _join_group(item)
 
 
