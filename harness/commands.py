@@ -234,7 +234,7 @@ def batch_step(args: argparse.Namespace) -> int:
     return controller.continue_run(SrunBackend(Allocation.from_env(os.environ, client)), spec, continued)
 
 
-TIME_LIMIT = "Slurm's time-limit warning came"
+TIME_LIMIT = "Slurm's time-limit warning"
 
 
 def stop(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.run.records import Attempt, FailureKind, RunStatus
 from harness.run.rundir import RunDir
@@ -26,8 +26,14 @@ class Continued:
 
 def earlier_attempts(run: RunDir, requeued: int) -> list[Attempt]:
     """The attempts of the job's earlier runs: as recorded after each, then those cut short, failed and
-    ended by the requeue (requeued: Slurm's count of them)."""
+    ended by the requeue (requeued: Slurm's count of them). A run whose controller ended it (its state no
+    longer running) and that runs again was requeued by Slurm (preempted, `scontrol requeue`): its last
+    attempt was ended by that."""
+    ended_by = f"the allocation ended while it ran (Slurm requeued the job: restart {requeued})"
     attempts = run.read_attempts()
+    if attempts and attempts[-1].ended_by is None and run.read_state().status is not RunStatus.RUNNING:
+        attempts[-1] = replace(attempts[-1], status=RunStatus.FAILED, kind=attempts[-1].kind or FailureKind.INFRA,
+                               ended_by=ended_by)
     while run.plan_json(len(attempts)).exists():
         plan = json.loads(run.plan_json(len(attempts)).read_text())
         started = run.plan_json(len(attempts)).stat().st_mtime
@@ -35,5 +41,5 @@ def earlier_attempts(run: RunDir, requeued: int) -> list[Attempt]:
             attempt=len(attempts), hosts=[node["host"] for node in plan["nodes"]], status=RunStatus.FAILED,
             started_at=started, ended_at=started, nodes=[], failures=[], kind=FailureKind.INFRA, down=[],
             preflight_s=0.0, nnodes=plan["nnodes"], world_size=plan["world_size"],
-            ended_by=f"the allocation ended while it ran (Slurm requeued the job: restart {requeued})"))
+            ended_by=ended_by))
     return attempts

@@ -25,6 +25,7 @@ def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
         for attempt in summary.attempts:
             recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
             how = f"failed on {describe_failure(attempt.failures[0])}" if attempt.failures else attempt.status.value
+            how += f"; ended by {attempt.ended_by}" if attempt.ended_by else ""
             out.say(f"attempt {attempt.attempt} on {attempt.where(resized)}{recovered}: {how}")
     failure = summary.first_failure
     if summary.status is RunStatus.SUCCEEDED:

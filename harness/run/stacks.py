@@ -1,6 +1,7 @@
 """`harness stacks RUN_ID`: every rank's Python stack of a running job, from every node, ranks with the
 same stack shown once. The run's controller holds the link to every node agent, so this leaves a
-request in the run's stacks directory; the controller's supervisor asks every agent, which reads its
+request in the run's stacks directory (one on a Slurm batch job's first node reads it through the file
+system the nodes share); the controller's supervisor asks every agent, which reads its
 ranks with py-spy (a pause of milliseconds per rank: the job goes on), and writes the answer beside it.
 """
 
@@ -26,9 +27,9 @@ def run_stacks(run: RunDir, timeout: float = ANSWER_SECONDS) -> str:
     if state.status is not RunStatus.RUNNING or not controller_alive(state):
         raise UsageError(f"run {run.run_id} is not running ({state.status.value}); the stacks of a hang are kept "
                          f"in {run.stacks}/attempt-N/")
-    if state.scheduler_job is not None:
-        raise UsageError(f"run {run.run_id} is a {state.mode} job: its scheduler owns its processes, so the harness "
-                         f"cannot reach its ranks (its nodes' logs are in {run.path}/)")
+    if state.scheduler_job is not None and state.hosts == []:
+        raise UsageError(f"run {run.run_id}: {state.mode.capitalize()} job {state.scheduler_job} has not started its "
+                         f"nodes yet (`harness status {run.run_id}`)")
     tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     run.stacks.mkdir(exist_ok=True)
     request = run.stacks / f"request-{tag}"

@@ -198,6 +198,8 @@ def _attempt_line(attempt: Attempt, resized: bool) -> str:
     if attempt.failures and attempt.kind is not None:
         cause = attempt.failures[0]
         text += f" ({attempt.kind.value}: node{cause.node_rank} on {cause.host}, {cause.evidence})"
+    if attempt.ended_by:
+        text += f"; ended by {attempt.ended_by}"
     if attempt.down:
         text += f"; lost {', '.join(attempt.down)}"
     if attempt.recover_s is not None:

@@ -73,18 +73,27 @@ def test_a_failing_rank_ends_the_whole_job_within_seconds(slurm_cluster, write_y
 
 # --- harness launch --target slurm on a real cluster --------------------------------------------------
 
-@pytest.fixture
-def launch_slurm(launch, slurm_cluster: SlurmCluster):
+def _launcher(launch, cluster: SlurmCluster):
     """`harness launch JOB --target slurm` against the test cluster; whatever a failed test leaves in the
     queue is cancelled, so that it holds no node for the next test."""
 
     def start(job: Path | str, *flags: str) -> Launch:
-        return launch(Path(job), "--target", "slurm", *flags, env=slurm_cluster.env)
+        return launch(Path(job), "--target", "slurm", *flags, env=cluster.env)
 
     yield start
-    queued = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+    queued = cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
     if queued:
-        slurm_cluster.run(["scancel", *queued])
+        cluster.run(["scancel", *queued])
+
+
+@pytest.fixture
+def launch_slurm(launch, slurm_cluster: SlurmCluster):
+    yield from _launcher(launch, slurm_cluster)
+
+
+@pytest.fixture
+def launch_slurm3(launch, slurm_cluster3: SlurmCluster):
+    yield from _launcher(launch, slurm_cluster3)
 
 
 def job_id_of(run: Launch) -> int:
@@ -149,23 +158,29 @@ def test_ctrl_c_cancels_the_job_and_leaves_nothing_on_any_node(slurm_cluster, wr
     slurm_cluster.assert_no_job_processes()
 
 
-def test_harness_stop_cancels_the_job_also_when_its_controller_is_gone(slurm_cluster, write_yaml, launch_slurm):
+def test_harness_stop_and_scancel_end_the_job_and_its_record_says_so(slurm_cluster, write_yaml, launch_slurm):
+    """`harness stop` reaches the controller in the batch step through Slurm; a plain `scancel` of a job
+    whose `harness launch` is gone ends it too, and the controller records the stop."""
     runs = []
     for _ in range(2):
         runs.append(launch_slurm(long_job(write_yaml)))
         runs[-1].wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=180)
         if len(runs) == 1:
             stopped = harness("stop", runs[0].run_id, "--runs-dir", str(runs[0].runs_dir), env=slurm_cluster.env)
-            assert stopped.returncode == 0 and runs[0].finish(timeout=120) == 130, stopped.stdout + runs[0].output
+            assert stopped.returncode == 0 and f"run {runs[0].run_id} stopped" in stopped.stdout, stopped.stdout
+            assert runs[0].finish(timeout=120) == 130, runs[0].output
             assert runs[0].summary()["status"] == "stopped"
             slurm_cluster.assert_no_job_processes()
     orphan = runs[1]
-    orphan.kill_group()  # the controller dies; the job is Slurm's and runs on
+    orphan.kill_group()  # the user's terminal is gone; the job is Slurm's and runs on
     job_id = job_id_of(orphan)
     assert slurm_cluster.job_state(job_id) == "RUNNING"
-    stopped = harness("stop", orphan.run_id, "--runs-dir", str(orphan.runs_dir), env=slurm_cluster.env)
-    assert stopped.returncode == 0 and f"controller was gone; cancelled Slurm job {job_id}" in stopped.stdout
-    assert slurm_cluster.wait_job(job_id) == "CANCELLED"
+    slurm_cluster.run(["scancel", str(job_id)])
+    slurm_cluster.wait_job(job_id)
+    summary = orphan.summary()
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 130, summary
+    status = harness("status", orphan.run_id, "--runs-dir", str(orphan.runs_dir), env=slurm_cluster.env)
+    assert f"run {orphan.run_id}: interrupted" in status.stdout, status.stdout
     slurm_cluster.assert_no_job_processes()
 
 
@@ -260,8 +275,84 @@ def test_warning_and_requeue_resume_and_end_bitwise_equal(uninterrupted, slurm_c
     path = run.runs_dir / run.run_id
     assert "resume: epoch 2 step" in (path / "node0.attempt2.log").read_text()
     batch = (path / f"slurm-{job_id}.log").read_text()
-    assert f"harness: requeueing job {job_id} (restart 1 of 2)" in batch, batch
+    assert "harness: Slurm's time-limit warning: requeueing the job (restart 1 of 2)" in batch, batch
+    assert summary["attempts"][1]["ended_by"] == "the allocation ended while it ran (Slurm requeued the job: " \
+        "restart 2)", summary["attempts"][1]
     slurm_cluster.assert_no_job_processes()
+
+
+def kill_node(cluster: SlurmCluster, name: str) -> None:
+    """The node's slurmstepd and every process of the job on it: to the others, a node that died."""
+    for pid in cluster.job_pids(name):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_hung_rank_of_a_batch_job_is_found_named_and_its_stacks_kept(slurm_cluster, write_yaml, launch_slurm):
+    """The health watch of the controller in the batch step: `harness stacks` of the running job shows every
+    rank; a rank asleep in its data path is named within health.stall + 15 s, with every rank's stack kept."""
+    job = Path(sum_job(write_yaml, tail="health: {stall: 8}\n", FAULT="sleep", FAULT_RANK="1", FAULT_STEP="20"))
+    job.write_text(job.read_text().replace(str(SCRIPT), str(REPO / "tests" / "scripts" / "ddp_hang.py")))
+    run = launch_slurm(job)
+    run.wait_for(r"^\[node0\] \[rank0\]: step 10$", timeout=180)
+    shown = harness("stacks", run.run_id, "--runs-dir", str(run.runs_dir), env=slurm_cluster.env, timeout=60)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert set(map(int, re.findall(r"\b(\d+) \(node\d on n\d, pid \d+", shown.stdout))) == {0, 1}, shown.stdout
+    began = time.monotonic()
+    verdict = run.wait_for(r"harness: hang: (.*)", timeout=120).group(1)
+    assert time.monotonic() - began < 8 + 15, f"found after {time.monotonic() - began:.0f} s"
+    assert re.match(r"no progress for 8 s: rank 1 \(node1 on n2\) at \S*ddp_hang.py:\d+ in load_batch: "
+                    r"time.sleep\(3600\); rank 0 waits in all_reduce at \S*ddp_hang.py:\d+ in train_step", verdict), \
+        verdict
+    assert run.finish(timeout=120) == 1, run.output
+    assert run.summary()["attempts"][0]["kind"] == "hang"
+    kept = run.runs_dir / run.run_id / "stacks" / "attempt-0"
+    assert "time.sleep(3600)" in (kept / "rank1.txt").read_text()
+    slurm_cluster.assert_no_job_processes()
+
+
+def test_a_spare_node_of_the_batch_job_takes_over_and_the_run_ends_bitwise_equal(uninterrupted, slurm_cluster3,
+                                                                                  launch_slurm3, tmp_path):
+    """slurm.spares 1: the job holds 3 nodes; n2 is lost (slurmstepd and the job's processes killed) and n3
+    takes its place within the allocation, without a requeue."""
+    cluster = slurm_cluster3
+    job = payload_job(tmp_path / "job")
+    job.write_text(job.read_text().replace("slurm: {python", "slurm: {spares: 1, python"))
+    run = launch_slurm3(job)
+    run.wait_for(KILL_AT, timeout=240)
+    killed = time.monotonic()
+    kill_node(cluster, "n2")
+    resumed = int(run.wait_for(r"\[node0\] \[rank0\]: resume: epoch \d step \d+ \(global step (\d+)\)",
+                               timeout=240).group(1))
+    run.wait_for(rf"\[node0\] \[rank0\]: epoch {resumed // 32 + 1}/2 step {resumed % 32 + 1}/32 ", timeout=60)
+    print(f"from the node kill to the next training step: {time.monotonic() - killed:.1f} s")
+    assert run.finish(timeout=300) == 0, run.output
+    assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
+    first, second = run.summary()["attempts"]
+    assert (first["hosts"], first["kind"], first["down"]) == (["n1", "n2"], "infra", ["n2"]), first
+    assert second["hosts"] == ["n1", "n3"] and second["status"] == "succeeded"
+    assert cluster.job_state(job_id_of(run)) == "COMPLETED" and "requeued" not in run.output
+    cluster.assert_no_job_processes()
+
+
+def test_a_batch_job_without_a_spare_goes_on_with_fewer_nodes(slurm_cluster3, write_yaml, launch_slurm3):
+    """nnodes 3, restarts.min_nnodes 2, no spare: n2 lost, attempt 1 runs on n1 and n3 as a world of 2."""
+    cluster = slurm_cluster3
+    job = Path(sum_job(write_yaml, port="auto", tail="restarts: {max: 1, backoff: 0, min_nnodes: 2}\n", STEPS="200",
+                       STEP_SECONDS="0.05"))
+    job.write_text(job.read_text().replace("\nnnodes: 2\n", "\nnnodes: 3\n"))
+    run = launch_slurm3(job)
+    run.wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=240)
+    kill_node(cluster, "n2")
+    assert run.finish(timeout=300) == 0, run.output
+    assert re.search(r"^harness: n2 down and no spare left: attempt 1 runs on 2 of the job's 3 nodes "
+                     r"\(restarts.min_nnodes: 2\), world size 2 instead of 3, ranks renumbered, master n1$",
+                     run.output, re.M), run.output
+    assert re.search(r"^\[node1\] \[rank1\]: rank 1/2 up on n3;", run.output, re.M), run.output
+    first, second = run.summary()["attempts"]
+    assert (first["hosts"], first["down"], first["world_size"]) == (["n1", "n2", "n3"], ["n2"], 3), first
+    assert (second["hosts"], second["status"], second["world_size"]) == (["n1", "n3"], "succeeded", 2), second
+    cluster.assert_no_job_processes()
 
 
 # --- inside an allocation: srun steps under the supervisor --------------------------------------------
@@ -329,71 +420,11 @@ def test_inside_an_allocation_a_failure_and_ctrl_c_stop_every_step(slurm_cluster
     slurm_cluster.assert_no_job_processes()
 
 
-def test_inside_an_allocation_a_hung_rank_is_found_named_and_its_stacks_kept(slurm_cluster, write_yaml, tmp_path,
-                                                                             in_allocation):
-    """The health watch on srun steps: a rank asleep in its step is named within health.stall + 15 s."""
-    job = Path(sum_job(write_yaml, tail="health: {stall: 8}\n", FAULT="sleep", FAULT_RANK="1", FAULT_STEP="20"))
-    job.write_text(job.read_text().replace(str(SCRIPT), str(REPO / "tests" / "scripts" / "ddp_hang.py")))
-    run = in_allocation(slurm_cluster, 2, job, tmp_path / "runs")
-    run.wait_for(r"^\[node0\] \[rank0\]: step 10$", timeout=180)
-    began = time.monotonic()
-    verdict = run.wait_for(r"harness: hang: (.*)", timeout=120).group(1)
-    assert time.monotonic() - began < 8 + 15, f"found after {time.monotonic() - began:.0f} s"
-    assert re.match(r"no progress for 8 s: rank 1 \(node1 on n2\) at \S*ddp_hang.py:\d+ in load_batch: "
-                    r"time.sleep\(3600\); rank 0 waits in all_reduce at \S*ddp_hang.py:\d+ in train_step", verdict), \
-        verdict
-    assert run.finish(timeout=120) == 1, run.output
-    kept = next((tmp_path / "runs").glob("*/stacks/attempt-0"))
-    assert "time.sleep(3600)" in (kept / "rank1.txt").read_text()
-    slurm_cluster.assert_no_job_processes()
-
-
 def test_an_allocation_too_small_for_the_job_is_named(slurm_cluster, write_yaml, tmp_path, in_allocation):
     run = in_allocation(slurm_cluster, 1, sum_job(write_yaml), tmp_path / "runs")
     assert run.finish(timeout=120) == 2, run.output
     assert re.search(r"harness: error: allocation \d+ has 1 node\(s\) \(n1\) but the job needs nnodes=2; ask for "
                      r"them \(salloc --nodes=2\)", run.output), run.output
-
-
-def test_inside_an_allocation_a_spare_node_takes_over_and_the_run_ends_bitwise_equal(uninterrupted, slurm_cluster3,
-                                                                                      tmp_path, in_allocation):
-    cluster = slurm_cluster3
-    run = in_allocation(cluster, 3, payload_job(tmp_path / "job"), tmp_path / "runs")
-    run.wait_for(KILL_AT, timeout=240)
-    for pid in cluster.job_pids("n2"):  # the node's slurmstepd, agent, torchrun and worker: n2 is lost
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert run.finish(timeout=300) == 0, run.output
-    assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
-    summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
-    first, second = summary["attempts"]
-    assert (first["hosts"], first["kind"], first["down"]) == (["n1", "n2"], "infra", ["n2"]), first
-    assert second["hosts"] == ["n1", "n3"] and second["status"] == "succeeded"
-    cluster.assert_no_job_processes()
-
-
-def test_inside_an_allocation_a_lost_node_without_a_spare_leaves_the_job_on_fewer_nodes(slurm_cluster3, write_yaml,
-                                                                                        tmp_path, in_allocation):
-    """nnodes 3 on an allocation of 3, restarts.min_nnodes 2: n2 lost, attempt 1 runs on n1 and n3 as a world of 2."""
-    cluster = slurm_cluster3
-    job = Path(sum_job(write_yaml, port="auto", tail="restarts: {max: 1, backoff: 0, min_nnodes: 2}\n", STEPS="200",
-                       STEP_SECONDS="0.05"))
-    job.write_text(job.read_text().replace("\nnnodes: 2\n", "\nnnodes: 3\n"))
-    run = in_allocation(cluster, 3, job, tmp_path / "runs")
-    run.wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=240)
-    for pid in cluster.job_pids("n2"):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert run.finish(timeout=300) == 0, run.output
-    assert re.search(r"^harness: n2 down and no spare left: attempt 1 runs on 2 of the job's 3 nodes "
-                     r"\(restarts.min_nnodes: 2\), world size 2 instead of 3, ranks renumbered, master n1$",
-                     run.output, re.M), run.output
-    assert re.search(r"^\[node1\] \[rank1\]: rank 1/2 up on n3;", run.output, re.M), run.output
-    summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
-    first, second = summary["attempts"]
-    assert (first["hosts"], first["down"], first["world_size"]) == (["n1", "n2", "n3"], ["n2"], 3), first
-    assert (second["hosts"], second["status"], second["world_size"]) == (["n1", "n3"], "succeeded", 2), second
-    cluster.assert_no_job_processes()
 
 
 # --- preflight inside an allocation ------------------------------------------------------------------

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from dataclasses import replace
 
 import pytest
 
 from harness import __version__
 from harness.errors import HarnessError, SpecError
 from harness.run.continued import earlier_attempts
-from harness.run.records import FailureKind, RunStatus
+from harness.run.records import ControllerId, FailureKind, RunState, RunStatus
 from harness.run.rundir import RunDir
 from harness.spec.job import load_job
 from harness.targets.slurm.batch import batch_script, controller_script
@@ -111,6 +112,8 @@ def test_the_batch_step_runs_the_spec_the_launch_made(write_yaml, tmp_path):
 
 def test_an_attempt_the_end_of_an_allocation_cut_short_is_recorded_so(tmp_path):
     run = RunDir(tmp_path)
+    run.write_state(RunState(run_id="r", name="r", mode="slurm", status=RunStatus.RUNNING, started_at=0.0, nnodes=2,
+                             world_size=2, controller=ControllerId(1, None, "n1"), hosts=["n1", "n2"]))
     run.plan_json(0).write_text(json.dumps({"nodes": [{"host": "n1"}, {"host": "n2"}], "nnodes": 2,
                                             "world_size": 2}))
     [lost] = earlier_attempts(run, requeued=1)
@@ -118,6 +121,12 @@ def test_an_attempt_the_end_of_an_allocation_cut_short_is_recorded_so(tmp_path):
     assert lost.ended_by == "the allocation ended while it ran (Slurm requeued the job: restart 1)"
     run.write_attempts([lost])
     assert earlier_attempts(run, requeued=2) == [lost], "a recorded attempt is taken as recorded"
+    # The controller ended the run (Slurm's SIGTERM of a requeue: interrupted), and the job runs again.
+    run.write_attempts([replace(lost, status=RunStatus.INTERRUPTED, ended_by=None)])
+    run.write_state(replace(run.read_state(), status=RunStatus.INTERRUPTED))
+    [requeued] = earlier_attempts(run, requeued=2)
+    assert (requeued.status, requeued.ended_by) == (RunStatus.FAILED, "the allocation ended while it ran (Slurm "
+                                                                      "requeued the job: restart 2)")
 
 
 def test_scontrol_and_srun_answers_are_read():
