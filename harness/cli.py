@@ -297,6 +297,8 @@ def parser() -> argparse.ArgumentParser:
     preflight.add_argument("--accept-new-host-keys", action="store_true",
                            help="trust and record keys of hosts not yet in known_hosts")
     preflight.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per step")
+    preflight.add_argument("--runs-dir", help="with --target slurm: the runs directory `harness launch --target slurm` "
+                                              "will use (default ./runs); every node must see it")
     preflight.set_defaults(func=commands.preflight)
 
     prepare = verbs.add_parser("prepare", add_help=False, help="download and verify CIFAR-10 once, before training "

@@ -294,7 +294,7 @@ def preflight(args: argparse.Namespace) -> int:
 
     return preflight_command(args.hosts, args.job, json_out=args.json, collective=args.collective,
                              accept_new_host_keys=args.accept_new_host_keys, known_hosts=args.known_hosts,
-                             timeout=args.timeout, slurm=args.target == "slurm")
+                             timeout=args.timeout, slurm=args.target == "slurm", runs_dir=args.runs_dir)
 
 
 def prepare(args: argparse.Namespace) -> int:

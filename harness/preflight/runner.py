@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from harness.plan.planner import TORCHRUN_PORT, job_hosts
+from harness.preflight.batch_job import batch_job_checks
 from harness.preflight.checks import (
     data_checks,
     fingerprint_checks,
@@ -122,9 +123,11 @@ def _by_host(report: Report, hosts: list[Host]) -> None:
     report.checks.sort(key=lambda c: order[c.host])  # stable: checks keep their phase order per host
 
 
-def run_preflight_srun(allocation: Allocation, spec: JobSpec | None = None, *, timeout: float = 10.0) -> Report:
+def run_preflight_srun(allocation: Allocation, spec: JobSpec | None = None, *, timeout: float = 10.0,
+                       runs: Path | None = None) -> Report:
     """The same checks between the nodes of the Slurm allocation this runs in, each command an srun step
-    (no SSH, no inventory): the job's nodes, or every node without a job. No collective yet."""
+    (no SSH, no inventory): the job's nodes, or every node without a job. No collective yet. runs: the
+    runs directory a batch job of `harness launch --target slurm` would use, checked on every node."""
     started = time.monotonic()
     if spec is not None and (error := allocation.too_small(spec.nnodes)) is not None:
         raise error
@@ -139,8 +142,10 @@ def run_preflight_srun(allocation: Allocation, spec: JobSpec | None = None, *, t
     if unused := allocation.nodes[len(names):]:
         report.notes.append(f"not checked: {', '.join(unused)} (the job runs on {len(names)} nodes)")
     report.notes.append(f"inside Slurm allocation {allocation.job_id}: every check ran as an srun step")
-    _checks(report, {h.name: srun_link(allocation, h) for h in hosts}, inventory, hosts[0], spec, collective=None,
-            fast=False, timeout=timeout, pins=False)
+    links = {h.name: srun_link(allocation, h) for h in hosts}
+    _checks(report, links, inventory, hosts[0], spec, collective=None, fast=False, timeout=timeout, pins=False)
+    if runs is not None:
+        report.checks += batch_job_checks(links, runs, timeout)
     _by_host(report, hosts)
     report.seconds = time.monotonic() - started
     return report

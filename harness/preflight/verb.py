@@ -10,19 +10,23 @@ from pathlib import Path
 from harness.errors import HarnessError, UsageError
 from harness.preflight.report import Report
 from harness.preflight.runner import run_preflight
+from harness.run.rundir import runs_root
 from harness.spec.inventory import load_inventory
 from harness.spec.job import JobSpec, load_job
 
 
 def preflight_command(hosts_path: str | Path | None, job_path: str | Path | None = None, *, json_out: bool = False,
                       collective: bool = False, accept_new_host_keys: bool = False,
-                      known_hosts: str | Path | None = None, timeout: float = 10.0, slurm: bool = False) -> int:
+                      known_hosts: str | Path | None = None, timeout: float = 10.0, slurm: bool = False,
+                      runs_dir: str | None = None) -> int:
     """0 when every check passes, 1 when one fails; a bad inventory, job or request raises its HarnessError
     (exit 2). slurm: the hosts are the nodes of the Slurm allocation this runs in (no inventory)."""
     try:
         spec = load_job(job_path) if job_path is not None else None
+        if runs_dir is not None and not slurm:
+            raise UsageError("--runs-dir is for --target slurm: the runs directory its nodes must see")
         if slurm:
-            report = _in_allocation(hosts_path, spec, collective, timeout)
+            report = _in_allocation(hosts_path, spec, collective, timeout, runs_root(runs_dir))
         elif hosts_path is None:
             raise UsageError("give the host inventory (harness preflight hosts.yaml), or --target slurm inside a "
                              "Slurm allocation")
@@ -37,7 +41,8 @@ def preflight_command(hosts_path: str | Path | None, job_path: str | Path | None
     return 0 if report.ok else 1
 
 
-def _in_allocation(hosts_path: str | Path | None, spec: JobSpec | None, collective: bool, timeout: float) -> Report:
+def _in_allocation(hosts_path: str | Path | None, spec: JobSpec | None, collective: bool, timeout: float,
+                   runs: Path) -> Report:
     from harness.preflight.runner import run_preflight_srun
     from harness.targets.slurm.srun import Allocation, in_allocation
 
@@ -48,4 +53,4 @@ def _in_allocation(hosts_path: str | Path | None, spec: JobSpec | None, collecti
     if not in_allocation(os.environ):
         raise UsageError("--target slurm runs inside a Slurm allocation (SLURM_JOB_ID is not set): "
                          "salloc --nodes=N harness preflight --target slurm --job JOB")
-    return run_preflight_srun(Allocation.from_env(os.environ), spec, timeout=timeout)
+    return run_preflight_srun(Allocation.from_env(os.environ), spec, timeout=timeout, runs=runs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -93,6 +94,21 @@ def test_launch_submits_a_script_whose_batch_step_runs_the_controller(write_yaml
     assert "trap on_warning USR1" in script and 'scancel --signal=USR1 "$SLURM_JOB_ID"' in script
     assert not re.search(r"^(srun|torchrun|exec) ", script, re.M), "the controller starts the nodes"
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_the_batch_script_names_a_run_directory_or_a_harness_the_node_cannot_see(write_yaml, tmp_path):
+    """What the batch step checks before the controller starts; `harness launch` shows its line, exit 1."""
+    spec = load_job(sum_job(write_yaml))
+    unseen = subprocess.run(["bash", "-c", controller_script(spec, "job.yaml", tmp_path / "gone", sys.executable)],
+                            capture_output=True, text=True, timeout=30)
+    assert unseen.returncode == 1 and re.fullmatch(
+        rf"harness: the run directory {tmp_path}/gone is not visible on \S+: launch with a --runs-dir on a file "
+        r"system that this machine and the nodes share\n", unseen.stderr), unseen.stderr
+    (tmp_path / "job.json").write_text(job_json(spec))
+    elsewhere = subprocess.run(["bash", "-c", controller_script(spec, "job.yaml", tmp_path, "/no/venv/bin/python")],
+                               capture_output=True, text=True, timeout=30)
+    assert elsewhere.returncode == 1 and elsewhere.stderr.startswith(
+        "harness: /no/venv/bin/python, the Python of the harness that submitted the job, is not on "), elsewhere.stderr
 
 
 def test_the_batch_step_runs_the_spec_the_launch_made(write_yaml, tmp_path):
