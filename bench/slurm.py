@@ -2,8 +2,9 @@
 sbatch (the rendered script: what a careful hand-written one does), on a 2-node Slurm cluster of
 network namespaces on this machine (testbed/slurm_cluster.py; needs root and `make test-packages`).
 
-- Submit to first step: from the command's start to rank 0's first progress line (the harness
-  streams it from the node log it polls every 0.5 s; for sbatch, this benchmark polls the output
+- Submit to first step: from the command's start to rank 0's first progress line (the harness's
+  controller runs in the batch step and starts each node as an srun step; `harness launch` prints the
+  line from the run's record, which it reads every 0.1 s; for sbatch, this benchmark polls the output
   file every 10 ms).
 - Rank death to job end: bench/ddp_fail.py, rank 1 dies at step 3 while rank 0 is in a long step
   (BLOCK=sleep: a stuck read, a long compute); seconds from the death to the job's end in Slurm (and

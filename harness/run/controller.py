@@ -260,6 +260,9 @@ class _Followed(_Course):
         self.out.say(f"run {run.run_id}: submitted {what} ({self.nnodes} node(s) x {nproc} process(es)); "
                      f"logs in {run.path}/")
         if self.detach:
+            # Until the job's controller starts, the run is the scheduler's: not lost when this one exits.
+            self.state = replace(self.state, controller=ControllerId(0, None, what))
+            run.write_state(self.state)
             self.out.say(f"follow: harness logs {run.run_id} --follow; status: harness status {run.run_id}; stop: "
                          f"harness stop {run.run_id}")
             return [], None

@@ -6,7 +6,9 @@ shared with the nodes), cancel the job on a stop, and say how the job ended when
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
+import time
 from pathlib import Path
 
 from harness.run.logs import RecordReader, record_files
@@ -15,7 +17,8 @@ from harness.run.stream_record import STAMP_WIDTH
 from harness.run.terminal import Terminal
 from harness.targets.base import JobStatus, Scheduler
 
-POLL_SECONDS = 0.5  # how often the job's state is asked for and the record is read
+POLL_SECONDS = 0.1  # how often the record is read (the run's lines reach the terminal this late at most)
+DESCRIBE_EVERY = 5  # polls: how often the job's state is asked of the scheduler
 OWN_LOG_LINES = 20  # of the batch step's output, shown when the job ended without its controller's record
 
 
@@ -33,26 +36,28 @@ class Follower:
     def follow(self, stop: threading.Event) -> JobStatus:
         """Until the job has ended; its last state."""
         seen: tuple[str, str | None] | None = None
-        while True:
-            job = self.scheduler.describe(self.job_id)
-            if job.attempt > self.attempt:
-                self.attempt = job.attempt
-                self.out.say(f"{self.what} was requeued (restart {job.attempt}): the run goes on there, from the "
-                             f"newest checkpoint")
-            if (job.state, job.reason) != seen:
-                seen = (job.state, job.reason)
-                self._announce(job)
-            if job.never_starts is not None and not self.cancelled:
-                self.reason = f"{self.what} can never start: {job.never_starts} (pending reason {job.reason})"
-                self._cancel()
-            if stop.is_set() and not self.cancelled:
-                self.out.say(f"stop requested: cancelling {self.what}")
-                self._cancel()
+        for poll in itertools.count():
+            if poll % DESCRIBE_EVERY == 0 or (stop.is_set() and not self.cancelled):
+                job = self.scheduler.describe(self.job_id)
+                if job.attempt > self.attempt:
+                    self.attempt = job.attempt
+                    self.out.say(f"{self.what} was requeued (restart {job.attempt}): the run goes on there, from "
+                                 f"the newest checkpoint")
+                if (job.state, job.reason) != seen:
+                    seen = (job.state, job.reason)
+                    self._announce(job)
+                if job.never_starts is not None and not self.cancelled:
+                    self.reason = f"{self.what} can never start: {job.never_starts} (pending reason {job.reason})"
+                    self._cancel()
+                if stop.is_set() and not self.cancelled:
+                    self.out.say(f"stop requested: cancelling {self.what}")
+                    self._cancel()
+                if job.finished:
+                    self._pump()
+                    return job
             self._pump()
-            if job.finished:
-                self._pump()
-                return job
-            stop.wait(POLL_SECONDS)
+            (time.sleep if self.cancelled else stop.wait)(POLL_SECONDS)
+        raise AssertionError("unreachable: itertools.count() never ends")
 
     def ended_without_record(self, job: JobStatus) -> str:
         """Why the run ended when its controller wrote no summary: the job's end, and the batch step's

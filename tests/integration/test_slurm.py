@@ -159,28 +159,29 @@ def test_ctrl_c_cancels_the_job_and_leaves_nothing_on_any_node(slurm_cluster, wr
 
 
 def test_harness_stop_and_scancel_end_the_job_and_its_record_says_so(slurm_cluster, write_yaml, launch_slurm):
-    """`harness stop` reaches the controller in the batch step through Slurm; a plain `scancel` of a job
-    whose `harness launch` is gone ends it too, and the controller records the stop."""
-    runs = []
-    for _ in range(2):
-        runs.append(launch_slurm(long_job(write_yaml)))
-        runs[-1].wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=180)
-        if len(runs) == 1:
-            stopped = harness("stop", runs[0].run_id, "--runs-dir", str(runs[0].runs_dir), env=slurm_cluster.env)
-            assert stopped.returncode == 0 and f"run {runs[0].run_id} stopped" in stopped.stdout, stopped.stdout
-            assert runs[0].finish(timeout=120) == 130, runs[0].output
-            assert runs[0].summary()["status"] == "stopped"
-            slurm_cluster.assert_no_job_processes()
-    orphan = runs[1]
-    orphan.kill_group()  # the user's terminal is gone; the job is Slurm's and runs on
-    job_id = job_id_of(orphan)
-    assert slurm_cluster.job_state(job_id) == "RUNNING"
+    """`harness stop` reaches the controller in the batch step through Slurm; a job submitted with --detach
+    is followed with `harness logs --follow`, and a plain `scancel` ends it, the controller recording the stop."""
+    run = launch_slurm(long_job(write_yaml))
+    run.wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=180)
+    stopped = harness("stop", run.run_id, "--runs-dir", str(run.runs_dir), env=slurm_cluster.env)
+    assert stopped.returncode == 0 and f"run {run.run_id} stopped" in stopped.stdout, stopped.stdout
+    assert run.finish(timeout=120) == 130, run.output
+    assert run.summary()["status"] == "stopped"
+    slurm_cluster.assert_no_job_processes()
+    detached = launch_slurm(long_job(write_yaml), "--detach")
+    assert detached.finish(timeout=60) == 0, detached.output
+    job_id = job_id_of(detached)
+    assert f"follow: harness logs {detached.run_id} --follow" in detached.output
+    follow = Streamed([sys.executable, "-m", "harness.cli", "logs", detached.run_id, "--follow", "--runs-dir",
+                       str(detached.runs_dir)], env=slurm_cluster.env)
+    follow.wait_for(r"^\[node0\] \[rank0\]: step 5 ", timeout=180)
+    status = harness("status", detached.run_id, "--runs-dir", str(detached.runs_dir), env=slurm_cluster.env)
+    assert f"run {detached.run_id}: running" in status.stdout, status.stdout
     slurm_cluster.run(["scancel", str(job_id)])
-    slurm_cluster.wait_job(job_id)
-    summary = orphan.summary()
+    assert follow.finish(timeout=120) == 0, follow.output
+    summary = detached.summary()
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130, summary
-    status = harness("status", orphan.run_id, "--runs-dir", str(orphan.runs_dir), env=slurm_cluster.env)
-    assert f"run {orphan.run_id}: interrupted" in status.stdout, status.stdout
+    assert "harness: run " in follow.output.splitlines()[-1] and "interrupted" in follow.output.splitlines()[-1]
     slurm_cluster.assert_no_job_processes()
 
 
