@@ -437,12 +437,13 @@ def preflight_in_allocation(cluster: SlurmCluster, nodes: int, *args: str) -> su
 
 
 def test_preflight_inside_an_allocation_proves_versions_and_ports_over_srun(slurm_cluster3, write_yaml, tmp_path):
-    result = preflight_in_allocation(slurm_cluster3, 3, "--job", sum_job(write_yaml), "--runs-dir", str(tmp_path))
+    runs = tmp_path / "runs"
+    result = preflight_in_allocation(slurm_cluster3, 3, "--job", sum_job(write_yaml), "--runs-dir", str(runs))
     assert result.returncode == 0, result.stdout + result.stderr
     for host in ("n1", "n2"):  # what the batch step of `harness launch --target slurm` needs there
-        assert re.search(rf"^{host} +batch_job +PASS +sees {tmp_path} and imports harness \S+ with ", result.stdout,
+        assert re.search(rf"^{host} +batch_job +PASS +sees {runs} and imports harness \S+ with ", result.stdout,
                          re.M), result.stdout
-    assert list(tmp_path.iterdir()) == [], "the file the nodes read is gone"
+    assert list(runs.iterdir()) == [], "the file the nodes read is gone"
     n1 = re.escape(slurm_cluster3.node("n1").address)
     for host in ("n1", "n2"):
         assert re.search(rf"^{host} +fingerprint +PASS +python .* torch .*; same on all hosts$", result.stdout, re.M)

@@ -41,8 +41,8 @@ ALLOWED = {
     "harness.node": set(),
     "harness.targets": {"harness", "harness.errors", "harness.spec", "harness.plan", "harness.node"},
     "harness.run": {"harness.errors", "harness.spec", "harness.plan", "harness.node", "harness.targets"},
-    "harness.preflight": {"harness.errors", "harness.spec", "harness.plan", "harness.node", "harness.targets",
-                          "harness.run"},
+    "harness.preflight": {"harness", "harness.errors", "harness.spec", "harness.plan", "harness.node",
+                          "harness.targets", "harness.run"},
 }
 
 
