@@ -340,6 +340,13 @@ class SlurmCluster:
         daemon = self.node(name).daemon
         return [pid for pid in self.node_pids(name) if daemon is None or pid != daemon.pid]
 
+    def restart_slurmd(self, name: str) -> None:
+        """A node's slurmd again, after a test killed it with the rest of the node (a machine back from a
+        crash): it cleans up what its jobs left, so that they can end."""
+        node = self.node(name)
+        self._stop(node.daemon)
+        self._start_daemon(node, f"slurmd -D -N {node.name} -f {self.conf}")
+
     def assert_no_job_processes(self, within: float = 30.0) -> None:
         """Within `within` seconds nothing but slurmd runs on any node (steps end asynchronously)."""
         deadline = time.monotonic() + within

@@ -111,7 +111,7 @@ NOT_RUN: dict[str, str] = {
         "needs 8 GPUs and CIFAR-10",
     "sbatch cifar.sbatch": SLURM,
     "harness launch jobs/cifar.yaml --target slurm --partition gpu --time 02:00:00": SLURM,
-    "harness status RUN_ID; harness stop RUN_ID": SLURM,
+    "harness status RUN_ID; harness stacks RUN_ID; harness stop RUN_ID": SLURM,
     "salloc --nodes=3 harness launch jobs/cifar.yaml --target slurm": SLURM,
     "kubectl apply -f k8s/": KUBECTL,
     "kubectl logs -f -l app.kubernetes.io/instance=cifar --prefix --max-log-requests 16": KUBECTL,

@@ -187,13 +187,14 @@ def test_harness_stop_and_scancel_end_the_job_and_its_record_says_so(slurm_clust
 
 def test_a_job_that_can_never_start_is_refused_before_submission(slurm_cluster, write_yaml, tmp_path):
     job = write_yaml(Path(sum_job(write_yaml)).read_text().replace("nnodes: 2", "nnodes: 3"), name="three.yaml")
-    queued = slurm_cluster.run(["squeue", "-h"]).stdout
+    queued = set(slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split())  # an earlier job may be ending
     result = harness("launch", str(job), "--target", "slurm", "--runs-dir", str(tmp_path / "runs"),
                      env=slurm_cluster.env)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "harness: error: Slurm refuses the job: allocation failure: Requested node configuration is not " \
            "available (checked with `sbatch --test-only`" in result.stderr
-    assert not (tmp_path / "runs").exists() and slurm_cluster.run(["squeue", "-h"]).stdout == queued
+    assert not (tmp_path / "runs").exists()
+    assert set(slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()) <= queued, "nothing was submitted"
 
 
 def _release(cluster: SlurmCluster, run: Launch, job_id: int, requeues: int) -> None:
@@ -282,9 +283,10 @@ def test_warning_and_requeue_resume_and_end_bitwise_equal(uninterrupted, slurm_c
     slurm_cluster.assert_no_job_processes()
 
 
-def kill_node(cluster: SlurmCluster, name: str) -> None:
-    """The node's slurmstepd and every process of the job on it: to the others, a node that died."""
-    for pid in cluster.job_pids(name):
+def kill_node(cluster: SlurmCluster, name: str, slurmd: bool = False) -> None:
+    """The node's slurmstepd and every process of the job on it (and its slurmd): to the others, a node
+    that died."""
+    for pid in cluster.node_pids(name) if slurmd else cluster.job_pids(name):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
@@ -314,15 +316,18 @@ def test_a_hung_rank_of_a_batch_job_is_found_named_and_its_stacks_kept(slurm_clu
 
 def test_a_spare_node_of_the_batch_job_takes_over_and_the_run_ends_bitwise_equal(uninterrupted, slurm_cluster3,
                                                                                   launch_slurm3, tmp_path):
-    """slurm.spares 1: the job holds 3 nodes; n2 is lost (slurmstepd and the job's processes killed) and n3
-    takes its place within the allocation, without a requeue."""
+    """slurm.spares 1: the job holds 3 nodes; n2 is lost (its slurmd, slurmstepd and the job's processes
+    killed) and n3 takes its place within the allocation, without a requeue. n2's slurmd comes back (a
+    machine rebooted) once the harness has moved on, so that Slurm can end the job there."""
     cluster = slurm_cluster3
     job = payload_job(tmp_path / "job")
     job.write_text(job.read_text().replace("slurm: {python", "slurm: {spares: 1, python"))
     run = launch_slurm3(job)
     run.wait_for(KILL_AT, timeout=240)
     killed = time.monotonic()
-    kill_node(cluster, "n2")
+    kill_node(cluster, "n2", slurmd=True)
+    run.wait_for(r"^harness: attempt 0 failed at the infra level on n2 ", timeout=120)
+    cluster.restart_slurmd("n2")
     resumed = int(run.wait_for(r"\[node0\] \[rank0\]: resume: epoch \d step \d+ \(global step (\d+)\)",
                                timeout=240).group(1))
     run.wait_for(rf"\[node0\] \[rank0\]: epoch {resumed // 32 + 1}/2 step {resumed % 32 + 1}/32 ", timeout=60)
