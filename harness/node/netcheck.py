@@ -28,6 +28,9 @@ REPLY = b"ok\n"
 # <linux/in.h>, <linux/in6.h>: set don't-fragment and send up to the interface's MTU, whatever the route's cache says.
 IP_MTU_DISCOVER, IPV6_MTU_DISCOVER, PMTUDISC_PROBE = 10, 23, 3
 HEADERS = {socket.AF_INET: 28, socket.AF_INET6: 48}  # IP + UDP header bytes
+# The largest datagram a frame can carry: IPv4's 16-bit total length, IPv6's payload length plus its header.
+# Loopback's MTU (65536) is larger, and no datagram fills it.
+LARGEST = {socket.AF_INET: 65535, socket.AF_INET6: 65535 + 40}
 FRAME_TRIES = 3
 
 
@@ -154,6 +157,7 @@ def _connect(target: dict[str, Any], timeout: float) -> dict[str, Any]:
 def _frame(address: str, port: int, frame: int, timeout: float) -> dict[str, Any]:
     """One datagram as large as a frame of `frame` bytes, don't-fragment set, until its size comes back."""
     family, _, _, _, destination = socket.getaddrinfo(address, port, type=socket.SOCK_DGRAM)[0]
+    frame = min(frame, LARGEST[family])
     payload = b"\0" * (frame - HEADERS[family])
     answer = {"bytes": frame, "status": "lost", "detail": f"no answer within {timeout:g}s"}
     with socket.socket(family, socket.SOCK_DGRAM) as sock:

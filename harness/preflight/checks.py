@@ -3,7 +3,6 @@ resolution."""
 
 from __future__ import annotations
 
-import ipaddress
 from collections import Counter
 from typing import Literal, get_args
 
@@ -11,6 +10,7 @@ from harness.node.probe import MISSING, Facts, Stacks
 from harness.preflight.report import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import Entrypoint, JobSpec
+from harness.targets.address import is_loopback
 
 # The probe's keys compared across hosts, payload (the entrypoint's hash) last.
 Fingerprinted = Literal["python", "torch", "torch_git", "cuda", "nccl", "torchvision", "driver", "harness", "payload"]
@@ -242,16 +242,10 @@ def data_checks(facts: dict[str, Facts], paths: list[str], master: str, setup: b
     return checks
 
 
-def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def resolve_checks(facts: dict[str, Facts], master: Host) -> list[Check]:
+def resolve_checks(facts: dict[str, Facts], master: Host, one_machine: bool = False) -> list[Check]:
     """Every host resolves the master's address alike and not to loopback (each host's own name is the
-    interface check's business: gloo's default, interfaces.py)."""
+    interface check's business: gloo's default, interfaces.py). one_machine: every host is this machine
+    at a loopback address (sshd on 127.0.0.1, as people try before a cluster): loopback is right there."""
     master_view = facts[master.name]["master_resolves"] if master.name in facts else None
     checks = []
     for host, f in facts.items():
@@ -259,7 +253,7 @@ def resolve_checks(facts: dict[str, Facts], master: Host) -> list[Check]:
         if isinstance(seen, str):
             problem = (f"the master address {master.address} {seen}",
                        f"use the master's IP address in the inventory, or fix DNS / /etc/hosts on {host}")
-        elif is_loopback(seen[0]):
+        elif is_loopback(seen[0]) and not one_machine:
             problem = (f"resolves the master address {master.address} to {seen[0]} (loopback)",
                        f"use the master's IP address in the inventory, or drop that /etc/hosts line on {host}")
         elif isinstance(master_view, list) and master_view and seen[0] != master_view[0]:

@@ -15,10 +15,11 @@ from typing import Any
 
 from harness.node.probe import Facts, Interface, Network
 from harness.plan.planner import pinned_interface
-from harness.preflight.checks import is_loopback, majority
+from harness.preflight.checks import majority
 from harness.preflight.report import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
+from harness.targets.address import is_loopback
 
 NCCL_PASSED_OVER = ("docker", "lo", "virbr")
 ROUTE = "route"

@@ -31,6 +31,7 @@ from harness.preflight.report import Check, Report, Status
 from harness.preflight.subprocess_link import srun_link
 from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
+from harness.targets.address import is_loopback
 from harness.targets.host_command import NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.slurm.srun import Allocation
 from harness.targets.ssh.transport import Connection, SSHConnectError, connect
@@ -179,7 +180,7 @@ def _checks(report: Report, connections: Mapping[str, Link], inventory: Inventor
     hosts = {h.name: h for h in inventory.hosts}
     for name, found in facts.items():
         report.checks += [*resource_checks(hosts[name], found, spec, backend), stacks_check(name, found)]
-    report.checks += resolve_checks(facts, master)
+    report.checks += resolve_checks(facts, master, one_machine=all(is_loopback(h.address) for h in inventory.hosts))
     rows, chosen = interface_checks(facts, [hosts[name] for name in connections], spec, pins)
     report.checks += rows
     report.interfaces = {name: pin.interface for name, pin in chosen.items()}

@@ -27,5 +27,9 @@ def resolve_ip(address: str, *, ipv4_only: bool = False) -> tuple[str, bool]:
     return sorted({str(info[4][0]) for info in infos}, key=lambda ip: ":" in ip)[0], True
 
 
-def is_loopback(ip: str) -> bool:
-    return ipaddress.ip_address(ip).is_loopback
+def is_loopback(address: str) -> bool:
+    """Whether address is a loopback IP (127.0.0.0/8, ::1, a zone index allowed); a name is not."""
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False

@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from testbed.cluster import Cluster
 
-from conftest import STOP_GRACE, assert_nothing_left, ddp_job, harness, leftover, stragglers_s, worker_pid
+from conftest import REPO, STOP_GRACE, assert_nothing_left, ddp_job, harness, leftover, stragglers_s, worker_pid
 
 
 def ssh_args(cluster: Cluster, tmp_path: Path, *extra: str) -> list[str]:
@@ -111,3 +115,43 @@ def test_failed_preflight_starts_nothing(cluster2, write_yaml, launch, tmp_path)
     assert re.search(rf"h2\s+master_port\s+FAIL\s+h2 -> h1 \S+:{port} timed out", run.output), run.output
     assert not (tmp_path / "runs").exists()
     cluster2.assert_only_sshd_left()
+
+
+def test_two_ssh_hosts_on_one_machine_pass_preflight_and_launch(cluster2, write_yaml, tmp_path):
+    """sshd on 127.0.0.1 and 127.0.0.2, as people try before a cluster (here inside h1, which is one machine):
+    preflight passes data_plane (loopback's MTU, 65536, is more than a datagram holds) and resolve (loopback
+    is right when every host is this machine), and launch starts without --skip-preflight."""
+    h1 = cluster2.host("h1")
+    config = tmp_path / "loopback_sshd_config"
+    config.write_text((cluster2.dir / "h1_sshd_config").read_text().replace(
+        f"ListenAddress {h1.address}", "ListenAddress 127.0.0.1\nListenAddress 127.0.0.2"))
+    sshd = subprocess.Popen(cluster2.login(h1, ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        inventory = cluster2.inventory_data(overrides={})
+        inventory["hosts"] = [{"name": "a", "address": "127.0.0.1"}, {"name": "b", "address": "127.0.0.2"}]
+        hosts = tmp_path / "hosts.yaml"
+        hosts.write_text(yaml.safe_dump(inventory, sort_keys=False))
+        known = tmp_path / "known_hosts"
+        known.write_text(f"127.0.0.1 {h1.host_key}\n127.0.0.2 {h1.host_key}\n")
+        job = ddp_job(write_yaml, STEPS="10")
+        in_h1 = cluster2.login(h1, [sys.executable, "-m", "harness.cli"])
+        for _ in range(100):  # sshd listening
+            if subprocess.run(cluster2.login(h1, ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.2/22"]),
+                              capture_output=True).returncode == 0:
+                break
+            time.sleep(0.05)
+        checked = subprocess.run([*in_h1, "preflight", str(hosts), "--job", str(job), "--known-hosts", str(known)],
+                                 capture_output=True, text=True, timeout=180, cwd=REPO)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert re.search(r"^b +data_plane +PASS +.* on lo .*, 65535-byte frames too$", checked.stdout, re.M), \
+            checked.stdout
+        assert re.search(r"^b +resolve +PASS +master 127\.0\.0\.1 -> 127\.0\.0\.1", checked.stdout, re.M), checked.stdout
+        launched = subprocess.run([*in_h1, "launch", str(job), "--hosts", str(hosts), "--known-hosts", str(known),
+                                   "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=180,
+                                  cwd=REPO)
+        assert launched.returncode == 0, launched.stdout + launched.stderr
+        assert re.search(r"\[node1\] \[rank1\]: rank 1/2 up on h1;", launched.stdout), launched.stdout
+    finally:
+        sshd.kill()
+        sshd.wait()

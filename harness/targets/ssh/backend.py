@@ -38,14 +38,16 @@ in the plan). Raises CheckFailed; nothing is started."""
 
 
 def resolve_master_ip(inventory: Inventory, master: Host) -> str:
-    """MASTER_ADDR must be an IP: hostnames resolve differently per node (127.0.1.1, IPv6-only)."""
+    """MASTER_ADDR must be an IP: hostnames resolve differently per node (127.0.1.1, IPv6-only). A loopback
+    IP only where every host is written as one: all of them this machine (sshd on 127.0.0.1 and 127.0.0.2)."""
     where = inventory.key_path(master, "address")
     try:
         ip, looked_up = resolve_ip(master.address)
     except Unresolvable as exc:
         raise located(inventory.path, where, f"master address {short_repr(master.address)} does not resolve "
                                              f"({exc}); write its IP address") from None
-    if not is_loopback(ip) or (not looked_up and len(inventory.hosts) == 1):
+    one_machine = all(is_loopback(host.address) for host in inventory.hosts)
+    if not is_loopback(ip) or (not looked_up and one_machine):
         return ip
     if not looked_up:
         raise located(inventory.path, where, f"the master's address {ip} is loopback; the other hosts cannot "
