@@ -42,9 +42,9 @@ import threading
 import time
 
 from harness.node.oom import oom_counts, oom_kills
-from harness.node.proctable import kill_run_processes, process_tree, signal_all
+from harness.node.proctable import kill_run_processes, process_tree, signal_all, stat_fields
 from harness.node.protocol import Kind, Word, health_bodies, message_line, oom_body, parse_word, stacks_bodies
-from harness.node.ranks import as_seen, find_ranks, sample, source_line
+from harness.node.ranks import as_seen, find_ranks, python_children, sample, source_line
 from harness.node.stacks import dump, py_spy_path
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -139,15 +139,15 @@ class Agent:
                 say(Kind.HEALTH, body)
 
     def send_stacks(self, tag: str) -> None:
-        """Every rank's stack, read in parallel; each frame with its source line as this node has it."""
+        """Every rank's stack, and its DataLoader workers', read in parallel; each frame with its source
+        line as this node has it."""
         below, _ = process_tree(os.getpid())
         ranks = find_ranks(below, self.run_id) or self.ranks
         states = sample(ranks, below)
         py_spy = py_spy_path()
         answers: dict[int, object] = {}
 
-        def read(rank: int, pid: int) -> None:
-            state = states[rank].state if rank in states else "gone"
+        def threads_of(pid: int, state: str) -> object:
             threads = dump(pid, py_spy, stopped=state in ("T", "t")) if py_spy else \
                 "py-spy is not installed beside the job's Python or on PATH"
             if isinstance(threads, list):
@@ -155,7 +155,15 @@ class Agent:
                     for frame in thread["frames"]:
                         frame["code"] = source_line(pid, frame["file"], frame["line"])
                         frame["file"] = as_seen(pid, frame["file"])
-            answers[rank] = {"pid": pid, "state": state, "threads": threads}
+            return threads
+
+        def read(rank: int, pid: int) -> None:
+            state = states[rank].state if rank in states else "gone"
+            workers = []
+            for child in python_children(pid, below):  # its DataLoader workers: a hang may be theirs
+                child_state = (stat_fields(child) or [b"gone"])[0].decode()
+                workers.append({"pid": child, "state": child_state, "threads": threads_of(child, child_state)})
+            answers[rank] = {"pid": pid, "state": state, "threads": threads_of(pid, state), "workers": workers}
 
         readers = [threading.Thread(target=read, args=item, daemon=True) for item in ranks.items()]
         for reader in readers:

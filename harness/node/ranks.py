@@ -46,6 +46,27 @@ def find_ranks(below: list[int], run_id: str) -> dict[int, int]:
     return found
 
 
+def python_children(pid: int, below: list[int]) -> list[int]:
+    """The processes below a rank that run its Python (its DataLoader workers, multiprocessing's
+    children), oldest first: a hang in one of them is the rank's."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return []
+    tree = _children(below)
+    found, stack = [], list(tree.get(pid, []))
+    while stack:
+        child = stack.pop()
+        try:
+            same = os.readlink(f"/proc/{child}/exe") == exe
+        except OSError:
+            continue
+        if same:
+            found.append(child)
+        stack.extend(tree.get(child, []))
+    return sorted(found, key=lambda child: int((stat_fields(child) or [b"0"] * 20)[19]))
+
+
 def _children(below: list[int]) -> dict[int, list[int]]:
     tree: dict[int, list[int]] = {}
     for pid in below:

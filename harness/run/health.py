@@ -29,6 +29,7 @@ STILL_SECONDS = 10.0  # idle this long (and for three samples) is shown as no pr
 SLOW_CONFIRM = 20.0  # seconds a rank must stay slow before it is named (and well again before it is cleared)
 # Frames inside these parts of torch are a rank waiting for its peers (a collective, DDP's backward).
 WAITING = re.compile(r"torch/(distributed|autograd|nn/parallel)/")
+LOADER = re.compile(r"torch/utils/data/")  # a rank in its DataLoader: waiting for a worker, or loading itself
 WRAPPERS = ("wrapper", "_fn", "inner", "decorate_context", "wrapped")
 LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python3[.\d]*/|^<")
 STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)", "t": "traced",
@@ -179,13 +180,29 @@ class RankStack:
     state: str
     threads: list[dict[str, Any]] | None
     error: str | None = None
+    workers: tuple[RankStack, ...] = ()  # its DataLoader workers (processes running its Python), oldest first
 
     @classmethod
     def from_answer(cls, rank: int, node: Node, answer: Mapping[str, Any]) -> RankStack:
         threads = answer["threads"]
+        workers = tuple(cls.from_answer(rank, node, worker) for worker in answer.get("workers", []))
         if isinstance(threads, str):
-            return cls(rank, node, answer["pid"], answer["state"], None, threads)
-        return cls(rank, node, answer["pid"], answer["state"], threads)
+            return cls(rank, node, answer["pid"], answer["state"], None, threads, workers)
+        return cls(rank, node, answer["pid"], answer["state"], threads, workers=workers)
+
+    def to_answer(self) -> dict[str, Any]:
+        """As stacks.json keeps it (from_answer reads it back)."""
+        return {"node": self.node.node_rank, "host": self.node.host, "pid": self.pid, "state": self.state,
+                "threads": self.threads if self.threads is not None else self.error,
+                "workers": [worker.to_answer() for worker in self.workers]}
+
+    def stuck_worker(self) -> tuple[int, RankStack] | None:
+        """(its number, the worker) when the rank waits in its DataLoader and one of its workers is in the
+        user's code (a __getitem__ that never returns): the place of the hang is there."""
+        if not any(LOADER.search(f["file"]) for f in self.main_frames()):
+            return None
+        return next(((number, worker) for number, worker in enumerate(self.workers)
+                     if any(not LIBRARY.search(f["file"]) for f in worker.main_frames())), None)
 
     def main_frames(self) -> list[dict[str, Any]]:
         threads = self.threads or []
@@ -211,11 +228,13 @@ class RankStack:
             return f"{place}: {user['code']}" if user.get("code") else place
         return f"in {_call_name(frames, user)} {place}"
 
-    def text(self) -> str:
-        """The stacks as py-spy dump shows them, with each frame's source line."""
-        head = f"rank {self.rank} ({self.node.label} on {self.node.host}), pid {self.pid}, {_state(self.state)}"
+    def text(self, head: str | None = None) -> str:
+        """The stacks as py-spy dump shows them, with each frame's source line; then its workers'."""
+        head = head or f"rank {self.rank} ({self.node.label} on {self.node.host}), pid {self.pid}, {_state(self.state)}"
+        workers = "".join("\n" + worker.text(f"rank {self.rank}'s DataLoader worker {number}, pid {worker.pid}, "
+                                              f"{_state(worker.state)}") for number, worker in enumerate(self.workers))
         if self.threads is None:
-            return f"{head}\n    stacks unavailable: {self.error}\n"
+            return f"{head}\n    stacks unavailable: {self.error}\n{workers}"
         lines = [head]
         for thread in self.threads:
             lines.append(f"Thread {thread.get('tid')} ({'active' if thread.get('active') else 'idle'}): "
@@ -224,7 +243,7 @@ class RankStack:
                 lines.append(f"    {frame['name']} ({_short(frame['file'])}:{frame['line']})")
                 if frame.get("code"):
                     lines.append(f"        {frame['code']}")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + workers
 
 
 def _short(path: str) -> str:
@@ -268,13 +287,17 @@ def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[i
     for rank, stack in live.items():
         if stack.state in ("T", "t"):
             odd[rank] = f"({stack.node.label} on {stack.node.host}) is {_state(stack.state)} {stack.where()}"
+        elif found := stack.stuck_worker():
+            number, worker = found
+            odd[rank] = f"'s DataLoader worker {number} ({stack.node.label} on {stack.node.host}, pid " \
+                        f"{worker.pid}) {worker.where()}"
         elif stack.threads is not None and not stack.waiting():
             odd[rank] = f"({stack.node.label} on {stack.node.host}) {stack.where()}"
     waiters = {r: s for r, s in live.items() if r not in odd}
     groups: dict[str, list[int]] = {}
     for rank, stack in sorted(waiters.items()):
         groups.setdefault(stack.where(), []).append(rank)
-    parts = [f"rank {rank} {what}" for rank, what in sorted(odd.items())]
+    parts = [f"rank {rank}{'' if what.startswith(chr(39)) else ' '}{what}" for rank, what in sorted(odd.items())]
     ahead = None
     if not odd and len(groups) > 1:
         biggest = max(len(g) for g in groups.values())

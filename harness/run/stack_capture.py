@@ -77,10 +77,10 @@ class StackCapture:
 
 
 def keep(where: Path, stacks: dict[int, RankStack]) -> None:
-    """Each rank's stacks as py-spy shows them (rankN.txt) and all of them as stacks.json."""
+    """Each rank's stacks as py-spy shows them, its DataLoader workers' after them (rankN.txt), and all of
+    them as stacks.json."""
     where.mkdir(parents=True, exist_ok=True)
     for rank, stack in stacks.items():
         write_text_atomic(where / f"rank{rank}.txt", stack.text())
-    write_text_atomic(where / "stacks.json", json.dumps(
-        {str(rank): {"node": s.node.node_rank, "host": s.node.host, "pid": s.pid, "state": s.state,
-                     "threads": s.threads, "error": s.error} for rank, s in sorted(stacks.items())}))
+    answers = {str(rank): stack.to_answer() for rank, stack in sorted(stacks.items())}
+    write_text_atomic(where / "stacks.json", json.dumps(answers))

@@ -41,8 +41,8 @@ def run_stacks(run: RunDir, timeout: float = ANSWER_SECONDS) -> str:
             raise UsageError(f"run {run.run_id}: its controller did not answer within {timeout:g} s")
         time.sleep(0.1)
     answer = json.loads((run.stacks / tag / "stacks.json").read_text(encoding="utf-8"))
-    stacks = [RankStack(int(rank), Node(host=a["host"], address=a["host"], node_rank=a["node"], nproc=0), a["pid"],
-                        a["state"], a["threads"], a["error"]) for rank, a in answer.items()]
+    stacks = [RankStack.from_answer(int(rank), Node(host=a["host"], address=a["host"], node_rank=a["node"], nproc=0),
+                                    a) for rank, a in answer.items()]
     if not stacks:
         return f"run {run.run_id}: no rank is running yet\n"
     return grouped(stacks) + f"\n(kept in {run.stacks / tag}/)\n"

@@ -74,6 +74,21 @@ def test_a_rank_stuck_in_a_sleep_is_found_named_and_its_stacks_kept(write_yaml, 
     assert "all_reduce" in (kept / "rank0.txt").read_text()
 
 
+def test_a_rank_whose_dataloader_worker_is_stuck_names_the_worker_and_keeps_its_stack(write_yaml, launch, tmp_path):
+    run = launch(hang_job(write_yaml, FAULT="loader", FAULT_RANK="1", FAULT_STEP="20"))
+    run.wait_for(r"\[rank0\]: step 10")
+    began = time.time()
+    text, seen = verdict(run)
+    assert seen - began < STALL + MARGIN, f"found after {seen - began:.1f} s"
+    assert re.match(r"no progress for 8 s: rank 1's DataLoader worker 0 \(node1 on sim1, pid \d+\) at "
+                    r"\S*ddp_hang.py:\d+ in Batches.__getitem__: time.sleep\(3600\); rank 0 waits in all_reduce at "
+                    r"\S*ddp_hang.py:\d+ in train_step", text), text
+    kept = (tmp_path / "runs" / run.run_id / "stacks" / "attempt-0" / "rank1.txt").read_text()
+    assert re.search(r"^rank 1's DataLoader worker 0, pid \d+, sleeping\n(.*\n)*\s+time.sleep\(3600\)", kept, re.M), kept
+    assert run.finish(timeout=120) == 1, run.output
+    assert_nothing_left(run.run_id)
+
+
 def test_a_sigstopped_rank_is_named_stopped(write_yaml, launch, tmp_path):
     """And once the run has ended, `harness stacks` of it says where the hang's stacks are kept."""
     run = launch(hang_job(write_yaml))

@@ -1,5 +1,6 @@
 """A gloo job with the faults that hang real jobs, chosen by env: FAULT (sleep: FAULT_RANK sleeps in
-its data loading at step FAULT_STEP; skip: FAULT_RANK skips an all_reduce and goes on to the final barrier; silent:
+its data loading at step FAULT_STEP; loader: the same sleep in the __getitem__ of FAULT_RANK's DataLoader
+worker; skip: FAULT_RANK skips an all_reduce and goes on to the final barrier; silent:
 every rank computes for SILENT_SECONDS without printing or a collective, then ends), STEPS, RUN_SECONDS, and
 WORK: matrix products per step (a compute-bound step, as training's is), else a 0.05 s pause."""
 
@@ -36,8 +37,23 @@ def load_batch(step: int) -> torch.Tensor:
     return x
 
 
+class Batches(torch.utils.data.Dataset):
+    """load_batch's batches, read by a DataLoader worker (a process of its own)."""
+
+    def __len__(self) -> int:
+        return steps
+
+    def __getitem__(self, step: int) -> torch.Tensor:
+        if rank == fault_rank and step == fault_step:
+            time.sleep(3600)
+        return load_batch(step)
+
+
+loader = iter(torch.utils.data.DataLoader(Batches(), batch_size=None, num_workers=1)) if fault == "loader" else None
+
+
 def train_step(step: int) -> None:
-    batch = load_batch(step)
+    batch = next(loader) if loader is not None else load_batch(step)
     if fault == "skip" and rank == fault_rank and step == fault_step:
         return
     dist.all_reduce(batch)

@@ -124,9 +124,33 @@ def test_ranks_in_different_collectives_are_a_mismatch_and_a_minority_is_named()
     assert three.odd == [1] and three.text.startswith("no progress for 10 s: rank 1 waits in barrier at train.py:80")
 
 
+def test_a_rank_waiting_for_its_stuck_dataloader_worker_names_the_worker_and_where_it_is():
+    waiting = [frame("wait", "/usr/lib/python3.11/threading.py", 331),
+               frame("_try_get_data", f"{SITE}/torch/utils/data/dataloader.py", 1133),
+               frame("__next__", f"{SITE}/torch/utils/data/dataloader.py", 733),
+               frame("<module>", "dlhang.py", 23, "for batch in loader:")]
+    in_getitem = [frame("__getitem__", "dlhang.py", 16, "time.sleep(3600)"),
+                  frame("fetch", f"{SITE}/torch/utils/data/_utils/fetch.py", 52),
+                  frame("_worker_loop", f"{SITE}/torch/utils/data/_utils/worker.py", 349)]
+    idle = [frame("get", "/usr/lib/python3.11/multiprocessing/queues.py", 113),
+            frame("_worker_loop", f"{SITE}/torch/utils/data/_utils/worker.py", 309)]
+    rank1 = stack(1, waiting)
+    rank1 = RankStack(1, NODES[1], 101, "S", rank1.threads, workers=(
+        RankStack(1, NODES[1], 301, "S", [{"name": "MainThread", "tid": 301, "frames": idle}]),
+        RankStack(1, NODES[1], 302, "S", [{"name": "MainThread", "tid": 302, "frames": in_getitem}])))
+    verdict = hang_verdict(10, {0: stack(0, IN_ALL_REDUCE), 1: rank1}, {})
+    assert verdict.odd == [1]
+    assert verdict.text == ("no progress for 10 s: rank 1's DataLoader worker 1 (node1 on h2, pid 302) at dlhang.py:16 "
+                            "in __getitem__: time.sleep(3600); rank 0 waits in all_reduce at train.py:55 in step")
+    text = rank1.text()
+    assert "rank 1's DataLoader worker 1, pid 302, sleeping\n" in text and "        time.sleep(3600)" in text
+    assert RankStack.from_answer(1, NODES[1], rank1.to_answer()) == rank1, "stacks.json keeps the workers"
+
+
 def test_a_rank_whose_stack_could_not_be_read_says_why():
     unread = RankStack(0, NODES[0], 100, "S", None, "Permission denied (os error 13)")
     assert unread.where() == "(no stack: Permission denied (os error 13))"
+    assert RankStack.from_answer(0, NODES[0], unread.to_answer()) == unread
     assert "stacks unavailable: Permission denied" in unread.text()
 
 
