@@ -44,7 +44,7 @@ import time
 from harness.node.oom import oom_counts, oom_kills
 from harness.node.proctable import kill_run_processes, process_tree, signal_all, stat_fields
 from harness.node.protocol import Kind, Word, health_bodies, message_line, oom_body, parse_word, stacks_bodies
-from harness.node.ranks import as_seen, find_ranks, python_children, sample, source_line
+from harness.node.ranks import as_seen, children_of, find_ranks, python_children, sample, source_line
 from harness.node.stacks import dump, py_spy_path
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -145,6 +145,7 @@ class Agent:
         ranks = find_ranks(below, self.run_id) or self.ranks
         states = sample(ranks, below)
         py_spy = py_spy_path()
+        tree = children_of(below)
         answers: dict[int, object] = {}
 
         def threads_of(pid: int, state: str) -> object:
@@ -160,7 +161,7 @@ class Agent:
         def read(rank: int, pid: int) -> None:
             state = states[rank].state if rank in states else "gone"
             workers = []
-            for child in python_children(pid, below):  # its DataLoader workers: a hang may be theirs
+            for child in python_children(pid, tree):  # its DataLoader workers: a hang may be theirs
                 child_state = (stat_fields(child) or [b"gone"])[0].decode()
                 workers.append({"pid": child, "state": child_state, "threads": threads_of(child, child_state)})
             answers[rank] = {"pid": pid, "state": state, "threads": threads_of(pid, state), "workers": workers}

@@ -46,14 +46,13 @@ def find_ranks(below: list[int], run_id: str) -> dict[int, int]:
     return found
 
 
-def python_children(pid: int, below: list[int]) -> list[int]:
+def python_children(pid: int, tree: dict[int, list[int]]) -> list[int]:
     """The processes below a rank that run its Python (its DataLoader workers, multiprocessing's
-    children), oldest first: a hang in one of them is the rank's."""
+    children), oldest first: a hang in one of them is the rank's. tree: children_of's."""
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
     except OSError:
         return []
-    tree = _children(below)
     found, stack = [], list(tree.get(pid, []))
     while stack:
         child = stack.pop()
@@ -67,7 +66,8 @@ def python_children(pid: int, below: list[int]) -> list[int]:
     return sorted(found, key=lambda child: int((stat_fields(child) or [b"0"] * 20)[19]))
 
 
-def _children(below: list[int]) -> dict[int, list[int]]:
+def children_of(below: list[int]) -> dict[int, list[int]]:
+    """Each process's children among below."""
     tree: dict[int, list[int]] = {}
     for pid in below:
         if fields := stat_fields(pid):
@@ -77,7 +77,7 @@ def _children(below: list[int]) -> dict[int, list[int]]:
 
 def sample(ranks: dict[int, int], below: list[int]) -> dict[int, RankSample]:
     """Each rank still there, as the health message carries it."""
-    tree = _children(below)
+    tree = children_of(below)
     found: dict[int, RankSample] = {}
     for rank, pid in ranks.items():
         own = stat_fields(pid)

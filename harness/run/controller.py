@@ -18,6 +18,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
@@ -56,7 +58,7 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
     terminal = Terminal(out)
     course: _Course = _Followed(target, spec, terminal, detach) if isinstance(target, Scheduler) else \
         _Supervised(target, spec, terminal)
-    try:
+    with _closing(course, terminal):
         began = time.time()
         course.prepare(source, runs_root, run_id)
         run = create_run_dir(runs_root, run_id)
@@ -68,11 +70,6 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
                                 started_at=began, nnodes=course.nnodes, world_size=course.world_size,
                                 controller=_this_controller(), hosts=course.hosts)
         return _run(course, run, terminal)
-    finally:
-        course.close()
-        terminal.close()
-        if terminal.record is not None:
-            terminal.record.close()
 
 
 def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[str] = sys.stdout) -> int:
@@ -81,13 +78,20 @@ def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[
     run = continued.run
     terminal = Terminal(out)
     course = _Supervised(backend, spec, terminal, continued)
-    try:
+    with _closing(course, terminal):
         course.prepare(str(run.spec_copy), run.path.parent, run.run_id)
         terminal.record = StreamRecord(run.stream)
         terminal.logs_command = f"harness logs {run.run_id}"
         course.state = replace(run.read_state(), status=RunStatus.RUNNING, controller=_this_controller(),
                                nnodes=course.nnodes, world_size=course.world_size, hosts=course.hosts)
         return _run(course, run, terminal)
+
+
+@contextmanager
+def _closing(course: _Course, terminal: Terminal) -> Iterator[None]:
+    """The target's resources released and the terminal and the record closed, however the run ends."""
+    try:
+        yield
     finally:
         course.close()
         terminal.close()
