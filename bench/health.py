@@ -18,9 +18,10 @@ whether the right rank is named, against torchrun alone; and what the watch cost
    when the first line of an error shows, whether any line names the injected rank, and what is left
    running a bounded wait later.
 10. The payload (synthetic data, small model) under `harness launch`, health on (the default: stall
-   300 s, slow 20%, agents sample every 5 s) and off (`health: {stall: 0, slow: 0}`), alternately:
-   rank 0's img/s over the steps after warm-up, and the time from the command's start to rank 0's
-   first step.
+   300 s, slow 20%, agents sample every 5 s, Flight Recorder on and read with each sample), health on
+   without Flight Recorder (`env: {TORCH_FR_BUFFER_SIZE: '0'}`: the hook still serves, the reads find
+   nothing) and off (`health: {stall: 0, slow: 0}`), interleaved: rank 0's img/s over the steps after
+   warm-up, and the time from the command's start to rank 0's first step.
 """
 
 from __future__ import annotations
@@ -274,7 +275,8 @@ def _harness_tree() -> list[str]:
 
 FIRST = re.compile(r"\[rank0\]: epoch 1/1 step 1/")
 STEP_RATE = re.compile(r"\[rank0\]: epoch 1/1 step (\d+)/\d+ .*img/s (\d+)")
-WATCH = {"on": None, "off": "{stall: 0, slow: 0}"}  # None: the spec says nothing, the defaults hold
+WATCH = {"on": None, "no-fr": None, "off": "{stall: 0, slow: 0}"}  # None: the spec says nothing, the defaults hold
+ARM_ENV = {"no-fr": {"TORCH_FR_BUFFER_SIZE": "0"}}
 
 
 def sampling_cost(root: int, run_id: str, repeats: int = 50) -> float:
@@ -293,8 +295,8 @@ def payload_run(tmp: Path, arm: str, cfg: dict[str, Any], measure: bool = False)
     args = ["--data", "synthetic", "--subset", str(2 * batch * steps), "--model", cfg["model"], "--epochs", "1",
             "--max-steps", str(steps), "--batch-size", str(batch), "--log-every", "1", "--device", "cpu"]
     load = os.getloadavg()[0]
-    job = write_job(tmp / f"watch-{arm}.yaml", "module: harness.payload.train\n  args: " + json.dumps(args), {},
-                    WATCH[arm])
+    job = write_job(tmp / f"watch-{arm}.yaml", "module: harness.payload.train\n  args: " + json.dumps(args),
+                    ARM_ENV.get(arm, {}), WATCH[arm])
     with procs.Proc([procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(tmp / "runs")]) as p:
         if measure:  # an extra run, not timed: the bench's own CPU would slow the payload
             _, header = p.wait_for(r"^harness: run (\S+): ", timeout=120)
@@ -313,20 +315,22 @@ def payload_run(tmp: Path, arm: str, cfg: dict[str, Any], measure: bool = False)
 def watch_cost(cfg: dict[str, Any]) -> dict[str, Any]:
     attempts: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-watch-") as tmp:
-        for i in range(cfg["repeats"]):  # interleaved, and the order alternated: on, off, off, on, ...
-            for arm in ("on", "off") if i % 2 == 0 else ("off", "on"):
+        for i in range(cfg["repeats"]):  # interleaved, and the order alternated: on, no-fr, off, off, no-fr, on, ...
+            for arm in ("on", "no-fr", "off") if i % 2 == 0 else ("off", "no-fr", "on"):
                 attempts.append(payload_run(Path(tmp), arm, cfg))
                 print(f"bench: watch_cost: {arm}: {attempts[-1]}", flush=True)
         cost = payload_run(Path(tmp), "on", cfg, measure=True)["sample_cpu_s"]
     interval = watch_seconds(cast(JobSpec, SimpleNamespace(health=Health())))
-    pairs = [(next(a for a in attempts[2 * i:2 * i + 2] if a["arm"] == "on"),
-              next(a for a in attempts[2 * i:2 * i + 2] if a["arm"] == "off")) for i in range(cfg["repeats"])]
+    rounds = [{a["arm"]: a for a in attempts[3 * i:3 * i + 3]} for i in range(cfg["repeats"])]
+    pairs = [(r["on"], r["off"]) for r in rounds]
     rate_ratios = [on["images_per_s"] / off["images_per_s"] for on, off in pairs]
+    fr_ratios = [r["on"]["images_per_s"] / r["no-fr"]["images_per_s"] for r in rounds]
     step_ratios = [on["first_step_s"] / off["first_step_s"] for on, off in pairs]
     rows = []
-    for arm in ("on", "off"):
+    for arm in WATCH:
         mine = [a for a in attempts if a["arm"] == arm]
         rows.append({"arm": arm, "health": WATCH[arm] or "(default) {stall: 300, slow: 20}",
+                     "env": ARM_ENV.get(arm, {}),
                      "images_per_s": round(statistics.median(a["images_per_s"] for a in mine), 1),
                      "first_step_s": round(statistics.median(a["first_step_s"] for a in mine), 2),
                      "attempts_images_per_s": [a["images_per_s"] for a in mine],
@@ -336,6 +340,8 @@ def watch_cost(cfg: dict[str, Any]) -> dict[str, Any]:
             "repeats": cfg["repeats"], "statistic": "median of the pairs' ratios", "rows": rows,
             "images_per_s_ratio": round(statistics.median(rate_ratios), 4),
             "pair_images_per_s_ratios": [round(r, 4) for r in rate_ratios],
+            "flight_recorder_images_per_s_ratio": round(statistics.median(fr_ratios), 4),
+            "pair_flight_recorder_ratios": [round(r, 4) for r in fr_ratios],
             "first_step_ratio": round(statistics.median(step_ratios), 3),
             "pair_first_step_ratios": [round(r, 3) for r in step_ratios], "goal_ratio": 0.99,
             "sample_cpu_ms": round(1000 * cost, 2), "sample_every_s": interval,

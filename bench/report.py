@@ -377,6 +377,10 @@ def _watch_cost(w: dict[str, Any]) -> list[str]:
                     [[r["arm"], f"`{r['health']}`", _num(r["images_per_s"]),
                       ", ".join(_num(a) for a in r["attempts_images_per_s"]), r["first_step_s"],
                       ", ".join(str(a) for a in r["attempts_first_step_s"])] for r in w["rows"]])
+    if "flight_recorder_images_per_s_ratio" in w:
+        lines.append(f"img/s with Flight Recorder / without it (health on in both): "
+                     f"{w['flight_recorder_images_per_s_ratio']:.4f} (rounds: "
+                     f"{', '.join(f'{r:.3f}' for r in w['pair_flight_recorder_ratios'])})")
     return [*lines, f"img/s on / off: {w['images_per_s_ratio']:.4f} (pairs: "
             f"{', '.join(f'{r:.3f}' for r in w['pair_images_per_s_ratios'])}); time to first step on / off: "
             f"{w['first_step_ratio']:.3f} (pairs: {', '.join(f'{r:.3f}' for r in w['pair_first_step_ratios'])}).", "",

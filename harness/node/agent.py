@@ -5,7 +5,7 @@ controller, a process on an SSH host, or an srun step's task. It is started as
 
     python -I -S -c "$BOOT" harness-agent RUN_ID node NODE_RANK attempt ATTEMPT
 
-and reads itself, and its arguments GRACE SILENCE WATCH COMMAND [CLEANUP], from the first line of its
+and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK, from the first line of its
 stdin (harness.node.boot), so it imports nothing but the standard library (not even
 site-packages): hosts need Python, not the harness. Its protocol (harness.node.protocol): the words
 it obeys on the rest of its stdin, and the messages it says among the node's output on its stdout:
@@ -26,7 +26,10 @@ it obeys on the rest of its stdin, and the messages it says among the node's out
 - it says `health` every WATCH seconds (WATCH 0: never), `oom` before the exit when the kernel's OOM
   killer ended a rank (harness.node.oom), and `node-exit CODE` once the node has ended.
 
-The agent finds its node's processes through harness.node.proctable, as `harness stop` does.
+The agent finds its node's processes through harness.node.proctable, as `harness stop` does. It
+keeps a private directory (HARNESS_AGENT_DIR in the node's environment, removed at the end) that
+holds HOOK as sitecustomize.py (harness.node.rank_hook: the node's setup line puts the directory first
+on PYTHONPATH) and the sockets on which the ranks serve their Flight Recorder (harness.node.collectives).
 """
 
 from __future__ import annotations
@@ -35,15 +38,27 @@ import contextlib
 import ctypes
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+from harness.node.collectives import READ_SECONDS, arrivals, last_entries, progress, read_trace
 from harness.node.oom import oom_counts, oom_kills
 from harness.node.proctable import kill_run_processes, process_tree, signal_all, stat_fields
-from harness.node.protocol import Kind, Word, health_bodies, message_line, oom_body, parse_word, stacks_bodies
+from harness.node.protocol import (
+    Kind,
+    Word,
+    arrivals_bodies,
+    health_bodies,
+    message_line,
+    oom_body,
+    parse_word,
+    stacks_bodies,
+)
 from harness.node.ranks import as_seen, children_of, find_ranks, python_children, sample, source_line
 from harness.node.stacks import dump, py_spy_path
 
@@ -55,7 +70,7 @@ class Agent:
     """One node's command in a session of its own, and the means to end all of it."""
 
     def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, watch: float,
-                 command: str, cleanup: str) -> None:
+                 command: str, cleanup: str, hook: str) -> None:
         self.run_id = run_id
         self.node_rank = node_rank
         self.attempt = attempt
@@ -70,8 +85,13 @@ class Agent:
         self.ended = threading.Event()
         self._cleaned = False
         self._kill_lock = threading.Lock()
+        self.arrived: dict[int, int] = {}  # rank -> when it enqueued the newest collective sent (ns)
+        self.directory = tempfile.mkdtemp(prefix="harness-agent-")  # private (0700): nobody else's code runs
+        with open(os.path.join(self.directory, "sitecustomize.py"), "w", encoding="utf-8") as handle:
+            handle.write(hook)
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
-        self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdin=subprocess.DEVNULL)
+        self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdin=subprocess.DEVNULL,
+                                      env={**os.environ, "HARNESS_AGENT_DIR": self.directory})
         # A command the OS refuses to run (too long, no /bin/sh) raises here: main() reports it.
 
     def signal_group(self, sig: int) -> None:
@@ -135,8 +155,38 @@ class Agent:
             below, _ = process_tree(os.getpid())
             self.ranks = find_ranks(below, self.run_id) or self.ranks
             self.seen.update({pid: rank for rank, pid in self.ranks.items()})
-            for body in health_bodies(time.time(), sample(self.ranks, below)):
+            samples = sample(self.ranks, below)
+            traces = self.traces({rank: found.state for rank, found in samples.items()})
+            now = time.time()
+            for rank, trace in traces.items():
+                if isinstance(trace, list):
+                    completed, pending = progress(trace, time.time_ns())
+                    samples[rank] = samples[rank]._replace(completed=completed, pending=round(pending, 2))
+                    if new := arrivals(trace, self.arrived.get(rank, 0)):
+                        self.arrived[rank] = new[-1][2]
+                        for body in arrivals_bodies(now, rank, new):
+                            say(Kind.ARRIVALS, body)
+            for body in health_bodies(now, samples):
                 say(Kind.HEALTH, body)
+
+    def traces(self, states: dict[int, str]) -> dict[int, list[dict[str, object]] | str]:
+        """Each rank's Flight Recorder entries (or why not), read in parallel: one rank slow to answer
+        holds up nobody else's. states: each rank's scheduler state (a stopped rank's server cannot answer)."""
+        found: dict[int, list[dict[str, object]] | str] = {}
+
+        def read(rank: int) -> None:
+            found[rank] = read_trace(self.directory, rank)
+
+        ranks = [rank for rank, state in states.items() if state not in ("T", "t", "Z")]
+        found.update({rank: f"the rank is {'a zombie' if state == 'Z' else 'stopped'}"
+                      for rank, state in states.items() if rank not in ranks})
+        readers = [threading.Thread(target=read, args=(rank,), daemon=True) for rank in ranks]
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 2 * READ_SECONDS
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        return {rank: found.get(rank, "its worker server did not answer in time") for rank in states}
 
     def send_stacks(self, tag: str) -> None:
         """Every rank's stack, and its DataLoader workers', read in parallel; each frame with its source
@@ -146,7 +196,7 @@ class Agent:
         states = sample(ranks, below)
         py_spy = py_spy_path()
         tree = children_of(below)
-        answers: dict[int, object] = {}
+        answers: dict[int, dict[str, object]] = {}
 
         def threads_of(pid: int, state: str) -> object:
             threads = dump(pid, py_spy, stopped=state in ("T", "t")) if py_spy else \
@@ -169,8 +219,12 @@ class Agent:
         readers = [threading.Thread(target=read, args=item, daemon=True) for item in ranks.items()]
         for reader in readers:
             reader.start()
+        traces = self.traces({rank: states[rank].state for rank in ranks if rank in states})
         for reader in readers:
             reader.join()
+        for rank, answer in answers.items():
+            trace = traces.get(rank, "the rank is gone")
+            answer["collectives"] = last_entries(trace) if isinstance(trace, list) else trace
         for rank, answer in sorted(answers.items()):
             for body in stacks_bodies(tag, rank, answer):
                 say(Kind.STACKS, body)
@@ -184,6 +238,7 @@ class Agent:
         self.ended.set()
         with self._kill_lock:  # not while a KILL runs the cleanup, a child of ours with our environment
             self._sweep()  # workers that outlived their torchrun, daemons the job left behind
+        shutil.rmtree(self.directory, ignore_errors=True)
         if code != 0 and (killed := oom_kills(self.seen, self.began, self.oom_before)):
             say(Kind.OOM, oom_body(killed))
         return code
@@ -201,14 +256,13 @@ def say(kind: Kind, body: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    run_id, node_rank, attempt, grace, silence, watch, command = argv[:7]
-    cleanup = argv[7] if len(argv) > 7 else ""
+    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook = argv[:9]
     if "SLURM_STEP_ID" in os.environ:
         # Slurm's time-limit warning reaches every process of the step (scancel --signal=USR1): the training
         # processes catch it and checkpoint; the agent and torchrun (which inherits this) must live on.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup)
+        agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup, hook)
     except OSError as exc:
         sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
         code = 127

@@ -71,12 +71,14 @@ def siblings(name: str) -> tuple[str, ...]:
     return tuple(order)
 
 
+def source(module: str) -> str:
+    """The text of harness/node/<module>.py, as it is shipped (or installed on a node: the rank hook)."""
+    return (_HERE / f"{module}.py").read_text(encoding="utf-8")
+
+
 def shipped(name: str, args: Sequence[str]) -> bytes:
     """The stdin line that runs harness.node.<name> with args under BOOT: one line, since every
     newline in the sources is escaped by repr."""
-    def source(module: str) -> str:
-        return (_HERE / f"{module}.py").read_text(encoding="utf-8")
-
     program = (f"SIBLINGS = {[(s, source(s)) for s in siblings(name)]!r}\n"
                f"ARGV = {[name, *args]!r}\nMAIN = {(name, source(name))!r}\n{_LOADER}")
     return f"exec({program!r})\n".encode()

@@ -34,6 +34,7 @@ class Kind(str, Enum):  # noqa: UP042 - as Word
     HEALTH = "health"  # every WATCH seconds: each rank's RankSample
     STACKS = "stacks"  # a chunk of one rank's stacks (StackChunk)
     STACKS_DONE = "stacks-done"  # every rank's stacks for TAG were sent
+    ARRIVALS = "arrivals"  # with each health sample: when one rank enqueued its newest collectives
     OOM = "oom"  # before the exit: {rank: the kernel's line} of ranks the OOM killer ended
     NODE_EXIT = "node-exit"  # the node ended with CODE (negative: the signal); the agent's last word
 
@@ -46,6 +47,8 @@ class RankSample(NamedTuple):
     cpu: float  # CPU seconds of the rank and every process below it
     busy: float  # seconds its main thread was on a CPU or waiting for one
     io: int  # bytes it and its children read and wrote
+    completed: int = -1  # collectives it completed, by Flight Recorder (harness.node.collectives); -1: unread
+    pending: float = -1.0  # seconds its oldest unfinished collective has waited; -1: none (or unread)
 
 
 class Message(NamedTuple):
@@ -93,8 +96,32 @@ def health_bodies(t: float, samples: dict[int, RankSample]) -> list[str]:
 def parse_health(body: str) -> tuple[float, dict[int, RankSample]]:
     """(when, {rank: sample}); ValueError, KeyError or TypeError for a damaged body."""
     payload = json.loads(body)
-    return float(payload["t"]), {int(rank): RankSample(int(pid), str(state), float(cpu), float(busy), int(io))
-                                 for rank, (pid, state, cpu, busy, io) in payload["ranks"].items()}
+    return float(payload["t"]), {int(rank): RankSample(int(pid), str(state), float(cpu), float(busy), int(io),
+                                                       *((int(fields[0]), float(fields[1])) if fields else ()))
+                                 for rank, (pid, state, cpu, busy, io, *fields) in payload["ranks"].items()}
+
+
+def arrivals_bodies(t: float, rank: int, arrived: list[list[object]]) -> list[str]:
+    """One rank's arrivals since its last ([group, sequence number, when enqueued (ns)]) at the node's time t,
+    as message bodies of at most CHUNK characters of arrivals each."""
+    bodies: list[str] = []
+    part: list[list[object]] = []
+    size = 0
+    for item in arrived:
+        text = json.dumps(item)
+        if part and size + len(text) > CHUNK:
+            bodies.append(json.dumps({"t": t, "rank": rank, "arrived": part}))
+            part, size = [], 0
+        part.append(item)
+        size += len(text) + 2
+    return bodies + ([json.dumps({"t": t, "rank": rank, "arrived": part})] if part else [])
+
+
+def parse_arrivals(body: str) -> tuple[float, int, list[tuple[str, int, int]]]:
+    """(when, rank, [(group, sequence number, when enqueued (ns))]); ValueError, KeyError or TypeError for
+    a damaged body."""
+    payload = json.loads(body)
+    return float(payload["t"]), int(payload["rank"]), [(str(g), int(s), int(ns)) for g, s, ns in payload["arrived"]]
 
 
 def stacks_bodies(tag: str, rank: int, answer: object) -> list[str]:

@@ -29,6 +29,10 @@ LOG_LINE_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 # Where the harness supervises the nodes, torch's C++ INFO log tells it which ranks joined a process
 # group (worker_output.joined_rank), so a run that never did is not reported as a distributed success.
 STORE_WATCH_ENV = {"TORCH_CPP_LOG_LEVEL": "INFO"}
+# ... and torch's Flight Recorder keeps each rank's last collectives (gloo's recorder and NCCL's: torch 2.15
+# reads this for both and calls TORCH_NCCL_TRACE_BUFFER_SIZE deprecated), which the node agent reads through
+# the rank hook: where each rank is on a hang, progress on GPUs, arrival times.
+FLIGHT_RECORDER_ENV = {"TORCH_FR_BUFFER_SIZE": "512"}
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,9 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
              attempt: int | str = 0, interface: str | None = None, supervised: bool = False,
              master_port: int | str | None = None) -> dict[str, str]:
     """The env contract of DESIGN.md: identical on every backend, user env first, ours last (the
-    interface pin and, for nodes the supervisor reads, STORE_WATCH_ENV before the user's env: a job that
-    sets GLOO_SOCKET_IFNAME or TORCH_CPP_LOG_LEVEL itself keeps it). master_port: as torchrun_flags takes it."""
+    interface pin and, for nodes the supervisor reads, STORE_WATCH_ENV and FLIGHT_RECORDER_ENV before the
+    user's env: a job that sets GLOO_SOCKET_IFNAME, TORCH_CPP_LOG_LEVEL or a buffer size itself keeps
+    it). master_port: as torchrun_flags takes it."""
     contract = {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(planned_port(spec) if master_port is None else master_port),
@@ -199,7 +204,7 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
     }
     defaults = {"PYTHONUNBUFFERED": "1"}  # output reaches the supervisor as it happens, not at exit
     pet = {f"PET_{k}": contract[k] for k in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE")}
-    watch = STORE_WATCH_ENV if supervised else {}
+    watch = STORE_WATCH_ENV | FLIGHT_RECORDER_ENV if supervised else {}
     return defaults | watch | interface_env(interface) | dict(spec.env) | contract | pet
 
 
@@ -274,7 +279,7 @@ def plan_local(
     workdirs: list[str | None] = [None] * spec.nnodes if cwd is None else list(local_workdirs(spec, cwd))
     if cwd is not None:
         spec = local_spec(spec, cwd)
-    setup = setup_script(spec.setup, spec.data_paths)
+    setup = setup_script(spec.setup, spec.data_paths, rank_hook=True)
     nodes = tuple(
         NodePlan(
             host=names[rank], address=LOCAL_MASTER, node_rank=rank, nproc=nproc, workdir=workdirs[rank],
@@ -351,7 +356,7 @@ def plan_hosts(spec: JobSpec, hosts: list[Host], *, run_id: str, master_ip: str,
         raise UsageError(f"master address must be an IP address, got {master_ip!r}") from None
     spec = spec.at_nnodes(len(hosts))
     nproc = resolve_nproc(spec, [h.gpus for h in hosts], [h.name for h in hosts])
-    setup = setup_script(spec.setup, spec.data_paths)
+    setup = setup_script(spec.setup, spec.data_paths, rank_hook=True)
     return Plan(run_id, spec.name, master_ip, planned_port(spec), spec.nnodes, nproc, tuple(
         _host_node(spec, host, rank, nproc, run_id, master_ip, attempt, pinned_interface(spec, host, interfaces or {}),
                    setup)

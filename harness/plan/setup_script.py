@@ -6,6 +6,10 @@ stays the process the backend signals. The commands run once per working directo
 node: under an flock on `.harness/setup.lock`, the first node does the work and records a marker
 named by the commands' hash; nodes that share the directory (simulated nodes, shared storage) wait
 on the lock and find the marker. A failure leaves no marker, so the next launch tries again.
+
+A node the agent supervises also gets RANK_HOOK_LINE first: the agent's private directory (its rank
+hook, harness.node.rank_hook) goes first on PYTHONPATH, after the node's env is set, so a PYTHONPATH of
+the job's or of the host's is kept behind it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Sequence
 SETUP_DIR = ".harness"
 FAILED = "harness setup failed:"  # how the script's failures begin (recovery.py reads it in a node's tail)
 ARGV0 = "harness-setup"  # $0 of the script: what ps and the shell's own error messages show
+RANK_HOOK_LINE = ('case "${HARNESS_AGENT_DIR:-}" in ?*) PYTHONPATH="$HARNESS_AGENT_DIR${PYTHONPATH:+:$PYTHONPATH}"; '
+                  'export PYTHONPATH ;; esac')
 
 
 def setup_id(commands: Sequence[str]) -> str:
@@ -24,15 +30,17 @@ def setup_id(commands: Sequence[str]) -> str:
     return hashlib.sha256("\n".join(commands).encode()).hexdigest()[:12]
 
 
-def setup_script(commands: Sequence[str], data_paths: Sequence[str] = ()) -> str | None:
-    """None without commands. The job's Python (the exec'd argv[0], "$1") comes first on PATH, so a
-    command's `python` or `harness` is the one torchrun runs with; data_paths must exist afterwards."""
+def setup_script(commands: Sequence[str], data_paths: Sequence[str] = (), *, rank_hook: bool = False) -> str | None:
+    """None without commands (or the rank hook). The job's Python (the exec'd argv[0], "$1") comes first on
+    PATH, so a command's `python` or `harness` is the one torchrun runs with; data_paths must exist afterwards."""
+    hook = [RANK_HOOK_LINE] if rank_hook else []
     if not commands:
-        return None
+        return "\n".join([*hook, 'exec "$@"']) if hook else None
     marker = f"{SETUP_DIR}/setup-{setup_id(commands)}"
     run = " && ".join(f"/bin/sh -c {shlex.quote(command)}" for command in commands)
     paths = " ".join(shlex.quote(path) for path in data_paths)
     lines = [
+        *hook,
         f"mkdir -p {SETUP_DIR} && (",
         "  flock 9 || exit",
         f'  if [ -e {marker}.done ]; then echo "harness setup: done before in $PWD ({marker}.done)"; exit 0; fi',

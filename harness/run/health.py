@@ -1,13 +1,17 @@
-"""A running job's health, judged from what the node agents sample (harness.node.ranks) and the stacks
-they read (harness.node.stacks). Pure: samples and stacks in, judgements and words out.
+"""A running job's health, judged from what the node agents sample (harness.node.ranks,
+harness.node.collectives) and the stacks and last collectives they read on a hang. Pure: samples and
+stacks in, judgements and words out.
 
-Progress is CPU time and I/O, not output: a rank that computes without printing uses CPU, one that
-sleeps between steps still sends its collectives' data; a rank that waits in a collective, sleeps,
-or is stopped does neither (gloo waits asleep). A rank without progress for
-health.stall seconds means the job is hung -- whatever its peers print -- and the stacks then say who
-is the odd one out: a rank that ended, a stopped rank, a rank outside torch's collectives while its
-peers wait in one, or a minority in a different collective. A slow rank is the one its peers wait
-for: its main thread is busy (on a CPU or queued for one) while theirs sleep (see docs/health.md).
+Progress is CPU time and I/O, not output, and collectives completing: a rank that computes without
+printing uses CPU, one that sleeps between steps still sends its collectives' data; a rank that
+waits in a collective, sleeps, or is stopped does neither (gloo waits asleep), and a rank whose
+collective has not completed for health.stall seconds made none, even when its CPU spins (NCCL waits
+in a CUDA synchronization). A rank without progress for health.stall seconds means the job is hung --
+whatever its peers print. Flight Recorder then says where every rank is by collective (verdict.py's
+words): a rank behind the others, ranks in different collectives at the same sequence number (a
+mismatch); the stacks say where in the code, and who is odd where the collectives cannot be read. A
+slow rank is the one its peers wait for: it enqueues its collectives last (Flight Recorder's
+arrival times), and its main thread is busy while theirs sleep (see docs/health.md).
 """
 
 from __future__ import annotations
@@ -54,10 +58,59 @@ class _Rank:
     node: Node
     pid: int
     state: str
-    samples: deque[tuple[float, float, float, int]] = field(default_factory=deque)  # (t, cpu s, busy s, io bytes)
+    # (t, cpu s, busy s, io bytes, collectives completed (-1: unknown), s its oldest unfinished one waited (-1: none))
+    samples: deque[tuple[float, float, float, int, int, float]] = field(default_factory=deque)
     slow_since: float | None = None
     well_since: float | None = None
     named_slow: float | None = None  # the percentage it was named with
+
+
+@dataclass
+class Arrivals:
+    """When each rank enqueued its recent collectives (Flight Recorder), on the controller's clock: each
+    node's clock is taken to be off by the least (receipt - sent) its messages showed, so that hosts whose
+    clocks differ compare fairly."""
+
+    offsets: dict[int, float] = field(default_factory=dict)  # node rank -> controller clock - node clock
+    seen: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)  # (group, seq) -> rank -> when
+
+    def add(self, node: Node, received: float, sent: float, rank: int, arrived: list[tuple[str, int, int]]) -> None:
+        offset = self.offsets[node.node_rank] = min(self.offsets.get(node.node_rank, received - sent), received - sent)
+        for group, seq, created_ns in arrived:
+            self.seen.setdefault((group, seq), {})[rank] = created_ns / 1e9 + offset
+        horizon = received - 2 * SLOW_WINDOW
+        for key in [key for key, ranks in self.seen.items() if max(ranks.values()) < horizon]:
+            del self.seen[key]
+
+    def waited(self, live: list[int], window: float) -> dict[int, float]:
+        """Each rank's percentage of the last `window` seconds in which its peers had arrived at a collective
+        it had not. Only stretches the arrivals cover count (from one collective every live rank arrived at
+        to the next one of its group, #s to #s+1; an agent reads what the recorder still holds): in each,
+        the span from the median peer's arrival at #s to the rank's own, as far as it falls before #s+1's
+        first arrival, over the stretch's length. {} without such stretches over at least half the window."""
+        if len(live) < 2:
+            return {}
+        complete = {key: ranks for key, ranks in self.seen.items() if set(live) <= set(ranks)}
+        if not complete:
+            return {}
+        end = max(min(ranks[r] for r in live) for ranks in complete.values())
+        stretches = []
+        for (group, seq), ranks in complete.items():
+            after = complete.get((group, seq + 1))
+            start = min(ranks[r] for r in live)
+            if after is not None and start >= end - window:
+                stretches.append((start, min(after[r] for r in live), ranks))
+        covered = sum(stop - start for start, stop, _ in stretches)
+        if covered <= 0 or max(s[1] for s in stretches) - min(s[0] for s in stretches) < window / 2:
+            return {}
+        found = {}
+        for rank in live:
+            late = 0.0
+            for start, stop, ranks in stretches:
+                peers = statistics.median(ranks[r] for r in live if r != rank)
+                late += max(0.0, min(ranks[rank], stop) - max(peers, start))
+            found[rank] = 100 * late / covered
+        return found
 
 
 @dataclass
@@ -69,13 +122,14 @@ class HealthWatch:
     slow: float
     ranks: dict[int, _Rank] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)  # node ranks that have ended
+    arrivals: Arrivals = field(default_factory=Arrivals)
 
     def observe(self, node: Node, t: float, samples: Mapping[int, RankSample]) -> None:
         """One health message of node's agent: its ranks' samples taken at t."""
-        for number, (pid, state, cpu, busy, io) in samples.items():
+        for number, (pid, state, cpu, busy, io, completed, pending) in samples.items():
             rank = self.ranks.setdefault(number, _Rank(node, pid, state))
             rank.pid, rank.state = pid, state
-            rank.samples.append((t, cpu, busy, io))
+            rank.samples.append((t, cpu, busy, io, completed, pending))
             keep = max(self.stall, SLOW_WINDOW) + 30
             while rank.samples and rank.samples[0][0] < t - keep:
                 rank.samples.popleft()
@@ -89,11 +143,15 @@ class HealthWatch:
     def stalled(self) -> list[int]:
         """Ranks of running nodes that made no progress in any sample interval of the last `stall` seconds
         (each used less than IDLE_SHARE of a CPU and read or wrote nothing), so that "no progress for
-        `stall` s" is literally true."""
+        `stall` s" is literally true; or whose oldest unfinished collective has waited `stall` seconds
+        while none of theirs completed, whatever their CPU did."""
         if self.stall <= 0:
             return []
         found = []
         for number, rank in sorted(self._live().items()):
+            if rank.samples and _collective_stuck(rank.samples, self.stall):
+                found.append(number)
+                continue
             if not rank.samples or rank.samples[0][0] > rank.samples[-1][0] - self.stall:
                 continue  # not watched for `stall` seconds yet
             since = next(i for i in range(len(rank.samples) - 1, -1, -1)
@@ -109,14 +167,14 @@ class HealthWatch:
         for number, rank in self._live().items():
             if len(rank.samples) < 2:
                 continue
-            (t0, cpu0, busy0, _), (t1, cpu1, busy1, _) = rank.samples[-2], rank.samples[-1]
+            (t0, cpu0, busy0, *_), (t1, cpu1, busy1, _, _, pending) = rank.samples[-2], rank.samples[-1]
             span = max(t1 - t0, 1e-6)
             progressed = [b[0] for a, b in pairwise(rank.samples)
                           if b[1] - a[1] > IDLE_SHARE * (b[0] - a[0]) or b[3] != a[3]]
-            idle = t1 - (progressed[-1] if progressed else rank.samples[0][0])
+            idle = max(t1 - (progressed[-1] if progressed else rank.samples[0][0]), pending)
             busy = min(1.0, (busy1 - busy0) / span)
             if rank.state in ("T", "t"):
-                state = _state(rank.state)
+                state = state_words(rank.state)
             elif idle >= max(3 * span, STILL_SECONDS):
                 state = f"no progress for {idle:.0f} s"
             else:
@@ -136,17 +194,38 @@ class HealthWatch:
                 shares[number] = min(1.0, (last[2] - first[2]) / (last[0] - first[0]))
         return shares
 
+    def busy_waited(self) -> dict[int, float]:
+        """Each live rank's percentage of the time its peers wait for it, by main-thread busy time: how much
+        more the median peer's main thread sleeps than its own does."""
+        shares = self.busy_shares()
+        return {number: 100 * (statistics.median(1 - s for r, s in shares.items() if r != number) - (1 - share))
+                for number, share in shares.items() if len(shares) > 1}
+
+    def measures(self) -> dict[int, dict[str, float]]:
+        """Each live rank's percentage of the time its peers wait for it, by each measure that has one:
+        "arrival" (when it arrives at its collectives, where every live rank's arrivals are known) and
+        "busy" (main-thread busy time)."""
+        live = list(self._live())
+        found: dict[int, dict[str, float]] = {}
+        for name, values in (("arrival", self.arrivals.waited(live, SLOW_WINDOW)), ("busy", self.busy_waited())):
+            for number, value in values.items():
+                found.setdefault(number, {})[name] = value
+        return found
+
+    def waited(self) -> dict[int, tuple[float, str]]:
+        """Each live rank's percentage of the time its peers wait for it, by the measure that shows more.
+        Arrival times see a rank that computes slowly, on every backend (NCCL's ranks spin while they wait,
+        which blinds busy time); busy time sees a rank held up inside a collective it already entered (a
+        host whose CPU quota freezes it), which arrival times cannot."""
+        return {number: max((value, name) for name, value in values.items())
+                for number, values in self.measures().items()}
+
     def slow_changes(self, now: float) -> list[tuple[int, float | None]]:
         """Ranks newly named slow (rank, percent its peers wait for it), or cleared (rank, None)."""
         if self.slow <= 0:
             return []
-        shares = self.busy_shares()
         changes: list[tuple[int, float | None]] = []
-        for number, share in shares.items():
-            peers = [1 - s for r, s in shares.items() if r != number]
-            if not peers:
-                continue
-            waited = 100 * (statistics.median(peers) - (1 - share))
+        for number, (waited, _) in self.waited().items():
             rank = self.ranks[number]
             if waited >= self.slow:
                 rank.well_since = None
@@ -166,6 +245,15 @@ class HealthWatch:
         return {r: v.named_slow for r, v in self.ranks.items() if v.named_slow is not None}
 
 
+def _collective_stuck(samples: deque[tuple[float, float, float, int, int, float]], stall: float) -> bool:
+    """The rank's oldest unfinished collective has waited `stall` seconds (by its node's clock, from when it
+    was enqueued), and the count of its completed collectives did not move in that time."""
+    last = samples[-1]
+    if last[5] < stall or last[4] < 0:
+        return False
+    return all(s[4] == last[4] for s in samples if s[0] >= last[0] - stall)
+
+
 # --- stacks ---------------------------------------------------------------------------------------
 
 
@@ -181,20 +269,24 @@ class RankStack:
     threads: list[dict[str, Any]] | None
     error: str | None = None
     workers: tuple[RankStack, ...] = ()  # its DataLoader workers (processes running its Python), oldest first
+    # Its last collectives by Flight Recorder (harness.node.collectives.last_entries), or why they could not
+    # be read; None where nobody asked (a DataLoader worker, an older record).
+    collectives: list[dict[str, Any]] | str | None = None
 
     @classmethod
     def from_answer(cls, rank: int, node: Node, answer: Mapping[str, Any]) -> RankStack:
         threads = answer["threads"]
         workers = tuple(cls.from_answer(rank, node, worker) for worker in answer.get("workers", []))
         if isinstance(threads, str):
-            return cls(rank, node, answer["pid"], answer["state"], None, threads, workers)
-        return cls(rank, node, answer["pid"], answer["state"], threads, workers=workers)
+            return cls(rank, node, answer["pid"], answer["state"], None, threads, workers, answer.get("collectives"))
+        return cls(rank, node, answer["pid"], answer["state"], threads, workers=workers,
+                   collectives=answer.get("collectives"))
 
     def to_answer(self) -> dict[str, Any]:
         """As stacks.json keeps it (from_answer reads it back)."""
         return {"node": self.node.node_rank, "host": self.node.host, "pid": self.pid, "state": self.state,
                 "threads": self.threads if self.threads is not None else self.error,
-                "workers": [worker.to_answer() for worker in self.workers]}
+                "workers": [worker.to_answer() for worker in self.workers], "collectives": self.collectives}
 
     def stuck_worker(self) -> tuple[int, RankStack] | None:
         """(its number, the worker) when the rank waits in its DataLoader and one of its workers is in the
@@ -217,22 +309,29 @@ class RankStack:
     def where(self) -> str:
         """Where its main thread is, in the user's terms: the torch call it is in, and the user's line."""
         frames = self.main_frames()
+        user = next((f for f in frames if not LIBRARY.search(f["file"])), None)
+        if user is None or user is frames[0]:
+            return self.place()
+        return f"in {_call_name(frames, user)} {self.place()}"
+
+    def place(self) -> str:
+        """The user's line its main thread is at (with the line's text where that is the innermost frame)."""
+        frames = self.main_frames()
         if not frames:
             return f"(no stack: {self.error})" if self.error else "(no stack)"
         user = next((f for f in frames if not LIBRARY.search(f["file"])), None)
-        inner = frames[0]
         if user is None:
-            return f"in {inner['name']} at {_short(inner['file'])}:{inner['line']}"
-        place = f"at {_short(user['file'])}:{user['line']} in {user['name']}"
-        if inner is user:
-            return f"{place}: {user['code']}" if user.get("code") else place
-        return f"in {_call_name(frames, user)} {place}"
+            return f"in {frames[0]['name']} at {short_path(frames[0]['file'])}:{frames[0]['line']}"
+        place = f"at {short_path(user['file'])}:{user['line']} in {user['name']}"
+        return f"{place}: {user['code']}" if user is frames[0] and user.get("code") else place
 
     def text(self, head: str | None = None) -> str:
         """The stacks as py-spy dump shows them, with each frame's source line; then its workers'."""
-        head = head or f"rank {self.rank} ({self.node.label} on {self.node.host}), pid {self.pid}, {_state(self.state)}"
+        head = head or \
+            f"rank {self.rank} ({self.node.label} on {self.node.host}), pid {self.pid}, {state_words(self.state)}"
         workers = "".join("\n" + worker.text(f"rank {self.rank}'s DataLoader worker {number}, pid {worker.pid}, "
-                                              f"{_state(worker.state)}") for number, worker in enumerate(self.workers))
+                                              f"{state_words(worker.state)}")
+                          for number, worker in enumerate(self.workers))
         if self.threads is None:
             return f"{head}\n    stacks unavailable: {self.error}\n{workers}"
         lines = [head]
@@ -240,13 +339,13 @@ class RankStack:
             lines.append(f"Thread {thread.get('tid')} ({'active' if thread.get('active') else 'idle'}): "
                          f"\"{thread.get('name')}\"")
             for frame in thread["frames"]:
-                lines.append(f"    {frame['name']} ({_short(frame['file'])}:{frame['line']})")
+                lines.append(f"    {frame['name']} ({short_path(frame['file'])}:{frame['line']})")
                 if frame.get("code"):
                     lines.append(f"        {frame['code']}")
         return "\n".join(lines) + "\n" + workers
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
     """A library file from its package on (torch/distributed/...), the user's file as written."""
     match = re.search(r"/(?:site|dist)-packages/(.*)$", path)
     return match.group(1) if match else path
@@ -260,88 +359,13 @@ def _call_name(frames: list[dict[str, Any]], user: dict[str, Any]) -> str:
     return (named or inside)[-1]["name"]
 
 
-def _state(state: str) -> str:
+def state_words(state: str) -> str:
     return STATES.get(state, state)
 
 
 def ranks_text(numbers: Iterable[int]) -> str:
     numbers = sorted(numbers)
     return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {','.join(map(str, numbers))}"
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Who a hang is about. odd: the ranks at fault, where it can tell; text: the one line said everywhere
-    (after "hang: ")."""
-
-    text: str
-    odd: list[int]
-
-
-def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[int, tuple[Node, str]]) -> Verdict:
-    """ended: ranks whose node had already ended -> (node, how). The odd ranks first, then the rest."""
-    odd: dict[int, str] = {}
-    for rank, (node, how) in ended.items():
-        odd[rank] = f"({node.label} on {node.host}) had ended ({how})"
-    live = {r: s for r, s in stacks.items() if r not in odd}
-    for rank, stack in live.items():
-        if stack.state in ("T", "t"):
-            odd[rank] = f"({stack.node.label} on {stack.node.host}) is {_state(stack.state)} {stack.where()}"
-        elif found := stack.stuck_worker():
-            number, worker = found
-            odd[rank] = f"'s DataLoader worker {number} ({stack.node.label} on {stack.node.host}, pid " \
-                        f"{worker.pid}) {worker.where()}"
-        elif stack.threads is not None and not stack.waiting():
-            odd[rank] = f"({stack.node.label} on {stack.node.host}) {stack.where()}"
-    waiters = {r: s for r, s in live.items() if r not in odd}
-    groups: dict[str, list[int]] = {}
-    for rank, stack in sorted(waiters.items()):
-        groups.setdefault(stack.where(), []).append(rank)
-    parts = [f"rank {rank}{'' if what.startswith(chr(39)) else ' '}{what}" for rank, what in sorted(odd.items())]
-    ahead = None
-    if not odd and len(groups) > 1:
-        biggest = max(len(g) for g in groups.values())
-        minority = [r for g in groups.values() if len(g) < biggest for r in g]
-        if minority:
-            odd.update({r: "" for r in minority})
-        elif ahead := _ahead([[waiters[r] for r in g] for g in groups.values()]):
-            odd.update({r: "" for r in ahead[0]})
-        ordered = sorted(groups.items(), key=lambda item: (len(item[1]), not ahead or item[1] != ahead[0]))
-    else:
-        ordered = list(groups.items())
-    parts += [f"{ranks_text(g)} {'waits' if len(g) == 1 else 'wait'} {where}" for where, g in ordered]
-    if not odd and len(groups) == 1:
-        parts.append("no rank is behind the others: suspect the network between the nodes, or a peer's host")
-    elif ahead:
-        parts.append(f"the ranks wait in different collectives, and {ranks_text(ahead[0])} got further in "
-                     f"{ahead[1]}: {'it' if len(ahead[0]) == 1 else 'they'} likely skipped a collective the others "
-                     f"wait in (or the others call one {'it does' if len(ahead[0]) == 1 else 'they do'} not)")
-    elif len(groups) > 1 and not any(odd.values()):
-        parts.append("the ranks wait in different collectives: the program calls them in a different order on "
-                     "different ranks")
-    return Verdict(f"no progress for {stall:g} s: " + "; ".join(parts), sorted(odd))
-
-
-def _ahead(groups: list[list[RankStack]]) -> tuple[list[int], str] | None:
-    """The group that got furthest in the function where the groups' stacks part, when one did: the
-    outermost frame they do not share is the same function on a later line (e.g. after the loop that
-    holds the others' collective). (its ranks, "FUNC (FILE:LINE, the others at :LINE)")."""
-    outer = [list(reversed(group[0].main_frames())) for group in groups]
-    depth = 0
-    while all(len(frames) > depth for frames in outer) and \
-            len({(f[depth]["file"], f[depth]["name"], f[depth]["line"]) for f in outer}) == 1:
-        depth += 1
-    if not all(len(frames) > depth for frames in outer) or \
-            len({(f[depth]["file"], f[depth]["name"]) for f in outer}) != 1:
-        return None
-    lines = [frames[depth]["line"] for frames in outer]
-    furthest = max(lines)
-    if lines.count(furthest) != 1:
-        return None
-    at = outer[lines.index(furthest)][depth]
-    others = ", :".join(str(line) for line in sorted(set(lines) - {furthest}))
-    return (sorted(r.rank for r in groups[lines.index(furthest)]),
-            f"{at['name']} ({_short(at['file'])}:{furthest}, the others at :{others})")
 
 
 def grouped(stacks: Iterable[RankStack]) -> str:
@@ -353,7 +377,7 @@ def grouped(stacks: Iterable[RankStack]) -> str:
         groups.setdefault(key, []).append(stack)
     blocks = []
     for members in groups.values():
-        where = ", ".join(f"{s.rank} ({s.node.label} on {s.node.host}, pid {s.pid}, {_state(s.state)})"
+        where = ", ".join(f"{s.rank} ({s.node.label} on {s.node.host}, pid {s.pid}, {state_words(s.state)})"
                           for s in members)
         blocks.append(f"{ranks_text(s.rank for s in members)}: {where}\n{members[0].text().split(chr(10), 1)[1]}")
     return "\n".join(blocks)

@@ -62,7 +62,7 @@ def stopped_status(run: RunDir) -> RunStatus:
 def hang_failure(sup: Supervisor, started_at: float) -> Failure:
     """The hang as the attempt's first failure: on the first odd rank's node, its verdict as evidence."""
     assert sup.hang is not None
-    odd = sup.hang.odd[0] if sup.hang.odd else None
+    odd = sup.hang.odd[0] if len(sup.hang.odd) == 1 else None  # a mismatch has two sides and no culprit
     record = next((r for r in sup.nodes if odd in r.node.ranks), sup.nodes[0])
     return Failure(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks), rank=odd,

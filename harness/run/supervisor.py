@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.node.protocol import Kind, parse_health, parse_oom
+from harness.node.protocol import Kind, parse_arrivals, parse_health, parse_oom
 from harness.plan.planner import Node
-from harness.run.health import HealthWatch, Verdict, ranks_text
+from harness.run.health import HealthWatch, ranks_text
 from harness.run.live import LiveNode
 from harness.run.output import Output
 from harness.run.rundir import RunDir
@@ -23,6 +23,7 @@ from harness.run.stack_capture import StackCapture
 from harness.run.stopping import Stopper
 from harness.run.stream_record import StreamRecord
 from harness.run.terminal import Terminal
+from harness.run.verdict import Verdict
 from harness.run.watch import Watch
 from harness.targets.base import NodeProcess, Outcome
 
@@ -89,6 +90,8 @@ class Supervisor:
             try:
                 if message.kind is Kind.HEALTH and health is not None:
                     health.observe(live.node, *parse_health(message.body))
+                elif message.kind is Kind.ARRIVALS and health is not None:
+                    health.arrivals.add(live.node, time.time(), *parse_arrivals(message.body))
                 elif message.kind in (Kind.STACKS, Kind.STACKS_DONE):
                     self.stacks.take(live, message)
                 elif message.kind is Kind.OOM:

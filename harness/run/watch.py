@@ -14,7 +14,7 @@ from typing import Any
 
 from harness.plan.planner import Node
 from harness.run.atomic import write_text_atomic
-from harness.run.health import SLOW_WINDOW, HealthWatch, RankView, Verdict, hang_verdict, ranks_text
+from harness.run.health import SLOW_WINDOW, HealthWatch, RankView, ranks_text
 from harness.run.live import LiveNode, RankActivity
 from harness.run.output import Output
 from harness.run.records import HealthEvent, HealthEventKind
@@ -22,6 +22,7 @@ from harness.run.rundir import RunDir
 from harness.run.stack_capture import StackCapture, keep
 from harness.run.stopping import Stopper
 from harness.run.timeline import RankPoint, Sample, append_sample
+from harness.run.verdict import Verdict, hang_verdict
 
 TICK_SECONDS = 0.5
 TIMELINE_SECONDS = 5.0  # how often each rank's course is added to timeline.jsonl
@@ -68,8 +69,14 @@ class Watch:
         node = self._node_of(rank)
         if waited is None:
             return f"rank {rank} ({node.label} on {node.host}) is no longer slow"
+        assert self.health is not None
+        words = {"arrival": "when it arrives at its collectives", "busy": "CPU time"}
+        measures = self.health.measures().get(rank, {})
+        shown = sorted(measures.items(), key=lambda item: -item[1])
+        by = "; ".join(f"{value:.0f}% by {words[name]}" for name, value in shown[1:])
         return (f"slow: rank {rank} ({node.label} on {node.host}): its peers wait for it {waited:.0f}% of the time "
-                f"(over the last {SLOW_WINDOW:g} s)")
+                f"(over the last {SLOW_WINDOW:g} s, by {words[shown[0][0]] if shown else 'CPU time'}"
+                f"{'; ' + by if by else ''})")
 
     def _node_of(self, rank: int) -> Node:
         return next(live.node for live in self.nodes if rank in live.node.ranks)

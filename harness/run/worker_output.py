@@ -18,6 +18,10 @@ RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
 DOUBLED_PREFIX = re.compile(r"^(\[rank(\d+)\]: )(\[rank\2\]: ?)+")
 # glog's INFO format, which torch's C++ logging uses: `[I1123 04:19:10.615279659 socket.cpp:955] ...`
 CPP_INFO = re.compile(r"^(\[rank\d+\]: )?\[I\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
+# torch's worker server, started in every rank by the harness's rank hook (harness.node.rank_hook), announces
+# its socket at WARNING level: the harness's own doing, left out of the stream and the tail like INFO lines.
+RANK_HOOK_SERVER = re.compile(r"^(\[rank\d+\]: )?\[W\d{4} [^]]*WorkerServer\.cpp:\d+\] \[c10d\] Server listening to "
+                              r"UNIX \S*/harness-agent-")
 # torchrun's own C++ log lines (no rank prefix: its agent's store client and rendezvous), and the exception
 # dumps that follow one: `Exception raised from ...`, `frame #N: ...`, `<omitting python frames>`, a blank.
 AGENT_CPP_LOG = re.compile(r"^\[[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
@@ -60,7 +64,8 @@ def rank_of(line: str) -> int | None:
 
 
 def is_cpp_info(line: str) -> bool:
-    return CPP_INFO.match(line) is not None
+    """A line of torch's C++ logging at INFO level, or the rank hook's server announcing itself."""
+    return CPP_INFO.match(line) is not None or RANK_HOOK_SERVER.match(line) is not None
 
 
 def is_agent_cpp_log(line: str) -> bool:

@@ -17,7 +17,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from harness.node.boot import BOOT, shipped
+from harness.node.boot import BOOT, shipped, source
 from harness.node.protocol import MARKER, Kind, Message, Word, split_line, word_line
 from harness.plan.planner import NodePlan
 from harness.plan.shell import shell_command
@@ -28,6 +28,7 @@ OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may
 PING_SECONDS = 2.0  # how often the controller tells each agent it is still there
 # Linux's longest single argument to execve (32 pages of 4 KiB): the node's shell line is one (`sh -c LINE`).
 MAX_ARG_STRLEN = 32 * 4096
+RANK_HOOK = source("rank_hook")  # the agent installs it for the node's Pythons (harness.node.rank_hook)
 READ_BYTES = 1 << 16  # a pipe's default capacity: one read takes all a busy node wrote meanwhile
 
 
@@ -46,7 +47,7 @@ def agent_program(node: NodePlan, grace: float, silence: float, watch: float) ->
     if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
-                             shlex.join(node.cleanup)])
+                             shlex.join(node.cleanup), RANK_HOOK])
 
 
 def agent_silence(connect_timeout: float) -> float:

@@ -77,9 +77,11 @@ def test_a_data_plane_partition_is_a_hang_blamed_on_the_network(cluster2, write_
         assert_nothing_left(run.run_id, within=15)  # stopped over SSH while the partition still holds
         cluster2.assert_only_sshd_left(within=15)
     all_reduce = _line_of("dist.all_reduce(batch)")
+    seq = re.search(r"all_reduce #(\d+)", verdict.group(1)).group(1)  # which one the cut caught
     assert verdict.group(1) == (
-        f"no progress for {STALL} s: ranks 0,1 wait in all_reduce at {SHOWN}:{all_reduce} in train_step; "
-        f"no rank is behind the others: suspect the network between the nodes, or a peer's host"), run.output
+        f"no progress for {STALL} s: ranks 0,1 wait in all_reduce #{seq} at {SHOWN}:{all_reduce} in train_step; "
+        f"no rank is behind: the collective itself does not complete (suspect the network between the nodes, a "
+        f"peer's host, or a GPU kernel before it that never ends)"), run.output
     # Whichever rank's samples first span the stall is named here (the hosts sample on their own clocks).
     assert re.search(rf"^harness: no progress for {STALL} s on (rank [01]|ranks 0,1): reading every rank's stack$",
                      run.output, re.M), run.output
@@ -101,7 +103,7 @@ def test_a_data_plane_partition_is_a_hang_blamed_on_the_network(cluster2, write_
 
 def test_a_rank_asleep_in_its_step_is_named_with_its_line(cluster2, write_yaml, launch, tmp_path):
     """Rank 1 (on h2) sleeps in its data loading while rank 0 waits for it in all_reduce: the verdict
-    names rank 1 first, at its own line of the script, then where rank 0 waits."""
+    says which collective rank 0 waits in, and that rank 1 has not reached it, at its own line of the script."""
     run = launch(_job(write_yaml, SLEEP_RANK="1", SLEEP_AT_STEP="25"), *_ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[node1\] \[rank1\]: rank 1 sleeping in its step 25", timeout=180)
     asleep, asleep_wall = time.monotonic(), time.time()
@@ -109,9 +111,10 @@ def test_a_rank_asleep_in_its_step_is_named_with_its_line(cluster2, write_yaml, 
     assert after < DETECT_WITHIN, f"hang seen {after:.1f} s after rank 1 fell asleep"
     assert run.finish(timeout=60) == 1, run.output
     sleep, all_reduce = _line_of("time.sleep(3600)"), _line_of("dist.all_reduce(batch)")
+    seq = re.search(r"all_reduce #(\d+)", verdict.group(1)).group(1)
     assert verdict.group(1) == (
-        f"no progress for {STALL} s: rank 1 (node1 on h2) at {SHOWN}:{sleep} in fetch_batch: time.sleep(3600); "
-        f"rank 0 waits in all_reduce at {SHOWN}:{all_reduce} in train_step"), run.output
+        f"no progress for {STALL} s: rank 0 waits in all_reduce #{seq} at {SHOWN}:{all_reduce} in train_step; "
+        f"rank 1 (node1 on h2) has not reached #{seq}, at {SHOWN}:{sleep} in fetch_batch: time.sleep(3600)"), run.output
 
     summary = run.summary()
     failure = summary["first_failure"]

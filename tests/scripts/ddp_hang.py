@@ -1,10 +1,15 @@
 """A gloo job with the faults that hang real jobs, chosen by env: FAULT (sleep: FAULT_RANK sleeps in
-its data loading at step FAULT_STEP; loader: the same sleep in the __getitem__ of FAULT_RANK's DataLoader
-worker; skip: FAULT_RANK skips an all_reduce and goes on to the final barrier; silent:
+its data loading at step FAULT_STEP; spin: the same, while every rank's CPU is kept busy by a thread that
+polls, as NCCL's wait in a CUDA synchronization does; loader: the same sleep in the __getitem__ of
+FAULT_RANK's DataLoader worker; mismatch: at step FAULT_STEP rank 0 calls all_reduce and the others
+broadcast, in the two branches of an if/else (SWAP=1 swaps the branches); skip: FAULT_RANK skips an
+all_reduce and goes on to the final barrier; silent:
 every rank computes for SILENT_SECONDS without printing or a collective, then ends), STEPS, RUN_SECONDS, and
-WORK: matrix products per step (a compute-bound step, as training's is), else a 0.05 s pause."""
+WORK: matrix products per step (a compute-bound step, as training's is), else a 0.05 s pause; SLOW_RANK
+does SLOW_FACTOR times the WORK (a slower device)."""
 
 import os
+import threading
 import time
 
 import torch
@@ -15,7 +20,8 @@ rank = dist.get_rank()
 fault, fault_rank, fault_step = os.environ.get("FAULT", ""), int(os.environ.get("FAULT_RANK", "1")), \
     int(os.environ.get("FAULT_STEP", "20"))
 steps = int(os.environ.get("STEPS", "100000"))
-work = int(os.environ.get("WORK", "0"))
+work = int(os.environ.get("WORK", "0")) * (int(os.environ.get("SLOW_FACTOR", "1"))
+                                          if rank == int(os.environ.get("SLOW_RANK", "-1")) else 1)
 run_until = time.monotonic() + float(os.environ.get("RUN_SECONDS", "inf"))
 
 
@@ -28,8 +34,26 @@ def time_is_up() -> bool:
     return bool(up.item())
 
 
+def poll() -> None:
+    """About a tenth of a CPU, forever: the rank never looks idle."""
+    while True:
+        sum(range(20000))
+        time.sleep(0.005)
+
+
+if fault == "spin":
+    threading.Thread(target=poll, daemon=True).start()
+
+
+def sync_metrics(batch: torch.Tensor) -> None:
+    if (rank == 0) != bool(int(os.environ.get("SWAP", "0"))):
+        dist.all_reduce(batch)
+    else:
+        dist.broadcast(batch, src=0)
+
+
 def load_batch(step: int) -> torch.Tensor:
-    if fault == "sleep" and rank == fault_rank and step == fault_step:
+    if fault in ("sleep", "spin") and rank == fault_rank and step == fault_step:
         time.sleep(3600)
     x = torch.ones(100, 100) / 100
     for _ in range(work):
@@ -56,6 +80,8 @@ def train_step(step: int) -> None:
     batch = next(loader) if loader is not None else load_batch(step)
     if fault == "skip" and rank == fault_rank and step == fault_step:
         return
+    if fault == "mismatch" and step == fault_step:
+        sync_metrics(batch)
     dist.all_reduce(batch)
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 from harness.node.protocol import RankSample
 from harness.plan.planner import Node
-from harness.run.health import SLOW_CONFIRM, HealthWatch, RankStack, grouped, hang_verdict
+from harness.run.health import SLOW_CONFIRM, HealthWatch, RankStack, grouped
+from harness.run.verdict import hang_verdict
 
 NODES = [Node(host=f"h{i + 1}", address=f"10.0.0.{i + 1}", node_rank=i, nproc=1) for i in range(4)]
 SITE = "/venv/lib/python3.11/site-packages"
@@ -160,3 +164,94 @@ def test_alike_stacks_are_shown_once_with_every_rank_they_stand_for():
     assert text.count("load_batch (train.py:42)") == 1
     assert text.startswith("ranks 0,2: 0 (node0 on h1, pid 100, sleeping), 2 (node2 on h3, pid 102, sleeping)\n")
     assert "        time.sleep(60)" in text
+
+
+# --- by collective (Flight Recorder) -----------------------------------------------------------------
+
+
+def entry(seq: int, op: str = "all_reduce", done: bool = True, group: str = "0") -> dict:
+    return {"group": group, "seq": seq, "op": f"gloo:{op}", "done": done, "sizes": [[100]], "created_ns": seq}
+
+
+def reached(rank: int, frames: list[dict], last: int, op: str = "all_reduce", waiting: bool = True) -> RankStack:
+    """A rank whose last collective is #last, unfinished where it waits in it."""
+    entries = [entry(seq) for seq in range(last - 3, last)] + [entry(last, op, done=not waiting)]
+    return replace(stack(rank, frames), collectives=entries)
+
+
+AT_35 = [frame("all_reduce", f"{SITE}/torch/distributed/distributed_c10d.py", 2950),
+         frame("sync_metrics", "f.py", 35), frame("<module>", "f.py", 60)]
+AT_37 = [frame("broadcast", f"{SITE}/torch/distributed/distributed_c10d.py", 2700),
+         frame("sync_metrics", "f.py", 37), frame("<module>", "f.py", 60)]
+
+
+def test_by_collective_a_rank_that_has_not_reached_the_others_collective_is_behind():
+    stacks = {0: reached(0, IN_ALL_REDUCE, 1043), 1: reached(1, IN_SLEEP, 1042, waiting=False),
+              2: reached(2, IN_ALL_REDUCE, 1043), 3: reached(3, IN_ALL_REDUCE, 1043)}
+    verdict = hang_verdict(300, stacks, {})
+    assert verdict.odd == [1]
+    assert verdict.text == ("no progress for 300 s: ranks 0,2,3 wait in all_reduce #1043 at train.py:55 in step; "
+                            "rank 1 (node1 on h2) has not reached #1043, at train.py:42 in load_batch: time.sleep(60)")
+    again = RankStack.from_answer(1, NODES[1], stacks[1].to_answer())
+    assert again == stacks[1], "stacks.json keeps the collectives"
+
+
+def test_a_mismatch_names_both_sides_whichever_branch_each_rank_took():
+    texts = []
+    for first, second in ((AT_35, AT_37), (AT_37, AT_35)):
+        ops = {id(AT_35): "all_reduce", id(AT_37): "broadcast"}
+        stacks = {0: reached(0, first, 17, ops[id(first)]), 1: reached(1, second, 17, ops[id(second)])}
+        verdict = hang_verdict(10, stacks, {})
+        assert verdict.odd == [0, 1], "both sides, no culprit"
+        texts.append(verdict.text)
+    assert texts == [
+        "no progress for 10 s: collective mismatch at #17: rank 0 in all_reduce at f.py:35 in sync_metrics, rank 1 in "
+        "broadcast at f.py:37 in sync_metrics: the program calls different collectives on different ranks",
+        "no progress for 10 s: collective mismatch at #17: rank 0 in broadcast at f.py:37 in sync_metrics, rank 1 in "
+        "all_reduce at f.py:35 in sync_metrics: the program calls different collectives on different ranks"]
+
+
+def test_every_rank_in_the_same_unfinished_collective_is_no_rank_behind():
+    verdict = hang_verdict(10, {0: reached(0, IN_ALL_REDUCE, 9), 1: reached(1, IN_ALL_REDUCE, 9)}, {})
+    assert verdict.odd == []
+    assert verdict.text == ("no progress for 10 s: ranks 0,1 wait in all_reduce #9 at train.py:55 in step; no rank is "
+                            "behind: the collective itself does not complete (suspect the network between the nodes, "
+                            "a peer's host, or a GPU kernel before it that never ends)")
+
+
+def test_where_a_rank_collectives_cannot_be_read_the_stacks_decide_and_the_verdict_says_why():
+    unread = replace(stack(1, IN_SLEEP), collectives="its worker server did not answer: Connection refused")
+    verdict = hang_verdict(10, {0: reached(0, IN_ALL_REDUCE, 5), 1: unread}, {})
+    assert verdict.odd == [1]
+    assert verdict.text == ("no progress for 10 s: rank 1 (node1 on h2) at train.py:42 in load_batch: time.sleep(60); "
+                            "rank 0 waits in all_reduce at train.py:55 in step (Flight Recorder not read: rank 1: its "
+                            "worker server did not answer: Connection refused)")
+
+
+def test_a_rank_whose_collective_does_not_complete_is_stalled_however_busy_its_cpu():
+    watch = HealthWatch(stall=10, slow=0)
+    for t in range(13):
+        spinning = RankSample(100, "R", 1.0 * t, 1.0 * t, 0, completed=40, pending=float(t))
+        completing = RankSample(101, "R", 1.0 * t, 1.0 * t, 0, completed=40 + t, pending=0.05)
+        watch.observe(NODES[0], t, {0: spinning})
+        watch.observe(NODES[1], t, {1: completing})
+        assert watch.stalled() == ([0] if t >= 10 else []), t
+    assert watch.views()[0].state == "no progress for 12 s"
+
+
+def test_the_rank_that_arrives_last_at_its_collectives_is_the_one_its_peers_wait_for():
+    watch = HealthWatch(stall=0, slow=20)
+    jitter = random.Random(7)
+    for step in range(300):  # 30 s, a collective every 0.1 s; rank 2 arrives 60 ms after the others
+        if step % 10 >= 4:
+            continue  # what the agents read: the recorder's buffer does not reach back to every collective
+        for rank in range(4):
+            late = 0.06 if rank == 2 else 0.0
+            clock = 5.0 * rank  # each host's clock off by seconds: its messages say by how much
+            watch.arrivals.add(NODES[rank], 1000.0 + step * 0.1 + 0.2, 1000.0 + step * 0.1 + 0.2 - clock, rank,
+                               [("0", step, int((1000.0 + step * 0.1 + late - clock + jitter.uniform(0, 0.005)) * 1e9))])
+    waited = watch.arrivals.waited([0, 1, 2, 3], 20.0)
+    assert 55 <= waited[2] <= 65 and all(waited[r] < 5 for r in (0, 1, 3)), waited
+    assert watch.waited() == {}, "no health samples: the live ranks are not known yet"
+    feed(watch, 25, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, busy_per_s={0: 0.5, 1: 0.5, 2: 0.7, 3: 0.5})
+    assert round(watch.measures()[2]["busy"]) == 20 and watch.waited()[2] == (waited[2], "arrival"), "the larger"

@@ -32,8 +32,9 @@ HARNESS = REPO / "harness"
 SEALED = [sys.executable, "-I", "-S"]  # no PYTHONPATH, no cwd, no site-packages
 # What beyond the standard library and harness.node each node module may import: the full probe
 # imports torch to measure it (inside a guard that turns a missing torch into a finding); the
-# collective's all_reduce runs under torchrun on hosts that have torch.
-BEYOND_STDLIB = {"probe": {"torch"}, "allreduce": {"torch", "torch.distributed"}}
+# collective's all_reduce runs under torchrun on hosts that have torch; the rank hook imports the
+# environment's own sitecustomize, where there is one, after itself.
+BEYOND_STDLIB = {"probe": {"torch"}, "allreduce": {"torch", "torch.distributed"}, "rank_hook": {"sitecustomize"}}
 # Which packages each package of the harness may import (its own modules always): data flows one way.
 ALLOWED = {
     "harness.spec": {"harness.errors"},
@@ -157,7 +158,7 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ("oom", "proctable", "protocol", "ranks", "stacks")
+    assert siblings("agent") == ("collectives", "oom", "proctable", "protocol", "ranks", "stacks")
     assert siblings("kill_tree") == ("proctable",)
     assert siblings("probe") == ("stacks",)
     assert siblings("netcheck") == ()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness.node.boot import source
 from harness.plan.setup_script import setup_id, setup_script, with_setup
 
 
@@ -57,3 +58,23 @@ def test_commands_find_the_jobs_python_first_on_path(tmp_path):
     script = setup_script(['python -c "import sys; print(sys.executable)"'])
     out = started(script, tmp_path, sys.executable, "-c", "print('the node')").communicate(timeout=60)[0]
     assert f"{sys.executable}\nthe node\n" in out or f"{Path(sys.executable).parent}/python\nthe node\n" in out, out
+
+
+def test_the_rank_hook_goes_first_on_pythonpath_and_every_python_runs_it_then_the_environments_own(tmp_path):
+    """What the agent sets up for a node, for real: its directory with the hook as sitecustomize.py, put first
+    on PYTHONPATH by the setup line, before a PYTHONPATH of the job's own whose sitecustomize still runs.
+    Outside a rank (no RANK) the hook starts nothing."""
+    agent_dir, theirs = tmp_path / "agent", tmp_path / "theirs"
+    agent_dir.mkdir()
+    theirs.mkdir()
+    (agent_dir / "sitecustomize.py").write_text(source("rank_hook"))
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = '1'\n")
+    probe = ("import os, sys, threading; print(sys.path[1:3] == [os.environ['HARNESS_AGENT_DIR'], os.environ['THEIRS']],"
+             " os.environ.get('THEIRS_RAN'), [t.name for t in threading.enumerate()])")
+    for rank, threads in (("", "['MainThread']"), ("1", "['MainThread', 'harness-rank-hook']")):
+        env = {"PATH": "/usr/bin:/bin", "HARNESS_AGENT_DIR": str(agent_dir), "PYTHONPATH": str(theirs),
+               "THEIRS": str(theirs), **({"RANK": rank} if rank else {})}
+        done = subprocess.run(with_setup([sys.executable, "-c", probe], setup_script([], rank_hook=True)),
+                              env=env, capture_output=True, text=True, timeout=60, check=False)
+        assert done.stdout.strip() == f"True 1 {threads}", done.stdout + done.stderr
+    assert setup_script([]) is None, "no setup and no hook: the command runs as it is"

@@ -21,7 +21,7 @@ from decimal import ROUND_CEILING
 
 from harness.errors import UsageError
 from harness.plan.planner import Plan
-from harness.plan.setup_script import with_setup
+from harness.plan.setup_script import setup_script, with_setup
 from harness.spec.job import ContainerEngine, JobSpec, quantity_value
 
 # All GPUs: docker through the NVIDIA container toolkit's runtime hook, podman through the toolkit's
@@ -145,7 +145,9 @@ def in_containers(plan: Plan, spec: JobSpec) -> Plan:
     nodes = []
     for node in plan.nodes:
         assert node.ssh is not None
-        argv = container_argv(spec.image, with_setup(["python", *node.argv[1:]], node.setup), node.env,
+        # The job's setup without the rank hook's line: the agent's directory stays outside the container.
+        setup = setup_script(spec.setup, spec.data_paths)
+        argv = container_argv(spec.image, with_setup(["python", *node.argv[1:]], setup), node.env,
                               node.ssh.workdir, plan.run_id, node_rank=node.node_rank, gpus=bool(node.ssh.gpus),
                               shm_size=spec.resources.shm_size, engine=engine)
         cleanup = remove_argv(plan.run_id, node.node_rank, engine)

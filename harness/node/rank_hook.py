@@ -1,0 +1,73 @@
+"""The start-up hook of every rank the node agent supervises: installed as sitecustomize.py in the agent's
+private directory, which the node's setup line puts first on PYTHONPATH, so every Python the node starts
+runs it, with no change to the user's script.
+
+In a rank (RANK set, the first process of it: DataLoader workers and other children inherit the mark
+and do nothing), once the script has initialized its process group, it serves torch's own handlers
+(Flight Recorder's `fr_trace_json`, NCCL's `dump_nccl_trace_json`, ...) on a Unix socket in the agent's
+directory, `RANK.sock`, from torch's C++ worker server: it answers without the GIL, so a rank stuck in
+C code or in a collective is read as well as a running one. Until then it only looks, twice a second,
+whether torch.distributed is there and initialized; a script that never uses it costs one sleeping
+thread. Any sitecustomize the environment had before is imported after it. Standard library only:
+torch is only ever taken from sys.modules, never imported here.
+"""
+
+import os
+import sys
+import threading
+import time
+
+LOOK_SECONDS = 0.5
+OWNER = "HARNESS_RANK_HOOK_PID"  # the rank process that serves: its children inherit it and stay quiet
+_servers: list = []  # the worker server, kept alive for the process's lifetime
+
+
+def _serve(directory: str, rank: str) -> None:
+    while True:
+        distributed = sys.modules.get("torch.distributed")
+        initialized = getattr(distributed, "is_initialized", None)
+        try:
+            ready = initialized is not None and initialized()
+        except Exception:  # noqa: BLE001 - a half-imported torch: look again later
+            ready = False
+        if ready:
+            break
+        time.sleep(LOOK_SECONDS)
+    path = os.path.join(directory, f"{rank}.sock")
+    try:
+        if os.path.exists(path):
+            os.unlink(path)
+        _servers.append(sys.modules["torch._C._distributed_c10d"]._WorkerServer(path))
+    except Exception as exc:  # noqa: BLE001 - an older torch without it: the agent says it cannot read
+        try:
+            with open(path + ".error", "w", encoding="utf-8") as handle:
+                handle.write(f"{type(exc).__name__}: {exc}")
+        except OSError:
+            pass
+
+
+def _start() -> None:
+    directory, rank = os.environ.get("HARNESS_AGENT_DIR"), os.environ.get("RANK", "")
+    if not directory or not rank.isdigit() or os.environ.get(OWNER) not in (None, str(os.getpid())):
+        return
+    os.environ[OWNER] = str(os.getpid())
+    threading.Thread(target=_serve, args=(directory, rank), name="harness-rank-hook", daemon=True).start()
+
+
+def _chain() -> None:
+    """The sitecustomize this one hides (an environment's own), imported as Python would have."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = sys.modules.pop("sitecustomize", None)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    try:
+        import sitecustomize  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+    finally:
+        sys.path[:] = saved
+
+
+_start()
+_chain()

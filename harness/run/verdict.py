@@ -1,0 +1,200 @@
+"""A hang's verdict: who it is about and where every rank is, from each rank's stack (harness.node.stacks)
+and its last collectives (Flight Recorder, harness.node.collectives.last_entries). Pure.
+
+By collective, where every running rank's could be read: in each process group with an unfinished
+collective, #N is the furthest one a rank waits in, and
+- ranks waiting in #N with different operations (or sizes) are a mismatch: the program calls different
+  collectives on different ranks (an if/else, a skipped call). Both sides are named; neither is picked
+  as the culprit, since nothing says which side is wrong;
+- a rank that has not reached #N is behind: the others wait for it, and its stack says where it is;
+- every rank in #N, none behind: the collective itself does not complete.
+Else by stack alone, with the reason Flight Recorder could not be read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from harness.plan.planner import Node
+from harness.run.health import RankStack, ranks_text, short_path, state_words
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Who a hang is about. odd: the ranks at fault, where it can tell; text: the one line said everywhere
+    (after "hang: ")."""
+
+    text: str
+    odd: list[int]
+
+
+def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[int, tuple[Node, str]]) -> Verdict:
+    """ended: ranks whose node had already ended -> (node, how). Ranks that ended or are stopped first; then
+    where the others are by collective, where every one's last collectives were read; else by stack."""
+    odd: dict[int, str] = {}
+    for rank, (node, how) in ended.items():
+        odd[rank] = f"({node.label} on {node.host}) had ended ({how})"
+    for rank, stack in stacks.items():
+        if rank not in odd and stack.state in ("T", "t"):
+            odd[rank] = f"({stack.node.label} on {stack.node.host}) is {state_words(stack.state)} {stack.where()}"
+    head = f"no progress for {stall:g} s: "
+    first = [f"rank {rank} {what}" for rank, what in sorted(odd.items())]
+    reading = {r: s for r, s in stacks.items() if r not in odd}
+    unread = {r: s.collectives for r, s in reading.items() if not isinstance(s.collectives, list)}
+    if reading and not unread and (found := collective_verdict(dict(reading), explained=bool(odd))) is not None:
+        parts, culprits = found
+        return Verdict(head + "; ".join(first + parts), sorted(set(odd) | set(culprits)))
+    verdict = _stack_verdict(stacks, odd)
+    why = [f"rank {r}: {why}" for r, why in sorted(unread.items()) if isinstance(why, str)]
+    note = f" (Flight Recorder not read: {'; '.join(why)})" if why else ""
+    return Verdict(head + verdict.text + note, verdict.odd)
+
+
+def _stack_verdict(stacks: Mapping[int, RankStack], odd: dict[int, str]) -> Verdict:
+    """Who is odd by stack alone: besides ranks that ended or are stopped (odd), a rank whose DataLoader
+    worker is in the user's code, a rank outside torch's waits while its peers are in one, a minority in
+    another collective, or the one that got further in the function where the stacks part."""
+    odd = dict(odd)
+    live = {r: s for r, s in stacks.items() if r not in odd}
+    for rank, stack in live.items():
+        if found := stack.stuck_worker():
+            number, worker = found
+            odd[rank] = f"'s DataLoader worker {number} ({stack.node.label} on {stack.node.host}, pid " \
+                        f"{worker.pid}) {worker.where()}"
+        elif stack.threads is not None and not stack.waiting():
+            odd[rank] = f"({stack.node.label} on {stack.node.host}) {stack.where()}"
+    waiters = {r: s for r, s in live.items() if r not in odd}
+    groups: dict[str, list[int]] = {}
+    for rank, stack in sorted(waiters.items()):
+        groups.setdefault(stack.where(), []).append(rank)
+    parts = [f"rank {rank}{'' if what.startswith(chr(39)) else ' '}{what}" for rank, what in sorted(odd.items())]
+    ahead = None
+    if not odd and len(groups) > 1:
+        biggest = max(len(g) for g in groups.values())
+        minority = [r for g in groups.values() if len(g) < biggest for r in g]
+        if minority:
+            odd.update({r: "" for r in minority})
+        elif ahead := _ahead([[waiters[r] for r in g] for g in groups.values()]):
+            odd.update({r: "" for r in ahead[0]})
+        ordered = sorted(groups.items(), key=lambda item: (len(item[1]), not ahead or item[1] != ahead[0]))
+    else:
+        ordered = list(groups.items())
+    parts += [f"{ranks_text(g)} {'waits' if len(g) == 1 else 'wait'} {where}" for where, g in ordered]
+    if not odd and len(groups) == 1:
+        parts.append("no rank is behind the others: suspect the network between the nodes, or a peer's host")
+    elif ahead:
+        parts.append(f"the ranks wait in different collectives, and {ranks_text(ahead[0])} got further in "
+                     f"{ahead[1]}: {'it' if len(ahead[0]) == 1 else 'they'} likely skipped a collective the others "
+                     f"wait in (or the others call one {'it does' if len(ahead[0]) == 1 else 'they do'} not)")
+    elif len(groups) > 1 and not any(odd.values()):
+        parts.append("the ranks wait in different collectives: the program calls them in a different order on "
+                     "different ranks")
+    return Verdict("; ".join(parts), sorted(odd))
+
+
+def _ahead(groups: list[list[RankStack]]) -> tuple[list[int], str] | None:
+    """The group that got furthest in the function where the groups' stacks part, when one did: the
+    outermost frame they do not share is the same function on a later line (e.g. after the loop that
+    holds the others' collective). (its ranks, "FUNC (FILE:LINE, the others at :LINE)")."""
+    outer = [list(reversed(group[0].main_frames())) for group in groups]
+    depth = 0
+    while all(len(frames) > depth for frames in outer) and \
+            len({(f[depth]["file"], f[depth]["name"], f[depth]["line"]) for f in outer}) == 1:
+        depth += 1
+    if not all(len(frames) > depth for frames in outer) or \
+            len({(f[depth]["file"], f[depth]["name"]) for f in outer}) != 1:
+        return None
+    lines = [frames[depth]["line"] for frames in outer]
+    furthest = max(lines)
+    if lines.count(furthest) != 1:
+        return None
+    at = outer[lines.index(furthest)][depth]
+    others = ", :".join(str(line) for line in sorted(set(lines) - {furthest}))
+    return (sorted(r.rank for r in groups[lines.index(furthest)]),
+            f"{at['name']} ({short_path(at['file'])}:{furthest}, the others at :{others})")
+
+
+
+
+DEFAULT_GROUP = "0"  # the default process group's name: every rank is a member
+
+
+def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) -> tuple[list[str], list[int]] | None:
+    """(the verdict's parts, the ranks at fault) from stacks whose collectives were read (lists), or None
+    when no rank waits in a collective (then the stacks alone tell). explained: a rank that ended or is
+    stopped is the reason already, so a collective nobody is behind in needs no other suspect."""
+    entries: dict[int, list[dict[str, Any]]] = {r: s.collectives for r, s in stacks.items()
+                                                if isinstance(s.collectives, list)}
+    groups = sorted({e["group"] for found in entries.values() for e in found if not e["done"]},
+                    key=lambda g: (g != DEFAULT_GROUP, g))
+    if not groups:
+        return None
+    parts: list[str] = []
+    odd: set[int] = set()
+    for group in groups:
+        members = sorted(entries) if group == DEFAULT_GROUP else \
+            sorted(r for r, found in entries.items() if any(e["group"] == group for e in found))
+        mine = {r: [e for e in entries[r] if e["group"] == group] for r in members}
+        waiting = {r: min((e for e in found if not e["done"]), key=lambda e: e["seq"])
+                   for r, found in mine.items() if any(not e["done"] for e in found)}
+        furthest = max(e["seq"] for e in waiting.values())
+        at = {r: e for r, e in waiting.items() if e["seq"] == furthest}
+        of = "" if group == DEFAULT_GROUP else f" of process group {group}"
+        kinds: dict[str, list[int]] = {}
+        alike = len({_op(e) for e in at.values()}) == 1
+        for rank, entry in sorted(at.items()):
+            kinds.setdefault(_op(entry) if not alike else f"{_op(entry)}{_sizes(entry, at)}", []).append(rank)
+        if len(kinds) > 1:
+            sides = [f"{ranks_text(ranks)} in {kind} {_places(stacks, ranks)}" for kind, ranks in kinds.items()]
+            parts.append(f"collective mismatch at #{furthest}{of}: {', '.join(sides)}: the program calls different "
+                         f"collectives on different ranks")
+            odd |= set(at)
+        else:
+            verb = "waits" if len(at) == 1 else "wait"
+            parts.append(f"{ranks_text(at)} {verb} in {next(iter(kinds))} #{furthest}{of} {_places(stacks, list(at))}")
+        behind = [r for r in members if r not in at]
+        for rank in behind:
+            stack, behind_in = stacks[rank], waiting.get(rank)
+            who = f"rank {rank} ({stack.node.label} on {stack.node.host})"
+            if behind_in is not None:
+                parts.append(f"{who} waits in {_op(behind_in)} #{behind_in['seq']}{of}, behind #{furthest}, "
+                             f"{stack.place()}")
+            elif any(e["seq"] >= furthest for e in mine[rank]):
+                parts.append(f"{who} completed #{furthest}{of} and is {_where(stack)}")
+                continue
+            else:
+                parts.append(f"{who} has not reached #{furthest}{of}, {_where(stack)}")
+            odd.add(rank)
+        if not behind and len(kinds) == 1 and not explained:
+            parts.append("no rank is behind: the collective itself does not complete (suspect the network between "
+                         "the nodes, a peer's host, or a GPU kernel before it that never ends)")
+    return parts, sorted(odd)
+
+
+def _op(entry: dict[str, Any]) -> str:
+    """all_reduce, not gloo:all_reduce: the backend is the job's."""
+    return str(entry["op"]).rpartition(":")[2] or "a collective"
+
+
+def _sizes(entry: dict[str, Any], at: dict[int, dict[str, Any]]) -> str:
+    """The tensor sizes, where the ranks' differ (the same operation on different shapes is a mismatch too)."""
+    return f" of {entry['sizes']}" if len({str(e['sizes']) for e in at.values()}) > 1 else ""
+
+
+def _places(stacks: dict[int, RankStack], ranks: list[int]) -> str:
+    """Where these ranks are in the code: once when they are at the same line, else rank by rank."""
+    places = {rank: stacks[rank].place() for rank in ranks}
+    if len(set(places.values())) == 1:
+        return next(iter(places.values()))
+    return "(" + ", ".join(f"rank {rank} {place}" for rank, place in sorted(places.items())) + ")"
+
+
+def _where(stack: RankStack) -> str:
+    """Where a rank outside the collective is: its own line, or its DataLoader worker's when it waits for
+    one that is in the user's code."""
+    if found := stack.stuck_worker():
+        number, worker = found
+        return f"waiting for its DataLoader worker {number} (pid {worker.pid}) {worker.place()}"
+    return stack.place()
