@@ -42,6 +42,7 @@ from typing import Any, cast
 
 from bench import procs
 from bench.launch import died_at, torchrun_by_hand
+from harness.node.collectives import read_trace
 from harness.node.proctable import process_tree, run_processes
 from harness.node.ranks import find_ranks, sample
 from harness.spec.job import Health, JobSpec
@@ -290,6 +291,29 @@ def sampling_cost(root: int, run_id: str, repeats: int = 50) -> float:
     return (time.thread_time() - began) / repeats
 
 
+def flight_recorder_cost(root: int, run_id: str, repeats: int = 50) -> dict[str, float]:
+    """CPU seconds one read of a rank's Flight Recorder costs, as the agent reads it with each health sample:
+    in the rank (torch's worker server builds the JSON) and in the agent (the request and its parsing),
+    and how many entries it held."""
+    below, _ = process_tree(root)
+    rank, pid = min(find_ranks(below, run_id).items())
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    directory = next(item.split(b"=", 1)[1].decode() for item in environ if item.startswith(b"HARNESS_AGENT_DIR="))
+
+    def rank_cpu() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    entries = read_trace(directory, rank)
+    if isinstance(entries, str):
+        raise RuntimeError(f"rank {rank}'s Flight Recorder: {entries}")
+    before, began = rank_cpu(), time.thread_time()
+    for _ in range(repeats):
+        read_trace(directory, rank)
+    agent = (time.thread_time() - began) / repeats
+    return {"rank_cpu_s": (rank_cpu() - before) / repeats, "agent_cpu_s": agent, "entries": len(entries)}
+
+
 def payload_run(tmp: Path, arm: str, cfg: dict[str, Any], measure: bool = False) -> dict[str, Any]:
     steps, batch = cfg["steps"], cfg["batch_size"]
     args = ["--data", "synthetic", "--subset", str(2 * batch * steps), "--model", cfg["model"], "--epochs", "1",
@@ -300,8 +324,9 @@ def payload_run(tmp: Path, arm: str, cfg: dict[str, Any], measure: bool = False)
     with procs.Proc([procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(tmp / "runs")]) as p:
         if measure:  # an extra run, not timed: the bench's own CPU would slow the payload
             _, header = p.wait_for(r"^harness: run (\S+): ", timeout=120)
-            p.wait_for(FIRST.pattern, timeout=300)
-            return {"sample_cpu_s": sampling_cost(p.proc.pid, header.group(1))}
+            p.wait_for(r"\[rank0\]: epoch 1/1 step 60/", timeout=300)  # the recorder's buffer full
+            return {"sample_cpu_s": sampling_cost(p.proc.pid, header.group(1)),
+                    "flight_recorder": flight_recorder_cost(p.proc.pid, header.group(1))}
         code = p.wait(timeout=600)
         if code != 0:
             raise RuntimeError(f"the payload with the watch {arm} exited {code}:\n{p.output[-3000:]}")
@@ -319,7 +344,8 @@ def watch_cost(cfg: dict[str, Any]) -> dict[str, Any]:
             for arm in ("on", "no-fr", "off") if i % 2 == 0 else ("off", "no-fr", "on"):
                 attempts.append(payload_run(Path(tmp), arm, cfg))
                 print(f"bench: watch_cost: {arm}: {attempts[-1]}", flush=True)
-        cost = payload_run(Path(tmp), "on", cfg, measure=True)["sample_cpu_s"]
+        measured = payload_run(Path(tmp), "on", cfg, measure=True)
+    cost, recorder = measured["sample_cpu_s"], measured["flight_recorder"]
     interval = watch_seconds(cast(JobSpec, SimpleNamespace(health=Health())))
     rounds = [{a["arm"]: a for a in attempts[3 * i:3 * i + 3]} for i in range(cfg["repeats"])]
     pairs = [(r["on"], r["off"]) for r in rounds]
@@ -345,4 +371,8 @@ def watch_cost(cfg: dict[str, Any]) -> dict[str, Any]:
             "first_step_ratio": round(statistics.median(step_ratios), 3),
             "pair_first_step_ratios": [round(r, 3) for r in step_ratios], "goal_ratio": 0.99,
             "sample_cpu_ms": round(1000 * cost, 2), "sample_every_s": interval,
-            "sampling_cpu_share": round(cost / interval, 5)}
+            "sampling_cpu_share": round(cost / interval, 5),
+            "flight_recorder_read": {"entries": recorder["entries"],
+                                     "rank_cpu_ms": round(1000 * recorder["rank_cpu_s"], 2),
+                                     "agent_cpu_ms": round(1000 * recorder["agent_cpu_s"], 2),
+                                     "rank_cpu_share": round(recorder["rank_cpu_s"] / interval, 5)}}

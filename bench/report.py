@@ -377,6 +377,13 @@ def _watch_cost(w: dict[str, Any]) -> list[str]:
                     [[r["arm"], f"`{r['health']}`", _num(r["images_per_s"]),
                       ", ".join(_num(a) for a in r["attempts_images_per_s"]), r["first_step_s"],
                       ", ".join(str(a) for a in r["attempts_first_step_s"])] for r in w["rows"]])
+    if "flight_recorder_read" in w:
+        fr = w["flight_recorder_read"]
+        lines.append(f"One read of a rank's Flight Recorder ({fr['entries']} entries), as the agent makes it with each "
+                     f"sample: {fr['rank_cpu_ms']} ms of the rank's CPU (torch's worker server) and "
+                     f"{fr['agent_cpu_ms']} ms of the agent's; every {w['sample_every_s']:g} s: "
+                     f"{100 * fr['rank_cpu_share']:.3f}% of one core per rank.")
+        lines.append("")
     if "flight_recorder_images_per_s_ratio" in w:
         lines.append(f"img/s with Flight Recorder / without it (health on in both): "
                      f"{w['flight_recorder_images_per_s_ratio']:.4f} (rounds: "

@@ -5,7 +5,7 @@ to nodes with the agent).
 Flight Recorder (TORCH_FR_BUFFER_SIZE for gloo, TORCH_NCCL_TRACE_BUFFER_SIZE for NCCL, set by the plan)
 keeps each rank's recent collectives: per process group a sequence number, the operation, sizes, when it
 was enqueued, and whether it completed. Two recorders: the CPU one (gloo, `fr_trace_json`) and NCCL's
-(`dump_nccl_trace_json`, CUDA builds only); both are asked and their entries taken together.
+(`dump_nccl_trace_json`, empty in builds without CUDA); both are asked and their entries taken together.
 What the agent makes of them:
 - progress (every health sample): how many collectives the rank has completed, and for how long its
   oldest unfinished one has been waiting; a rank whose CPU spins in a CUDA synchronization still
@@ -24,7 +24,7 @@ import socket
 from typing import Any
 
 READ_SECONDS = 5.0  # torch answers in milliseconds; a rank whose server cannot must not hold the agent up
-RECORDERS = ("/handler/fr_trace_json", "/handler/dump_nccl_trace_json?includestacktraces=false")
+RECORDERS = ("/handler/fr_trace_json", "/handler/dump_nccl_trace_json")
 KEPT = 8  # entries of each process group kept for a hang's verdict
 
 
@@ -74,7 +74,9 @@ def read_trace(directory: str, rank: int) -> list[dict[str, Any]] | str:
         answered += 1
     if not answered:
         return "its worker server has no Flight Recorder handler"
-    return sorted(entries, key=lambda e: e.get("time_created_ns", 0))
+    unique = {(group_of(e), e.get("is_p2p"), e.get("collective_seq_id"), e.get("p2p_seq_id"), e.get("profiling_name"),
+               e.get("time_created_ns")): e for e in entries}  # a torch whose two handlers share one recorder
+    return sorted(unique.values(), key=lambda e: e.get("time_created_ns", 0))
 
 
 def done(entry: dict[str, Any]) -> bool:

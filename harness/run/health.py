@@ -103,14 +103,13 @@ class Arrivals:
         covered = sum(stop - start for start, stop, _ in stretches)
         if covered <= 0 or max(s[1] for s in stretches) - min(s[0] for s in stretches) < window / 2:
             return {}
-        found = {}
-        for rank in live:
-            late = 0.0
-            for start, stop, ranks in stretches:
-                peers = statistics.median(ranks[r] for r in live if r != rank)
-                late += max(0.0, min(ranks[rank], stop) - max(peers, start))
-            found[rank] = 100 * late / covered
-        return found
+        late = dict.fromkeys(live, 0.0)
+        for start, stop, ranks in stretches:
+            everyone = statistics.median(ranks[r] for r in live)  # of many ranks, as good as the peers' own
+            for rank in live:
+                peers = everyone if len(live) > 4 else statistics.median(ranks[r] for r in live if r != rank)
+                late[rank] += max(0.0, min(ranks[rank], stop) - max(peers, start))
+        return {rank: 100 * value / covered for rank, value in late.items()}
 
 
 @dataclass

@@ -73,8 +73,8 @@ class Watch:
         words = {"arrival": "when it arrives at its collectives", "busy": "CPU time"}
         measures = self.health.measures().get(rank, {})
         shown = sorted(measures.items(), key=lambda item: -item[1])
-        by = "; ".join(f"{value:.0f}% by {words[name]}" for name, value in shown[1:])
-        return (f"slow: rank {rank} ({node.label} on {node.host}): its peers wait for it {waited:.0f}% of the time "
+        by = "; ".join(f"{round(value)}% by {words[name]}" for name, value in shown[1:])
+        return (f"slow: rank {rank} ({node.label} on {node.host}): its peers wait for it {round(waited)}% of the time "
                 f"(over the last {SLOW_WINDOW:g} s, by {words[shown[0][0]] if shown else 'CPU time'}"
                 f"{'; ' + by if by else ''})")
 

@@ -168,15 +168,15 @@ def top_in_a_terminal(run_id: str, runs: Path) -> str:
 
 
 def test_a_slow_rank_of_four_is_named_from_its_arrivals_within_a_minute(write_yaml, launch, tmp_path):
-    """Rank 1 computes three times as much per step as its peers (a slower device): it arrives last at every
-    all_reduce, and is named by its arrival times."""
+    """Rank 1 takes 0.1 s longer per step, asleep, as a rank waits for a slower GPU: it arrives last at every
+    all_reduce and is named by its arrival times, which see what CPU time cannot (every rank sleeps)."""
     run = launch(write_yaml(f"""
         name: slow
         nnodes: 4
         backend: gloo
         master_port: {free_port()}
         entrypoint: {{script: {SCRIPT}}}
-        env: {{WORK: '60', SLOW_RANK: '1', SLOW_FACTOR: '3', OMP_NUM_THREADS: '1'}}
+        env: {{SLOW_RANK: '1', SLOW_SECONDS: '0.1', OMP_NUM_THREADS: '1'}}
         health: {{stall: 60, slow: 20}}
         """))
     run.wait_for(r"\[rank1\]: step 0$")
@@ -190,7 +190,7 @@ def test_a_slow_rank_of_four_is_named_from_its_arrivals_within_a_minute(write_ya
     assert re.search(r"slow: rank 1: its peers wait for it [\d.]+% of the time", status.stdout), status.stdout
     # Every rank as the watch sees it: state, CPU, the step it printed and its rate, its last line.
     rows = re.findall(r"^ +(\d) node\d +sim\d +(computing|waiting) +(\d+)% +(\d+) +([\d.]+) +(\d+)s ago: "
-                      r"\[rank\1\]: step (\d+)", status.stdout, re.MULTILINE)
+                      r"\[rank\1\]: step (\d+)", status.stdout, re.MULTILINE)  # step 10, 20, ...: rate and line
     assert sorted(row[0] for row in rows) == ["0", "1", "2", "3"], status.stdout
     assert all(row[3] == row[6] and float(row[4]) > 0 for row in rows), status.stdout
     shown = harness("top", run.run_id, "--once", "--runs-dir", str(tmp_path / "runs"))

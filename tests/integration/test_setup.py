@@ -27,8 +27,8 @@ def test_simulated_nodes_share_the_launch_directory_so_the_setup_runs_once(write
     assert run.output.count("harness setup: running 2 command(s)") == 1, run.output
     assert run.output.count("harness setup: done before") == 1, run.output
     assert (tmp_path / "data/answer").read_text() == "42\n"
-    plan = (run.runs_dir / run.run_id / "plan.json").read_text()
-    assert '"setup": "mkdir -p .harness' in plan
+    plan = json.loads((run.runs_dir / run.run_id / "plan.json").read_text())
+    assert all("\nmkdir -p .harness && (" in node["setup"] for node in plan["nodes"]), plan["nodes"][0]["setup"]
     assert_nothing_left(run.run_id)
 
 

@@ -6,7 +6,7 @@ broadcast, in the two branches of an if/else (SWAP=1 swaps the branches); skip: 
 all_reduce and goes on to the final barrier; silent:
 every rank computes for SILENT_SECONDS without printing or a collective, then ends), STEPS, RUN_SECONDS, and
 WORK: matrix products per step (a compute-bound step, as training's is), else a 0.05 s pause; SLOW_RANK
-does SLOW_FACTOR times the WORK (a slower device)."""
+takes SLOW_SECONDS longer to load each batch, asleep (as a rank waits for a slower GPU: its CPU is idle)."""
 
 import os
 import threading
@@ -20,8 +20,8 @@ rank = dist.get_rank()
 fault, fault_rank, fault_step = os.environ.get("FAULT", ""), int(os.environ.get("FAULT_RANK", "1")), \
     int(os.environ.get("FAULT_STEP", "20"))
 steps = int(os.environ.get("STEPS", "100000"))
-work = int(os.environ.get("WORK", "0")) * (int(os.environ.get("SLOW_FACTOR", "1"))
-                                          if rank == int(os.environ.get("SLOW_RANK", "-1")) else 1)
+work = int(os.environ.get("WORK", "0"))
+slower = float(os.environ.get("SLOW_SECONDS", "0")) if rank == int(os.environ.get("SLOW_RANK", "-1")) else 0.0
 run_until = time.monotonic() + float(os.environ.get("RUN_SECONDS", "inf"))
 
 
@@ -55,6 +55,7 @@ def sync_metrics(batch: torch.Tensor) -> None:
 def load_batch(step: int) -> torch.Tensor:
     if fault in ("sleep", "spin") and rank == fault_rank and step == fault_step:
         time.sleep(3600)
+    time.sleep(slower)
     x = torch.ones(100, 100) / 100
     for _ in range(work):
         x = torch.tanh(x @ x)
