@@ -11,8 +11,10 @@ whether the right rank is named, against torchrun alone; and what the watch cost
    Detection: the fault (the time the rank wrote, or the SIGSTOP) to the arrival of the launch's
    `harness: hang: ...` line; also less S (what the watch adds to its own threshold). Culprit:
    summary.json's first failure (kind hang, evidence the verdict) names the injected rank as its
-   `rank` (the first odd rank of the verdict). Stacks: rank<R>.txt files kept in
-   runs/<id>/stacks/attempt-0/. Left: processes of the run alive after the launch exited.
+   `rank` (the first odd rank of the verdict); a skipped all_reduce is a collective mismatch at one
+   sequence number, whose verdict names both sides and neither as the culprit: right when it does.
+   Stacks: rank<R>.txt files kept in runs/<id>/stacks/attempt-0/. Left: processes of the run alive
+   after the launch exited.
    torchrun alone: the same faults under two torchrun agents by hand with init_process_group's
    timeout set to T (its default: 30 min for gloo, 10 min for NCCL, which no benchmark waits out):
    when the first line of an error shows, whether any line names the injected rank, and what is left
@@ -142,12 +144,21 @@ def harness_fault(tmp: Path, kind: str, rank: int, step: int, stall: float, inde
            "detected_s": round(seen - fault_at, 2), "beyond_stall_s": round(seen - fault_at - stall, 2),
            "judged_s": None if judged is None else round(judged - fault_at, 2),
            "exit_s": round(p.ended - fault_at, 2), "exit_code": code, "named_rank": named,
-           "right": named == rank, "failure_kind": failure.get("kind"),
+           "right": named == rank or (kind == "skip" and _both_sides(verdict.group(1))),
+           "failure_kind": failure.get("kind"),
            "evidence_is_verdict": failure.get("evidence") == verdict.group(1).split(" (stacks in ")[0],
            "stacks_kept": kept, "left": len(left), "verdict": verdict.group(1).split(" (stacks in ")[0]}
     if not row["right"]:
         row["output"] = "\n".join(line for _, line in p.lines if not re.search(r"\]: step \d+$", line))[-6000:]
     return row
+
+
+def _both_sides(verdict: str) -> bool:
+    """A skipped all_reduce is a collective mismatch (rank R in barrier, its peer in all_reduce, at the same
+    sequence number): the verdict names both sides and neither as the culprit, as it should (Flight
+    Recorder cannot tell a skipped call from the program's other mismatches)."""
+    return re.search(r"collective mismatch at #\d+: rank 0 in (all_reduce|barrier) .*, rank 1 in (all_reduce|barrier) ",
+                     verdict) is not None
 
 
 def torchrun_fault(tmp: Path, kind: str, rank: int, step: int, pg_timeout: float, wait: float,

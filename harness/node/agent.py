@@ -86,12 +86,11 @@ class Agent:
         self._cleaned = False
         self._kill_lock = threading.Lock()
         self.arrived: dict[int, int] = {}  # rank -> when it enqueued the newest collective sent (ns)
-        self.directory = tempfile.mkdtemp(prefix="harness-agent-")  # private (0700): nobody else's code runs
-        with open(os.path.join(self.directory, "sitecustomize.py"), "w", encoding="utf-8") as handle:
-            handle.write(hook)
+        self.directory, self.unhooked = _private_directory(hook)
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
+        hooked = {"HARNESS_AGENT_DIR": self.directory} if self.directory else {}
         self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, "HARNESS_AGENT_DIR": self.directory})
+                                      env={**os.environ, **hooked})
         # A command the OS refuses to run (too long, no /bin/sh) raises here: main() reports it.
 
     def signal_group(self, sig: int) -> None:
@@ -175,7 +174,7 @@ class Agent:
         found: dict[int, list[dict[str, object]] | str] = {}
 
         def read(rank: int) -> None:
-            found[rank] = read_trace(self.directory, rank)
+            found[rank] = read_trace(self.directory, rank) if self.directory else self.unhooked
 
         ranks = [rank for rank, state in states.items() if state not in ("T", "t", "Z")]
         found.update({rank: f"the rank is {'a zombie' if state == 'Z' else 'stopped'}"
@@ -238,10 +237,24 @@ class Agent:
         self.ended.set()
         with self._kill_lock:  # not while a KILL runs the cleanup, a child of ours with our environment
             self._sweep()  # workers that outlived their torchrun, daemons the job left behind
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
         if code != 0 and (killed := oom_kills(self.seen, self.began, self.oom_before)):
             say(Kind.OOM, oom_body(killed))
         return code
+
+
+def _private_directory(hook: str) -> tuple[str | None, str]:
+    """(a directory of the agent's own, mode 0700 so that no other user can put code there, holding the
+    rank hook as sitecustomize.py, ""); or (None, why) where the node's temporary directory takes none:
+    the ranks then run without the hook, and their collectives are not read, for that reason."""
+    try:
+        directory = tempfile.mkdtemp(prefix="harness-agent-")
+        with open(os.path.join(directory, "sitecustomize.py"), "w", encoding="utf-8") as handle:
+            handle.write(hook)
+    except OSError as exc:
+        return None, f"the agent could not install the rank hook in {tempfile.gettempdir()}: {exc.strerror or exc}"
+    return directory, ""
 
 
 _SAY_LOCK = threading.Lock()
