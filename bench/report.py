@@ -370,11 +370,14 @@ KIND_NAMES = {"stop": "rank SIGSTOPped", "sleep": "rank stuck in time.sleep in i
 
 
 def _watch_cost(w: dict[str, Any]) -> list[str]:
-    lines = [f"{w['job']}; `harness launch`, the health watch on and off alternately, {w['repeats']} of each. "
+    arms = "on, on without Flight Recorder and off, interleaved" if "flight_recorder_read" in w else \
+        "on and off alternately"
+    lines = [f"{w['job']}; `harness launch`, the health watch {arms}, {w['repeats']} of each. "
              "First step: from the command's start to rank 0's first progress line. Ratios: on / off, median "
              "of the pairs.", ""]
     lines += _table(["health watch", "spec", "img/s (median)", "attempts", "first step s (median)", "attempts"],
-                    [[r["arm"], f"`{r['health']}`", _num(r["images_per_s"]),
+                    [[r["arm"], f"`{r['health']}`" + "".join(f", `{k}={v}`" for k, v in r.get("env", {}).items()),
+                      _num(r["images_per_s"]),
                       ", ".join(_num(a) for a in r["attempts_images_per_s"]), r["first_step_s"],
                       ", ".join(str(a) for a in r["attempts_first_step_s"])] for r in w["rows"]])
     if "flight_recorder_read" in w:
@@ -388,6 +391,7 @@ def _watch_cost(w: dict[str, Any]) -> list[str]:
         lines.append(f"img/s with Flight Recorder / without it (health on in both): "
                      f"{w['flight_recorder_images_per_s_ratio']:.4f} (rounds: "
                      f"{', '.join(f'{r:.3f}' for r in w['pair_flight_recorder_ratios'])})")
+        lines.append("")
     return [*lines, f"img/s on / off: {w['images_per_s_ratio']:.4f} (pairs: "
             f"{', '.join(f'{r:.3f}' for r in w['pair_images_per_s_ratios'])}); time to first step on / off: "
             f"{w['first_step_ratio']:.3f} (pairs: {', '.join(f'{r:.3f}' for r in w['pair_first_step_ratios'])}).", "",
