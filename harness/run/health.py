@@ -344,6 +344,29 @@ class RankStack:
         return "\n".join(lines) + "\n" + workers
 
 
+DEFAULT_GROUP = "0"  # Flight Recorder's name of the default process group: every rank is a member
+
+
+def op_name(entry: Mapping[str, Any]) -> str:
+    """all_reduce, not gloo:all_reduce: the backend is the job's."""
+    return str(entry["op"]).rpartition(":")[2] or "a collective"
+
+
+def collectives_text(stack: RankStack) -> str:
+    """Its last collectives by process group, as a hang's rankN.txt ends: `#21 all_reduce [[100, 100]]
+    unfinished`; or why they could not be read."""
+    if stack.collectives is None:
+        return ""
+    if isinstance(stack.collectives, str):
+        return f"\nFlight Recorder not read: {stack.collectives}\n"
+    lines = [f"\nrank {stack.rank}'s last collectives (Flight Recorder):"]
+    for entry in stack.collectives:
+        group = "" if entry["group"] == DEFAULT_GROUP else f" of process group {entry['group']}"
+        lines.append(f"    #{entry['seq']}{group} {op_name(entry)} {entry['sizes']} "
+                     f"{'completed' if entry['done'] else 'unfinished'}")
+    return "\n".join(lines) + "\n"
+
+
 def short_path(path: str) -> str:
     """A library file from its package on (torch/distributed/...), the user's file as written."""
     match = re.search(r"/(?:site|dist)-packages/(.*)$", path)

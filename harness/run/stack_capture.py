@@ -12,7 +12,7 @@ from typing import Any
 
 from harness.node.protocol import Kind, Message, StackChunks
 from harness.run.atomic import write_text_atomic
-from harness.run.health import RankStack
+from harness.run.health import RankStack, collectives_text
 from harness.run.live import LiveNode
 from harness.run.rundir import RunDir
 from harness.targets.base import NodeProcess
@@ -77,10 +77,10 @@ class StackCapture:
 
 
 def keep(where: Path, stacks: dict[int, RankStack]) -> None:
-    """Each rank's stacks as py-spy shows them, its DataLoader workers' after them (rankN.txt), and all of
-    them as stacks.json."""
+    """Each rank's stacks as py-spy shows them, its DataLoader workers' after them, then its last collectives
+    (rankN.txt), and all of them as stacks.json."""
     where.mkdir(parents=True, exist_ok=True)
     for rank, stack in stacks.items():
-        write_text_atomic(where / f"rank{rank}.txt", stack.text())
+        write_text_atomic(where / f"rank{rank}.txt", stack.text() + collectives_text(stack))
     answers = {str(rank): stack.to_answer() for rank, stack in sorted(stacks.items())}
     write_text_atomic(where / "stacks.json", json.dumps(answers))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.plan.planner import Node
-from harness.run.health import RankStack, ranks_text, short_path, state_words
+from harness.run.health import DEFAULT_GROUP, RankStack, op_name, ranks_text, short_path, state_words
 
 
 @dataclass(frozen=True)
@@ -118,64 +118,91 @@ def _ahead(groups: list[list[RankStack]]) -> tuple[list[int], str] | None:
 
 
 
-DEFAULT_GROUP = "0"  # the default process group's name: every rank is a member
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One process group's state on a hang: its member ranks, each one's collectives in it, the unfinished
+    one each waits in, #furthest, and who waits there."""
+
+    name: str
+    members: list[int]
+    mine: dict[int, list[dict[str, Any]]]
+    waiting: dict[int, dict[str, Any]]
+    furthest: int
+    at: dict[int, dict[str, Any]]
+
+    @property
+    def of(self) -> str:
+        return "" if self.name == DEFAULT_GROUP else f" of process group {self.name}"
+
+    def behind(self) -> list[int]:
+        return [r for r in self.members if r not in self.at]
+
+
+def _groups(entries: dict[int, list[dict[str, Any]]]) -> list[_Group]:
+    """The groups with an unfinished collective, the default one first."""
+    names = sorted({e["group"] for found in entries.values() for e in found if not e["done"]},
+                   key=lambda g: (g != DEFAULT_GROUP, g))
+    found = []
+    for name in names:
+        members = sorted(entries) if name == DEFAULT_GROUP else \
+            sorted(r for r, mine in entries.items() if any(e["group"] == name for e in mine))
+        mine = {r: [e for e in entries[r] if e["group"] == name] for r in members}
+        waiting = {r: min((e for e in own if not e["done"]), key=lambda e: e["seq"])
+                   for r, own in mine.items() if any(not e["done"] for e in own)}
+        furthest = max(e["seq"] for e in waiting.values())
+        found.append(_Group(name, members, mine, waiting, furthest,
+                            {r: e for r, e in waiting.items() if e["seq"] == furthest}))
+    return found
 
 
 def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) -> tuple[list[str], list[int]] | None:
     """(the verdict's parts, the ranks at fault) from stacks whose collectives were read (lists), or None
     when no rank waits in a collective (then the stacks alone tell). explained: a rank that ended or is
-    stopped is the reason already, so a collective nobody is behind in needs no other suspect."""
-    entries: dict[int, list[dict[str, Any]]] = {r: s.collectives for r, s in stacks.items()
-                                                if isinstance(s.collectives, list)}
-    groups = sorted({e["group"] for found in entries.values() for e in found if not e["done"]},
-                    key=lambda g: (g != DEFAULT_GROUP, g))
+    stopped is the reason already, so a collective nobody is behind in needs no other suspect. Each rank
+    is said once: where it waits, or, waiting nowhere, as behind in the smallest group that waits for it."""
+    groups = _groups({r: s.collectives for r, s in stacks.items() if isinstance(s.collectives, list)})
     if not groups:
         return None
+    waits = {r for g in groups for r in g.waiting}
+    home = {r: min((g for g in groups if r in g.behind()), key=lambda g: len(g.members)).name
+            for g in groups for r in g.behind() if r not in waits}
     parts: list[str] = []
     odd: set[int] = set()
     for group in groups:
-        members = sorted(entries) if group == DEFAULT_GROUP else \
-            sorted(r for r, found in entries.items() if any(e["group"] == group for e in found))
-        mine = {r: [e for e in entries[r] if e["group"] == group] for r in members}
-        waiting = {r: min((e for e in found if not e["done"]), key=lambda e: e["seq"])
-                   for r, found in mine.items() if any(not e["done"] for e in found)}
-        furthest = max(e["seq"] for e in waiting.values())
-        at = {r: e for r, e in waiting.items() if e["seq"] == furthest}
-        of = "" if group == DEFAULT_GROUP else f" of process group {group}"
         kinds: dict[str, list[int]] = {}
-        alike = len({_op(e) for e in at.values()}) == 1
-        for rank, entry in sorted(at.items()):
-            kinds.setdefault(_op(entry) if not alike else f"{_op(entry)}{_sizes(entry, at)}", []).append(rank)
+        alike = len({op_name(e) for e in group.at.values()}) == 1
+        for rank, entry in sorted(group.at.items()):
+            kind = f"{op_name(entry)}{_sizes(entry, group.at)}" if alike else op_name(entry)
+            kinds.setdefault(kind, []).append(rank)
         if len(kinds) > 1:
             sides = [f"{ranks_text(ranks)} in {kind} {_places(stacks, ranks)}" for kind, ranks in kinds.items()]
-            parts.append(f"collective mismatch at #{furthest}{of}: {', '.join(sides)}: the program calls different "
-                         f"collectives on different ranks")
-            odd |= set(at)
+            parts.append(f"collective mismatch at #{group.furthest}{group.of}: {', '.join(sides)}: the program calls "
+                         f"different collectives on different ranks")
+            odd |= set(group.at)
         else:
-            verb = "waits" if len(at) == 1 else "wait"
-            parts.append(f"{ranks_text(at)} {verb} in {next(iter(kinds))} #{furthest}{of} {_places(stacks, list(at))}")
-        behind = [r for r in members if r not in at]
-        for rank in behind:
-            stack, behind_in = stacks[rank], waiting.get(rank)
+            verb = "waits" if len(group.at) == 1 else "wait"
+            parts.append(f"{ranks_text(group.at)} {verb} in {next(iter(kinds))} #{group.furthest}{group.of} "
+                         f"{_places(stacks, list(group.at))}")
+        for rank in group.behind():
+            stack, behind_in = stacks[rank], group.waiting.get(rank)
             who = f"rank {rank} ({stack.node.label} on {stack.node.host})"
             if behind_in is not None:
-                parts.append(f"{who} waits in {_op(behind_in)} #{behind_in['seq']}{of}, behind #{furthest}, "
-                             f"{stack.place()}")
-            elif any(e["seq"] >= furthest for e in mine[rank]):
-                parts.append(f"{who} completed #{furthest}{of} and is {_where(stack)}")
+                parts.append(f"{who} waits in {op_name(behind_in)} #{behind_in['seq']}{group.of}, behind "
+                             f"#{group.furthest}, {stack.place()}")
+            elif home.get(rank) != group.name:
+                continue  # said where it waits, or in the group that waits for it most closely
+            elif any(e["seq"] >= group.furthest for e in group.mine[rank]):
+                parts.append(f"{who} completed #{group.furthest}{group.of} and is {_where(stack)}")
                 continue
             else:
-                parts.append(f"{who} has not reached #{furthest}{of}, {_where(stack)}")
+                parts.append(f"{who} has not reached #{group.furthest}{group.of}, {_where(stack)}")
             odd.add(rank)
-        if not behind and len(kinds) == 1 and not explained:
+        if not group.behind() and len(kinds) == 1 and not explained:
             parts.append("no rank is behind: the collective itself does not complete (suspect the network between "
                          "the nodes, a peer's host, or a GPU kernel before it that never ends)")
     return parts, sorted(odd)
-
-
-def _op(entry: dict[str, Any]) -> str:
-    """all_reduce, not gloo:all_reduce: the backend is the job's."""
-    return str(entry["op"]).rpartition(":")[2] or "a collective"
 
 
 def _sizes(entry: dict[str, Any], at: dict[int, dict[str, Any]]) -> str:

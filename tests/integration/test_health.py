@@ -85,6 +85,8 @@ def test_a_rank_stuck_before_its_collective_is_found_named_behind_and_its_stacks
                    json.loads((kept / "stacks.json").read_text()).items()}
     assert [e["done"] for e in collectives["0"]][-2:] == [True, False], collectives["0"]
     assert all(e["done"] for e in collectives["1"]), collectives["1"]
+    assert re.search(r"^rank 0's last collectives \(Flight Recorder\):\n(    #\d+ all_reduce \[\[100, 100\]\] completed\n)+"
+                     r"    #\d+ all_reduce \[\[100, 100\]\] unfinished\n\Z", (kept / "rank0.txt").read_text(), re.M)
     if fault == "loader":  # the worker's stack, after its rank's
         assert re.search(r"^rank 1's DataLoader worker 0, pid \d+, sleeping\n(.*\n)*\s+time.sleep\(3600\)",
                          (kept / "rank1.txt").read_text(), re.M)

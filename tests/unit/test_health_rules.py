@@ -255,3 +255,19 @@ def test_the_rank_that_arrives_last_at_its_collectives_is_the_one_its_peers_wait
     assert watch.waited() == {}, "no health samples: the live ranks are not known yet"
     feed(watch, 25, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, busy_per_s={0: 0.5, 1: 0.5, 2: 0.7, 3: 0.5})
     assert round(watch.measures()[2]["busy"]) == 20 and watch.waited()[2] == (waited[2], "arrival"), "the larger"
+
+
+def test_a_rank_is_said_once_where_it_waits_in_a_subgroup_and_the_one_it_waits_for_is_behind_there():
+    """Ranks 0,1 wait in the default group's #11; rank 2 waits in its pair's (group 2) #11 for rank 3, asleep
+    before it: rank 3 is behind in group 2, and rank 2 is not called behind in the default group."""
+    pair = [entry(seq, group="2") for seq in range(8, 11)]
+    default = [entry(seq) for seq in range(8, 11)]
+    stacks = {0: replace(stack(0, IN_ALL_REDUCE), collectives=[*default, entry(11, done=False)]),
+              1: replace(stack(1, IN_ALL_REDUCE), collectives=[*default, entry(11, done=False)]),
+              2: replace(stack(2, AT_35), collectives=default + pair + [entry(11, done=False, group="2")]),
+              3: replace(stack(3, IN_SLEEP), collectives=default + pair)}
+    verdict = hang_verdict(10, stacks, {})
+    assert verdict.odd == [3]
+    assert verdict.text == ("no progress for 10 s: ranks 0,1 wait in all_reduce #11 at train.py:55 in step; rank 2 "
+                            "waits in all_reduce #11 of process group 2 at f.py:35 in sync_metrics; rank 3 (node3 on h4) "
+                            "has not reached #11 of process group 2, at train.py:42 in load_batch: time.sleep(60)")
