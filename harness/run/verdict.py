@@ -7,6 +7,8 @@ collective, #N is the furthest one a rank waits in, and
   collectives on different ranks (an if/else, a skipped call). Both sides are named; neither is picked
   as the culprit, since nothing says which side is wrong;
 - a rank that has not reached #N is behind: the others wait for it, and its stack says where it is;
+- a rank still in a collective the others completed (#N-1) waits for data that did not arrive: the
+  network, not the rank;
 - every rank in #N, none behind: the collective itself does not complete.
 Else by stack alone, with the reason Flight Recorder could not be read.
 """
@@ -188,6 +190,13 @@ def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) ->
         for rank in group.behind():
             stack, behind_in = stacks[rank], group.waiting.get(rank)
             who = f"rank {rank} ({stack.node.label} on {stack.node.host})"
+            finished = [r for r in group.at if behind_in is not None and any(
+                e["seq"] == behind_in["seq"] and e["done"] for e in group.mine[r])]
+            if behind_in is not None and len(finished) == len(group.at):
+                parts.append(f"{who} waits in {op_name(behind_in)} #{behind_in['seq']}{group.of}, which "
+                             f"{ranks_text(finished)} completed: the rest of its data did not arrive (suspect the "
+                             f"network between the nodes, or a peer's host)")
+                continue
             if behind_in is not None:
                 parts.append(f"{who} waits in {op_name(behind_in)} #{behind_in['seq']}{group.of}, behind "
                              f"#{group.furthest}, {stack.place()}")

@@ -219,6 +219,16 @@ def test_every_rank_in_the_same_unfinished_collective_is_no_rank_behind():
                             "a peer's host, or a GPU kernel before it that never ends)")
 
 
+def test_a_rank_still_in_a_collective_its_peer_completed_points_at_the_network_not_at_itself():
+    """A partition mid-collective: rank 0 got all of #23 and waits in #24; rank 1 still waits in #23."""
+    stacks = {0: reached(0, IN_ALL_REDUCE, 24), 1: reached(1, IN_ALL_REDUCE, 23)}
+    verdict = hang_verdict(10, stacks, {})
+    assert verdict.odd == []
+    assert verdict.text == ("no progress for 10 s: rank 0 waits in all_reduce #24 at train.py:55 in step; rank 1 "
+                            "(node1 on h2) waits in all_reduce #23, which rank 0 completed: the rest of its data did "
+                            "not arrive (suspect the network between the nodes, or a peer's host)")
+
+
 def test_where_a_rank_collectives_cannot_be_read_the_stacks_decide_and_the_verdict_says_why():
     unread = replace(stack(1, IN_SLEEP), collectives="its worker server did not answer: Connection refused")
     verdict = hang_verdict(10, {0: reached(0, IN_ALL_REDUCE, 5), 1: unread}, {})
