@@ -27,7 +27,8 @@ it obeys on the rest of its stdin, and the messages it says among the node's out
   killer ended a rank (harness.node.oom), and `node-exit CODE` once the node has ended.
 
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does. It
-keeps a private directory (HARNESS_AGENT_DIR in the node's environment, removed at the end) that
+keeps a private directory (HARNESS_AGENT_DIR in the node's environment, removed at the end, or by the
+next agent on the host when this one was SIGKILLed) that
 holds HOOK as sitecustomize.py (harness.node.rank_hook: the node's setup line puts the directory first
 on PYTHONPATH) and the sockets on which the ranks serve their Flight Recorder (harness.node.collectives).
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import select
 import shutil
 import signal
@@ -48,7 +50,7 @@ import time
 
 from harness.node.collectives import READ_SECONDS, arrivals, last_entries, progress, read_trace
 from harness.node.oom import oom_counts, oom_kills
-from harness.node.proctable import kill_run_processes, process_tree, signal_all, stat_fields
+from harness.node.proctable import is_alive, kill_run_processes, process_tree, signal_all, start_ticks, stat_fields
 from harness.node.protocol import (
     Kind,
     Word,
@@ -244,17 +246,33 @@ class Agent:
         return code
 
 
+AGENT_DIRECTORY = re.compile(r"^harness-agent-(\d+)-(\d+)-")  # its agent's pid and start time
+
+
 def _private_directory(hook: str) -> tuple[str | None, str]:
     """(a directory of the agent's own, mode 0700 so that no other user can put code there, holding the
     rank hook as sitecustomize.py, ""); or (None, why) where the node's temporary directory takes none:
-    the ranks then run without the hook, and their collectives are not read, for that reason."""
+    the ranks then run without the hook, and their collectives are not read, for that reason. Its name
+    says whose it is, so that the next agent here removes it when its own agent was killed before it could."""
+    remove_orphaned(tempfile.gettempdir())
     try:
-        directory = tempfile.mkdtemp(prefix="harness-agent-")
+        directory = tempfile.mkdtemp(prefix=f"harness-agent-{os.getpid()}-{start_ticks(os.getpid())}-")
         with open(os.path.join(directory, "sitecustomize.py"), "w", encoding="utf-8") as handle:
             handle.write(hook)
     except OSError as exc:
         return None, f"the agent could not install the rank hook in {tempfile.gettempdir()}: {exc.strerror or exc}"
     return directory, ""
+
+
+def remove_orphaned(parent: str) -> None:
+    """This user's agent directories in parent whose agent is gone (SIGKILLed: it removes its own otherwise)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            path = os.path.join(parent, name)
+            if (found := AGENT_DIRECTORY.match(name)) and not is_alive(int(found.group(1)), int(found.group(2))):
+                with contextlib.suppress(OSError):
+                    if os.stat(path).st_uid == os.getuid():
+                        shutil.rmtree(path)
 
 
 _SAY_LOCK = threading.Lock()

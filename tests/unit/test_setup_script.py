@@ -3,11 +3,14 @@ it failed or changed (the same through `harness launch`: tests/integration/test_
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+from harness.node.agent import remove_orphaned
 from harness.node.boot import source
+from harness.node.proctable import start_ticks
 from harness.plan.setup_script import setup_id, setup_script, with_setup
 
 
@@ -78,3 +81,15 @@ def test_the_rank_hook_goes_first_on_pythonpath_and_every_python_runs_it_then_th
                               env=env, capture_output=True, text=True, timeout=60, check=False)
         assert done.stdout.strip() == f"True 1 {threads}", done.stdout + done.stderr
     assert setup_script([]) is None, "no setup and no hook: the command runs as it is"
+
+
+def test_an_agent_removes_the_directories_of_agents_that_were_killed_and_keeps_the_living_ones(tmp_path):
+    """An agent SIGKILLed (a node lost, a sweep) cannot remove its directory; the next one on the host does."""
+    alive = tmp_path / f"harness-agent-{os.getpid()}-{start_ticks(os.getpid())}-abc"
+    dead = tmp_path / f"harness-agent-{os.getpid()}-{start_ticks(os.getpid()) + 1}-def"  # a pid since reused
+    other = tmp_path / "harness-agent-notes"
+    for directory in (alive, dead, other):
+        directory.mkdir()
+        (directory / "sitecustomize.py").write_text("")
+    remove_orphaned(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])
