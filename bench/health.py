@@ -1,4 +1,4 @@
-"""Benchmarks 9 and 10: the health watch (harness/run/health.py). How fast a hung job is found and
+"""Benchmarks 9 and 10: the health watch (harness/health/judge.py). How fast a hung job is found and
 whether the right rank is named, against torchrun alone; and what the watch costs a job that is well.
 
 9. bench/hang_fault.py on 2 simulated nodes x 1 process (gloo), `health: {stall: S}`, one fault per
@@ -39,16 +39,14 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 from bench import procs
 from bench.launch import died_at, torchrun_by_hand
 from harness.node.collectives import read_trace
 from harness.node.proctable import process_tree, run_processes
 from harness.node.ranks import find_ranks, sample
-from harness.spec.job import Health, JobSpec
-from harness.targets.agent_link import watch_seconds
+from harness.spec.job import Health
 
 SCRIPT = "bench/hang_fault.py"
 KINDS = {"stop": "rank SIGSTOPped", "sleep": "rank stuck in time.sleep in its step",
@@ -357,7 +355,7 @@ def watch_cost(cfg: dict[str, Any]) -> dict[str, Any]:
                 print(f"bench: watch_cost: {arm}: {attempts[-1]}", flush=True)
         measured = payload_run(Path(tmp), "on", cfg, measure=True)
     cost, recorder = measured["sample_cpu_s"], measured["flight_recorder"]
-    interval = watch_seconds(cast(JobSpec, SimpleNamespace(health=Health())))
+    interval = Health().sample_seconds
     rounds = [{a["arm"]: a for a in attempts[3 * i:3 * i + 3]} for i in range(cfg["repeats"])]
     pairs = [(r["on"], r["off"]) for r in rounds]
     rate_ratios = [on["images_per_s"] / off["images_per_s"] for on, off in pairs]

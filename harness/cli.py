@@ -9,7 +9,7 @@ import argparse
 import re
 import sys
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 from harness import __version__, commands
 from harness.errors import HarnessError
@@ -18,7 +18,7 @@ from harness.spec.job import SLURM_OPTIONS
 # What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir,
 # and the job spec it saved already).
 _NOT_RERUN = {"detach", "run_id", "runs_dir", "save_job"}
-# How every verb that takes a run names it (run/index.py RunsLookup.find resolves it).
+# How every verb that takes a run names it (record/index.py RunsLookup.find resolves it).
 RUN_HELP = "a run id as `harness status` lists it, a unique prefix of one, or `latest` for the newest run"
 RUNS_DIR_HELP = ("where run records live (default: $HARNESS_RUNS_DIR, else ./runs); without either, the verbs "
                  "that take a run id also find runs launched from any directory through the index of your runs "
@@ -161,7 +161,7 @@ def _regex(text: str) -> re.Pattern[str]:
 
 
 def _duration(text: str) -> float:
-    from harness.run.logs import duration
+    from harness.view.logs import duration
 
     try:
         return duration(text)
@@ -195,11 +195,32 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"harness {__version__}")
     verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB")
     top.set_defaults(verbs=verbs)
-
     job = _job_arguments()
     runs_dir = argparse.ArgumentParser(add_help=False)
     runs_dir.add_argument("--runs-dir", help=RUNS_DIR_HELP)
+    _render_verb(verbs, job, runs_dir)
+    _launch_verb(verbs, job, runs_dir)
+    _stop_verb(verbs, runs_dir)
+    _stacks_verb(verbs, runs_dir)
+    _status_verb(verbs, runs_dir)
+    _top_verb(verbs, runs_dir)
+    _logs_verb(verbs, runs_dir)
+    _report_verb(verbs, runs_dir)
+    _preflight_verb(verbs)
+    prepare = verbs.add_parser("prepare", add_help=False, help="download and verify CIFAR-10 once, before training "
+                               "(harness prepare --data-dir DIR; --help for options)")
+    prepare.set_defaults(func=commands.prepare)
+    # Not for users (no help: not listed): what the batch script of `harness launch --target slurm` runs.
+    batch_step = verbs.add_parser("batch-step")
+    batch_step.add_argument("run_dir", metavar="RUN_DIR")
+    batch_step.set_defaults(func=commands.batch_step)
+    return top
 
+
+Verbs: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # where each verb adds its parser
+
+
+def _render_verb(verbs: Verbs, job: argparse.ArgumentParser, runs_dir: argparse.ArgumentParser) -> None:
     render = verbs.add_parser("render", parents=[job, runs_dir], epilog=_examples("render"),
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               help="print every node's exact torchrun command without running anything")
@@ -218,6 +239,8 @@ def parser() -> argparse.ArgumentParser:
     render.set_defaults(known_hosts=None, accept_new_host_keys=False, skip_preflight=True)  # nothing connects
     render.set_defaults(func=commands.render)
 
+
+def _launch_verb(verbs: Verbs, job: argparse.ArgumentParser, runs_dir: argparse.ArgumentParser) -> None:
     launch = verbs.add_parser("launch", parents=[job, runs_dir], epilog=_examples("launch"),
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               help="run the job and supervise every node")
@@ -236,28 +259,39 @@ def parser() -> argparse.ArgumentParser:
         launch.add_argument(f"--{key}", help=f"with --target slurm: overrides slurm.{key} of the job")
     launch.set_defaults(func=commands.launch)
 
+
+def _stop_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
     stop = verbs.add_parser("stop", parents=[runs_dir], help="stop a running run (from any terminal)")
     stop.add_argument("run_id", metavar="RUN_ID", help=f"the run to stop: {RUN_HELP}")
     stop.add_argument("--timeout", type=_seconds, default=15.0, help="seconds to wait for the run to end")
     stop.set_defaults(func=commands.stop)
 
+
+def _stacks_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
     stacks = verbs.add_parser("stacks", parents=[runs_dir],
                               help="every rank's Python stack of a running run, alike ones grouped (the job goes on)")
     stacks.add_argument("run_id", metavar="RUN_ID", help=f"a running run: {RUN_HELP}")
     stacks.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the nodes' answer")
     stacks.set_defaults(func=commands.stacks)
 
+
+def _status_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
     status = verbs.add_parser("status", parents=[runs_dir],
                               help="list runs, or show one run: its nodes, and every rank while it runs")
     status.add_argument("run_id", nargs="?", metavar="RUN_ID",
                         help=f"one run to show node by node: {RUN_HELP} (default: list the runs)")
     status.set_defaults(func=commands.status)
-    live = verbs.add_parser("top", parents=[runs_dir], help="a running run's ranks live: state, CPU, step, last line, "
-                           "and its stream below (q quits; the job never waits for it)")
-    live.add_argument("run_id", metavar="RUN_ID", help=f"a running run: {RUN_HELP}")
-    live.add_argument("--once", action="store_true", help="print one screen and return (as off a terminal)")
-    live.set_defaults(func=commands.top)
 
+
+def _top_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
+    top = verbs.add_parser("top", parents=[runs_dir], help="a running run's ranks live: state, CPU, step, last line, "
+                           "and its stream below (q quits; the job never waits for it)")
+    top.add_argument("run_id", metavar="RUN_ID", help=f"a running run: {RUN_HELP}")
+    top.add_argument("--once", action="store_true", help="print one screen and return (as off a terminal)")
+    top.set_defaults(func=commands.top)
+
+
+def _logs_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
     logs = verbs.add_parser("logs", parents=[runs_dir], help="a run's output in time order, as its stream showed it "
                             "(the lines held back from the terminal too), by rank, node or attempt",
                             epilog="examples:\n  harness logs RUN_ID --rank 3 --grep 'loss|Error'\n"
@@ -276,6 +310,8 @@ def parser() -> argparse.ArgumentParser:
                       help="go on printing lines as they come, until the run ends")
     logs.set_defaults(func=commands.logs)
 
+
+def _report_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
     report = verbs.add_parser("report", parents=[runs_dir],
                               help="one run as a self-contained HTML page: its attempts, health verdicts and failures "
                                    "on a time axis, every rank's CPU use, waiting and step rate, each node's end")
@@ -284,6 +320,8 @@ def parser() -> argparse.ArgumentParser:
                         help="where to write the page (default: report.html in the run's directory; - for stdout)")
     report.set_defaults(func=commands.report)
 
+
+def _preflight_verb(verbs: Verbs) -> None:
     preflight = verbs.add_parser("preflight", help="prove before launch that every host can run the job")
     preflight.add_argument("hosts", nargs="?", help="host inventory, e.g. hosts.yaml (none with --target slurm)")
     preflight.add_argument("--target", choices=("ssh", "slurm"), default="ssh",
@@ -300,16 +338,6 @@ def parser() -> argparse.ArgumentParser:
     preflight.add_argument("--runs-dir", help="with --target slurm: the runs directory `harness launch --target slurm` "
                                               "will use (default ./runs); every node must see it")
     preflight.set_defaults(func=commands.preflight)
-
-    prepare = verbs.add_parser("prepare", add_help=False, help="download and verify CIFAR-10 once, before training "
-                               "(harness prepare --data-dir DIR; --help for options)")
-    prepare.set_defaults(func=commands.prepare)
-
-    # Not for users (no help: not listed): what the batch script of `harness launch --target slurm` runs.
-    batch_step = verbs.add_parser("batch-step")
-    batch_step.add_argument("run_dir", metavar="RUN_DIR")
-    batch_step.set_defaults(func=commands.batch_step)
-    return top
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from harness.errors import HarnessError, UsageError
-from harness.run.atomic import write_text_atomic
-from harness.run.index import find_run
-from harness.run.rundir import check_run_id, new_run_id, run_dir, runs_root
+from harness.record.atomic import write_text_atomic
+from harness.record.index import find_run
+from harness.record.rundir import check_run_id, new_run_id, run_dir, runs_root
 from harness.spec.from_flags import ScriptFlags, spec_from_flags, spec_yaml, with_spec_file_flags
 from harness.spec.job import SLURM_OPTIONS, JobSpec, Slurm, load_job
 from harness.targets.base import Backend, Scheduler
@@ -217,9 +217,9 @@ def batch_step(args: argparse.Namespace) -> int:
     """The controller in a Slurm batch job's batch step (targets/slurm/batch.controller_script): it
     continues the run that `harness launch --target slurm` made, on the allocation's nodes as srun steps;
     after a requeue, the job's next run continues the same run."""
+    from harness.record.rundir import RunDir
     from harness.run import controller
     from harness.run.continued import Continued, earlier_attempts
-    from harness.run.rundir import RunDir
     from harness.targets.slurm.client import SlurmClient
     from harness.targets.slurm.job_file import read_job
     from harness.targets.slurm.srun import Allocation, SrunBackend
@@ -238,33 +238,33 @@ TIME_LIMIT = "Slurm's time-limit warning"
 
 
 def stop(args: argparse.Namespace) -> int:
-    from harness.run.stop import stop_run
+    from harness.view.stop import stop_run
 
     return stop_run(find_run(args.runs_dir, args.run_id), args.timeout, scheduler_for)
 
 
 def stacks(args: argparse.Namespace) -> int:
-    from harness.run.stacks import run_stacks
+    from harness.view.stacks import run_stacks
 
     sys.stdout.write(run_stacks(find_run(args.runs_dir, args.run_id), args.timeout))
     return 0
 
 
 def status(args: argparse.Namespace) -> int:
-    from harness.run.status import status_text
+    from harness.view.status import status_text
 
     sys.stdout.write(status_text(args.runs_dir, args.run_id))
     return 0
 
 
 def top(args: argparse.Namespace) -> int:
-    from harness.run.top import top as show
+    from harness.view.top import top as show
 
     return show(find_run(args.runs_dir, args.run_id), once=args.once)
 
 
 def logs(args: argparse.Namespace) -> int:
-    from harness.run.logs import Selection, print_logs, since_stamp
+    from harness.view.logs import Selection, print_logs, since_stamp
 
     selection = Selection(args.rank, args.node, args.attempt, args.grep,
                           None if args.since is None else since_stamp(args.since), args.timestamps)
@@ -274,7 +274,7 @@ def logs(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     """The run's HTML page, written whole (atomically) to report.html in its directory or -o FILE, or to
     stdout with -o -; prints the path written."""
-    from harness.run.html_report import html_report
+    from harness.view.report import html_report
 
     run = find_run(args.runs_dir, args.run_id)
     page = html_report(run)

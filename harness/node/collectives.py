@@ -23,6 +23,8 @@ import os
 import socket
 from typing import Any
 
+from harness.node.protocol import Arrival
+
 READ_SECONDS = 5.0  # torch answers in milliseconds; a rank whose server cannot must not hold the agent up
 RECORDERS = ("/handler/fr_trace_json", "/handler/dump_nccl_trace_json")
 KEPT = 8  # entries of each process group kept for a hang's verdict
@@ -101,9 +103,9 @@ def progress(entries: list[dict[str, Any]], now_ns: int) -> tuple[int, float]:
     return sum(highest.values()), (now_ns - min(waiting)) / 1e9 if waiting else -1.0
 
 
-def arrivals(entries: list[dict[str, Any]], after_ns: int) -> list[list[Any]]:
-    """[group, sequence number, when enqueued (ns)] of each collective enqueued after after_ns."""
-    return [[group_of(e), _seq(e), e["time_created_ns"]] for e in entries
+def arrivals(entries: list[dict[str, Any]], after_ns: int) -> list[Arrival]:
+    """Each collective enqueued after after_ns."""
+    return [Arrival(group_of(e), _seq(e), e["time_created_ns"]) for e in entries
             if e.get("time_created_ns", 0) > after_ns and not e.get("is_p2p")]
 
 

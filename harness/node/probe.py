@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, final
 
-from harness.node.stacks import dump, py_spy_path
+from harness.node.pyspy import dump, py_spy_path
 
 if TYPE_CHECKING:  # typing.NotRequired is Python 3.11's; a host's may be older, and annotations stay unevaluated
     from typing import NotRequired

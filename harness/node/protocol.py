@@ -1,11 +1,17 @@
-"""The node agent's protocol, both ends of it: what the controller says on the agent's stdin (Word) and
-what the agent says among the node's output on its stdout (Message). Standard library only: shipped to
-nodes with the agent (harness.node.boot) and imported by the controller (harness.targets.agent_link,
-harness.run), so that the two ends cannot drift apart.
+"""The node agent's protocol, both ends of it, and the one place it is described: what the controller says
+on the agent's stdin (Word) and what the agent says among the node's output on its stdout (Message).
+Standard library only: shipped to nodes with the agent (harness.node.boot) and imported by the controller
+(harness.targets.agent_link, harness.run), so that the two ends cannot drift apart.
 
-The agent's messages are lines that begin with MARKER, each written by one write(2) of at most
-PIPE_BUF bytes so that no worker's output can split one (a worker's unfinished line may precede it:
-`split_line` takes it apart). docs/architecture.md has the table of words and messages.
+Controller -> agent: the first line of stdin is the agent's program and arguments (agent_link.agent_program);
+then one Word per line. End of file, or SILENCE seconds without a word, means the controller or its
+connection is gone (the kernel closes a dead process's pipes, sshd the channel of a dropped connection; a
+network that drops silently stays silent): the agent sends TERM, waits GRACE seconds, then KILL.
+
+Agent -> controller: any line is the node's combined output, except those that begin with MARKER: each is
+a Message, written by one write(2) of at most PIPE_BUF bytes so that no worker's output can split one (a
+worker's unfinished line may precede it: `split_line` takes it apart, and the reader joins that part to the
+worker's next line).
 """
 
 from __future__ import annotations
@@ -23,20 +29,26 @@ class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate
     """Controller -> agent, one per line of the agent's stdin (after the first line: its program)."""
 
     TERM = "TERM"  # SIGTERM to the node's process group
-    KILL = "KILL"  # SIGKILL, the sweep by run id and ancestry, then the node's cleanup
-    PING = "PING"  # nothing: the controller is still there
-    STACKS = "STACKS"  # `STACKS TAG`: every rank's stack, answered as STACKS messages, then STACKS_DONE
+    # SIGKILL to the group; then, until none is left (2 s at most), SIGKILL to every process whose environment has
+    # this HARNESS_RUN_ID, NODE_RANK and HARNESS_ATTEMPT (torchrun starts its workers in sessions of their own; a
+    # late agent of an earlier attempt never touches the next one) and to every descendant of the agent (a child
+    # subreaper: double-forked daemons come back to it); then the node's CLEANUP once (`docker rm --force`)
+    KILL = "KILL"
+    PING = "PING"  # nothing: the controller is still there (every agent_link.PING_SECONDS)
+    # `STACKS TAG`: every rank's stack and its DataLoader workers' (py-spy) and its last collectives (Flight
+    # Recorder), answered as STACKS messages, then STACKS_DONE
+    STACKS = "STACKS"
 
 
 class Kind(str, Enum):  # noqa: UP042 - as Word
     """Agent -> controller: the kind of a message line."""
 
-    HEALTH = "health"  # every WATCH seconds: each rank's RankSample
-    STACKS = "stacks"  # a chunk of one rank's stacks (StackChunk)
-    STACKS_DONE = "stacks-done"  # every rank's stacks for TAG were sent
-    ARRIVALS = "arrivals"  # with each health sample: when one rank enqueued its newest collectives
-    OOM = "oom"  # before the exit: {rank: the kernel's line} of ranks the OOM killer ended
-    NODE_EXIT = "node-exit"  # the node ended with CODE (negative: the signal); the agent's last word
+    HEALTH = "health"  # every WATCH seconds: each rank's RankSample, SAMPLES_PER_LINE ranks a line
+    STACKS = "stacks"  # `TAG RANK PART LAST CHUNK`: a chunk of one rank's stacks answer (StackChunks)
+    STACKS_DONE = "stacks-done"  # `TAG`: every rank's stacks for TAG were sent
+    ARRIVALS = "arrivals"  # with each health sample: the Arrivals of one rank since its last
+    OOM = "oom"  # before the exit: {rank: the kernel's line} of ranks the OOM killer ended (harness.node.oom)
+    NODE_EXIT = "node-exit"  # `CODE`: the node ended (negative: killed by that signal); the agent's last word
 
 
 class RankSample(NamedTuple):
@@ -49,6 +61,15 @@ class RankSample(NamedTuple):
     io: int  # bytes it and its children read and wrote
     completed: int = -1  # collectives it completed, by Flight Recorder (harness.node.collectives); -1: unread
     pending: float = -1.0  # seconds its oldest unfinished collective has waited; -1: none (or unread)
+
+
+class Arrival(NamedTuple):
+    """A collective a rank enqueued (harness.node.collectives.arrivals): its process group, sequence number, and
+    when (ns, by its node's clock)."""
+
+    group: str
+    seq: int
+    created_ns: int
 
 
 class Message(NamedTuple):
@@ -101,11 +122,11 @@ def parse_health(body: str) -> tuple[float, dict[int, RankSample]]:
                                  for rank, (pid, state, cpu, busy, io, *fields) in payload["ranks"].items()}
 
 
-def arrivals_bodies(t: float, rank: int, arrived: list[list[object]]) -> list[str]:
-    """One rank's arrivals since its last ([group, sequence number, when enqueued (ns)]) at the node's time t,
-    as message bodies of at most CHUNK characters of arrivals each."""
+def arrivals_bodies(t: float, rank: int, arrived: list[Arrival]) -> list[str]:
+    """One rank's arrivals since its last, at the node's time t, as message bodies of at most CHUNK characters
+    of arrivals each."""
     bodies: list[str] = []
-    part: list[list[object]] = []
+    part: list[Arrival] = []
     size = 0
     for item in arrived:
         text = json.dumps(item)
@@ -117,11 +138,11 @@ def arrivals_bodies(t: float, rank: int, arrived: list[list[object]]) -> list[st
     return bodies + ([json.dumps({"t": t, "rank": rank, "arrived": part})] if part else [])
 
 
-def parse_arrivals(body: str) -> tuple[float, int, list[tuple[str, int, int]]]:
-    """(when, rank, [(group, sequence number, when enqueued (ns))]); ValueError, KeyError or TypeError for
-    a damaged body."""
+def parse_arrivals(body: str) -> tuple[float, int, list[Arrival]]:
+    """(when, rank, arrivals); ValueError, KeyError or TypeError for a damaged body."""
     payload = json.loads(body)
-    return float(payload["t"]), int(payload["rank"]), [(str(g), int(s), int(ns)) for g, s, ns in payload["arrived"]]
+    return float(payload["t"]), int(payload["rank"]), [Arrival(str(g), int(s), int(ns)) for g, s, ns in
+                                                       payload["arrived"]]
 
 
 def stacks_bodies(tag: str, rank: int, answer: object) -> list[str]:

@@ -3,7 +3,7 @@ has run. Standard library only (shipped to nodes with the agent).
 
 A rank is a process below the agent whose environment carries this run's id and a RANK that its
 parent's does not (a DataLoader worker inherits its rank's RANK; torchrun has none). What the
-controller judges progress and slowness by (run/health.py):
+controller judges progress and slowness by (health/judge.py):
 - cpu: CPU seconds of the rank and every process below it (its DataLoader workers compute for it);
 - busy: seconds its main thread was on a CPU or waiting for one (schedstat): a rank that waits in a
   collective is asleep, so its peers' waiting shows as their lower busy share;

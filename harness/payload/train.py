@@ -39,8 +39,8 @@ from harness.payload import model as models
 from harness.payload import strategy as strategies
 from harness.payload.metrics import EpochRecord
 from harness.payload.progress import Config, Progress
-from harness.payload.report import LossFile, StepReport
 from harness.payload.runtime import Runtime
+from harness.payload.step_log import LossFile, StepReport
 
 Log = Callable[[str], None]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness import __version__
 from harness.preflight.remote import Link, on_hosts
-from harness.preflight.report import Check, Status
+from harness.preflight.table import Check, Status
 
 SHARE_FIX = "give --runs-dir on a file system that this machine and the nodes share (a Slurm submit directory is)"
 

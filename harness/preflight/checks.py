@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Literal, get_args
 
 from harness.node.probe import MISSING, Facts, Stacks
-from harness.preflight.report import Check, Status
+from harness.preflight.table import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import Entrypoint, JobSpec
 from harness.targets.address import is_loopback

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from harness.plan.planner import Plan, job_hosts
 from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, answer_in
-from harness.preflight.report import Check, Status
+from harness.preflight.table import Check, Status
 from harness.run.supervisor import Supervisor
 from harness.run.terminal import Terminal
 from harness.spec.inventory import Inventory

@@ -16,7 +16,7 @@ from harness.node.boot import BOOT
 from harness.plan.shell import remote_command
 from harness.preflight.checks import majority
 from harness.preflight.remote import Link, Process, on_hosts
-from harness.preflight.report import Check, Status
+from harness.preflight.table import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.host_command import CommandResult

@@ -16,7 +16,7 @@ from typing import Any
 from harness.node.probe import Facts, Interface, Network
 from harness.plan.planner import pinned_interface
 from harness.preflight.checks import majority
-from harness.preflight.report import Check, Status
+from harness.preflight.table import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.address import is_loopback

@@ -16,8 +16,8 @@ from harness.node.probe import Facts, StacksOnly
 from harness.plan.planner import LOCAL_MASTER
 from harness.preflight.checks import data_checks, fingerprint_checks, stacks_check
 from harness.preflight.remote import TORCH_TIMEOUT_FACTOR, Link, ScriptError, run_script
-from harness.preflight.report import Check, Report, Status
 from harness.preflight.subprocess_link import CommandLink
+from harness.preflight.table import Check, Report, Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.base import CheckFailed, WorkdirCheck

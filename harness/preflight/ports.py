@@ -18,7 +18,7 @@ from typing import Any
 from harness.node import netcheck
 from harness.preflight.interfaces import Pin, Reached, extra_target
 from harness.preflight.remote import Link, Process, first_answer, on_hosts, run_script, start_script
-from harness.preflight.report import Check, Status
+from harness.preflight.table import Check, Status
 from harness.targets.host_command import RemoteTimeout
 
 CONNECT_TIMEOUT = 3.0

@@ -27,8 +27,8 @@ from harness.preflight.interfaces import default_targets, defaults_checks, inter
 from harness.preflight.local import probe_host
 from harness.preflight.ports import network_checks
 from harness.preflight.remote import Link, on_hosts
-from harness.preflight.report import Check, Report, Status
 from harness.preflight.subprocess_link import srun_link
+from harness.preflight.table import Check, Report, Status
 from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
 from harness.targets.address import is_loopback

@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 from harness.errors import HarnessError, UsageError
-from harness.preflight.report import Report
 from harness.preflight.runner import run_preflight
-from harness.run.rundir import runs_root
+from harness.preflight.table import Report
+from harness.record.rundir import runs_root
 from harness.spec.inventory import load_inventory
 from harness.spec.job import JobSpec, load_job
 

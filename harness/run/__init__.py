@@ -1,1 +1,2 @@
-"""Run control: one controller drives a target through a run; supervision, recovery, the run record, status."""
+"""The live run, in the controller's process: attempts through a target, their supervision (the one stream, the
+health loop, stacks, the stop), recovery, and a scheduler's job followed."""

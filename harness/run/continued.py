@@ -9,8 +9,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from harness.run.records import Attempt, FailureKind, RunStatus
-from harness.run.rundir import RunDir
+from harness.record.rundir import RunDir
+from harness.record.schema import Attempt, FailureKind, RunStatus
 
 
 @dataclass(frozen=True)

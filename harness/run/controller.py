@@ -3,7 +3,7 @@ status, whichever kind of target it is (harness.targets.base):
 
 - a Backend's nodes are started and supervised here, attempt after attempt: plan -> check (nothing
   exists yet when the first fails) -> start -> supervise -> classify -> restart on spares or stop;
-- a Scheduler's job is prepared (checked with the scheduler), submitted and followed (run/follow.py);
+- a Scheduler's job is prepared (checked with the scheduler), submitted and followed (follow.py);
   its requeues are its attempts.
 
 Both share one life cycle, here only: the run directory and its state, the signal handlers that turn
@@ -25,22 +25,22 @@ from pathlib import Path
 from typing import IO
 
 from harness.errors import HarnessError
+from harness.health.judge import HealthJudge
 from harness.node.proctable import start_ticks
 from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.plan.render import render_json, render_text
-from harness.run.atomic import write_text_atomic
+from harness.record.atomic import write_text_atomic
+from harness.record.entrypoint import write_entrypoint_record
+from harness.record.index import create_run_dir
+from harness.record.rundir import RunDir, run_dir
+from harness.record.schema import Attempt, ControllerId, FailureKind, RunState, RunStatus, RunSummary
+from harness.record.stream import FOLLOWER_FILE, HARNESS_FILE, StreamRecord
 from harness.run.continued import Continued
-from harness.run.entrypoint_record import write_entrypoint_record
 from harness.run.follow import Follower
-from harness.run.health import HealthWatch
-from harness.run.index import create_run_dir
-from harness.run.records import Attempt, ControllerId, FailureKind, RunState, RunStatus, RunSummary
 from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
-from harness.run.report import report
 from harness.run.results import failure_of, hang_failure, recorded_node, stopped_status, summary_error
-from harness.run.rundir import RunDir, run_dir
-from harness.run.stopping import stop_on_signals
-from harness.run.stream_record import FOLLOWER_FILE, HARNESS_FILE, StreamRecord
+from harness.run.stopper import stop_on_signals
+from harness.run.summary_text import report
 from harness.run.supervisor import Supervisor
 from harness.run.terminal import Terminal
 from harness.spec.job import JobSpec
@@ -56,20 +56,20 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
     the spec as its file holds it (kept as the run's spec.yaml); source: that file, or the command that
     made the spec. detach: a scheduler's job is submitted, not followed."""
     terminal = Terminal(out)
-    course: _Course = _Followed(target, spec, terminal, detach) if isinstance(target, Scheduler) else \
-        _Supervised(target, spec, terminal)
-    with _closing(course, terminal):
+    target_run: _TargetRun = _SchedulerRun(target, spec, terminal, detach) if isinstance(target, Scheduler) else \
+        _BackendRun(target, spec, terminal)
+    with _closing(target_run, terminal):
         began = time.time()
-        course.prepare(source, runs_root, run_id)
+        target_run.prepare(source, runs_root, run_id)
         run = create_run_dir(runs_root, run_id)
-        terminal.record = StreamRecord(run.stream, course.record_file)
+        terminal.record = StreamRecord(run.stream, target_run.record_file)
         terminal.logs_command = f"harness logs {run_id}"
         write_text_atomic(run.spec_copy, spec_text)
         write_entrypoint_record(run.path, spec, target.name)
-        course.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
-                                started_at=began, nnodes=course.nnodes, world_size=course.world_size,
-                                controller=_this_controller(), hosts=course.hosts)
-        return _run(course, run, terminal)
+        target_run.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
+                                started_at=began, nnodes=target_run.nnodes, world_size=target_run.world_size,
+                                controller=_this_controller(), hosts=target_run.hosts)
+        return _run(target_run, run, terminal)
 
 
 def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[str] = sys.stdout) -> int:
@@ -77,23 +77,23 @@ def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[
     unless the allocation's time is up first (then the job is requeued, and the run goes on there)."""
     run = continued.run
     terminal = Terminal(out)
-    course = _Supervised(backend, spec, terminal, continued)
-    with _closing(course, terminal):
-        course.prepare(str(run.spec_copy), run.path.parent, run.run_id)
+    target_run = _BackendRun(backend, spec, terminal, continued)
+    with _closing(target_run, terminal):
+        target_run.prepare(str(run.spec_copy), run.path.parent, run.run_id)
         terminal.record = StreamRecord(run.stream)
         terminal.logs_command = f"harness logs {run.run_id}"
-        course.state = replace(run.read_state(), status=RunStatus.RUNNING, controller=_this_controller(),
-                               nnodes=course.nnodes, world_size=course.world_size, hosts=course.hosts)
-        return _run(course, run, terminal)
+        target_run.state = replace(run.read_state(), status=RunStatus.RUNNING, controller=_this_controller(),
+                               nnodes=target_run.nnodes, world_size=target_run.world_size, hosts=target_run.hosts)
+        return _run(target_run, run, terminal)
 
 
 @contextmanager
-def _closing(course: _Course, terminal: Terminal) -> Iterator[None]:
+def _closing(target_run: _TargetRun, terminal: Terminal) -> Iterator[None]:
     """The target's resources released and the terminal and the record closed, however the run ends."""
     try:
         yield
     finally:
-        course.close()
+        target_run.close()
         terminal.close()
         if terminal.record is not None:
             terminal.record.close()
@@ -103,22 +103,22 @@ def _this_controller() -> ControllerId:
     return ControllerId(os.getpid(), start_ticks(os.getpid()), socket.gethostname())
 
 
-def _run(course: _Course, run: RunDir, terminal: Terminal) -> int:
-    """The course's run under the signals that stop it, to its summary and exit status."""
+def _run(target_run: _TargetRun, run: RunDir, terminal: Terminal) -> int:
+    """The target_run's run under the signals that stop it, to its summary and exit status."""
     stop = threading.Event()
     with stop_on_signals(stop):
         try:
-            attempts, reason = course.run(run, stop)
+            attempts, reason = target_run.run(run, stop)
         except BaseException as exc:
-            run.write_state(replace(course.state, status=RunStatus.ERROR, error=str(exc), ended_at=time.time()))
-            course.failed()
+            run.write_state(replace(target_run.state, status=RunStatus.ERROR, error=str(exc), ended_at=time.time()))
+            target_run.failed()
             raise
-    if course.ended_elsewhere():
-        return course.exit_code
-    return _finish(run, course.state, attempts, stop, reason, terminal)
+    if target_run.ended_elsewhere():
+        return target_run.exit_code
+    return _finish(run, target_run.state, attempts, stop, reason, terminal)
 
 
-class _Course:
+class _TargetRun:
     """How one kind of target runs: what launch needs before the run directory exists, then the run."""
 
     state: RunState
@@ -147,7 +147,7 @@ class _Course:
         """Release the target's resources."""
 
 
-class _Supervised(_Course):
+class _BackendRun(_TargetRun):
     """A Backend: every node started here and supervised, attempt after attempt (after those of a
     continued run)."""
 
@@ -236,9 +236,9 @@ class _Supervised(_Course):
         self.backend.close()
 
 
-class _Followed(_Course):
+class _SchedulerRun(_TargetRun):
     """A Scheduler: the job submitted, its controller in the allocation (the job's batch step) writing the
-    run's record; this one follows that record and the job's state to the end (run/follow.py), or only
+    run's record; this one follows that record and the job's state to the end (follow.py), or only
     submits the job (detach). It writes the summary only when the job ended without its controller's."""
 
     record_file = FOLLOWER_FILE
@@ -327,7 +327,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     sup = Supervisor(grace=spec.timeouts.stop_grace, terminal=out,
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
                      quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys(),
-                     health=HealthWatch(spec.health.stall, spec.health.slow) if spec.health.watched else None, run=run,
+                     judge=HealthJudge(spec.health.stall, spec.health.slow) if spec.health.watched else None, run=run,
                      attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern)
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     hosts = ", ".join(n.host for n in plan.nodes)
@@ -363,7 +363,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)
         if previous_failure else None,
         joined_ranks=sorted(set().union(*(r.joined for r in sup.nodes))) if watched else None,
-        nnodes=plan.nnodes, world_size=plan.world_size, health=sup.watch.events,
+        nnodes=plan.nnodes, world_size=plan.world_size, health=sup.health_loop.events,
     )
 
 

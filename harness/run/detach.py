@@ -9,8 +9,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from harness.run.index import index_dir, prune_index, register_run
-from harness.run.rundir import RunDir
+from harness.record.index import index_dir, prune_index, register_run
+from harness.record.rundir import RunDir
 
 DETACH_STARTUP_TIMEOUT = 300.0
 

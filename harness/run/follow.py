@@ -1,6 +1,6 @@
 """Follow a run whose controller a scheduler runs (harness.targets.base.Scheduler: a Slurm batch job) from
 the user's terminal: announce the job's state (pending, running, requeued), print the run's stream from
-its timed record as the controller in the allocation writes it (run/stream_record.py, the file system
+its timed record as the controller in the allocation writes it (record/stream.py, the file system
 shared with the nodes), cancel the job on a stop, and say how the job ended when no controller did."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-from harness.run.logs import RecordReader, record_files
-from harness.run.rundir import RunDir
-from harness.run.stream_record import STAMP_WIDTH
+from harness.record.rundir import RunDir
+from harness.record.stream import StreamReader, record_files, unstamp
 from harness.run.terminal import Terminal
 from harness.targets.base import JobStatus, Scheduler
 
@@ -27,7 +26,7 @@ class Follower:
 
     def __init__(self, scheduler: Scheduler, run: RunDir, job_id: str, out: Terminal, own_file: str) -> None:
         self.scheduler, self.run, self.job_id, self.out, self.own_file = scheduler, run, job_id, out, own_file
-        self.readers: dict[Path, RecordReader] = {}
+        self.readers: dict[Path, StreamReader] = {}
         self.attempt = 0
         self.cancelled = False
         self.reason: str | None = None  # why the job ended without the controller's record, when it did
@@ -93,6 +92,6 @@ class Follower:
         """The record's new lines (the controller's words and every rank's), in time order."""
         for path in record_files(self.run.stream):
             if path.name != self.own_file:
-                self.readers.setdefault(path, RecordReader(path))
+                self.readers.setdefault(path, StreamReader(path))
         for line in heapq.merge(*(reader.lines() for reader in self.readers.values())):
-            self.out.job_lines(line[STAMP_WIDTH + 1:], 1)
+            self.out.job_lines(unstamp(line), 1)

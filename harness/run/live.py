@@ -1,6 +1,6 @@
 """One node of an attempt while it runs, as the controller sees it (LiveNode): its lines, taken a block
-at a time, which ranks joined, each rank's last line and step, how and when it ended. run/results.py
-turns it into the run record's RecordedNode and Failure once the attempt is over; run/recovery.py
+at a time, which ranks joined, each rank's last line and step, how and when it ended. results.py
+turns it into the run record's RecordedNode and Failure once the attempt is over; recovery.py
 classifies its failure."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from harness.plan.planner import Node
 from harness.run import worker_output
@@ -31,13 +32,20 @@ class Block:
     shown_lines: int
 
 
+class StepMark(NamedTuple):
+    """A step a rank reported, and when its line arrived."""
+
+    at: float
+    step: int
+
+
 @dataclass
 class RankActivity:
-    """A rank's last line and when it came; the steps it reported (time, step), where the job says them."""
+    """A rank's last line and when it came; the steps it reported, where the job says them."""
 
     line: str
     at: float
-    steps: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    steps: deque[StepMark] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
 
 
 # torchrun's ChildFailedError report names the root-cause rank; use it when present.
@@ -156,8 +164,8 @@ class LiveNode:
             if progress is not None and activity is not None and (found := progress.search(line)):
                 stepped.add(rank)
                 step = int(found["step"])
-                if not activity.steps or activity.steps[-1][1] != step:
-                    activity.steps.append((at, step))
+                if not activity.steps or activity.steps[-1].step != step:
+                    activity.steps.append(StepMark(at, step))
 
     def last_lines(self, rank: int | None, count: int = TAIL_LINES) -> list[str]:
         """The failing rank's own last lines say why; the node's tail is the fallback."""

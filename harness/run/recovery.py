@@ -20,9 +20,9 @@ import signal
 from dataclasses import dataclass
 
 from harness.plan.setup_script import FAILED as SETUP_FAILED
+from harness.record.schema import Attempt, Failure, FailureKind
 from harness.run import worker_output
 from harness.run.live import LiveNode
-from harness.run.records import Attempt, Failure, FailureKind
 from harness.spec.job import MAX_BACKOFF, Restarts
 
 # A worker's error when a peer (process, host or link) went away: a consequence, not a cause.

@@ -1,4 +1,4 @@
-"""A finished attempt's nodes and failures as run-record entries (harness.run.records), whichever
+"""A finished attempt's nodes and failures as run-record entries (harness.record.schema), whichever
 target ran them: each LiveNode (run/live.py) becomes a RecordedNode, each node failure a Failure."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import signal
 import time
 
+from harness.record.rundir import RunDir
+from harness.record.schema import Failure, FailureKind, RecordedNode, RunStatus
 from harness.run import worker_output
 from harness.run.live import LiveNode
-from harness.run.records import Failure, FailureKind, RecordedNode, RunStatus
 from harness.run.recovery import NodeFailure
-from harness.run.rundir import RunDir
 from harness.run.supervisor import Supervisor
 from harness.targets.base import Outcome
 

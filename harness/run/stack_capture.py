@@ -1,6 +1,6 @@
 """Every rank's Python stack, asked of every running node's agent at once (on a hang, and for each
 `harness stacks` request), reassembled from the agents' STACKS messages and kept in the run directory.
-The requesting side of `harness stacks` is run/stacks.py."""
+The requesting side of `harness stacks` is view/stacks.py."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.health.rank_stack import RankStack
 from harness.node.protocol import Kind, Message, StackChunks
-from harness.run.atomic import write_text_atomic
-from harness.run.health import RankStack, collectives_text
+from harness.record.atomic import write_text_atomic
+from harness.record.rundir import RunDir
 from harness.run.live import LiveNode
-from harness.run.rundir import RunDir
 from harness.targets.base import NodeProcess
 
 STACKS_SECONDS = 20.0  # how long the nodes have to answer for their ranks' stacks
@@ -81,6 +81,6 @@ def keep(where: Path, stacks: dict[int, RankStack]) -> None:
     (rankN.txt), and all of them as stacks.json."""
     where.mkdir(parents=True, exist_ok=True)
     for rank, stack in stacks.items():
-        write_text_atomic(where / f"rank{rank}.txt", stack.text() + collectives_text(stack))
+        write_text_atomic(where / f"rank{rank}.txt", stack.text() + stack.collectives_text())
     answers = {str(rank): stack.to_answer() for rank, stack in sorted(stacks.items())}
     write_text_atomic(where / "stacks.json", json.dumps(answers))

@@ -1,7 +1,7 @@
 """Supervise the nodes of one attempt, whatever runs them: the first failure (or a stop request) stops
 every node. The supervisor only wires its parts together, each in a module of its own: the one stream
-and the node logs (output.py), stopping (stopping.py), the health watch (watch.py, judged by health.py)
-and the ranks' stacks (stack_capture.py); its threads route what each node says to them."""
+and the node logs (output.py), stopping (stopper.py), the health loop (health_loop.py, judged by
+harness.health) and the ranks' stacks (stack_capture.py); its threads route what each node says to them."""
 
 from __future__ import annotations
 
@@ -13,18 +13,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.health.judge import HealthJudge
+from harness.health.rank_stack import ranks_text
+from harness.health.verdict import Verdict
 from harness.node.protocol import Kind, parse_arrivals, parse_health, parse_oom
 from harness.plan.planner import Node
-from harness.run.health import HealthWatch, ranks_text
+from harness.record.rundir import RunDir
+from harness.record.stream import StreamRecord
+from harness.run.health_loop import HealthLoop
 from harness.run.live import LiveNode
 from harness.run.output import Output
-from harness.run.rundir import RunDir
 from harness.run.stack_capture import StackCapture
-from harness.run.stopping import Stopper
-from harness.run.stream_record import StreamRecord
+from harness.run.stopper import Stopper
 from harness.run.terminal import Terminal
-from harness.run.verdict import Verdict
-from harness.run.watch import Watch
 from harness.targets.base import NodeProcess, Outcome
 
 MESSAGE_POLL_SECONDS = 0.05  # how soon a listener sees that its node ended and nothing is left to hear
@@ -37,29 +38,29 @@ class Supervisor:
     """grace: SIGTERM-to-SIGKILL seconds; terminal: the user's; log_file: where each node's lines go (None:
     nowhere); record: the run's timed record of its stream (None: none); quiet_cpp_info: torch's C++ INFO
     lines are the harness's own watch, so they go to the log only; progress: the job's step lines.
-    health: the watch for hangs and slow ranks (None: off); run: where stacks, the health file and
+    judge: what judges hangs and slow ranks (None: off); run: where stacks, the health file and
     `harness stacks` requests live; attempt: this attempt's number."""
 
     def __init__(self, grace: float, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
-                 quiet_cpp_info: bool = False, health: HealthWatch | None = None, run: RunDir | None = None,
+                 quiet_cpp_info: bool = False, judge: HealthJudge | None = None, run: RunDir | None = None,
                  attempt: int = 0, record: StreamRecord | None = None, progress: re.Pattern[str] | None = None) -> None:
         self.output = Output(terminal, log_file, record, attempt, quiet_cpp_info, progress)
         self._started: list[tuple[NodeProcess, LiveNode]] = []  # every started node, what stops and asks it
         self.stopper = Stopper(grace, self._started)
         self.stacks = StackCapture(self._started)
         self.nodes: list[LiveNode] = []
-        self.watch = Watch(health, run, attempt, self.nodes, self.stacks, self.output, self.stopper)
+        self.health_loop = HealthLoop(judge, run, attempt, self.nodes, self.stacks, self.output, self.stopper)
         self.first_failure: LiveNode | None = None
         self._ended: queue.Queue[LiveNode] = queue.Queue()
         self._threads: list[threading.Thread] = []
 
     @property
     def hang(self) -> Verdict | None:
-        return self.watch.hang
+        return self.health_loop.hang
 
     @property
     def hang_at(self) -> float | None:
-        return self.watch.hang_at
+        return self.health_loop.hang_at
 
     @property
     def stopping_since(self) -> float | None:
@@ -76,22 +77,23 @@ class Supervisor:
             self._spawn(self.output.pump, process, live)
             self._spawn(self._reap, process, live)
             self._spawn(self._listen, process, live)
-        if self.watch.health is not None or self.watch.run is not None:
-            self._spawn(self.watch.loop)
+        if self.health_loop.judge is not None or self.health_loop.run is not None:
+            self._spawn(self.health_loop.loop)
 
     def _listen(self, process: NodeProcess, live: LiveNode) -> None:
-        """The agent's messages: health samples to the watch, stacks to whoever asked, OOM kills to the node."""
-        health = self.watch.health
+        """The agent's messages: health samples and arrivals to the judge, stacks to whoever asked, OOM kills
+        to the node."""
+        judge = self.health_loop.judge
         while live.outcome is None or not process.messages.empty():
             try:
                 message = process.messages.get(timeout=MESSAGE_POLL_SECONDS)
             except queue.Empty:
                 continue
             try:
-                if message.kind is Kind.HEALTH and health is not None:
-                    health.observe(live.node, *parse_health(message.body))
-                elif message.kind is Kind.ARRIVALS and health is not None:
-                    health.arrivals.add(live.node, time.time(), *parse_arrivals(message.body))
+                if message.kind is Kind.HEALTH and judge is not None:
+                    judge.observe(live.node, *parse_health(message.body))
+                elif message.kind is Kind.ARRIVALS and judge is not None:
+                    judge.arrivals.add(live.node, time.time(), *parse_arrivals(message.body))
                 elif message.kind in (Kind.STACKS, Kind.STACKS_DONE):
                     self.stacks.take(live, message)
                 elif message.kind is Kind.OOM:
@@ -105,7 +107,7 @@ class Supervisor:
         live.outcome = outcome
         self.stacks.node_ended()
         if all(node.outcome is not None for node in self.nodes):
-            self.watch.ended.set()
+            self.health_loop.ended.set()
         self._ended.put(live)
 
     def wait(self, stop_requested: threading.Event) -> None:

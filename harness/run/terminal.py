@@ -1,6 +1,6 @@
 """The user's terminal during a run: one thread writes to it, so that a slow terminal (a paused SSH
 session, a pager, a slow pipe) never holds up the nodes' output, whose every line the run's record
-keeps (run/stream_record.py). The harness's own words always reach the terminal; the job's lines may be
+keeps (record/stream.py). The harness's own words always reach the terminal; the job's lines may be
 left out when the terminal falls too far behind, and the terminal is then told how many and where they are."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from typing import IO
 
-from harness.run.stream_record import StreamRecord
+from harness.record.stream import StreamRecord
 
 BACKLOG_BYTES = 8 << 20  # the job's text waiting for the terminal beyond which its lines are left out here
 

@@ -310,7 +310,7 @@ DEFAULT_PROGRESS = r"\bstep (?P<step>\d+)"
 
 
 class Health(StrictModel):
-    """What the harness watches while a job runs (run/health.py). stall: seconds a rank may make no
+    """What the harness watches while a job runs (harness.health, run/health_loop.py). stall: seconds a rank may make no
     progress (no CPU time used, in it or its children) before the job counts as hung: every rank's
     stack is captured, the job stopped and the attempt classed `hang`; 0 turns the watch off. slow: a
     rank that its peers wait for at least this percentage of the time, for a minute, is named as
@@ -342,6 +342,15 @@ class Health(StrictModel):
     def watched(self) -> bool:
         """Whether the agents sample the ranks at all."""
         return self.stall > 0 or self.slow > 0
+
+    @property
+    def sample_seconds(self) -> float:
+        """How often the node agents sample their ranks: a twentieth of stall, from 1 to 5 s, so that a hang is
+        seen within a few samples of the stall (harness.health.judge's rules count on it); every 5 s for slow
+        ranks alone; 0 when neither is watched."""
+        if not self.watched:
+            return 0.0
+        return min(5.0, max(1.0, self.stall / 20)) if self.stall > 0 else 5.0
 
 
 SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]+", re.ASCII)

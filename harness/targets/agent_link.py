@@ -56,14 +56,6 @@ def agent_silence(connect_timeout: float) -> float:
     return max(5 * PING_SECONDS, 3 * connect_timeout)
 
 
-def watch_seconds(spec: JobSpec) -> float:
-    """How often agents sample their ranks: a twentieth of health.stall, from 1 to 5 s, so that a hang
-    is seen within a few samples of the stall; every 5 s for slow ranks alone; 0 when neither is watched."""
-    if not spec.health.watched:
-        return 0.0
-    return min(5.0, max(1.0, spec.health.stall / 20)) if spec.health.stall > 0 else 5.0
-
-
 def _identity(node: NodePlan) -> dict[str, str]:
     """What the node's processes carry in their environment: run, node and attempt (the agent sweeps by them)."""
     return {key: node.env[key] for key in ("HARNESS_RUN_ID", "NODE_RANK", "HARNESS_ATTEMPT")}
@@ -78,7 +70,7 @@ def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode],
     """Every node or none: if one cannot start, the ones already started are killed. Each agent gets
     its program first (see agent_program)."""
     started: list[AgentNode] = []
-    grace, silence, watch = spec.timeouts.stop_grace, agent_silence(spec.timeouts.connect), watch_seconds(spec)
+    grace, silence, watch = spec.timeouts.stop_grace, agent_silence(spec.timeouts.connect), spec.health.sample_seconds
     try:
         for node in nodes:
             started.append(start(node))

@@ -1,7 +1,7 @@
 """The health watch on real SSH hosts (sshd in network namespaces, gloo across them): a job that stops
 making progress is called hung within health.stall seconds and a few more, every rank's stack is read
 on its own host with py-spy and kept, the verdict names who the hang is about, and the job is stopped
-with nothing left on any host (the rules of the verdict: harness/run/health.py)."""
+with nothing left on any host (the rules of the verdict: harness/health/judge.py)."""
 
 from __future__ import annotations
 

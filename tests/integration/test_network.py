@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from harness.preflight.report import Check, Report, Status
 from harness.preflight.runner import run_preflight
+from harness.preflight.table import Check, Report, Status
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job
 from testbed.cluster import Cluster

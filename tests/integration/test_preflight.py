@@ -17,8 +17,8 @@ import torch
 
 from harness.preflight.collective import collective_checks
 from harness.preflight.remote import TORCH_TIMEOUT_FACTOR
-from harness.preflight.report import Check, Report, Status
 from harness.preflight.runner import run_preflight
+from harness.preflight.table import Check, Report, Status
 from harness.preflight.verb import preflight_command
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from harness.preflight.image import ImageFacts, engine_row, image_facts, inspect_command
-from harness.preflight.report import Status
+from harness.preflight.table import Status
 from harness.targets.ssh.transport import CommandResult
 from testbed.podman_config import IMAGE
 

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness.run.entrypoint_record import (
+from harness.record.entrypoint import (
     MODULE_SEEN_FROM,
     SCRIPT_SEEN_FROM,
     EntrypointRecord,
@@ -16,7 +16,7 @@ from harness.run.entrypoint_record import (
     module_file,
     write_entrypoint_record,
 )
-from harness.run.records import read_record
+from harness.record.schema import read_record
 from harness.spec.job import Entrypoint, JobSpec
 
 BODY = b"print('train')\n"

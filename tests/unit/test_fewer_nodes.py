@@ -12,9 +12,9 @@ import pytest
 
 from harness.errors import SpecError
 from harness.plan.planner import NoSpareHosts, job_hosts
-from harness.run.records import Attempt, FailureKind, RunStatus, RunSummary
-from harness.run.report import report
-from harness.run.rundir import RunDir
+from harness.record.rundir import RunDir
+from harness.record.schema import Attempt, FailureKind, RunStatus, RunSummary
+from harness.run.summary_text import report
 from harness.run.terminal import Terminal
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job

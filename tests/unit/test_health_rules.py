@@ -1,20 +1,21 @@
-"""The health watch's judgements (harness/run/health.py), from samples and stacks as the agents send them."""
+"""The health judgements (harness/health/), from samples and stacks as the agents send them."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 
-from harness.node.protocol import RankSample
+from harness.health.judge import SLOW_CONFIRM, HealthJudge
+from harness.health.rank_stack import Collective, Frame, RankStack, StackThread, grouped
+from harness.health.verdict import hang_verdict
+from harness.node.protocol import Arrival, RankSample
 from harness.plan.planner import Node
-from harness.run.health import SLOW_CONFIRM, HealthWatch, RankStack, grouped
-from harness.run.verdict import hang_verdict
 
 NODES = [Node(host=f"h{i + 1}", address=f"10.0.0.{i + 1}", node_rank=i, nproc=1) for i in range(4)]
 SITE = "/venv/lib/python3.11/site-packages"
 
 
-def feed(watch: HealthWatch, seconds: int, cpu_per_s: dict[int, float], busy_per_s: dict[int, float] | None = None,
+def feed(watch: HealthJudge, seconds: int, cpu_per_s: dict[int, float], busy_per_s: dict[int, float] | None = None,
          start: float = 0.0, io_per_s: dict[int, int] | None = None) -> None:
     """One sample a second per rank, rank r on node r."""
     for t in range(seconds + 1):
@@ -26,7 +27,7 @@ def feed(watch: HealthWatch, seconds: int, cpu_per_s: dict[int, float], busy_per
 
 
 def test_a_rank_without_cpu_for_the_stall_is_stalled_and_one_that_computes_is_not():
-    watch = HealthWatch(stall=10, slow=0)
+    watch = HealthJudge(stall=10, slow=0)
     feed(watch, 9, {0: 1.0, 1: 0.0})
     assert watch.stalled() == [], "not before the rank has been watched for `stall` seconds"
     feed(watch, 3, {0: 1.0, 1: 0.0}, start=9)
@@ -34,26 +35,26 @@ def test_a_rank_without_cpu_for_the_stall_is_stalled_and_one_that_computes_is_no
 
 
 def test_a_little_background_cpu_is_still_no_progress_but_two_percent_is():
-    watch = HealthWatch(stall=10, slow=0)
+    watch = HealthJudge(stall=10, slow=0)
     feed(watch, 12, {0: 0.01, 1: 0.05})
     assert watch.stalled() == [0]
 
 
 def test_a_rank_that_sleeps_between_collectives_makes_progress_by_its_io():
-    watch = HealthWatch(stall=10, slow=0)
+    watch = HealthJudge(stall=10, slow=0)
     feed(watch, 12, {0: 0.0, 1: 0.0}, io_per_s={0: 4096})
     assert watch.stalled() == [1]
 
 
 def test_ranks_of_a_node_that_ended_are_not_judged():
-    watch = HealthWatch(stall=5, slow=0)
+    watch = HealthJudge(stall=5, slow=0)
     feed(watch, 8, {0: 0.0, 1: 1.0})
     watch.node_ended(0)
     assert watch.stalled() == []
 
 
 def test_a_rank_its_peers_wait_for_is_named_after_the_confirmation_and_cleared_when_it_keeps_up():
-    watch = HealthWatch(stall=0, slow=20)
+    watch = HealthJudge(stall=0, slow=20)
     feed(watch, 40, {0: 0.5, 1: 0.5, 2: 0.5}, busy_per_s={0: 0.5, 1: 1.0, 2: 0.5})
     named = [c for now in range(0, int(SLOW_CONFIRM) + 2) for c in watch.slow_changes(float(now))]
     assert named == [(1, 50.0)]
@@ -64,13 +65,13 @@ def test_a_rank_its_peers_wait_for_is_named_after_the_confirmation_and_cleared_w
 
 
 def test_equal_ranks_name_nobody():
-    watch = HealthWatch(stall=0, slow=20)
+    watch = HealthJudge(stall=0, slow=20)
     feed(watch, 40, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, busy_per_s={0: 0.9, 1: 0.85, 2: 0.95, 3: 0.9})
     assert [c for now in range(60) for c in watch.slow_changes(float(now))] == []
 
 
-def frame(name: str, file: str, line: int, code: str = "") -> dict:
-    return {"name": name, "file": file, "line": line, "code": code}
+def frame(name: str, file: str, line: int, code: str = "") -> Frame:
+    return Frame(name, file, line, code)
 
 
 IN_ALL_REDUCE = [frame("all_reduce", f"{SITE}/torch/distributed/distributed_c10d.py", 2950, "work.wait()"),
@@ -80,11 +81,11 @@ IN_SLEEP = [frame("load_batch", "train.py", 42, "time.sleep(60)"), frame("step",
             frame("<module>", "train.py", 70)]
 
 
-def stack(rank: int, frames: list[dict], state: str = "S") -> RankStack:
+def stack(rank: int, frames: list[Frame], state: str = "S") -> RankStack:
     return RankStack(rank, NODES[rank], 100 + rank, state,
-                     [{"name": "MainThread", "tid": 100 + rank, "active": False, "frames": frames},
-                      {"name": "Thread-1 (pin_memory)", "tid": 200 + rank, "active": False,
-                       "frames": [frame("wait", "/usr/lib/python3.11/threading.py", 320)]}])
+                     (StackThread("MainThread", 100 + rank, tuple(frames), active=False),
+                      StackThread("Thread-1 (pin_memory)", 200 + rank,
+                                  (frame("wait", "/usr/lib/python3.11/threading.py", 320),), active=False)))
 
 
 def test_the_verdict_names_the_rank_outside_the_collective_and_where_the_others_wait():
@@ -140,8 +141,8 @@ def test_a_rank_waiting_for_its_stuck_dataloader_worker_names_the_worker_and_whe
             frame("_worker_loop", f"{SITE}/torch/utils/data/_utils/worker.py", 309)]
     rank1 = stack(1, waiting)
     rank1 = RankStack(1, NODES[1], 101, "S", rank1.threads, workers=(
-        RankStack(1, NODES[1], 301, "S", [{"name": "MainThread", "tid": 301, "frames": idle}]),
-        RankStack(1, NODES[1], 302, "S", [{"name": "MainThread", "tid": 302, "frames": in_getitem}])))
+        RankStack(1, NODES[1], 301, "S", (StackThread("MainThread", 301, tuple(idle)),)),
+        RankStack(1, NODES[1], 302, "S", (StackThread("MainThread", 302, tuple(in_getitem)),))))
     verdict = hang_verdict(10, {0: stack(0, IN_ALL_REDUCE), 1: rank1}, {})
     assert verdict.odd == [1]
     assert verdict.text == ("no progress for 10 s: rank 1's DataLoader worker 1 (node1 on h2, pid 302) at dlhang.py:16 "
@@ -169,13 +170,13 @@ def test_alike_stacks_are_shown_once_with_every_rank_they_stand_for():
 # --- by collective (Flight Recorder) -----------------------------------------------------------------
 
 
-def entry(seq: int, op: str = "all_reduce", done: bool = True, group: str = "0") -> dict:
-    return {"group": group, "seq": seq, "op": f"gloo:{op}", "done": done, "sizes": [[100]], "created_ns": seq}
+def entry(seq: int, op: str = "all_reduce", done: bool = True, group: str = "0") -> Collective:
+    return Collective(group, seq, f"gloo:{op}", done, [[100]], seq)
 
 
-def reached(rank: int, frames: list[dict], last: int, op: str = "all_reduce", waiting: bool = True) -> RankStack:
+def reached(rank: int, frames: list[Frame], last: int, op: str = "all_reduce", waiting: bool = True) -> RankStack:
     """A rank whose last collective is #last, unfinished where it waits in it."""
-    entries = [entry(seq) for seq in range(last - 3, last)] + [entry(last, op, done=not waiting)]
+    entries = tuple(entry(seq) for seq in range(last - 3, last)) + (entry(last, op, done=not waiting),)
     return replace(stack(rank, frames), collectives=entries)
 
 
@@ -239,7 +240,7 @@ def test_where_a_rank_collectives_cannot_be_read_the_stacks_decide_and_the_verdi
 
 
 def test_a_rank_whose_collective_does_not_complete_is_stalled_however_busy_its_cpu():
-    watch = HealthWatch(stall=10, slow=0)
+    watch = HealthJudge(stall=10, slow=0)
     for t in range(13):
         spinning = RankSample(100, "R", 1.0 * t, 1.0 * t, 0, completed=40, pending=float(t))
         completing = RankSample(101, "R", 1.0 * t, 1.0 * t, 0, completed=40 + t, pending=0.05)
@@ -250,7 +251,7 @@ def test_a_rank_whose_collective_does_not_complete_is_stalled_however_busy_its_c
 
 
 def test_the_rank_that_arrives_last_at_its_collectives_is_the_one_its_peers_wait_for():
-    watch = HealthWatch(stall=0, slow=20)
+    watch = HealthJudge(stall=0, slow=20)
     jitter = random.Random(7)
     for step in range(300):  # 30 s, a collective every 0.1 s; rank 2 arrives 60 ms after the others
         if step % 10 >= 4:
@@ -259,12 +260,12 @@ def test_the_rank_that_arrives_last_at_its_collectives_is_the_one_its_peers_wait
             late = 0.06 if rank == 2 else 0.0
             clock = 5.0 * rank  # each host's clock off by seconds: its messages say by how much
             watch.arrivals.add(NODES[rank], 1000.0 + step * 0.1 + 0.2, 1000.0 + step * 0.1 + 0.2 - clock, rank,
-                               [("0", step, int((1000.0 + step * 0.1 + late - clock + jitter.uniform(0, 0.005)) * 1e9))])
+                               [Arrival("0", step, int((1000.0 + step * 0.1 + late - clock + jitter.uniform(0, 0.005)) * 1e9))])
     waited = watch.arrivals.waited([0, 1, 2, 3], 20.0)
     assert 55 <= waited[2] <= 65 and all(waited[r] < 5 for r in (0, 1, 3)), waited
     assert watch.waited() == {}, "no health samples: the live ranks are not known yet"
     feed(watch, 25, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, busy_per_s={0: 0.5, 1: 0.5, 2: 0.7, 3: 0.5})
-    assert round(watch.measures()[2]["busy"]) == 20 and watch.waited()[2] == (waited[2], "arrival"), "the larger"
+    assert round(dict((m.by, m.percent) for m in watch.measures()[2])["busy"]) == 20 and watch.waited()[2] == (waited[2], "arrival"), "the larger"
 
 
 def test_a_rank_is_said_once_where_it_waits_in_a_subgroup_and_the_one_it_waits_for_is_behind_there():
@@ -272,10 +273,10 @@ def test_a_rank_is_said_once_where_it_waits_in_a_subgroup_and_the_one_it_waits_f
     before it: rank 3 is behind in group 2, and rank 2 is not called behind in the default group."""
     pair = [entry(seq, group="2") for seq in range(8, 11)]
     default = [entry(seq) for seq in range(8, 11)]
-    stacks = {0: replace(stack(0, IN_ALL_REDUCE), collectives=[*default, entry(11, done=False)]),
-              1: replace(stack(1, IN_ALL_REDUCE), collectives=[*default, entry(11, done=False)]),
-              2: replace(stack(2, AT_35), collectives=default + pair + [entry(11, done=False, group="2")]),
-              3: replace(stack(3, IN_SLEEP), collectives=default + pair)}
+    stacks = {0: replace(stack(0, IN_ALL_REDUCE), collectives=(*default, entry(11, done=False))),
+              1: replace(stack(1, IN_ALL_REDUCE), collectives=(*default, entry(11, done=False))),
+              2: replace(stack(2, AT_35), collectives=(*default, *pair, entry(11, done=False, group="2"))),
+              3: replace(stack(3, IN_SLEEP), collectives=(*default, *pair))}
     verdict = hang_verdict(10, stacks, {})
     assert verdict.odd == [3]
     assert verdict.text == ("no progress for 10 s: ranks 0,1 wait in all_reduce #11 at train.py:55 in step; rank 2 "

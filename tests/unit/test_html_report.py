@@ -13,9 +13,9 @@ import pytest
 
 from harness import cli
 from harness.node.proctable import start_ticks
-from harness.run.html_report import html_report
-from harness.run.index import create_run_dir
-from harness.run.records import (
+from harness.record.index import create_run_dir
+from harness.record.rundir import RunDir
+from harness.record.schema import (
     Attempt,
     ControllerId,
     Failure,
@@ -27,8 +27,8 @@ from harness.run.records import (
     RunStatus,
     RunSummary,
 )
-from harness.run.rundir import RunDir
-from harness.run.timeline import RankPoint, Sample, append_sample
+from harness.record.timeline import RankPoint, Sample, append_sample
+from harness.view.report import html_report
 
 T0 = 1_700_000_000.0
 HOSTILE = "RuntimeError: <script>alert('x')</script> & \"quoted\""

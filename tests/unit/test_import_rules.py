@@ -35,15 +35,22 @@ SEALED = [sys.executable, "-I", "-S"]  # no PYTHONPATH, no cwd, no site-packages
 # collective's all_reduce runs under torchrun on hosts that have torch; the rank hook imports the
 # environment's own sitecustomize, where there is one, after itself.
 BEYOND_STDLIB = {"probe": {"torch"}, "allreduce": {"torch", "torch.distributed"}, "rank_hook": {"sitecustomize"}}
-# Which packages each package of the harness may import (its own modules always): data flows one way.
+# Which packages each package of the harness may import (its own modules always): data flows one way. The
+# run record is below everything that runs or shows a run; the judges of health are pure (they read no record
+# and run nothing); the live run and the verbs that take a run id are siblings: neither imports the other.
 ALLOWED = {
     "harness.spec": {"harness.errors"},
     "harness.plan": {"harness.errors", "harness.spec"},
     "harness.node": set(),
+    "harness.record": {"harness.errors", "harness.spec", "harness.node"},
+    "harness.health": {"harness.plan", "harness.node"},
     "harness.targets": {"harness", "harness.errors", "harness.spec", "harness.plan", "harness.node"},
-    "harness.run": {"harness.errors", "harness.spec", "harness.plan", "harness.node", "harness.targets"},
+    "harness.run": {"harness.errors", "harness.spec", "harness.plan", "harness.node", "harness.targets",
+                    "harness.record", "harness.health"},
+    "harness.view": {"harness.errors", "harness.spec", "harness.plan", "harness.node", "harness.targets",
+                     "harness.record", "harness.health"},
     "harness.preflight": {"harness", "harness.errors", "harness.spec", "harness.plan", "harness.node",
-                          "harness.targets", "harness.run"},
+                          "harness.targets", "harness.record", "harness.run"},
 }
 
 
@@ -108,6 +115,17 @@ def test_packages_import_only_what_comes_before_them() -> None:
         assert outside == set(), f"{module} imports {sorted(outside)}"
 
 
+def test_every_folder_of_the_harness_has_its_rule_and_a_size_a_reader_can_take_in() -> None:
+    """A new folder gets a line in ALLOWED (the payload has its own rule below); a folder of more than 16 modules
+    holds more than one idea and is split."""
+    folders = {path.parent for path in HARNESS.rglob("*.py") if path.parent != HARNESS}
+    packages = {".".join(folder.relative_to(REPO).parts[:2]) for folder in folders}
+    assert packages - set(ALLOWED) == {"harness.payload"}, sorted(packages - set(ALLOWED))
+    for folder in folders:
+        count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+        assert count <= 16, f"{folder.relative_to(REPO)} holds {count} modules"
+
+
 def test_targets_reach_neither_preflight_nor_run_control() -> None:
     """The check a target runs before it starts is handed to it; the controller drives targets."""
     for module, imported in harness_imports().items():
@@ -158,9 +176,9 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ("collectives", "oom", "proctable", "protocol", "ranks", "stacks")
+    assert siblings("agent") == ("protocol", "collectives", "proctable", "pyspy", "ranks", "observer", "oom")
     assert siblings("kill_tree") == ("proctable",)
-    assert siblings("probe") == ("stacks",)
+    assert siblings("probe") == ("pyspy",)
     assert siblings("netcheck") == ()
     assert shipped("agent", ["x"]).count(b"\n") == 1, "the program must be one line: BOOT reads one"
 

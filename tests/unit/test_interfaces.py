@@ -7,7 +7,7 @@ from typing import Any
 from harness.plan.planner import plan_hosts
 from harness.plan.render import render_text
 from harness.preflight.interfaces import defaults_checks, interface_checks
-from harness.preflight.report import Status
+from harness.preflight.table import Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.k8s.manifests import render_manifests

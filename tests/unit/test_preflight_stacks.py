@@ -22,8 +22,8 @@ from harness.node import probe
 from harness.preflight.checks import PY_SPY, stacks_check
 from harness.preflight.local import probe_host, run_preflight_local
 from harness.preflight.remote import run_script
-from harness.preflight.report import Report, Status
 from harness.preflight.subprocess_link import CommandLink
+from harness.preflight.table import Report, Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 
@@ -118,7 +118,7 @@ def test_py_spy_refused_by_ptrace_warns_with_the_rights_it_needs(tmp_path: Path,
                         f"cat >&2 <<'EOF'\n{REFUSED}\nEOF\nexit 1\n")
     stand_in.chmod(0o755)
     stacks = _stacks_facts(str(bare))
-    # the error is py-spy's refusal as harness.node.stacks.dump reads it (the agent's own words for it)
+    # the error is py-spy's refusal as harness.node.pyspy.dump reads it (the agent's own words for it)
     assert (stacks["py_spy"], stacks["readable"]) == (str(stand_in), False) and stacks["error"], stacks
     row = stacks_check("h1", {"stacks": stacks})
     assert row.status is Status.WARN
@@ -166,10 +166,15 @@ def test_a_container_jobs_stack_check_runs_with_the_hosts_python(tmp_path: Path,
 
 
 def _test_processes() -> list[int]:
+    """This process's children that are the probe's test process, or zombies (a child killed but not reaped has
+    no command line left). Only this process's: another test worker may be probing at the same time."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if probe.STACKS_CHILD.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+            state, ppid = stat[stat.rindex(b")") + 2:].split()[:2]
+            if int(ppid) == os.getpid() and (state == b"Z" or
+                                             probe.STACKS_CHILD.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()):
                 found.append(int(pid))
         except OSError:
             pass  # gone since the listing

@@ -10,8 +10,8 @@ import pytest
 
 from harness.errors import SpecError
 from harness.plan.planner import NodePlan, NoSpareHosts, job_hosts
+from harness.record.schema import Attempt, Failure, FailureKind, RunStatus
 from harness.run.live import LiveNode
-from harness.run.records import Attempt, Failure, FailureKind, RunStatus
 from harness.run.recovery import (
     OOM_HINT,
     attempt_failures,

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from harness.node.proctable import start_ticks
-from harness.run.index import create_run_dir, list_runs
-from harness.run.records import (
+from harness.record.index import create_run_dir, list_runs
+from harness.record.rundir import RunDir
+from harness.record.schema import (
     Attempt,
     ControllerId,
     Failure,
@@ -24,8 +25,7 @@ from harness.run.records import (
     RunStatus,
     RunSummary,
 )
-from harness.run.rundir import RunDir
-from harness.run.status import run_details
+from harness.view.status import run_details
 
 from conftest import harness
 
@@ -130,7 +130,7 @@ def test_status_shows_each_nodes_real_end_and_the_failing_ranks_own_code(tmp_pat
                                              (RunStatus.STOPPED, "by `harness stop`")])
 def test_status_says_what_stopped_the_nodes_of_a_run_that_was_stopped(tmp_path: Path, status: RunStatus,
                                                                      why: str) -> None:
-    """Ctrl-C and `harness stop` take one path (run/stopping.stop_on_signals); the record tells them apart."""
+    """Ctrl-C and `harness stop` take one path (run/stopper.stop_on_signals); the record tells them apart."""
     run = create_run_dir(tmp_path, "job-stopped")
     state = _state("job-stopped", status, 1000.0, ControllerId(1, 1))
     node = RecordedNode(node_rank=0, host="sim0", ranks=[0], exit_code=None, signal="SIGTERM", error=None,

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from harness.errors import UsageError
-from harness.run.index import RunsLookup, create_run_dir, index_dir, register_run
-from harness.run.records import ControllerId, RunState, RunStatus
-from harness.run.rundir import RunDir
-from harness.run.status import runs_table
+from harness.record.index import RunsLookup, create_run_dir, index_dir, register_run
+from harness.record.rundir import RunDir
+from harness.record.schema import ControllerId, RunState, RunStatus
+from harness.view.status import runs_table
 
 from conftest import STATE_HOME, harness
 

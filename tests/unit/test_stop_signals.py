@@ -1,4 +1,4 @@
-"""The one stop handler every target's controller runs under (run/stopping.stop_on_signals): Ctrl-C and
+"""The one stop handler every target's controller runs under (run/stopper.stop_on_signals): Ctrl-C and
 SIGTERM both turn into the stop request, real signals to this very process; `harness stop`'s marker then
 tells a stop from an interrupt. The integration tests stop one real run per target through it."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.run.records import RunStatus
+from harness.record.rundir import RunDir
+from harness.record.schema import RunStatus
 from harness.run.results import stopped_status
-from harness.run.rundir import RunDir
-from harness.run.stopping import stop_on_signals
+from harness.run.stopper import stop_on_signals
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

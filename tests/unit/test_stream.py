@@ -16,12 +16,12 @@ import pytest
 
 from harness.node.protocol import Kind, message_line
 from harness.plan.planner import Node
+from harness.record.rundir import RunDir
+from harness.record.stream import STAMP_WIDTH, StreamRecord, stamp
 from harness.run.live import TAIL_KEPT, LiveNode
-from harness.run.logs import Selection, duration, print_logs
-from harness.run.rundir import RunDir
-from harness.run.stream_record import STAMP_WIDTH, StreamRecord, stamp
 from harness.run.terminal import Terminal
 from harness.targets.agent_link import AgentNode
+from harness.view.logs import Selection, duration, print_logs
 
 PROGRESS = re.compile(r"\bstep (?P<step>\d+)")
 GLOO_PEER_GONE = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "

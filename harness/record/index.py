@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.run.records import RecordError, RunState
-from harness.run.rundir import RUN_ID, RUN_ID_PREFIX, RunDir, check_run_id, run_dir, runs_root
+from harness.record.rundir import RUN_ID, RUN_ID_PREFIX, RunDir, check_run_id, run_dir, runs_root
+from harness.record.schema import RecordError, RunState
 
 LATEST = "latest"  # names the newest run: `harness status latest`
 LISTED = 10  # matching ids an ambiguous prefix's error names

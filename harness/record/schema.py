@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from pydantic import TypeAdapter, ValidationError
 
 from harness.errors import UsageError
-from harness.run.atomic import write_text_atomic
+from harness.record.atomic import write_text_atomic
 
 T = TypeVar("T")
 
@@ -110,9 +110,20 @@ class Failure:
     error_source: str | None = None  # that frame's source line
     hint: str | None = None  # advice for a known signature (worker_output.hint)
 
+    def describe(self) -> str:
+        """Where and how: `node 1 (h2, global rank 1): exit code 1 after 3.2 s`, then the class and the
+        evidence when they add to that."""
+        first, last = self.ranks[0], self.ranks[-1]
+        who = f"global rank {self.rank}" if self.rank is not None else \
+            f"global rank {first}" if first == last else f"global ranks {first}-{last}"
+        text = f"node {self.node_rank} ({self.host}, {who}): {self.description} after {self.after_s} s"
+        extra = "" if self.evidence in (self.description, f"rank {self.rank} {self.description}") \
+            else f": {self.evidence}"
+        return f"{text} ({self.kind.value}{extra})"
+
 
 class HealthEventKind(StrEnum):
-    """What the health watch said during an attempt (run/watch.py)."""
+    """What the health watch said during an attempt (run/health_loop.py)."""
 
     SLOW = "slow"  # a rank its peers wait for (waited: the percentage of the time they do)
     RECOVERED = "recovered"  # a rank named slow is no longer
@@ -159,6 +170,37 @@ class Attempt:
     def where(self, resized: bool) -> str:
         """Its hosts, and with them its size when the run's attempts did not all have the same (resized)."""
         return ", ".join(self.hosts) + (f" ({self.nnodes} node(s), world size {self.world_size})" if resized else "")
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One rank of the running attempt as health.json shows it: its node and host, its state as the health
+    loop judges it (computing, waiting, no progress for N s, stopped, ended (how)), the CPUs it used and its
+    main thread's busy share over the last sample interval, its last line and when it came, and its step and
+    steps per second where the job prints them (None: not known)."""
+
+    node: str
+    host: str
+    state: str
+    cpu: float | None = None
+    busy: float | None = None
+    last_line: str | None = None
+    last_line_at: float | None = None
+    step: int | None = None
+    step_rate: float | None = None
+
+
+@dataclass(frozen=True)
+class LiveHealth:
+    """health.json: the running attempt's health as the controller's health loop last judged it (t, by the
+    controller's clock), for `harness status`, `harness top` and `harness report`: the ranks named slow (rank -> the percentage
+    of the time its peers wait for it), a hang's verdict being acted on, and every rank."""
+
+    attempt: int
+    t: float | None = None  # None in the files of a test or a tool that leaves it out
+    slow: dict[int, float] = field(default_factory=dict)
+    hang: str | None = None
+    ranks: dict[int, RankRow] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

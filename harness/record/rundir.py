@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import UsageError, short_repr
-from harness.run.records import Attempt, RunState, RunSummary, read_record, write_record
+from harness.record.schema import Attempt, LiveHealth, RecordError, RunState, RunSummary, read_record, write_record
 
 DEFAULT_RUNS_DIR = "runs"
 # What new_run_id makes (a job name, a time, a random suffix) and nothing that could leave the runs
@@ -110,7 +110,7 @@ class RunDir:
 
     @property
     def timeline(self) -> Path:
-        """timeline.jsonl: every rank's CPU use, busy share and step over time (run/timeline.py), for the report."""
+        """timeline.jsonl: every rank's CPU use, busy share and step over time (record/timeline.py), for the report."""
         return self.path / "timeline.jsonl"
 
     @property
@@ -121,7 +121,7 @@ class RunDir:
     @property
     def stream(self) -> Path:
         """The run's stream as it was shown, and every line the ranks printed, each with its time
-        (run/record.py): what `harness logs` reads."""
+        (record/stream.py): what `harness logs` reads."""
         return self.path / "logs"
 
     def log_file(self, node_rank: int, attempt: int = 0) -> Path:
@@ -139,6 +139,18 @@ class RunDir:
 
     def write_summary(self, summary: RunSummary) -> None:
         write_record(self.summary_file, summary)
+
+    def read_health(self, attempt: int) -> LiveHealth | None:
+        """health.json of the given attempt, as the controller's health loop last wrote it (None: none yet, or
+        another attempt's, or one that cannot be read)."""
+        try:
+            health = read_record(self.health_file, LiveHealth)
+        except RecordError:
+            return None
+        return health if health.attempt == attempt else None
+
+    def write_health(self, health: LiveHealth) -> None:
+        write_record(self.health_file, health)
 
     def read_attempts(self) -> list[Attempt]:
         return read_record(self.attempts_file, list[Attempt]) if self.attempts_file.exists() else []

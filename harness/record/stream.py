@@ -2,7 +2,8 @@
 with the time it arrived, appended as it arrives -- logs/harness.log for the harness's own words (and
 logs/follower.log for those of a `harness launch` that follows a batch job's controller), and per
 attempt one file per node, logs/attempt<N>/node<R>.log, whose lines carry their rank as the stream shows
-them (`[node1] [rank3]: ...`). `harness logs` merges them in time order (run/logs.py).
+them (`[node1] [rank3]: ...`). `harness logs` merges them in time order (view/logs.py), reading each file
+with a StreamReader.
 
 Each line is `STAMP LINE`: STAMP is UTC to the microsecond in a fixed width (STAMP_WIDTH), so that
 lines sort by time as text. The node logs beside them (node<R>.log) keep the node's output as it came,
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -25,6 +27,11 @@ def stamp(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
 
 
+def unstamp(line: str) -> str:
+    """A line of the record as the stream showed it: without its STAMP."""
+    return line[STAMP_WIDTH + 1:]
+
+
 def stamped(text: str, head: str) -> str:
     """Every line of text (whole lines, each ending with a newline) with head in front."""
     return head + text[:-1].replace("\n", "\n" + head) + "\n" if text else ""
@@ -36,6 +43,12 @@ def attempt_folder(folder: Path, attempt: int) -> Path:
 
 def node_file(folder: Path, attempt: int, node_rank: int) -> Path:
     return attempt_folder(folder, attempt) / f"node{node_rank}.log"
+
+
+def record_files(folder: Path) -> list[Path]:
+    """Every file of a run's timed record: the harness's own words (the controller's, and a follower's on
+    the user's machine), then each attempt's node files."""
+    return sorted(folder.glob("*.log")) + sorted(folder.glob("attempt*/node*.log"))
 
 
 class StreamRecord:
@@ -62,3 +75,23 @@ class StreamRecord:
     def close(self) -> None:
         with self._lock:
             self._harness.close()
+
+
+class StreamReader:
+    """One file of the record, read on from where the last read stopped; a line still being written waits."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def lines(self) -> Iterator[str]:
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self.offset)
+                for line in file:
+                    if not line.endswith(b"\n"):
+                        break
+                    self.offset += len(line)
+                    yield line.decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return

@@ -1,22 +1,11 @@
-"""The run's report on the terminal: what the controller says while it runs, and at the end."""
+"""What the controller says on the terminal at a run's end: how each attempt went, and how the run ended
+(its first failure: the exception, where, the hint, the last lines)."""
 
 from __future__ import annotations
 
-from harness.run.records import Failure, RunStatus, RunSummary
-from harness.run.rundir import RunDir
+from harness.record.rundir import RunDir
+from harness.record.schema import RunStatus, RunSummary
 from harness.run.terminal import Terminal
-
-
-def describe_failure(failure: Failure) -> str:
-    """Where and how: `node 1 (h2, global rank 1): exit code 1 after 3.2 s`, then the class and the
-    evidence when they add to that."""
-    first, last = failure.ranks[0], failure.ranks[-1]
-    who = f"global rank {failure.rank}" if failure.rank is not None else \
-        f"global rank {first}" if first == last else f"global ranks {first}-{last}"
-    text = f"node {failure.node_rank} ({failure.host}, {who}): {failure.description} after {failure.after_s} s"
-    extra = "" if failure.evidence in (failure.description, f"rank {failure.rank} {failure.description}") \
-        else f": {failure.evidence}"
-    return f"{text} ({failure.kind.value}{extra})"
 
 
 def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
@@ -24,7 +13,7 @@ def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
     if len(summary.attempts) > 1:
         for attempt in summary.attempts:
             recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
-            how = f"failed on {describe_failure(attempt.failures[0])}" if attempt.failures else attempt.status.value
+            how = f"failed on {attempt.failures[0].describe()}" if attempt.failures else attempt.status.value
             how += f"; ended by {attempt.ended_by}" if attempt.ended_by else ""
             out.say(f"attempt {attempt.attempt} on {attempt.where(resized)}{recovered}: {how}")
     failure = summary.first_failure
@@ -38,9 +27,9 @@ def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
             if failure.error_at is not None:
                 out.write(f"    at {failure.error_at}\n" + (f"        {failure.error_source}\n"
                                                            if failure.error_source else ""))
-            out.say(f"first failure on {describe_failure(failure)}")
+            out.say(f"first failure on {failure.describe()}")
         else:
-            out.say(f"run {summary.run_id} FAILED: first failure on {describe_failure(failure)}")
+            out.say(f"run {summary.run_id} FAILED: first failure on {failure.describe()}")
         if failure.hint:
             out.say(f"hint: {failure.hint}")
         if summary.reason:

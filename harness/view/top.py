@@ -14,11 +14,11 @@ import tty
 from collections.abc import Callable, Iterator
 from typing import IO
 
-from harness.run.logs import Selection
-from harness.run.records import RunStatus
-from harness.run.rundir import RunDir
-from harness.run.status import live_status, run_details
-from harness.run.stream_record import STAMP_WIDTH
+from harness.record.liveness import has_ended
+from harness.record.rundir import RunDir
+from harness.record.stream import unstamp
+from harness.view.logs import Selection
+from harness.view.status import run_details
 
 TAIL_BYTES = 1 << 16  # read from the end of each file of the record, for the stream's last lines
 CLEAR = "\x1b[H\x1b[2J"
@@ -28,7 +28,7 @@ def frame(run: RunDir, width: int, height: int) -> str:
     """One screen: the run's status, rank by rank, then as many of the stream's last lines as fit."""
     head = run_details(run, width).splitlines()
     room = max(0, height - len(head) - 2)
-    tail = [line[STAMP_WIDTH + 1:].rstrip("\n")[:width] for line in stream_tail(run, room)] if room else []
+    tail = [unstamp(line).rstrip("\n")[:width] for line in stream_tail(run, room)] if room else []
     return "\n".join([*head, "", *tail]) + "\n"
 
 
@@ -61,7 +61,7 @@ def top(run: RunDir, out: IO[str] = sys.stdout, interval: float = 1.0, once: boo
     with _keys() as key:
         while True:
             size = shutil.get_terminal_size()
-            ended = live_status(run.read_state()) is not RunStatus.RUNNING
+            ended = has_ended(run)
             out.write(CLEAR + frame(run, size.columns, size.lines - 1))
             out.flush()
             if ended or key(interval) in ("q", "Q"):

@@ -6,25 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from harness.node.proctable import is_alive, kill_run_processes
-from harness.run.records import RunState, RunStatus
-from harness.run.rundir import RunDir
+from harness.node.proctable import kill_run_processes
+from harness.record.liveness import controller_alive, elsewhere
+from harness.record.rundir import RunDir
+from harness.record.schema import RunStatus
 from harness.targets.base import Scheduler
-
-
-def elsewhere(state: RunState) -> bool:
-    """Whether the run's controller runs on another machine (a Slurm batch step's)."""
-    return state.controller.host not in (None, socket.gethostname())
-
-
-def controller_alive(state: RunState) -> bool:
-    """Whether the controller still runs; one on another machine is taken at its record's word."""
-    return elsewhere(state) or is_alive(state.controller.pid, state.controller.start_ticks)
 
 
 def stop_run(run: RunDir, timeout: float, scheduler_for: Callable[[str], Scheduler]) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 
-from harness.run.records import write_record
+from harness.record.schema import write_record
 from harness.spec.job import Entrypoint, JobSpec
 
 ENTRYPOINT_FILE = "entrypoint.json"

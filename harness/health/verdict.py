@@ -1,4 +1,4 @@
-"""A hang's verdict: who it is about and where every rank is, from each rank's stack (harness.node.stacks)
+"""A hang's verdict: who it is about and where every rank is, from each rank's stack (harness.node.pyspy)
 and its last collectives (Flight Recorder, harness.node.collectives.last_entries). Pure.
 
 By collective, where every running rank's could be read: in each process group with an unfinished
@@ -17,10 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
+from harness.health.rank_stack import DEFAULT_GROUP, Collective, RankStack, ranks_text, short_path, state_words
 from harness.plan.planner import Node
-from harness.run.health import DEFAULT_GROUP, RankStack, op_name, ranks_text, short_path, state_words
+
+
+class Ended(NamedTuple):
+    """A rank whose node had ended before the hang was judged, and how it ended."""
+
+    node: Node
+    how: str
 
 
 @dataclass(frozen=True)
@@ -32,7 +39,7 @@ class Verdict:
     odd: list[int]
 
 
-def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[int, tuple[Node, str]]) -> Verdict:
+def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[int, Ended]) -> Verdict:
     """ended: ranks whose node had already ended -> (node, how). Ranks that ended or are stopped first; then
     where the others are by collective, where every one's last collectives were read; else by stack."""
     odd: dict[int, str] = {}
@@ -44,7 +51,7 @@ def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[i
     head = f"no progress for {stall:g} s: "
     first = [f"rank {rank} {what}" for rank, what in sorted(odd.items())]
     reading = {r: s for r, s in stacks.items() if r not in odd}
-    unread = {r: s.collectives for r, s in reading.items() if not isinstance(s.collectives, list)}
+    unread = {r: s.collectives for r, s in reading.items() if not isinstance(s.collectives, tuple)}
     if reading and not unread and (found := collective_verdict(dict(reading), explained=bool(odd))) is not None:
         parts, culprits = found
         return Verdict(head + "; ".join(first + parts), sorted(set(odd) | set(culprits)))
@@ -103,23 +110,19 @@ def _ahead(groups: list[list[RankStack]]) -> tuple[list[int], str] | None:
     outer = [list(reversed(group[0].main_frames())) for group in groups]
     depth = 0
     while all(len(frames) > depth for frames in outer) and \
-            len({(f[depth]["file"], f[depth]["name"], f[depth]["line"]) for f in outer}) == 1:
+            len({(f[depth].file, f[depth].name, f[depth].line) for f in outer}) == 1:
         depth += 1
     if not all(len(frames) > depth for frames in outer) or \
-            len({(f[depth]["file"], f[depth]["name"]) for f in outer}) != 1:
+            len({(f[depth].file, f[depth].name) for f in outer}) != 1:
         return None
-    lines = [frames[depth]["line"] for frames in outer]
+    lines = [frames[depth].line for frames in outer]
     furthest = max(lines)
     if lines.count(furthest) != 1:
         return None
     at = outer[lines.index(furthest)][depth]
     others = ", :".join(str(line) for line in sorted(set(lines) - {furthest}))
     return (sorted(r.rank for r in groups[lines.index(furthest)]),
-            f"{at['name']} ({short_path(at['file'])}:{furthest}, the others at :{others})")
-
-
-
-
+            f"{at.name} ({short_path(at.file)}:{furthest}, the others at :{others})")
 
 
 @dataclass(frozen=True)
@@ -129,42 +132,43 @@ class _Group:
 
     name: str
     members: list[int]
-    mine: dict[int, list[dict[str, Any]]]
-    waiting: dict[int, dict[str, Any]]
+    mine: dict[int, list[Collective]]
+    waiting: dict[int, Collective]
     furthest: int
-    at: dict[int, dict[str, Any]]
+    at: dict[int, Collective]
 
     @property
     def of(self) -> str:
+        """` of process group 2`; nothing for the default group."""
         return "" if self.name == DEFAULT_GROUP else f" of process group {self.name}"
 
     def behind(self) -> list[int]:
         return [r for r in self.members if r not in self.at]
 
 
-def _groups(entries: dict[int, list[dict[str, Any]]]) -> list[_Group]:
+def _groups(entries: dict[int, tuple[Collective, ...]]) -> list[_Group]:
     """The groups with an unfinished collective, the default one first."""
-    names = sorted({e["group"] for found in entries.values() for e in found if not e["done"]},
+    names = sorted({e.group for found in entries.values() for e in found if not e.done},
                    key=lambda g: (g != DEFAULT_GROUP, g))
     found = []
     for name in names:
         members = sorted(entries) if name == DEFAULT_GROUP else \
-            sorted(r for r, mine in entries.items() if any(e["group"] == name for e in mine))
-        mine = {r: [e for e in entries[r] if e["group"] == name] for r in members}
-        waiting = {r: min((e for e in own if not e["done"]), key=lambda e: e["seq"])
-                   for r, own in mine.items() if any(not e["done"] for e in own)}
-        furthest = max(e["seq"] for e in waiting.values())
+            sorted(r for r, mine in entries.items() if any(e.group == name for e in mine))
+        mine = {r: [e for e in entries[r] if e.group == name] for r in members}
+        waiting = {r: min((e for e in own if not e.done), key=lambda e: e.seq)
+                   for r, own in mine.items() if any(not e.done for e in own)}
+        furthest = max(e.seq for e in waiting.values())
         found.append(_Group(name, members, mine, waiting, furthest,
-                            {r: e for r, e in waiting.items() if e["seq"] == furthest}))
+                            {r: e for r, e in waiting.items() if e.seq == furthest}))
     return found
 
 
 def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) -> tuple[list[str], list[int]] | None:
-    """(the verdict's parts, the ranks at fault) from stacks whose collectives were read (lists), or None
+    """(the verdict's parts, the ranks at fault) from stacks whose collectives were read, or None
     when no rank waits in a collective (then the stacks alone tell). explained: a rank that ended or is
     stopped is the reason already, so a collective nobody is behind in needs no other suspect. Each rank
     is said once: where it waits, or, waiting nowhere, as behind in the smallest group that waits for it."""
-    groups = _groups({r: s.collectives for r, s in stacks.items() if isinstance(s.collectives, list)})
+    groups = _groups({r: s.collectives for r, s in stacks.items() if isinstance(s.collectives, tuple)})
     if not groups:
         return None
     waits = {r for g in groups for r in g.waiting}
@@ -174,9 +178,9 @@ def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) ->
     odd: set[int] = set()
     for group in groups:
         kinds: dict[str, list[int]] = {}
-        alike = len({op_name(e) for e in group.at.values()}) == 1
+        alike = len({e.op_name for e in group.at.values()}) == 1
         for rank, entry in sorted(group.at.items()):
-            kind = f"{op_name(entry)}{_sizes(entry, group.at)}" if alike else op_name(entry)
+            kind = f"{entry.op_name}{_sizes(entry, group.at)}" if alike else entry.op_name
             kinds.setdefault(kind, []).append(rank)
         if len(kinds) > 1:
             sides = [f"{ranks_text(ranks)} in {kind} {_places(stacks, ranks)}" for kind, ranks in kinds.items()]
@@ -191,18 +195,18 @@ def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) ->
             stack, behind_in = stacks[rank], group.waiting.get(rank)
             who = f"rank {rank} ({stack.node.label} on {stack.node.host})"
             finished = [r for r in group.at if behind_in is not None and any(
-                e["seq"] == behind_in["seq"] and e["done"] for e in group.mine[r])]
+                e.seq == behind_in.seq and e.done for e in group.mine[r])]
             if behind_in is not None and len(finished) == len(group.at):
-                parts.append(f"{who} waits in {op_name(behind_in)} #{behind_in['seq']}{group.of}, which "
+                parts.append(f"{who} waits in {behind_in.op_name} #{behind_in.seq}{group.of}, which "
                              f"{ranks_text(finished)} completed: the rest of its data did not arrive (suspect the "
                              f"network between the nodes, or a peer's host)")
                 continue
             if behind_in is not None:
-                parts.append(f"{who} waits in {op_name(behind_in)} #{behind_in['seq']}{group.of}, behind "
+                parts.append(f"{who} waits in {behind_in.op_name} #{behind_in.seq}{group.of}, behind "
                              f"#{group.furthest}, {stack.place()}")
             elif home.get(rank) != group.name:
                 continue  # said where it waits, or in the group that waits for it most closely
-            elif any(e["seq"] >= group.furthest for e in group.mine[rank]):
+            elif any(e.seq >= group.furthest for e in group.mine[rank]):
                 parts.append(f"{who} completed #{group.furthest}{group.of} and is {_where(stack)}")
                 continue
             else:
@@ -214,9 +218,9 @@ def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) ->
     return parts, sorted(odd)
 
 
-def _sizes(entry: dict[str, Any], at: dict[int, dict[str, Any]]) -> str:
+def _sizes(entry: Collective, at: dict[int, Collective]) -> str:
     """The tensor sizes, where the ranks' differ (the same operation on different shapes is a mismatch too)."""
-    return f" of {entry['sizes']}" if len({str(e['sizes']) for e in at.values()}) > 1 else ""
+    return f" of {entry.sizes}" if len({str(e.sizes) for e in at.values()}) > 1 else ""
 
 
 def _places(stacks: dict[int, RankStack], ranks: list[int]) -> str:

@@ -12,11 +12,11 @@ import secrets
 import time
 
 from harness.errors import UsageError
+from harness.health.rank_stack import RankStack, grouped
 from harness.plan.planner import Node
-from harness.run.health import RankStack, grouped
-from harness.run.records import RunStatus
-from harness.run.rundir import RunDir
-from harness.run.stop import controller_alive
+from harness.record.liveness import controller_alive, live_status
+from harness.record.rundir import RunDir
+from harness.record.schema import RunStatus
 
 ANSWER_SECONDS = 30.0  # the supervisor looks every half second; the nodes answer within STACKS_SECONDS
 
@@ -24,7 +24,7 @@ ANSWER_SECONDS = 30.0  # the supervisor looks every half second; the nodes answe
 def run_stacks(run: RunDir, timeout: float = ANSWER_SECONDS) -> str:
     """The grouped stacks of run's ranks now; UsageError when the run is not running under a controller."""
     state = run.read_state()
-    if state.status is not RunStatus.RUNNING or not controller_alive(state):
+    if live_status(state) is not RunStatus.RUNNING:
         raise UsageError(f"run {run.run_id} is not running ({state.status.value}); the stacks of a hang are kept "
                          f"in {run.stacks}/attempt-N/")
     if state.scheduler_job is not None and state.hosts == []:

@@ -2,10 +2,10 @@
 header, the attempts on a time axis with the health watch's verdicts and the failures, every rank's CPU
 use, waiting and step rate over time (timeline.jsonl), the first failure and each node's end.
 
-The page fetches nothing (CSS inline, charts inline SVG written by hand in run/svg_chart.py, which says
+The page fetches nothing (CSS inline, charts inline SVG written by hand in view/charts.py, which says
 why not matplotlib), so it can be mailed or attached to a ticket as one file. Every string from the
 record is escaped. A run without a summary yet (still running, or its controller gone) gets what is
-known so far; wording is run/status.py's, so the page and `harness status` say the same."""
+known so far; wording is view/status.py's, so the page and `harness status` say the same."""
 
 from __future__ import annotations
 
@@ -15,20 +15,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from html import escape
 
-from harness.run.records import Attempt, Failure, RecordedNode, RunState, RunStatus, RunSummary
-from harness.run.report import describe_failure
-from harness.run.rundir import RunDir
-from harness.run.status import (
+from harness.record.liveness import live_status
+from harness.record.rundir import RunDir
+from harness.record.schema import Attempt, Failure, RecordedNode, RunState, RunStatus, RunSummary
+from harness.record.timeline import RankPoint, Sample, read_timeline
+from harness.view.charts import Dot, Mark, Row, Segments, Span, TimeAxis, legend, line_chart, rows_chart
+from harness.view.status import (
     health_lines,
-    live_status,
     node_failures,
     node_log,
-    read_health,
     recorded_end,
     unrecorded_end,
 )
-from harness.run.svg_chart import Dot, Mark, Row, Segments, Span, TimeAxis, legend, line_chart, rows_chart
-from harness.run.timeline import RankPoint, Sample, read_timeline
 
 MAX_SAMPLES = 600  # per plot: a long run's samples are thinned to about this many, so the page stays small
 # A rank's value at a sample, from its point, its point at the sample before in the same attempt (None:
@@ -124,7 +122,7 @@ def _header(r: _Run) -> str:
 def _attempts(r: _Run) -> str:
     head = "<section><h2>Timeline</h2>"
     if r.summary is None:
-        health = "".join(f"<li>{escape(line)}</li>" for line in health_lines(read_health(r.run, r.state)))
+        health = "".join(f"<li>{escape(line)}</li>" for line in health_lines(r.run.read_health(r.state.attempt)))
         return (head + f"<p>Attempt {r.state.attempt} runs on {escape(', '.join(r.state.hosts))}.</p>"
                 + (f"<p>The health watch says:</p><ul>{health}</ul>" if health else "") + "</section>")
     attempts = r.summary.attempts
@@ -156,7 +154,7 @@ def _spans(r: _Run, a: Attempt) -> list[Span]:
 
 def _dots(r: _Run, a: Attempt) -> list[Dot]:
     return ([Dot(r.since(e.at), e.kind.value, f"+{r.since(e.at):.1f} s {e.kind.value}: {e.text}") for e in a.health]
-            + [Dot(r.since(a.started_at + f.after_s), "failure", f"failure: {describe_failure(f)}")
+            + [Dot(r.since(a.started_at + f.after_s), "failure", f"failure: {f.describe()}")
                for f in a.failures])
 
 
@@ -175,7 +173,7 @@ def _known(value: int | None) -> str:
 
 
 def _cause(a: Attempt) -> str:
-    cause = describe_failure(a.failures[0]) if a.failures else ""
+    cause = a.failures[0].describe() if a.failures else ""
     return cause + (f"; lost {', '.join(a.down)}" if a.down else "")
 
 
@@ -263,7 +261,7 @@ def _first_failure(r: _Run) -> str:
     failure = r.summary.first_failure if r.summary else None
     if failure is None:
         return ""
-    parts = [f"<section><h2>First failure</h2><p>{escape(describe_failure(failure))}</p>"]
+    parts = [f"<section><h2>First failure</h2><p>{escape(failure.describe())}</p>"]
     if failure.error:
         parts.append(f"<p><strong>{escape(failure.error)}</strong></p>")
     if failure.error_at:

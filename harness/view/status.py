@@ -3,28 +3,28 @@ given), or one run's nodes, from the run records."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from harness.node.proctable import run_processes
-from harness.run.index import RunsLookup, runs_lookup
-from harness.run.records import Attempt, Failure, RecordedNode, RecordError, RunState, RunStatus, RunSummary
-from harness.run.rundir import RunDir
-from harness.run.stop import controller_alive
+from harness.record.index import RunsLookup, runs_lookup
+from harness.record.liveness import live_status
+from harness.record.rundir import RunDir
+from harness.record.schema import (
+    Attempt,
+    Failure,
+    LiveHealth,
+    RecordedNode,
+    RecordError,
+    RunState,
+    RunStatus,
+    RunSummary,
+)
 
 UNCUT = 1 << 16  # the width of lines that are not cut to a terminal's
 STALE_SECONDS = 10.0  # health.json older than this, while the run runs, is said to be so
-
-
-def live_status(state: RunState) -> RunStatus:
-    """What the record says, except that a running run whose controller is gone is lost."""
-    if state.status is RunStatus.RUNNING and not controller_alive(state):
-        return RunStatus.LOST
-    return state.status
 
 
 def _age(seconds: float) -> str:
@@ -75,7 +75,7 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
                          f"earlier attempts once the run has ended)")
         lines += [f"  node{rank} on {host}: {unrecorded_end(state, status, rank)}; log "
                   f"{run.log_file(rank, state.attempt)}" for rank, host in enumerate(state.hosts)]
-        if status is RunStatus.RUNNING and (health := read_health(run, state)) is not None:
+        if status is RunStatus.RUNNING and (health := run.read_health(state.attempt)) is not None:
             lines += rank_rows(health, time.time(), width)
             lines += [f"  {line}" for line in health_lines(health)]
         return "\n".join(lines) + "\n"
@@ -99,15 +99,6 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
     return "\n".join(lines) + "\n"
 
 
-def read_health(run: RunDir, state: RunState) -> dict[str, Any] | None:
-    """health.json of the running attempt, as the controller's watch last wrote it (None: none yet)."""
-    try:
-        health = json.loads(run.health_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return health if isinstance(health, dict) and health.get("attempt") == state.attempt else None
-
-
 def node_failures(failures: list[Failure]) -> dict[int, Failure]:
     """Each node's first failure of an attempt (a hang's verdict comes first), by node rank."""
     failed: dict[int, Failure] = {}
@@ -121,34 +112,32 @@ def node_log(run: RunDir, node: RecordedNode) -> Path:
     return run.path / Path(node.log).name
 
 
-def health_lines(health: dict[str, Any] | None) -> list[str]:
-    """What the controller's health watch says of the running attempt (read_health): slow ranks, a hang
-    being stopped."""
+def health_lines(health: LiveHealth | None) -> list[str]:
+    """What the controller's health loop says of the running attempt: slow ranks, a hang being stopped."""
     if health is None:
         return []
     lines = [f"slow: rank {rank}: its peers wait for it {waited:g}% of the time"
-             for rank, waited in sorted(health.get("slow", {}).items(), key=lambda item: int(item[0]))]
-    return lines + ([health["hang"]] if health.get("hang") else [])
+             for rank, waited in sorted(health.slow.items())]
+    return lines + ([health.hang] if health.hang else [])
 
 
-def rank_rows(health: dict[str, Any], now: float, width: int) -> list[str]:
-    """One row per rank: its state as the health watch sees it, CPU use, step and rate where the job
+def rank_rows(health: LiveHealth, now: float, width: int) -> list[str]:
+    """One row per rank: its state as the health loop sees it, CPU use, step and rate where the job
     prints them, and its last line with how long ago it came, cut to the width."""
-    ranks = health.get("ranks") or {}
-    if not ranks:
+    if not health.ranks:
         return []
     head = f"  {'RANK':>4} {'NODE':<7} {'HOST':<12} {'STATE':<24} {'CPU':>5} {'STEP':>7} {'STEP/S':>7}  LAST LINE"
     rows = [head]
-    for rank, row in sorted(ranks.items(), key=lambda item: int(item[0])):
-        cpu = "-" if row.get("cpu") is None else f"{100 * row['cpu']:.0f}%"
-        step = "-" if row.get("step") is None else str(row["step"])
-        rate = "-" if row.get("step_rate") is None else f"{row['step_rate']:.3g}"
-        line = "-" if row.get("last_line") is None else \
-            f"{_age(max(0.0, now - row['last_line_at']))} ago: {row['last_line']}"
-        text = (f"  {rank:>4} {row.get('node', '')!s:<7.7} {row.get('host', '')!s:<12.12} "
-                f"{row.get('state', '')!s:<24.24} {cpu:>5} {step:>7} {rate:>7}  {line}")
+    for rank, row in sorted(health.ranks.items()):
+        cpu = "-" if row.cpu is None else f"{100 * row.cpu:.0f}%"
+        step = "-" if row.step is None else str(row.step)
+        rate = "-" if row.step_rate is None else f"{row.step_rate:.3g}"
+        line = "-" if row.last_line is None else \
+            f"{_age(max(0.0, now - (row.last_line_at or now)))} ago: {row.last_line}"
+        text = (f"  {rank:>4} {row.node:<7.7} {row.host:<12.12} {row.state:<24.24} {cpu:>5} {step:>7} {rate:>7}  "
+                f"{line}")
         rows.append(text[:width])
-    stale = now - float(health.get("t", now))
+    stale = now - (health.t or now)
     if stale > STALE_SECONDS:
         rows.append(f"  (the watch last wrote this {stale:.0f} s ago: its controller may be busy or gone)")
     return rows

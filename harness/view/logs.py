@@ -1,4 +1,4 @@
-"""`harness logs RUN_ID`: the run's stream as it was shown, from its timed record (run/stream_record.py),
+"""`harness logs RUN_ID`: the run's stream as it was shown, from its timed record (record/stream.py),
 in time order -- lines held back from the terminal included -- filtered by rank, node, attempt, a
 regular expression and age; --follow prints lines as they come until the run ends."""
 
@@ -7,16 +7,15 @@ from __future__ import annotations
 import heapq
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from harness.errors import HarnessError, UsageError
-from harness.run.records import RunStatus
-from harness.run.rundir import RunDir
-from harness.run.status import live_status
-from harness.run.stream_record import STAMP_WIDTH, stamp
+from harness.record.liveness import has_ended
+from harness.record.rundir import RunDir
+from harness.record.stream import STAMP_WIDTH, StreamReader, record_files, stamp, unstamp
 
 FOLLOW_POLL_SECONDS = 0.25
 NODE_FILE = re.compile(r"^attempt(\d+)/node(\d+)\.log$")
@@ -60,7 +59,7 @@ class Selection:
     def keeps(self, line: str) -> bool:
         if self.since is not None and line[:STAMP_WIDTH] < self.since:
             return False
-        text = line[STAMP_WIDTH + 1:]
+        text = unstamp(line)
         if self.ranks is not None:
             rank = RANK_OF_LINE.match(text)
             if rank is None or int(rank[1]) not in self.ranks:
@@ -68,7 +67,7 @@ class Selection:
         return self.grep is None or self.grep.search(text) is not None
 
     def shown(self, line: str) -> str:
-        return line if self.timestamps else line[STAMP_WIDTH + 1:]
+        return line if self.timestamps else unstamp(line)
 
 
 def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = False) -> int:
@@ -79,12 +78,12 @@ def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = F
     if selection.attempt is not None and not (folder / f"attempt{selection.attempt}").is_dir():
         raise UsageError(f"run {run.run_id} has no attempt {selection.attempt}; it has "
                          f"{', '.join(p.name for p in sorted(folder.glob('attempt*'))) or 'none yet'}")
-    readers = {path: RecordReader(path) for path in selection.files(folder)}
+    readers = {path: StreamReader(path) for path in selection.files(folder)}
     _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
     while follow:
-        ended = _ended(run)  # read before the last lines: what the run wrote before it ended is all there
+        ended = has_ended(run)  # read before the last lines: what the run wrote before it ended is all there
         for path in selection.files(folder):
-            readers.setdefault(path, RecordReader(path))
+            readers.setdefault(path, StreamReader(path))
         _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
         if ended:
             break
@@ -92,41 +91,11 @@ def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = F
     return 0
 
 
-def _ended(run: RunDir) -> bool:
-    return live_status(run.read_state()) is not RunStatus.RUNNING
-
-
 def _write(out: IO[str], selection: Selection, lines: Iterable[str]) -> None:
     for line in lines:
         if selection.keeps(line):
             out.write(selection.shown(line))
     out.flush()
-
-
-def record_files(folder: Path) -> list[Path]:
-    """Every file of a run's timed record: the harness's own words (the controller's, and a follower's on
-    the user's machine), then each attempt's node files."""
-    return sorted(folder.glob("*.log")) + sorted(folder.glob("attempt*/node*.log"))
-
-
-class RecordReader:
-    """One file of the record, read on from where the last read stopped; a line still being written waits."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-
-    def lines(self) -> Iterator[str]:
-        try:
-            with open(self.path, "rb") as file:
-                file.seek(self.offset)
-                for line in file:
-                    if not line.endswith(b"\n"):
-                        break
-                    self.offset += len(line)
-                    yield line.decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return
 
 
 def since_stamp(seconds: float) -> str:

@@ -1,0 +1,58 @@
+"""When each rank arrives at its collectives (Flight Recorder's enqueue times), and from that how much of the
+time its peers wait for it: the measure of a slow rank that works on every backend. Pure."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from harness.node.protocol import Arrival
+from harness.plan.planner import Node
+
+
+@dataclass
+class Arrivals:
+    """When each rank enqueued its recent collectives, on the controller's clock: each node's clock is taken
+    to be off by the least (receipt - sent) its messages showed, so that hosts whose clocks differ compare
+    fairly. horizon: seconds of arrivals kept."""
+
+    horizon: float
+    offsets: dict[int, float] = field(default_factory=dict)  # node rank -> controller clock - node clock
+    seen: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)  # (group, seq) -> rank -> when
+
+    def add(self, node: Node, received: float, sent: float, rank: int, arrived: list[Arrival]) -> None:
+        offset = self.offsets[node.node_rank] = min(self.offsets.get(node.node_rank, received - sent), received - sent)
+        for group, seq, created_ns in arrived:
+            self.seen.setdefault((group, seq), {})[rank] = created_ns / 1e9 + offset
+        oldest = received - self.horizon
+        for key in [key for key, ranks in self.seen.items() if max(ranks.values()) < oldest]:
+            del self.seen[key]
+
+    def waited(self, live: list[int], window: float) -> dict[int, float]:
+        """Each rank's percentage of the last `window` seconds in which its peers had arrived at a collective
+        it had not. Only stretches the arrivals cover count (from one collective every live rank arrived at
+        to the next one of its group, #s to #s+1; an agent reads what the recorder still holds): in each,
+        the span from the median peer's arrival at #s to the rank's own, as far as it falls before #s+1's
+        first arrival, over the stretch's length. {} without such stretches over at least half the window."""
+        if len(live) < 2:
+            return {}
+        complete = {key: ranks for key, ranks in self.seen.items() if set(live) <= set(ranks)}
+        if not complete:
+            return {}
+        end = max(min(ranks[r] for r in live) for ranks in complete.values())
+        stretches = []
+        for (group, seq), ranks in complete.items():
+            after = complete.get((group, seq + 1))
+            start = min(ranks[r] for r in live)
+            if after is not None and start >= end - window:
+                stretches.append((start, min(after[r] for r in live), ranks))
+        covered = sum(stop - start for start, stop, _ in stretches)
+        if covered <= 0 or max(s[1] for s in stretches) - min(s[0] for s in stretches) < window / 2:
+            return {}
+        late = dict.fromkeys(live, 0.0)
+        for start, stop, ranks in stretches:
+            everyone = statistics.median(ranks[r] for r in live)  # of many ranks, as good as the peers' own
+            for rank in live:
+                peers = everyone if len(live) > 4 else statistics.median(ranks[r] for r in live if r != rank)
+                late[rank] += max(0.0, min(ranks[rank], stop) - max(peers, start))
+        return {rank: 100 * value / covered for rank, value in late.items()}

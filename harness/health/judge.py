@@ -1,0 +1,229 @@
+"""A running job's health, judged from what the node agents sample (harness.node.ranks,
+harness.node.collectives): which ranks stalled, how each rank looks now, and which rank its peers wait
+for. Pure: samples in, judgements out (the words of a hang are verdict.py's).
+
+Progress is CPU time and I/O, not output, and collectives completing: a rank that computes without
+printing uses CPU, one that sleeps between steps still sends its collectives' data; a rank that
+waits in a collective, sleeps, or is stopped does neither (gloo waits asleep), and a rank whose
+collective has not completed for health.stall seconds made none, even when its CPU spins (NCCL waits
+in a CUDA synchronization). A rank without progress for health.stall seconds means the job is hung --
+whatever its peers print. A slow rank is the one its peers wait for: it enqueues its collectives last
+(Flight Recorder's arrival times, arrivals.py), and its main thread is busy while theirs sleep (see
+docs/health.md). The agents sample as often as spec.job.Health.sample_seconds says, which these rules
+were made for.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import NamedTuple
+
+from harness.health.arrivals import Arrivals
+from harness.health.rank_stack import state_words
+from harness.node.protocol import RankSample
+from harness.plan.planner import Node
+
+IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU between two samples made no progress
+SLOW_WINDOW = 20.0  # seconds over which each rank's busy share is measured
+STILL_SECONDS = 10.0  # idle this long (and for three samples) is shown as no progress, before it is a hang
+SLOW_CONFIRM = 20.0  # seconds a rank must stay slow before it is named (and well again before it is cleared)
+
+
+class Sample(NamedTuple):
+    """One of a rank's health samples as the judge keeps it: taken at t (the node's clock), CPU seconds and
+    main-thread busy seconds so far, I/O bytes so far, collectives completed (-1: unknown), and seconds its
+    oldest unfinished collective has waited (-1: none)."""
+
+    t: float
+    cpu: float
+    busy: float
+    io: int
+    completed: int
+    pending: float
+
+
+def progressed(before: Sample, after: Sample) -> bool:
+    """Whether the rank made progress between two samples: it used more than IDLE_SHARE of a CPU, or read or
+    wrote something."""
+    return after.cpu - before.cpu > IDLE_SHARE * (after.t - before.t) or after.io != before.io
+
+
+class SlowMeasure(NamedTuple):
+    """The percentage of the time a rank's peers wait for it, and by which measure: "arrival" (when it arrives
+    at its collectives) or "busy" (main-thread busy time)."""
+
+    percent: float
+    by: str
+
+
+class SlowChange(NamedTuple):
+    """A rank newly named slow (percent: how much its peers wait for it), or cleared (percent None)."""
+
+    rank: int
+    percent: float | None
+
+
+@dataclass(frozen=True)
+class RankView:
+    """A rank as the judge sees it now. state: computing (its main thread runs), waiting (it sleeps: for
+    its peers in a collective, for data, in a sleep), no progress for N s, or stopped; cpu: CPUs used over
+    the last sample interval; busy: its main thread's share of that interval; idle: seconds without progress."""
+
+    node: Node
+    state: str
+    cpu: float
+    busy: float
+    idle: float
+
+
+@dataclass
+class _Rank:
+    node: Node
+    pid: int
+    state: str
+    samples: deque[Sample] = field(default_factory=deque)
+    slow_since: float | None = None
+    well_since: float | None = None
+    named_slow: float | None = None  # the percentage it was named with
+
+
+@dataclass
+class HealthJudge:
+    """Every rank's recent samples and arrivals. stall: seconds without progress that make a hang (0: off);
+    slow: the percentage of time its peers must wait for a rank before it is named (0: off)."""
+
+    stall: float
+    slow: float
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    ended: set[int] = field(default_factory=set)  # node ranks that have ended
+    arrivals: Arrivals = field(default_factory=lambda: Arrivals(horizon=2 * SLOW_WINDOW))
+
+    def observe(self, node: Node, t: float, samples: Mapping[int, RankSample]) -> None:
+        """One health message of node's agent: its ranks' samples taken at t."""
+        for number, taken in samples.items():
+            rank = self.ranks.setdefault(number, _Rank(node, taken.pid, taken.state))
+            rank.pid, rank.state = taken.pid, taken.state
+            rank.samples.append(Sample(t, taken.cpu, taken.busy, taken.io, taken.completed, taken.pending))
+            keep = max(self.stall, SLOW_WINDOW) + 30
+            while rank.samples and rank.samples[0].t < t - keep:
+                rank.samples.popleft()
+
+    def node_ended(self, node_rank: int) -> None:
+        self.ended.add(node_rank)
+
+    def _live(self) -> dict[int, _Rank]:
+        return {r: v for r, v in self.ranks.items() if v.node.node_rank not in self.ended}
+
+    def stalled(self) -> list[int]:
+        """Ranks of running nodes that made no progress in any sample interval of the last `stall` seconds
+        (each used less than IDLE_SHARE of a CPU and read or wrote nothing), so that "no progress for
+        `stall` s" is literally true; or whose oldest unfinished collective has waited `stall` seconds
+        while none of theirs completed, whatever their CPU did."""
+        if self.stall <= 0:
+            return []
+        found = []
+        for number, rank in sorted(self._live().items()):
+            if rank.samples and _collective_stuck(rank.samples, self.stall):
+                found.append(number)
+                continue
+            last = rank.samples[-1].t if rank.samples else 0.0
+            if not rank.samples or rank.samples[0].t > last - self.stall:
+                continue  # not watched for `stall` seconds yet
+            since = next(i for i in range(len(rank.samples) - 1, -1, -1) if rank.samples[i].t <= last - self.stall)
+            if not any(progressed(a, b) for a, b in pairwise(list(rank.samples)[since:])):
+                found.append(number)
+        return found
+
+    def views(self) -> dict[int, RankView]:
+        """Each live rank as `harness status` shows it, from its last two samples and its idle time."""
+        views = {}
+        for number, rank in self._live().items():
+            if len(rank.samples) < 2:
+                continue
+            before, last = rank.samples[-2], rank.samples[-1]
+            span = max(last.t - before.t, 1e-6)
+            moved = [b.t for a, b in pairwise(rank.samples) if progressed(a, b)]
+            idle = max(last.t - (moved[-1] if moved else rank.samples[0].t), last.pending)
+            busy = min(1.0, (last.busy - before.busy) / span)
+            if rank.state in ("T", "t"):
+                state = state_words(rank.state)
+            elif idle >= max(3 * span, STILL_SECONDS):
+                state = f"no progress for {idle:.0f} s"
+            else:
+                state = "computing" if busy >= 0.5 else "waiting"
+            views[number] = RankView(rank.node, state, (last.cpu - before.cpu) / span, busy, idle)
+        return views
+
+    def busy_shares(self) -> dict[int, float]:
+        """Each live rank's main-thread busy share over the last SLOW_WINDOW seconds (1: never waits)."""
+        shares = {}
+        for number, rank in self._live().items():
+            if len(rank.samples) < 2:
+                continue
+            last = rank.samples[-1]
+            first = next((s for s in rank.samples if s.t >= last.t - SLOW_WINDOW), None)
+            if first is not None and last.t - first.t >= SLOW_WINDOW / 2:
+                shares[number] = min(1.0, (last.busy - first.busy) / (last.t - first.t))
+        return shares
+
+    def busy_waited(self) -> dict[int, float]:
+        """Each live rank's percentage of the time its peers wait for it, by main-thread busy time: how much
+        more the median peer's main thread sleeps than its own does."""
+        shares = self.busy_shares()
+        return {number: 100 * (statistics.median(1 - s for r, s in shares.items() if r != number) - (1 - share))
+                for number, share in shares.items() if len(shares) > 1}
+
+    def measures(self) -> dict[int, list[SlowMeasure]]:
+        """Each live rank's percentage of the time its peers wait for it, by each measure that has one, the
+        larger first: "arrival" (when it arrives at its collectives, where every live rank's arrivals are
+        known) and "busy" (main-thread busy time)."""
+        found: dict[int, list[SlowMeasure]] = {}
+        for by, values in (("arrival", self.arrivals.waited(list(self._live()), SLOW_WINDOW)),
+                           ("busy", self.busy_waited())):
+            for number, value in values.items():
+                found.setdefault(number, []).append(SlowMeasure(value, by))
+        return {number: sorted(values, reverse=True) for number, values in found.items()}
+
+    def waited(self) -> dict[int, SlowMeasure]:
+        """Each live rank's percentage of the time its peers wait for it, by the measure that shows more.
+        Arrival times see a rank that computes slowly, on every backend (NCCL's ranks spin while they wait,
+        which blinds busy time); busy time sees a rank held up inside a collective it already entered (a
+        host whose CPU quota freezes it), which arrival times cannot."""
+        return {number: values[0] for number, values in self.measures().items()}
+
+    def slow_changes(self, now: float) -> list[SlowChange]:
+        """Ranks newly named slow, or cleared."""
+        if self.slow <= 0:
+            return []
+        changes: list[SlowChange] = []
+        for number, (waited, _) in self.waited().items():
+            rank = self.ranks[number]
+            if waited >= self.slow:
+                rank.well_since = None
+                rank.slow_since = rank.slow_since or now
+                if rank.named_slow is None and now - rank.slow_since >= SLOW_CONFIRM:
+                    rank.named_slow = waited
+                    changes.append(SlowChange(number, waited))
+            else:
+                rank.slow_since = None
+                rank.well_since = rank.well_since or now
+                if rank.named_slow is not None and now - rank.well_since >= SLOW_CONFIRM:
+                    rank.named_slow = None
+                    changes.append(SlowChange(number, None))
+        return changes
+
+    def slow_ranks(self) -> dict[int, float]:
+        return {r: v.named_slow for r, v in self.ranks.items() if v.named_slow is not None}
+
+
+def _collective_stuck(samples: deque[Sample], stall: float) -> bool:
+    """The rank's oldest unfinished collective has waited `stall` seconds (by its node's clock, from when it
+    was enqueued), and the count of its completed collectives did not move in that time."""
+    last = samples[-1]
+    if last.pending < stall or last.completed < 0:
+        return False
+    return all(s.completed == last.completed for s in samples if s.t >= last.t - stall)

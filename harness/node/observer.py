@@ -1,0 +1,116 @@
+"""What the node agent sees of its node's ranks, for the controller's judges: every WATCH seconds each rank's
+health sample (harness.node.ranks: CPU, busy time, I/O) with its progress and new arrivals by Flight Recorder
+(harness.node.collectives), and on request every rank's stacks (harness.node.pyspy) with its DataLoader
+workers' and its last collectives. Standard library only: shipped to nodes with the agent."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from harness.node.collectives import READ_SECONDS, arrivals, last_entries, progress, read_trace
+from harness.node.proctable import process_tree, stat_fields
+from harness.node.protocol import Kind, arrivals_bodies, health_bodies, stacks_bodies
+from harness.node.pyspy import dump, py_spy_path
+from harness.node.ranks import as_seen, children_of, find_ranks, python_children, sample, source_line
+
+Say = Callable[[Kind, str], None]
+
+
+class RankObserver:
+    """The ranks of this run below the agent (this process). directory: the agent's private directory, where
+    the ranks serve their Flight Recorder (None: the ranks run without the hook, for the reason unhooked);
+    say: writes one message to the controller."""
+
+    def __init__(self, run_id: str, directory: str | None, unhooked: str, say: Say) -> None:
+        self.run_id = run_id
+        self.directory = directory
+        self.unhooked = unhooked
+        self.say = say
+        self.ranks: dict[int, int] = {}  # rank -> pid, as last found
+        self.seen: dict[int, int] = {}  # pid -> rank, of every rank found (for the OOM killer's record)
+        self.arrived: dict[int, int] = {}  # rank -> when it enqueued the newest collective sent (ns)
+
+    def sample_every(self, seconds: float, ended: threading.Event) -> None:
+        """Every `seconds` until ended, how far each rank has run (what the controller judges hangs and slow
+        ranks by)."""
+        while not ended.wait(seconds):
+            below, _ = process_tree(os.getpid())
+            self.ranks = find_ranks(below, self.run_id) or self.ranks
+            self.seen.update({pid: rank for rank, pid in self.ranks.items()})
+            samples = sample(self.ranks, below)
+            traces = self.traces({rank: found.state for rank, found in samples.items()})
+            now = time.time()
+            for rank, trace in traces.items():
+                if isinstance(trace, list):
+                    completed, pending = progress(trace, time.time_ns())
+                    samples[rank] = samples[rank]._replace(completed=completed, pending=round(pending, 2))
+                    if new := arrivals(trace, self.arrived.get(rank, 0)):
+                        self.arrived[rank] = new[-1].created_ns
+                        for body in arrivals_bodies(now, rank, new):
+                            self.say(Kind.ARRIVALS, body)
+            for body in health_bodies(now, samples):
+                self.say(Kind.HEALTH, body)
+
+    def traces(self, states: dict[int, str]) -> dict[int, list[dict[str, object]] | str]:
+        """Each rank's Flight Recorder entries (or why not), read in parallel: one rank slow to answer
+        holds up nobody else's. states: each rank's scheduler state (a stopped rank's server cannot answer)."""
+        found: dict[int, list[dict[str, object]] | str] = {}
+
+        def read(rank: int) -> None:
+            found[rank] = read_trace(self.directory, rank) if self.directory else self.unhooked
+
+        ranks = [rank for rank, state in states.items() if state not in ("T", "t", "Z")]
+        found.update({rank: f"the rank is {'a zombie' if state == 'Z' else 'stopped'}"
+                      for rank, state in states.items() if rank not in ranks})
+        readers = [threading.Thread(target=read, args=(rank,), daemon=True) for rank in ranks]
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 2 * READ_SECONDS
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        return {rank: found.get(rank, "its worker server did not answer in time") for rank in states}
+
+    def send_stacks(self, tag: str) -> None:
+        """Every rank's stack, and its DataLoader workers', read in parallel; each frame with its source
+        line as this node has it; then `stacks-done TAG`."""
+        below, _ = process_tree(os.getpid())
+        ranks = find_ranks(below, self.run_id) or self.ranks
+        states = sample(ranks, below)
+        py_spy = py_spy_path()
+        tree = children_of(below)
+        answers: dict[int, dict[str, object]] = {}
+
+        def threads_of(pid: int, state: str) -> object:
+            threads = dump(pid, py_spy, stopped=state in ("T", "t")) if py_spy else \
+                "py-spy is not installed beside the job's Python or on PATH"
+            if isinstance(threads, list):
+                for thread in threads:
+                    for frame in thread["frames"]:
+                        frame["code"] = source_line(pid, frame["file"], frame["line"])
+                        frame["file"] = as_seen(pid, frame["file"])
+            return threads
+
+        def read(rank: int, pid: int) -> None:
+            state = states[rank].state if rank in states else "gone"
+            workers = []
+            for child in python_children(pid, tree):  # its DataLoader workers: a hang may be theirs
+                child_state = (stat_fields(child) or [b"gone"])[0].decode()
+                workers.append({"pid": child, "state": child_state, "threads": threads_of(child, child_state)})
+            answers[rank] = {"pid": pid, "state": state, "threads": threads_of(pid, state), "workers": workers}
+
+        readers = [threading.Thread(target=read, args=item, daemon=True) for item in ranks.items()]
+        for reader in readers:
+            reader.start()
+        traces = self.traces({rank: states[rank].state for rank in ranks if rank in states})
+        for reader in readers:
+            reader.join()
+        for rank, answer in answers.items():
+            trace = traces.get(rank, "the rank is gone")
+            answer["collectives"] = last_entries(trace) if isinstance(trace, list) else trace
+        for rank, answer in sorted(answers.items()):
+            for body in stacks_bodies(tag, rank, answer):
+                self.say(Kind.STACKS, body)
+        self.say(Kind.STACKS_DONE, tag)
