@@ -6,6 +6,7 @@ In-process (one process, no torchrun env), so that the profiler and dynamo's cou
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from collections import Counter
 from typing import Any
@@ -54,10 +55,18 @@ def check_steps_make_no_host_sync(argv: list[str], cuda: bool = False) -> None:
     assert reads == 3, f"3 progress lines read the loss {reads} times"
 
 
-def compile_counts(argv: list[str]) -> dict[str, Any]:
-    """dynamo's counters over one run: frames compiled, graphs, graph breaks (with their reasons)."""
+def compile_counts(argv: list[str], backend: str = "inductor") -> dict[str, Any]:
+    """dynamo's counters over one run: frames compiled, graphs, graph breaks (with their reasons). backend: the
+    one torch.compile hands the graphs to; frames, graphs, breaks and recompiles are dynamo's whichever it is, so
+    on a CPU `aot_eager` proves them (and autograd's tracing) without inductor's C++ builds, which take minutes
+    on a busy 2-core machine (tests/gpu compiles with inductor)."""
     torch._dynamo.reset()
     counters.clear()
-    output = train_here(argv)
+    compile_as_asked = torch.compile
+    torch.compile = functools.partial(compile_as_asked, backend=backend)  # type: ignore[assignment]
+    try:
+        output = train_here(argv)
+    finally:
+        torch.compile = compile_as_asked
     return {"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": dict(counters["graph_break"]), "output": output}

@@ -193,8 +193,8 @@ class RankRow:
 @dataclass(frozen=True)
 class LiveHealth:
     """health.json: the running attempt's health as the controller's health loop last judged it (t, by the
-    controller's clock), for `harness status`, `harness top` and `harness report`: the ranks named slow (rank -> the percentage
-    of the time its peers wait for it), a hang's verdict being acted on, and every rank."""
+    controller's clock), for `harness status`, `harness top` and `harness report`: the ranks named slow (rank ->
+    the percentage of the time its peers wait for it), a hang's verdict being acted on, and every rank."""
 
     attempt: int
     t: float | None = None  # None in the files of a test or a tool that leaves it out

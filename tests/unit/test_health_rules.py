@@ -176,7 +176,7 @@ def entry(seq: int, op: str = "all_reduce", done: bool = True, group: str = "0")
 
 def reached(rank: int, frames: list[Frame], last: int, op: str = "all_reduce", waiting: bool = True) -> RankStack:
     """A rank whose last collective is #last, unfinished where it waits in it."""
-    entries = tuple(entry(seq) for seq in range(last - 3, last)) + (entry(last, op, done=not waiting),)
+    entries = (*(entry(seq) for seq in range(last - 3, last)), entry(last, op, done=not waiting))
     return replace(stack(rank, frames), collectives=entries)
 
 
