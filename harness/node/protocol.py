@@ -77,6 +77,29 @@ class Message(NamedTuple):
     body: str
 
 
+class HealthSamples(NamedTuple):
+    """A health message: every rank's sample, taken at t by the node's clock."""
+
+    t: float
+    samples: dict[int, RankSample]
+
+
+class RankArrivals(NamedTuple):
+    """An arrivals message: one rank's arrivals since its last, said at t by the node's clock."""
+
+    t: float
+    rank: int
+    arrived: list[Arrival]
+
+
+class StackAnswer(NamedTuple):
+    """One rank's whole stacks answer (JSON) for the request TAG."""
+
+    tag: str
+    rank: int
+    answer: object
+
+
 def word_line(word: Word, argument: str = "") -> bytes:
     return f"{word.value} {argument}\n".encode() if argument else f"{word.value}\n".encode()
 
@@ -114,12 +137,13 @@ def health_bodies(t: float, samples: dict[int, RankSample]) -> list[str]:
             for first in range(0, len(ranks), SAMPLES_PER_LINE)]
 
 
-def parse_health(body: str) -> tuple[float, dict[int, RankSample]]:
-    """(when, {rank: sample}); ValueError, KeyError or TypeError for a damaged body."""
+def parse_health(body: str) -> HealthSamples:
+    """ValueError, KeyError or TypeError for a damaged body."""
     payload = json.loads(body)
-    return float(payload["t"]), {int(rank): RankSample(int(pid), str(state), float(cpu), float(busy), int(io),
-                                                       *((int(fields[0]), float(fields[1])) if fields else ()))
-                                 for rank, (pid, state, cpu, busy, io, *fields) in payload["ranks"].items()}
+    samples = {int(rank): RankSample(int(pid), str(state), float(cpu), float(busy), int(io),
+                                     *((int(fields[0]), float(fields[1])) if fields else ()))
+               for rank, (pid, state, cpu, busy, io, *fields) in payload["ranks"].items()}
+    return HealthSamples(float(payload["t"]), samples)
 
 
 def arrivals_bodies(t: float, rank: int, arrived: list[Arrival]) -> list[str]:
@@ -138,11 +162,11 @@ def arrivals_bodies(t: float, rank: int, arrived: list[Arrival]) -> list[str]:
     return bodies + ([json.dumps({"t": t, "rank": rank, "arrived": part})] if part else [])
 
 
-def parse_arrivals(body: str) -> tuple[float, int, list[Arrival]]:
-    """(when, rank, arrivals); ValueError, KeyError or TypeError for a damaged body."""
+def parse_arrivals(body: str) -> RankArrivals:
+    """ValueError, KeyError or TypeError for a damaged body."""
     payload = json.loads(body)
-    return float(payload["t"]), int(payload["rank"]), [Arrival(str(g), int(s), int(ns)) for g, s, ns in
-                                                       payload["arrived"]]
+    return RankArrivals(float(payload["t"]), int(payload["rank"]),
+                        [Arrival(str(g), int(s), int(ns)) for g, s, ns in payload["arrived"]])
 
 
 def stacks_bodies(tag: str, rank: int, answer: object) -> list[str]:
@@ -158,14 +182,14 @@ class StackChunks:
     def __init__(self) -> None:
         self._parts: dict[tuple[str, int], list[str]] = {}
 
-    def take(self, body: str) -> tuple[str, int, object] | None:
-        """(tag, rank, answer) once body was a rank's last chunk; ValueError for a damaged body."""
+    def take(self, body: str) -> StackAnswer | None:
+        """The rank's answer once body was its last chunk; ValueError for a damaged body."""
         tag, rank, _, last, chunk = body.split(" ", 4)
         key = (tag, int(rank))
         self._parts.setdefault(key, []).append(chunk)
         if last != "1":
             return None
-        return tag, int(rank), json.loads("".join(self._parts.pop(key)))
+        return StackAnswer(tag, int(rank), json.loads("".join(self._parts.pop(key))))
 
 
 def oom_body(killed: dict[int, str]) -> str:

@@ -39,6 +39,13 @@ class StepMark(NamedTuple):
     step: int
 
 
+class RootCause(NamedTuple):
+    """The worker torchrun names as the first to fail: its global rank and exit code (None: not reported)."""
+
+    rank: int | None
+    exit_code: int | None
+
+
 @dataclass
 class RankActivity:
     """A rank's last line and when it came; the steps it reported, where the job says them."""
@@ -70,8 +77,8 @@ class LiveNode:
     held_all: bool = False  # another node failed first: all this node says now is held back
     activity: dict[int, RankActivity] = field(default_factory=dict)
 
-    def root_cause(self) -> tuple[int | None, int | None]:
-        """(global rank, exit code) of the first failed worker, from torchrun's "Root Cause" report."""
+    def root_cause(self) -> RootCause:
+        """The first failed worker, from torchrun's "Root Cause" report."""
         rank = code = None
         in_root_cause = False
         for line in self.tail:
@@ -82,7 +89,7 @@ class LiveNode:
                 rank = int(match.group(1))
             elif rank is not None and code is None and (match := ROOT_CAUSE_EXIT.match(line)):
                 code = int(match.group(1))
-        return rank, code
+        return RootCause(rank, code)
 
     def take(self, raw: str, quiet_cpp_info: bool = False) -> tuple[str, bool]:
         """A line of the node's output as it is logged (one rank prefix), and whether the live stream

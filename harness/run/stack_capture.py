@@ -36,10 +36,8 @@ class StackCapture:
         with self._changed:
             if message.kind is Kind.STACKS:
                 chunks = self._chunks.setdefault(live.node.node_rank, StackChunks())
-                if (answer := chunks.take(message.body)) is not None:
-                    tag, rank, stacks = answer
-                    if isinstance(stacks, dict):
-                        self._answers.setdefault(tag, {})[rank] = stacks
+                if (whole := chunks.take(message.body)) is not None and isinstance(whole.answer, dict):
+                    self._answers.setdefault(whole.tag, {})[whole.rank] = whole.answer
             elif message.kind is Kind.STACKS_DONE:
                 self._answered.setdefault(message.body, set()).add(live.node.node_rank)
                 self._changed.notify_all()

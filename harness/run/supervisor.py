@@ -91,9 +91,11 @@ class Supervisor:
                 continue
             try:
                 if message.kind is Kind.HEALTH and judge is not None:
-                    judge.observe(live.node, *parse_health(message.body))
+                    health = parse_health(message.body)
+                    judge.observe(live.node, health.t, health.samples)
                 elif message.kind is Kind.ARRIVALS and judge is not None:
-                    judge.arrivals.add(live.node, time.time(), *parse_arrivals(message.body))
+                    said = parse_arrivals(message.body)
+                    judge.arrivals.add(live.node, time.time(), said.t, said.rank, said.arrived)
                 elif message.kind in (Kind.STACKS, Kind.STACKS_DONE):
                     self.stacks.take(live, message)
                 elif message.kind is Kind.OOM:
@@ -130,9 +132,9 @@ class Supervisor:
                 for other in self.nodes:  # what the others say now follows from this failure
                     other.held_all = other is not live
                 # The failing rank's own code, as the report and `harness status` give it (torchrun's is 1).
-                rank, code = live.root_cause()
-                how = f"rank {rank} {Outcome.from_returncode(code).describe()}" if rank is not None and \
-                    code is not None else live.outcome.describe()
+                cause = live.root_cause()
+                how = f"rank {cause.rank} {Outcome.from_returncode(cause.exit_code).describe()}" \
+                    if cause.rank is not None and cause.exit_code is not None else live.outcome.describe()
                 self.say(f"{live.node.label} on {live.node.host} failed ({how}); stopping the other nodes")
                 self.stop_all()
                 stopping = True

@@ -19,6 +19,8 @@ from harness.record.schema import (
     ControllerId,
     Failure,
     FailureKind,
+    LiveHealth,
+    RankRow,
     RecordedNode,
     RecordError,
     RunState,
@@ -161,3 +163,22 @@ def test_status_of_a_lost_run_reads_its_nodes_from_the_process_table(tmp_path: P
             "ends them; log") in detail, detail
     run.write_state(replace(run.read_state(), status=RunStatus.STOPPED))  # what `harness stop` of a lost run leaves
     assert "  node1 on localhost: stopped by `harness stop` after its controller was lost" in run_details(run)
+
+
+def test_health_json_is_written_and_read_through_its_schema_and_an_older_file_still_reads(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "r")
+    run.path.mkdir()
+    health = LiveHealth(attempt=1, t=5.0, slow={1: 50.0}, ranks={0: RankRow("node0", "sim0", "computing", cpu=0.5,
+                                                                            step=3)})
+    run.write_health(health)
+    assert run.read_health(1) == health
+    assert run.read_health(0) is None, "another attempt's"
+    # as the controller wrote it before health.json had a schema: compact, every key a string
+    run.health_file.write_text(
+        '{"attempt": 0, "t": 1.5, "slow": {"1": 72.5}, "hang": null, "ranks": {"0": {"node": "node0", "host": "sim0", '
+        '"state": "waiting", "cpu": 0.1, "busy": 0.05, "last_line": "[rank0]: step 3", "last_line_at": 1.2, "step": 3, '
+        '"step_rate": 0.5}}}')
+    old = run.read_health(0)
+    assert old is not None and old.slow == {1: 72.5} and old.ranks[0].step == 3 and old.ranks[0].state == "waiting"
+    run.health_file.write_text('{"attempt": 0, "ranks": {"0": {"no": "node"}}}')
+    assert run.read_health(0) is None, "a damaged file is no health, not an error"
