@@ -348,7 +348,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     found = attempt_failures(sup.nodes, sup.stopping_since)
     failures = [failure_of(f, started, ended) for f in found]
     if sup.hang is not None:
-        failures.insert(0, hang_failure(sup, started))
+        failures.insert(0, hang_failure(sup.hang, sup.hang_at or started, sup.nodes, started))
     if stop.is_set():
         status = stopped_status(run)
     else:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import signal
 import time
 
+from harness.health.verdict import Verdict
 from harness.record.rundir import RunDir
 from harness.record.schema import Failure, FailureKind, RecordedNode, RunStatus
 from harness.run import worker_output
 from harness.run.live import LiveNode
 from harness.run.recovery import NodeFailure
-from harness.run.supervisor import Supervisor
 from harness.targets.base import Outcome
 
 
@@ -59,15 +59,13 @@ def stopped_status(run: RunDir) -> RunStatus:
     return RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
 
 
-def hang_failure(sup: Supervisor, started_at: float) -> Failure:
+def hang_failure(hang: Verdict, hang_at: float, nodes: list[LiveNode], started_at: float) -> Failure:
     """The hang as the attempt's first failure: on the first odd rank's node, its verdict as evidence."""
-    assert sup.hang is not None
-    odd = sup.hang.odd[0] if len(sup.hang.odd) == 1 else None  # a mismatch has two sides and no culprit
-    record = next((r for r in sup.nodes if odd in r.node.ranks), sup.nodes[0])
+    odd = hang.odd[0] if len(hang.odd) == 1 else None  # a mismatch has two sides and no culprit
+    record = next((r for r in nodes if odd in r.node.ranks), nodes[0])
     return Failure(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks), rank=odd,
-        rank_exit_code=None, exit_code=None, description="hung",
-        after_s=round((sup.hang_at or started_at) - started_at, 3),
+        rank_exit_code=None, exit_code=None, description="hung", after_s=round(hang_at - started_at, 3),
         last_lines=record.last_lines(odd if odd is not None else record.node.ranks[0]), kind=FailureKind.HANG,
-        evidence=sup.hang.text,
+        evidence=hang.text,
     )
