@@ -105,6 +105,19 @@ def ddp_job(write_yaml, nproc: int = 1, **env: str) -> Path:
     return write_yaml(text.replace("env:\n  {}", "env: {}"))
 
 
+# A rank's line as the stream shows it, unless it is one of torch's C++ log lines: `[W1126 16:16:13.906 ...]`.
+JOBS_OWN_LINE = re.compile(r"^\[node\d+\] \[rank\d+\]: (?!\[[IWEF]\d{4} \d\d:\d\d:\d\d)")
+
+
+def assert_only_the_jobs_lines(output: str) -> None:
+    """Every line of a launch's stream is the job's own or the harness's own (`harness: ...`, and the indented
+    lines its failure report quotes): nothing of the harness's machinery in the ranks (its rank hook's server),
+    no C++ log line of torch's."""
+    foreign = [line for line in output.splitlines()
+               if not (line.startswith(("harness: ", "    ")) or JOBS_OWN_LINE.match(line))]
+    assert not foreign, "lines neither the job's nor the harness's:\n" + "\n".join(foreign)
+
+
 def leftover(run_id: str) -> list[int]:
     return run_processes(run_id)
 

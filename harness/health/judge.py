@@ -44,6 +44,8 @@ class Sample(NamedTuple):
     io: int
     completed: int
     pending: float
+    gpu_util: float = -1.0  # % of the SMs' time since the sample before; -1: no GPU known
+    gpu_memory: int = -1  # bytes held; -1: not known
 
 
 def progressed(before: Sample, after: Sample) -> bool:
@@ -71,13 +73,16 @@ class SlowChange(NamedTuple):
 class RankView:
     """A rank as the judge sees it now. state: computing (its main thread runs), waiting (it sleeps: for
     its peers in a collective, for data, in a sleep), no progress for N s, or stopped; cpu: CPUs used over
-    the last sample interval; busy: its main thread's share of that interval; idle: seconds without progress."""
+    the last sample interval; busy: its main thread's share of that interval; idle: seconds without progress;
+    gpu_util and gpu_memory: its last sample's GPU use (None: no GPU the driver reports)."""
 
     node: Node
     state: str
     cpu: float
     busy: float
     idle: float
+    gpu_util: float | None = None
+    gpu_memory: int | None = None
 
 
 @dataclass
@@ -107,7 +112,8 @@ class HealthJudge:
         for number, taken in samples.items():
             rank = self.ranks.setdefault(number, _Rank(node, taken.pid, taken.state))
             rank.pid, rank.state = taken.pid, taken.state
-            rank.samples.append(Sample(t, taken.cpu, taken.busy, taken.io, taken.completed, taken.pending))
+            rank.samples.append(Sample(t, taken.cpu, taken.busy, taken.io, taken.completed, taken.pending,
+                                       taken.gpu_util, taken.gpu_memory))
             keep = max(self.stall, SLOW_WINDOW) + 30
             while rank.samples and rank.samples[0].t < t - keep:
                 rank.samples.popleft()
@@ -155,7 +161,9 @@ class HealthJudge:
                 state = f"no progress for {idle:.0f} s"
             else:
                 state = "computing" if busy >= 0.5 else "waiting"
-            views[number] = RankView(rank.node, state, (last.cpu - before.cpu) / span, busy, idle)
+            views[number] = RankView(rank.node, state, (last.cpu - before.cpu) / span, busy, idle,
+                                     last.gpu_util if last.gpu_util >= 0 else None,
+                                     last.gpu_memory if last.gpu_memory >= 0 else None)
         return views
 
     def busy_shares(self) -> dict[int, float]:

@@ -1,7 +1,8 @@
 """What the node agent sees of its node's ranks, for the controller's judges: every WATCH seconds each rank's
 health sample (harness.node.ranks: CPU, busy time, I/O) with its progress and new arrivals by Flight Recorder
-(harness.node.collectives), and on request every rank's stacks (harness.node.pyspy) with its DataLoader
-workers' and its last collectives. Standard library only: shipped to nodes with the agent."""
+(harness.node.collectives) and its GPU use where the driver reports one (harness.node.gpu), and on request
+every rank's stacks (harness.node.pyspy) with its DataLoader workers' and its last collectives. Standard
+library only: shipped to nodes with the agent."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import time
 from collections.abc import Callable
 
 from harness.node.collectives import READ_SECONDS, arrivals, last_entries, progress, read_trace
+from harness.node.gpu import Nvml, open_nvml
 from harness.node.proctable import process_tree, stat_fields
-from harness.node.protocol import Kind, arrivals_bodies, health_bodies, stacks_bodies
+from harness.node.protocol import Kind, RankSample, arrivals_bodies, health_bodies, stacks_bodies
 from harness.node.pyspy import dump, py_spy_path
 from harness.node.ranks import as_seen, children_of, find_ranks, python_children, sample, source_line
 
@@ -32,6 +34,7 @@ class RankObserver:
         self.ranks: dict[int, int] = {}  # rank -> pid, as last found
         self.seen: dict[int, int] = {}  # pid -> rank, of every rank found (for the OOM killer's record)
         self.arrived: dict[int, int] = {}  # rank -> when it enqueued the newest collective sent (ns)
+        self.nvml: Nvml | str | None = None  # opened at the first sample; a string: why there is none
 
     def sample_every(self, seconds: float, ended: threading.Event) -> None:
         """Every `seconds` until ended, how far each rank has run (what the controller judges hangs and slow
@@ -40,7 +43,7 @@ class RankObserver:
             below, _ = process_tree(os.getpid())
             self.ranks = find_ranks(below, self.run_id) or self.ranks
             self.seen.update({pid: rank for rank, pid in self.ranks.items()})
-            samples = sample(self.ranks, below)
+            samples = self._with_gpu_use(sample(self.ranks, below), below)
             traces = self.traces({rank: found.state for rank, found in samples.items()})
             now = time.time()
             for rank, trace in traces.items():
@@ -53,6 +56,27 @@ class RankObserver:
                             self.say(Kind.ARRIVALS, body)
             for body in health_bodies(now, samples):
                 self.say(Kind.HEALTH, body)
+
+    def _with_gpu_use(self, samples: dict[int, RankSample], below: list[int]) -> dict[int, RankSample]:
+        """Each sample with its rank's GPU use (its own process's and its children's), where the driver
+        lists one of them; the others unchanged (unknown)."""
+        if self.nvml is None:
+            self.nvml = open_nvml()
+        if isinstance(self.nvml, str):
+            return samples
+        use = self.nvml.process_use()
+        tree = children_of(below)
+        for rank, taken in samples.items():
+            members, stack = [], [taken.pid]
+            while stack:
+                members.append(stack.pop())
+                stack.extend(tree.get(members[-1], []))
+            found = [use[pid] for pid in members if pid in use]
+            if found:
+                memory = [u.memory for u in found if u.memory >= 0]
+                samples[rank] = taken._replace(gpu_util=round(sum(u.util for u in found), 1),
+                                               gpu_memory=sum(memory) if memory else -1)
+        return samples
 
     def traces(self, states: dict[int, str]) -> dict[int, list[dict[str, object]] | str]:
         """Each rank's Flight Recorder entries (or why not), read in parallel: one rank slow to answer

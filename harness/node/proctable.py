@@ -1,15 +1,25 @@
 """The process table, read from /proc: a run's processes by their environment, a process's
-descendants, and a pid's identity across reuse. Standard library only (it is shipped to nodes).
+descendants, a pid's identity across reuse, and the end of a whole tree. Standard library only (it is
+shipped to nodes).
 
 A run's processes are found by the HARNESS_RUN_ID (and NODE_RANK, HARNESS_ATTEMPT) in their
 environment, never by a name pattern: the node agent sweeps its node this way, `harness stop`
 a run whose controller is gone, and the tests what a run left behind.
+
+Shipped as a program, it ends a process and everything below it on its own machine (kill_tree):
+
+    python -c BOOT harness-kill-tree PID      (stdin: shipped("proctable", [PID, GRACE]))
+
+A remote command that overruns its deadline is ended this way: closing its SSH channel alone would
+leave it running.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 
 
 def run_processes(run_id: str, node_rank: str | None = None, attempt: str | None = None) -> list[int]:
@@ -89,3 +99,27 @@ def is_alive(pid: int, ticks: int | None) -> bool:
     """The same process (not a reused pid) and still running (an exited, unreaped zombie is not)."""
     fields = stat_fields(pid)
     return fields is not None and ticks is not None and int(fields[19]) == ticks and fields[0] != b"Z"
+
+
+def kill_tree(root: int, grace: float) -> None:
+    """SIGTERM root, `grace` seconds, then SIGKILL to the whole tree as it was before the TERM (children of a
+    dead parent are re-parented and lost) and as it is now."""
+    doomed = set(process_tree(root)[0]) | {root}
+    if _exists(root):
+        os.kill(root, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _exists(root) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    signal_all(sorted(doomed | set(process_tree(root)[0])), signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    kill_tree(int(sys.argv[1]), float(sys.argv[2]))

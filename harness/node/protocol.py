@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 MARKER = b"\x1eharness-"
 CHUNK = 3000  # characters of a stacks answer's JSON per message: every line stays within PIPE_BUF (4096)
-SAMPLES_PER_LINE = 40  # 40 ranks' health samples stay well within PIPE_BUF
+SAMPLES_PER_LINE = 32  # 32 ranks' health samples stay well within PIPE_BUF
 
 
 class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate 3.11
@@ -61,6 +61,8 @@ class RankSample(NamedTuple):
     io: int  # bytes it and its children read and wrote
     completed: int = -1  # collectives it completed, by Flight Recorder (harness.node.collectives); -1: unread
     pending: float = -1.0  # seconds its oldest unfinished collective has waited; -1: none (or unread)
+    gpu_util: float = -1.0  # % of the SMs' time its processes ran kernels since the last sample (harness.node.gpu)
+    gpu_memory: int = -1  # bytes of GPU memory its processes hold; -1 (both): no GPU known to the driver
 
 
 class Arrival(NamedTuple):
@@ -137,12 +139,17 @@ def health_bodies(t: float, samples: dict[int, RankSample]) -> list[str]:
             for first in range(0, len(ranks), SAMPLES_PER_LINE)]
 
 
+# The fields RankSample gained after its first five, in order, and how each is read: an older agent sends
+# fewer, a newer one more.
+LATER_FIELDS: dict[str, type] = {"completed": int, "pending": float, "gpu_util": float, "gpu_memory": int}
+
+
 def parse_health(body: str) -> HealthSamples:
     """ValueError, KeyError or TypeError for a damaged body."""
     payload = json.loads(body)
-    samples = {int(rank): RankSample(int(pid), str(state), float(cpu), float(busy), int(io),
-                                     *((int(fields[0]), float(fields[1])) if fields else ()))
-               for rank, (pid, state, cpu, busy, io, *fields) in payload["ranks"].items()}
+    samples = {int(rank): RankSample(int(pid), str(state), float(cpu), float(busy), int(io))._replace(
+        **{name: LATER_FIELDS[name](value) for name, value in zip(LATER_FIELDS, fields)})  # noqa: B905 - fewer or more
+        for rank, (pid, state, cpu, busy, io, *fields) in payload["ranks"].items()}
     return HealthSamples(float(payload["t"]), samples)
 
 

@@ -203,7 +203,11 @@ def node_env(spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_r
         LOG_LINE_PREFIX_ENV: LOG_LINE_PREFIX,
     }
     defaults = {"PYTHONUNBUFFERED": "1"}  # output reaches the supervisor as it happens, not at exit
-    pet = {f"PET_{k}": contract[k] for k in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE")}
+    # torchrun's defaults for its own flags; not the node rank under c10d, where torchrun ignores one and says so
+    # into the job's stream
+    twins = ("MASTER_ADDR", "MASTER_PORT", "NNODES", *(("NODE_RANK",) if spec.rdzv == "static" else ()),
+             "NPROC_PER_NODE")
+    pet = {f"PET_{k}": contract[k] for k in twins}
     watch = STORE_WATCH_ENV | FLIGHT_RECORDER_ENV if supervised else {}
     return defaults | watch | interface_env(interface) | dict(spec.env) | contract | pet
 

@@ -176,8 +176,9 @@ class Attempt:
 class RankRow:
     """One rank of the running attempt as health.json shows it: its node and host, its state as the health
     loop judges it (computing, waiting, no progress for N s, stopped, ended (how)), the CPUs it used and its
-    main thread's busy share over the last sample interval, its last line and when it came, and its step and
-    steps per second where the job prints them (None: not known)."""
+    main thread's busy share over the last sample interval, its last line and when it came, its step and
+    steps per second where the job prints them, and its GPU use where the driver reports one: the percentage
+    of the SMs' time it ran kernels and the bytes of GPU memory it holds (None: not known)."""
 
     node: str
     host: str
@@ -188,6 +189,8 @@ class RankRow:
     last_line_at: float | None = None
     step: int | None = None
     step_rate: float | None = None
+    gpu_util: float | None = None
+    gpu_memory: int | None = None
 
 
 @dataclass(frozen=True)

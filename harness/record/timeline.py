@@ -1,6 +1,6 @@
 """timeline.jsonl: how every rank ran over time -- its CPU use, how busy its main thread was (the rest
-of the time it waited, e.g. for its peers in a collective) and the step it was at -- one line per health
-sample, appended while the run runs, for `harness report`'s plots."""
+of the time it waited, e.g. for its peers in a collective), the step it was at and how busy it kept its
+GPU -- one line per health sample, appended while the run runs, for `harness report`'s plots."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from pathlib import Path
 class RankPoint:
     """cpu: CPUs the rank (with its children) used over the interval before t (1.0: one CPU all the time);
     busy: the share of that interval its main thread ran (None: not measured); step: its progress, where
-    the job prints it (None: not known)."""
+    the job prints it (None: not known); gpu: the percentage of the SMs' time it ran kernels (None: no GPU the
+    driver reports)."""
 
     cpu: float
     busy: float | None = None
     step: int | None = None
+    gpu: float | None = None
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,8 @@ class Sample:
 
 def append_sample(path: Path, sample: Sample) -> None:
     """One line, in one write: a reader sees whole lines, or a last one cut short by a crash."""
-    ranks = {str(rank): {"cpu": round(p.cpu, 3), "busy": None if p.busy is None else round(p.busy, 3), "step": p.step}
+    ranks = {str(rank): {"cpu": round(p.cpu, 3), "busy": None if p.busy is None else round(p.busy, 3), "step": p.step,
+                         **({} if p.gpu is None else {"gpu": p.gpu})}
              for rank, p in sorted(sample.ranks.items())}
     line = json.dumps({"t": round(sample.t, 3), "attempt": sample.attempt, "ranks": ranks}, separators=(",", ":"))
     with open(path, "a", encoding="utf-8") as file:
@@ -49,7 +52,8 @@ def read_timeline(path: Path) -> list[Sample]:
             data = json.loads(line)
             samples.append(Sample(float(data["t"]), int(data["attempt"]), {
                 int(rank): RankPoint(float(p["cpu"]), None if p.get("busy") is None else float(p["busy"]),
-                                     None if p.get("step") is None else int(p["step"]))
+                                     None if p.get("step") is None else int(p["step"]),
+                                     None if p.get("gpu") is None else float(p["gpu"]))
                 for rank, p in data["ranks"].items()}))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue

@@ -113,7 +113,7 @@ class HealthLoop:
             self._sampled = now
             append_sample(self.run.timeline, Sample(now, self.attempt, {
                 rank: RankPoint(views[rank].cpu if rank in views else 0.0,
-                                views[rank].busy if rank in views else None, row.step)
+                                views[rank].busy if rank in views else None, row.step, row.gpu_util)
                 for rank, row in ranks.items() if rank in views or row.step is not None}))
 
 
@@ -132,4 +132,6 @@ def _rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | No
     return RankRow(node=live.node.label, host=live.node.host, state=state,
                    cpu=None if view is None else round(view.cpu, 3), busy=None if view is None else round(view.busy, 3),
                    last_line=None if activity is None else activity.line[:LINE_KEPT],
-                   last_line_at=None if activity is None else round(activity.at, 3), step=step, step_rate=rate)
+                   last_line_at=None if activity is None else round(activity.at, 3), step=step, step_rate=rate,
+                   gpu_util=None if view is None else view.gpu_util,
+                   gpu_memory=None if view is None else view.gpu_memory)

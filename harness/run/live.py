@@ -93,11 +93,14 @@ class LiveNode:
 
     def take(self, raw: str, quiet_cpp_info: bool = False) -> tuple[str, bool]:
         """A line of the node's output as it is logged (one rank prefix), and whether the live stream
-        shows it: not torch's C++ INFO lines when they are the harness's own watch (quiet_cpp_info), nor
+        shows it: not the rank hook's worker server's lines, nor torch's C++ INFO lines when they are the
+        harness's own watch (quiet_cpp_info), nor
         torchrun's own C++ log lines with their exception dumps (its store client's, e.g. a peer's agent
         that left first at the end of a run), nor torchrun's ChildFailedError report: the harness reports
         what they mean. Notes which ranks joined the rendezvous store."""
         line = worker_output.normalize(raw)
+        if worker_output.is_rank_hook_server(line):
+            return line, False  # the harness's own rank hook: in the node's log only
         # An INFO line of torchrun's own may begin an exception dump too (a c10d rendezvous store's).
         self.in_agent_cpp_log = worker_output.is_agent_cpp_log(line) or \
             (self.in_agent_cpp_log and worker_output.continues_cpp_dump(line))
@@ -185,7 +188,7 @@ def _plain(text: str, count: int) -> bool:
     traceback's start -- by a few scans of the whole text, not a look at each line (lines that merely look
     otherwise go the slow way, and come out the same)."""
     return text.startswith("[rank") and text.count("\n[rank") == count - 1 and "]: [" not in text and \
-        "]:[" not in text and TRACEBACK not in text
+        "]:[" not in text and TRACEBACK not in text and "WorkerServer.cpp" not in text
 
 
 def _text(lines: list[str]) -> str:

@@ -18,10 +18,13 @@ RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
 DOUBLED_PREFIX = re.compile(r"^(\[rank(\d+)\]: )(\[rank\2\]: ?)+")
 # glog's INFO format, which torch's C++ logging uses: `[I1123 04:19:10.615279659 socket.cpp:955] ...`
 CPP_INFO = re.compile(r"^(\[rank\d+\]: )?\[I\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
-# torch's worker server, started in every rank by the harness's rank hook (harness.node.rank_hook), announces
-# its socket at WARNING level: the harness's own doing, left out of the stream and the tail like INFO lines.
-RANK_HOOK_SERVER = re.compile(r"^(\[rank\d+\]: )?\[W\d{4} [^]]*WorkerServer\.cpp:\d+\] \[c10d\] Server listening to "
-                              r"UNIX \S*/harness-agent-")
+# torch's worker server, started in every rank by the harness's rank hook (harness.node.rank_hook), says at
+# WARNING level that it listens on the agent's socket, and at the rank's end (its destructor) that it shuts down:
+# the harness's own doing, never the job's, so left out of the stream and the tail whatever the log level. (A
+# progress bar's carriage return before it on the same line makes two lines of the stream: LiveNode.take_block.)
+RANK_HOOK_SERVER = re.compile(r"^(\[rank\d+\]: ?)?\[W\d{4} [^]]*WorkerServer\.cpp:\d+\] \[c10d\] (Server listening "
+                              r"to UNIX \S*/harness-agent-\S*|WorkerServer destructor called without shutdown|Server "
+                              r"shutting down|Server exited)$")
 # torchrun's own C++ log lines (no rank prefix: its agent's store client and rendezvous), and the exception
 # dumps that follow one: `Exception raised from ...`, `frame #N: ...`, `<omitting python frames>`, a blank.
 AGENT_CPP_LOG = re.compile(r"^\[[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
@@ -64,8 +67,13 @@ def rank_of(line: str) -> int | None:
 
 
 def is_cpp_info(line: str) -> bool:
-    """A line of torch's C++ logging at INFO level, or the rank hook's server announcing itself."""
-    return CPP_INFO.match(line) is not None or RANK_HOOK_SERVER.match(line) is not None
+    """A line of torch's C++ logging at INFO level."""
+    return CPP_INFO.match(line) is not None
+
+
+def is_rank_hook_server(line: str) -> bool:
+    """A line of the worker server the harness's rank hook started in the rank."""
+    return RANK_HOOK_SERVER.match(line) is not None
 
 
 def is_agent_cpp_log(line: str) -> bool:

@@ -205,7 +205,7 @@ def _plots(r: _Run, samples: Sequence[Sample]) -> str:
         if values:
             chart = line_chart(r.axis, series, marks, plot.y_max or max(*values, 1e-3), plot.y_text)
             parts.append(f"<h3>{escape(plot.title)}</h3>{chart}{key}")
-        else:
+        elif plot.missing:
             parts.append(f"<p>No plot of {escape(plot.missing)}.</p>")
     if len(kept) < len(samples):
         parts.append(f"<p>{len(kept)} of {len(samples)} samples drawn, evenly spread.</p>")
@@ -217,7 +217,7 @@ class _Plot:
     title: str
     measure: Measure
     y_text: Callable[[float], str]
-    missing: str  # what the page says instead, when no rank has a value
+    missing: str  # what the page says instead, when no rank has a value ("": nothing, e.g. a run without GPUs)
     y_max: float | None = None  # None: the largest value
 
 
@@ -227,6 +227,10 @@ def _cpu(point: RankPoint, before: RankPoint | None, seconds: float) -> float | 
 
 def _waiting(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
     return None if point.busy is None else 100.0 * (1.0 - point.busy)
+
+
+def _gpu(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
+    return point.gpu
 
 
 def _step_rate(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
@@ -312,4 +316,6 @@ PLOTS = (
     _Plot("Waiting (% of the time a rank's main thread did not run: for its peers, or for I/O)", _waiting,
           "{:.0f}%".format, "waiting: no rank's busy share was measured", 100.0),
     _Plot("Step rate (steps/s)", _step_rate, "{:g}".format, "the step rate: no rank's step is known"),
+    _Plot("GPU use (% of the SMs' time running the rank's kernels, by the NVIDIA driver)", _gpu, "{:.0f}%".format,
+          "", 100.0),
 )

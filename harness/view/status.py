@@ -122,20 +122,24 @@ def health_lines(health: LiveHealth | None) -> list[str]:
 
 
 def rank_rows(health: LiveHealth, now: float, width: int) -> list[str]:
-    """One row per rank: its state as the health loop sees it, CPU use, step and rate where the job
-    prints them, and its last line with how long ago it came, cut to the width."""
+    """One row per rank: its state as the health loop sees it, CPU use, GPU use where any rank's is known,
+    step and rate where the job prints them, and its last line with how long ago it came, cut to the width."""
     if not health.ranks:
         return []
-    head = f"  {'RANK':>4} {'NODE':<7} {'HOST':<12} {'STATE':<24} {'CPU':>5} {'STEP':>7} {'STEP/S':>7}  LAST LINE"
+    gpus = any(row.gpu_util is not None or row.gpu_memory is not None for row in health.ranks.values())
+    head = f"  {'RANK':>4} {'NODE':<7} {'HOST':<12} {'STATE':<24} {'CPU':>5}" + \
+        (f" {'GPU':>4} {'GPU MEM':>8}" if gpus else "") + f" {'STEP':>7} {'STEP/S':>7}  LAST LINE"
     rows = [head]
     for rank, row in sorted(health.ranks.items()):
         cpu = "-" if row.cpu is None else f"{100 * row.cpu:.0f}%"
+        gpu = "-" if row.gpu_util is None else f"{row.gpu_util:.0f}%"
+        memory = "-" if row.gpu_memory is None else f"{row.gpu_memory / 2**30:.1f}GiB"
         step = "-" if row.step is None else str(row.step)
         rate = "-" if row.step_rate is None else f"{row.step_rate:.3g}"
         line = "-" if row.last_line is None else \
             f"{_age(max(0.0, now - (row.last_line_at or now)))} ago: {row.last_line}"
-        text = (f"  {rank:>4} {row.node:<7.7} {row.host:<12.12} {row.state:<24.24} {cpu:>5} {step:>7} {rate:>7}  "
-                f"{line}")
+        text = (f"  {rank:>4} {row.node:<7.7} {row.host:<12.12} {row.state:<24.24} {cpu:>5}"
+                + (f" {gpu:>4} {memory:>8}" if gpus else "") + f" {step:>7} {rate:>7}  {line}")
         rows.append(text[:width])
     stale = now - (health.t or now)
     if stale > STALE_SECONDS:

@@ -176,8 +176,8 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ("protocol", "collectives", "proctable", "pyspy", "ranks", "observer", "oom")
-    assert siblings("kill_tree") == ("proctable",)
+    assert siblings("agent") == ("protocol", "collectives", "gpu", "proctable", "pyspy", "ranks", "observer", "oom")
+    assert siblings("proctable") == ()
     assert siblings("probe") == ("pyspy",)
     assert siblings("netcheck") == ()
     assert shipped("agent", ["x"]).count(b"\n") == 1, "the program must be one line: BOOT reads one"
@@ -231,10 +231,10 @@ def test_netcheck_runs_sealed(tmp_path: Path) -> None:
     assert netcheck.__name__ == "harness.node.netcheck"
 
 
-def test_kill_tree_runs_sealed(tmp_path: Path) -> None:
+def test_the_tree_kill_runs_sealed(tmp_path: Path) -> None:
     sleeper = subprocess.Popen(["sh", "-c", "sleep 300 & wait"])
     try:
-        result = sealed_boot("kill_tree", [str(sleeper.pid), "5"], tmp_path)
+        result = sealed_boot("proctable", [str(sleeper.pid), "5"], tmp_path)
         assert result.returncode == 0, result.stderr
         assert sleeper.wait(timeout=30) != 0
     finally:

@@ -118,6 +118,24 @@ def test_a_c10d_stores_info_line_and_its_exception_dump_stay_out_of_the_stream()
     assert block.logged == text(lines)
 
 
+def test_the_rank_hooks_worker_server_never_reaches_the_stream_whatever_the_log_level():
+    """Its lines as torch 2.11 and 2.15 print them: listening once the process group exists, then at the rank's end
+    (its destructor), with or without torch's rank prefix; one behind a progress bar's carriage return."""
+    server = "[W1126 16:16:13.906053331 WorkerServer.cpp:{}] [c10d] {}"
+    lines = ["[rank0]: 10%|#  | 1/10\r" + server.format(150, "Server listening to UNIX /tmp/harness-agent-7-8-x/0.sock"),
+             "[rank0]: [rank0]:" + server.format(188, "WorkerServer destructor called without shutdown"),
+             "[rank0]: step 3", "[rank0]: " + server.format(181, "Server shutting down"),
+             "[rank0]: " + server.format(176, "Server exited")]
+    for quiet in (True, False):
+        node = live()
+        block = node.take_block(text(lines), at=1.0, quiet_cpp_info=quiet)
+        assert block.shown == block.streamed == "[rank0]: 10%|#  | 1/10\n[rank0]: step 3\n", block.shown
+        assert block.logged.count("WorkerServer.cpp") == 4, "the node's log keeps them"
+        assert list(node.tail) == ["[rank0]: 10%|#  | 1/10", "[rank0]: step 3"]
+    assert live().take_block("[rank0]: " + server.format(188, "Server exited early") + "\n", 1.0).shown, \
+        "only the server's own words are left out"
+
+
 class _Blocking(io.StringIO):
     """A terminal that hangs until released, as a paused SSH session does."""
 

@@ -7,12 +7,12 @@ that pipe and the agent stops its node, as an SSH host's agent does when its con
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 from pathlib import Path
 
 from harness.node.freeport import free_port, is_free
+from harness.node.gpu import driver_gpu_count
 from harness.node.proctable import kill_run_processes
 from harness.plan.planner import NodePlan, Plan, local_spec, plan_local, simulated_hosts, take_healthy
 from harness.spec.job import JobSpec
@@ -37,21 +37,6 @@ def local_gpu_ids(spec: JobSpec) -> list[str]:
             break
         shown.append(device)
     return shown[:count]
-
-
-def driver_gpu_count() -> int:
-    """How many GPUs the NVIDIA driver has (0 without a driver)."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return 0
-    if nvml.nvmlInit_v2() != 0:
-        return 0
-    try:
-        count = ctypes.c_uint(0)
-        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else 0
-    finally:
-        nvml.nvmlShutdown()
 
 
 class LocalAgentNode(ChildAgentNode):

@@ -355,7 +355,7 @@ class RemoteProcess:
             killer = self.connection.start(
                 self.connection.python_command(["harness-kill-tree", str(self.pid)]), timeout=grace + 5
             )
-            killer.write(shipped("kill_tree", [str(self.pid), str(grace)]))
+            killer.write(shipped("proctable", [str(self.pid), str(grace)]))
             killer.close_stdin()
             killer._wait_until(time.monotonic() + grace + 5)
             killer.close()

@@ -1,0 +1,119 @@
+"""The GPUs as the NVIDIA driver sees them, through NVML (libnvidia-ml.so.1, which every driver installs) and
+ctypes: how many there are, and what each process uses of them -- its share of the SMs' time since the last
+read and the memory it holds. Standard library only (shipped to nodes with the agent): importing torch to ask
+would cost seconds and a CUDA context. Where there is no driver, nothing is read and nothing is made up: the
+reader says why.
+
+NVML names processes by the PIDs of the machine's own PID namespace; a rank in a container with a PID
+namespace of its own is not found by its PID there, and its use stays unknown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+LIBRARY = "libnvidia-ml.so.1"
+SUCCESS, INSUFFICIENT_SIZE, NOT_FOUND = 0, 7, 6
+NOT_AVAILABLE = (1 << 64) - 1  # NVML's value for a memory figure it does not know (e.g. under MIG)
+MAX_PROCESSES = 256  # per device and read: far more ranks than a GPU holds
+
+
+class GpuUse(NamedTuple):
+    """A process's use of the GPUs: the percentage of the SMs' time it ran kernels since the last read (summed
+    over devices), and the bytes of GPU memory it holds (-1: the driver does not say, e.g. under MIG)."""
+
+    util: float
+    memory: int
+
+
+class _Process(ctypes.Structure):
+    """nvmlProcessInfo_v2_t: what nvmlDeviceGetComputeRunningProcesses_v3 lists per process."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("used_memory", ctypes.c_ulonglong), ("gpu_instance", ctypes.c_uint),
+                ("compute_instance", ctypes.c_uint)]
+
+
+class _UtilSample(ctypes.Structure):
+    """nvmlProcessUtilizationSample_t."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("timestamp", ctypes.c_ulonglong), ("sm", ctypes.c_uint),
+                ("memory", ctypes.c_uint), ("encoder", ctypes.c_uint), ("decoder", ctypes.c_uint)]
+
+
+class Nvml:
+    """The driver, opened once (open_nvml). Each read of process_use covers the time since the one before."""
+
+    def __init__(self, lib: ctypes.CDLL, devices: list[ctypes.c_void_p]) -> None:
+        self._lib = lib
+        self.devices = devices
+        self._seen: dict[int, int] = {}  # device index -> the newest sample's timestamp (µs) read
+
+    def process_use(self) -> dict[int, GpuUse]:
+        """Every process that holds GPU memory or ran kernels since the last read, by PID."""
+        memory: dict[int, int] = {}
+        util: dict[int, float] = {}
+        for index, device in enumerate(self.devices):
+            for pid, used in self._processes(device).items():
+                memory[pid] = max(memory.get(pid, 0), 0) + used if used >= 0 else memory.get(pid, -1)
+            for pid, share in self._utilization(index, device).items():
+                util[pid] = util.get(pid, 0.0) + share
+        return {pid: GpuUse(round(util.get(pid, 0.0), 1), memory.get(pid, -1)) for pid in memory.keys() | util.keys()}
+
+    def close(self) -> None:
+        self._lib.nvmlShutdown()
+
+    def _processes(self, device: ctypes.c_void_p) -> dict[int, int]:
+        count = ctypes.c_uint(MAX_PROCESSES)
+        found = (_Process * MAX_PROCESSES)()
+        if self._lib.nvmlDeviceGetComputeRunningProcesses_v3(device, ctypes.byref(count), found) != SUCCESS:
+            return {}
+        return {found[i].pid: -1 if found[i].used_memory == NOT_AVAILABLE else int(found[i].used_memory)
+                for i in range(count.value)}
+
+    def _utilization(self, index: int, device: ctypes.c_void_p) -> dict[int, float]:
+        """Each process's mean SM share over the samples the driver took since the last read."""
+        since = ctypes.c_ulonglong(self._seen.get(index, 0))
+        count = ctypes.c_uint(0)
+        answer = self._lib.nvmlDeviceGetProcessUtilization(device, None, ctypes.byref(count), since)
+        if answer != INSUFFICIENT_SIZE or count.value == 0:
+            return {}  # NOT_FOUND: no process ran a kernel since then
+        samples = (_UtilSample * count.value)()
+        if self._lib.nvmlDeviceGetProcessUtilization(device, samples, ctypes.byref(count), since) != SUCCESS:
+            return {}
+        shares: dict[int, list[int]] = {}
+        for sample in samples[:count.value]:
+            if sample.timestamp > since.value:
+                shares.setdefault(sample.pid, []).append(sample.sm)
+                self._seen[index] = max(self._seen.get(index, 0), sample.timestamp)
+        return {pid: sum(values) / len(values) for pid, values in shares.items()}
+
+
+def open_nvml() -> Nvml | str:
+    """The driver's NVML with every GPU it has, or why there is none to read."""
+    try:
+        lib = ctypes.CDLL(LIBRARY)
+    except OSError:
+        return f"no NVIDIA driver here ({LIBRARY} not found)"
+    if (answer := lib.nvmlInit_v2()) != SUCCESS:
+        return f"the NVIDIA driver did not start NVML (error {answer})"
+    count = ctypes.c_uint(0)
+    if lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) != SUCCESS:
+        return "the NVIDIA driver did not count its GPUs"
+    devices = []
+    for index in range(count.value):
+        device = ctypes.c_void_p()
+        if lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(device)) == SUCCESS:
+            devices.append(device)
+    return Nvml(lib, devices)
+
+
+def driver_gpu_count() -> int:
+    """How many GPUs the NVIDIA driver has (0 without a driver)."""
+    nvml = open_nvml()
+    if isinstance(nvml, str):
+        return 0
+    try:
+        return len(nvml.devices)
+    finally:
+        nvml.close()
