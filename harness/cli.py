@@ -6,6 +6,7 @@ This module parses the command line and dispatches to harness.commands, nothing 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -142,6 +143,13 @@ def _ranks(text: str) -> frozenset[int]:
     if min(ranks) < 0:
         raise argparse.ArgumentTypeError(f"expected ranks of 0 or more, got {text!r}")
     return ranks
+
+
+def _node(text: str) -> int:
+    """A node rank as typed or as the stream names it: 1 or node1."""
+    if not re.fullmatch(r"(node)?\d+", text):
+        raise argparse.ArgumentTypeError(f"expected a node such as 1 or node1, got {text!r}")
+    return int(text.removeprefix("node"))
 
 
 def _attempt(text: str) -> int | None:
@@ -299,7 +307,8 @@ def _logs_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     logs.add_argument("run_id", metavar="RUN_ID", help=RUN_HELP)
     logs.add_argument("--rank", type=_ranks, metavar="R[,R...]", help="only these global ranks' lines")
-    logs.add_argument("--node", type=int, metavar="N", help="only node N's lines (its ranks' and torchrun's own)")
+    logs.add_argument("--node", type=_node, metavar="N", help="only node N's lines (its ranks' and torchrun's own; "
+                                                             "N or nodeN, as the lines name it)")
     logs.add_argument("--attempt", type=_attempt, default=None, metavar="N|all",
                       help="only attempt N's lines (default: all attempts)")
     logs.add_argument("--grep", type=_regex, metavar="REGEX", help="only lines this regular expression finds")
@@ -364,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # while reading a file or connecting: nothing was started yet
         print("harness: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader had enough (`harness logs RUN | head`): a normal end
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush into the pipe
+        return 0
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def render(args: argparse.Namespace) -> int:
     if args.target == "slurm":
         from harness.targets.slurm.batch import batch_script
 
-        sys.stdout.write(batch_script(spec, job.source))
+        sys.stdout.write(batch_script(spec, job.source, _rendered_by(args, job)))
         _note_fixed_size(spec, args.target, "render")
         return 0
     from harness.plan.render import render_json, render_text
@@ -151,12 +151,18 @@ def _note_fixed_size(spec: JobSpec, target: str, verb: str) -> None:
               file=sys.stderr)
 
 
+def _rendered_by(args: argparse.Namespace, job: Job) -> str | None:
+    """The command that renders this again, for the header of what render writes, where the spec came from
+    flags (a script); None for a spec file, whose header names the file."""
+    return None if job.source == args.job else shlex.join(["harness", *args.rerun])
+
+
 def _write_manifests(args: argparse.Namespace, job: Job) -> None:
     from harness.targets.k8s.manifests import code_files, manifests_yaml
 
     spec = job.spec
     code = code_files(spec, Path.cwd())
-    text = manifests_yaml(spec, job.text, job.source, args.flavor or "core", code=code)
+    text = manifests_yaml(spec, job.text, job.source, args.flavor or "core", code=code, command=_rendered_by(args, job))
     if args.out is None:
         sys.stdout.write(text)
         return

@@ -114,12 +114,14 @@ class NetworkUnlisted(TypedDict):
 
 
 class Payload(TypedDict):
-    """The entrypoint's file and its sha256, or the error that says why it is not there."""
+    """The entrypoint's file and its sha256, or the error that says why it is not there; syntax_error: where
+    and why the file does not compile with this host's Python (`train.py:12: invalid syntax`)."""
 
     target: str
     path: NotRequired[str]
     sha256: NotRequired[str]
     error: NotRequired[str]
+    syntax_error: NotRequired[str]
 
 
 class Dataset(TypedDict):
@@ -379,7 +381,15 @@ def _payload(entrypoint: dict[str, str] | None, workdir: str) -> Payload | None:
         path = Path(spec.origin)
     if not path.is_file():
         return {"target": target, "error": f"{path} does not exist"}
-    return {"target": target, "path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    source = path.read_bytes()
+    found: Payload = {"target": target, "path": str(path), "sha256": hashlib.sha256(source).hexdigest()}
+    try:
+        compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:  # IndentationError and TabError are SyntaxErrors too
+        found["syntax_error"] = f"{exc.filename or path}:{exc.lineno}: {exc.msg} ({type(exc).__name__})"
+    except ValueError as exc:  # a NUL byte in the source
+        found["syntax_error"] = f"{path}: {exc}"
+    return found
 
 
 def _space(path: str) -> int | None:

@@ -85,6 +85,9 @@ def fingerprint_checks(facts: dict[str, Facts], master: str, *,
         if payload is not None and "error" in payload:
             problems.append(f"entrypoint {payload['target']}: {payload['error']}")
             fixes.append(_code_fix(local, facts[host]))
+        elif payload is not None and "syntax_error" in payload:
+            problems.append(f"entrypoint {payload['target']} does not compile: {payload['syntax_error']}")
+            fixes.append(f"fix the code there (`{python} -m py_compile {payload.get('path')}` shows the same)")
         differs = [field for field in mismatched if values[field] != reference[field]]
         if differs:
             others = [h for h in prints if h != host and all(prints[h][f] == reference[f] for f in differs)]

@@ -128,6 +128,17 @@ class RunDir:
         """Each attempt's own file (never overwritten): node1.log, then node1.attempt1.log, ..."""
         return self.path / f"node{node_rank}{_attempt_suffix(attempt)}.log"
 
+    def last_written(self) -> float | None:
+        """When any file of the run was last written (its record, its stream, its nodes' logs): a run whose
+        controller was lost ended then, as far as anyone can tell. None: no file."""
+        times = []
+        for path in self.path.rglob("*"):
+            try:
+                times.append(path.stat().st_mtime)
+            except OSError:  # removed meanwhile
+                continue
+        return max(times, default=None)
+
     def read_state(self) -> RunState:
         return read_record(self.state_file, RunState)
 

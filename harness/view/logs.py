@@ -5,7 +5,9 @@ regular expression and age; --follow prints lines as they come until the run end
 from __future__ import annotations
 
 import heapq
+import json
 import re
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -69,6 +71,14 @@ class Selection:
     def shown(self, line: str) -> str:
         return line if self.timestamps else unstamp(line)
 
+    def filters(self) -> str:
+        """The filters as the command line gave them, for a message."""
+        given = [("--rank", ",".join(map(str, sorted(self.ranks))) if self.ranks is not None else None),
+                 ("--node", self.node), ("--attempt", self.attempt),
+                 ("--grep", repr(self.grep.pattern) if self.grep is not None else None),
+                 ("--since", f"(after {self.since})" if self.since is not None else None)]
+        return " ".join(f"{flag} {value}" for flag, value in given if value is not None)
+
 
 def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = False) -> int:
     folder = run.stream
@@ -78,24 +88,59 @@ def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = F
     if selection.attempt is not None and not (folder / f"attempt{selection.attempt}").is_dir():
         raise UsageError(f"run {run.run_id} has no attempt {selection.attempt}; it has "
                          f"{', '.join(p.name for p in sorted(folder.glob('attempt*'))) or 'none yet'}")
+    _refuse_unknown(run, selection)
     readers = {path: StreamReader(path) for path in selection.files(folder)}
-    _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
+    written = _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
     while follow:
         ended = has_ended(run)  # read before the last lines: what the run wrote before it ended is all there
         for path in selection.files(folder):
             readers.setdefault(path, StreamReader(path))
-        _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
+        written += _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
         if ended:
             break
         time.sleep(FOLLOW_POLL_SECONDS)
+    if not written:
+        which = selection.filters()
+        print(f"harness: no line of run {run.run_id}" + (f" matches {which}" if which else " was recorded yet"),
+              file=sys.stderr)
     return 0
 
 
-def _write(out: IO[str], selection: Selection, lines: Iterable[str]) -> None:
+def _refuse_unknown(run: RunDir, selection: Selection) -> None:
+    """A rank or node no attempt of the run had (by its plans) is a mistake to say, not an empty answer."""
+    ranks: set[int] = set()
+    nodes: set[int] = set()
+    for path in run.path.glob("plan*.json"):
+        try:
+            for node in json.loads(path.read_text())["nodes"]:
+                nodes.add(int(node["node_rank"]))
+                ranks.update(int(rank) for rank in node["ranks"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if ranks and selection.ranks is not None and not selection.ranks <= ranks:
+        raise UsageError(f"run {run.run_id} has no rank {','.join(map(str, sorted(selection.ranks - ranks)))}: its "
+                         f"ranks are {_span(ranks)}")
+    if nodes and selection.node is not None and selection.node not in nodes:
+        raise UsageError(f"run {run.run_id} has no node{selection.node}: its nodes are node{_span(nodes)}")
+
+
+def _span(numbers: set[int]) -> str:
+    """0-3 for a range, else 0,2,5."""
+    low, high = min(numbers), max(numbers)
+    if high > low and numbers == set(range(low, high + 1)):
+        return f"{low}-{high}"
+    return ",".join(map(str, sorted(numbers)))
+
+
+def _write(out: IO[str], selection: Selection, lines: Iterable[str]) -> int:
+    """How many lines it wrote."""
+    written = 0
     for line in lines:
         if selection.keeps(line):
             out.write(selection.shown(line))
+            written += 1
     out.flush()
+    return written
 
 
 def since_stamp(seconds: float) -> str:

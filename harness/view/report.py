@@ -75,7 +75,7 @@ def html_report(run: RunDir) -> str:
     """The page of run, from its record and timeline as they are now."""
     state, summary = run.read_state(), run.read_summary()
     samples = read_timeline(run.timeline)
-    ended = summary.ended_at if summary else max([time.time(), *(s.t for s in samples)])
+    ended = summary.ended_at if summary else state.ended_at or max([time.time(), *(s.t for s in samples)])
     r = _Run(run, state, summary, live_status(state), TimeAxis(max(ended - state.started_at, 1.0)))
     body = [_header(r), _attempts(r), _plots(r, samples), _first_failure(r), _nodes(r),
             f"<footer><p>written by harness report on {escape(_clock(time.time()))} from "

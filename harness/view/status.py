@@ -52,7 +52,7 @@ def runs_table(lookup: RunsLookup) -> str:
                 summary = entry.run.read_summary()
             except RecordError:  # a damaged summary: the state still says enough for the table
                 summary = None
-            duration = summary.duration_s if summary else now - state.started_at
+            duration = summary.duration_s if summary else (state.ended_at or now) - state.started_at
             line = (f"{entry.run.run_id:<44} {live_status(state).value:<12} {state.nnodes:>5} "
                     f"{_age(now - state.started_at) + ' ago':>8} {duration:>8.1f}s")
         lines.append(line + (f"  {place or lookup.root}/" * where) + (f"  {entry.problem}" if entry.problem else ""))

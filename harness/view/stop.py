@@ -35,12 +35,16 @@ def stop_run(run: RunDir, timeout: float, scheduler_for: Callable[[str], Schedul
         run.stop_marker.touch()
         os.kill(state.controller.pid, signal.SIGTERM)
         return _ended(run, timeout, lambda: controller_alive(state), f"controller {state.controller.pid}")
+    ended_at = run.last_written() or time.time()  # a lost run ended when it last wrote, unless something ran on
     if state.scheduler_job is not None:  # the batch system owns the processes: it ends them
         scheduler_for(state.mode).cancel(state.scheduler_job)
         done = f"cancelled {state.mode.capitalize()} job {state.scheduler_job}"
+        ended_at = time.time()
     else:
-        done = f"ended {len(kill_run_processes(run.run_id))} leftover process(es)"
-    run.write_state(replace(state, status=RunStatus.STOPPED, ended_at=time.time()))
+        left = kill_run_processes(run.run_id)
+        done = f"ended {len(left)} leftover process(es)"
+        ended_at = time.time() if left else ended_at
+    run.write_state(replace(state, status=RunStatus.STOPPED, ended_at=ended_at))
     print(f"run {run.run_id}: controller was gone; {done}")
     return 0
 

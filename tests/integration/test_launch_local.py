@@ -132,6 +132,15 @@ def test_a_missing_script_fails_before_anything_starts(write_yaml, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_script_that_does_not_compile_is_refused_before_any_node_starts_with_its_line(tmp_path):
+    (tmp_path / "train.py").write_text("import torch\nfor step in range(3)\n    print(step)\n")
+    result = harness("launch", "train.py", "--nnodes", "2", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert result.returncode == 1, result.stdout
+    assert (f"fingerprint  FAIL    entrypoint train.py does not compile: {tmp_path / 'train.py'}:2: expected ':' "
+            f"(SyntaxError)") in result.stderr, result.stderr
+    assert "nothing was started" in result.stderr and not (tmp_path / "runs").exists()
+
+
 def test_detached_run_outlives_the_launch_and_obeys_stop(write_yaml, tmp_path):
     """The first: jobs/smoke.yaml as shipped (the real payload on synthetic data, 2 simulated nodes, offline),
     as the README launches it in the background."""

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -163,6 +164,22 @@ def test_status_of_a_lost_run_reads_its_nodes_from_the_process_table(tmp_path: P
             "ends them; log") in detail, detail
     run.write_state(replace(run.read_state(), status=RunStatus.STOPPED))  # what `harness stop` of a lost run leaves
     assert "  node1 on localhost: stopped by `harness stop` after its controller was lost" in run_details(run)
+
+
+def test_a_lost_run_that_is_stopped_ended_when_it_last_wrote_and_its_duration_stays(tmp_path: Path) -> None:
+    """A detached run whose controller was SIGKILLed 22 s after it began, stopped much later: stopped, 22 s."""
+    root = tmp_path / "runs"
+    run = create_run_dir(root, "job-lost")
+    began = time.time() - 300
+    run.write_state(_state("job-lost", RunStatus.RUNNING, began, _ended_process()))
+    (run.path / "node0.log").write_text("[rank0]: step 1\n")
+    for path in run.path.iterdir():
+        os.utime(path, (began + 22, began + 22))
+    assert harness("stop", "job-lost", "--runs-dir", str(root)).returncode == 0
+    state = run.read_state()
+    assert (state.status, state.ended_at) == (RunStatus.STOPPED, began + 22)
+    rows = [harness("status", "--runs-dir", str(root)).stdout for _ in range(2)]
+    assert rows[0] == rows[1] and "     22.0s" in rows[0], rows
 
 
 def test_health_json_is_written_and_read_through_its_schema_and_an_older_file_still_reads(tmp_path: Path) -> None:

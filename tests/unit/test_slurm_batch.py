@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -65,6 +66,18 @@ def test_cli_prints_the_script(write_yaml):
     result = harness("render", job, "--target", "slurm")
     assert result.returncode == 0 and result.stdout == batch_script(load_job(job), job)
     assert harness("render", job, "--target", "slurm", "--out", "x").returncode == 2
+
+
+def test_a_scripts_batch_file_names_the_command_that_renders_it(tmp_path):
+    """Its header is that command, once, and copied back it renders the same file; the script's arguments stay
+    the script's."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    result = harness("render", "train.py", "--nnodes", "2", "--target", "slurm", "--", "--steps", "3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    command = re.search(r"^# Rendered by `(.*)` \(harness ", result.stdout, re.MULTILINE)
+    assert command is not None and command.group(1) == "harness render --nnodes=2 --target=slurm train.py -- --steps 3"
+    again = harness(*shlex.split(command.group(1))[1:], cwd=tmp_path)
+    assert again.stdout == result.stdout
 
 
 # --- the script's restarts, warning and launch mode (pure) -------------------------------------------

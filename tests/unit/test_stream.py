@@ -6,7 +6,10 @@ tests/integration, e.g. test_health.py's slow rank and test_recovery.py's progra
 from __future__ import annotations
 
 import io
+import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,12 +19,16 @@ import pytest
 
 from harness.node.protocol import Kind, message_line
 from harness.plan.planner import Node
+from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir
+from harness.record.schema import ControllerId, RunState, RunStatus
 from harness.record.stream import STAMP_WIDTH, StreamRecord, stamp
 from harness.run.live import TAIL_KEPT, LiveNode
 from harness.run.terminal import Terminal
 from harness.targets.agent_link import AgentNode
 from harness.view.logs import Selection, duration, print_logs
+
+from conftest import harness
 
 PROGRESS = re.compile(r"\bstep (?P<step>\d+)")
 GLOO_PEER_GONE = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
@@ -215,6 +222,45 @@ def test_harness_logs_merges_the_record_in_time_order_and_filters_it(tmp_path: P
     assert logs(since=stamp(time.time() + 60)) == ""
     timed = logs(timestamps=True).splitlines()
     assert [line[:STAMP_WIDTH] for line in timed] == sorted(line[:STAMP_WIDTH] for line in timed)
+
+
+def test_harness_logs_filters_that_match_nothing_say_so_and_a_rank_or_node_the_run_never_had_is_refused(
+        tmp_path: Path):
+    run = create_run_dir(tmp_path / "runs", "job-two")
+    run.write_state(RunState(run_id="job-two", name="job", mode="local", status=RunStatus.SUCCEEDED, started_at=1.0,
+                             nnodes=2, world_size=2, controller=ControllerId(1, 1), hosts=["sim0", "sim1"]))
+    run.plan_json().write_text(json.dumps({"nodes": [{"node_rank": 0, "ranks": [0]}, {"node_rank": 1, "ranks": [1]}]}))
+    record = StreamRecord(run.stream)
+    with record.open_node(0, 0) as node0, record.open_node(0, 1) as node1:
+        node0.write(f"{stamp(time.time() - 600)} [node0] [rank0]: step 1\n")
+        node1.write(f"{stamp(time.time() - 600)} [node1] [rank1]: step 1\n")
+    record.close()
+    runs = ("--runs-dir", str(tmp_path / "runs"))
+    seven = harness("logs", "job-two", "--rank", "7", *runs)
+    assert (seven.returncode, seven.stdout) == (2, "")
+    assert seven.stderr == "harness: error: run job-two has no rank 7: its ranks are 0-1\n"
+    assert harness("logs", "job-two", "--node", "3", *runs).stderr.endswith("has no node3: its nodes are node0-1\n")
+    named = harness("logs", "job-two", "--node", "node1", *runs)
+    assert (named.returncode, named.stdout) == (0, "[node1] [rank1]: step 1\n"), named.stderr
+    recent = harness("logs", "job-two", "--since", "30s", "--rank", "0", *runs)
+    assert (recent.returncode, recent.stdout) == (0, "")
+    assert re.fullmatch(r"harness: no line of run job-two matches --rank 0 --since \(after \S+Z\)\n", recent.stderr)
+
+
+def test_harness_logs_into_a_pipe_closed_early_is_a_normal_end(tmp_path: Path):
+    """`harness logs RUN | head -1`: no BrokenPipeError traceback, exit 0."""
+    run = create_run_dir(tmp_path / "runs", "job-long")
+    run.write_state(RunState(run_id="job-long", name="job", mode="local", status=RunStatus.SUCCEEDED, started_at=1.0,
+                             nnodes=1, world_size=1, controller=ControllerId(1, 1), hosts=["sim0"]))
+    record = StreamRecord(run.stream)
+    with record.open_node(0, 0) as node0:
+        node0.write("".join(f"{stamp(time.time())} [node0] [rank0]: step {i}\n" for i in range(100_000)))
+    record.close()
+    logs = subprocess.Popen([sys.executable, "-m", "harness.cli", "logs", "job-long", "--runs-dir", str(tmp_path / "runs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert logs.stdout is not None and logs.stdout.readline() == "[node0] [rank0]: step 0\n"
+    logs.stdout.close()  # as head does after its line
+    assert logs.wait(timeout=60) == 0 and logs.communicate()[1] == ""
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("5m", 300), ("1h30m", 5400), ("2d", 172800)])

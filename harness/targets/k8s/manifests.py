@@ -404,8 +404,10 @@ _PlainDumper.add_representer(str, _str)
 
 
 def manifests_yaml(spec: JobSpec, spec_text: str, source: str, flavor: Flavor = "core", *,
-                   code: Mapping[str, bytes]) -> str:
-    command = f"harness render {source} --target k8s" + (f" --flavor {flavor}" if flavor != "core" else "")
+                   code: Mapping[str, bytes], command: str | None = None) -> str:
+    """source: the spec file; command: the command that renders them, where the spec came from flags instead."""
+    command = command or \
+        f"harness render {source} --target k8s" + (f" --flavor {flavor}" if flavor != "core" else "")
     header = f"# Rendered by `{command}`; do not edit, re-render.\n"
     docs = [yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120)
             for doc in render_manifests(spec, spec_text, flavor, code=code)]

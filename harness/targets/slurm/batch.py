@@ -101,9 +101,10 @@ def _free_port(python: str) -> list[str]:
             'export MASTER_PORT PET_MASTER_PORT="$MASTER_PORT"']
 
 
-def batch_script(spec: JobSpec, source: str) -> str:
+def batch_script(spec: JobSpec, source: str, command: str | None = None) -> str:
     """The whole self-contained batch script, readable and editable by hand; the run id is the job name
-    and the Slurm job id."""
+    and the Slurm job id. source: the spec file; command: the command that renders it, where the spec came
+    from flags (a script launch) instead."""
     nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each node (resources.gpus)"] * spec.nnodes)
     run_id = f"{spec.name}-{_JOB}"
     port = _PORT if spec.master_port == "auto" else None
@@ -119,7 +120,8 @@ def batch_script(spec: JobSpec, source: str) -> str:
     srun = f"srun --nodes={spec.nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
     lines = [
         "#!/bin/bash",
-        f"# Rendered by `harness render {source} --target slurm` (harness {__version__}). Runs with plain",
+        f"# Rendered by `{command or f'harness render {source} --target slurm'}` (harness {__version__}). Runs with "
+        "plain",
         "# sbatch; edit freely. One torchrun per node, node rank = SLURM_NODEID, master = the first node.",
         *(f"#SBATCH {option}" for option in sbatch_options(spec)),
         "set -uo pipefail",
