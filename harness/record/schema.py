@@ -110,15 +110,16 @@ class Failure:
     error_source: str | None = None  # that frame's source line
     hint: str | None = None  # advice for a known signature (worker_output.hint)
 
-    def describe(self) -> str:
+    def describe(self, verdict_said: bool = False) -> str:
         """Where and how: `node 1 (h2, global rank 1): exit code 1 after 3.2 s`, then the class and the
-        evidence when they add to that."""
+        evidence when they add to that. verdict_said: a hang's verdict was said already (the stream's `hang:`
+        line), so it is pointed at instead of said again."""
         first, last = self.ranks[0], self.ranks[-1]
         who = f"global rank {self.rank}" if self.rank is not None else \
             f"global rank {first}" if first == last else f"global ranks {first}-{last}"
         text = f"node {self.node_rank} ({self.host}, {who}): {self.description} after {self.after_s} s"
         extra = "" if self.evidence in (self.description, f"rank {self.rank} {self.description}") \
-            else f": {self.evidence}"
+            else ": the verdict above" if verdict_said and self.kind is FailureKind.HANG else f": {self.evidence}"
         return f"{text} ({self.kind.value}{extra})"
 
 

@@ -1,7 +1,9 @@
 """What keeps a failed run's terminal on its root cause: once a rank fails, its peers fail too, each with a
 traceback that only says a peer went away (gloo's `Connection closed by peer`, NCCL's abort, a store
 that closed). Those consequent tracebacks, and whatever such a rank prints after one, are held back
-from the terminal; the record keeps them (`harness logs`). Pure: lines in, lines to show out."""
+from the terminal; so is a traceback the same as one another rank showed (every rank of a script that
+asks for CUDA on a CPU machine fails alike). The record keeps them all (`harness logs`). Pure: lines in,
+lines to show out."""
 
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ class Cascade:
     consequent: set[int] = field(default_factory=set)
     held: int = 0
     held_from: set[int] = field(default_factory=set)  # the ranks whose lines were held
+    # Every traceback shown (its lines without the rank prefix) -> the rank that showed it: shared by the nodes of
+    # an attempt, so that the same traceback is shown once whichever node says it again.
+    shown: dict[tuple[str, ...], int] = field(default_factory=dict)
+    alike: dict[int, int] = field(default_factory=dict)  # rank -> the rank whose same traceback was shown
 
     def hold(self, rank: int | None, lines: int = 1) -> None:
         self.held += lines
@@ -51,6 +57,10 @@ class Cascade:
         if worker_output.after_a_peer(text):
             self.consequent.add(rank)
             self.hold(rank, len(lines))
+            return []
+        first = self.shown.setdefault(tuple(line[len(f"[rank{rank}]: "):] for line in lines), rank)
+        if first != rank:
+            self.alike[rank] = first
             return []
         return lines
 

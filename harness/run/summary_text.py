@@ -13,7 +13,8 @@ def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
     if len(summary.attempts) > 1:
         for attempt in summary.attempts:
             recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
-            how = f"failed on {attempt.failures[0].describe()}" if attempt.failures else attempt.status.value
+            how = f"failed on {attempt.failures[0].describe(verdict_said=True)}" if attempt.failures else \
+                attempt.status.value
             how += f"; ended by {attempt.ended_by}" if attempt.ended_by else ""
             out.say(f"attempt {attempt.attempt} on {attempt.where(resized)}{recovered}: {how}")
     failure = summary.first_failure
@@ -27,17 +28,18 @@ def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
             if failure.error_at is not None:
                 out.write(f"    at {failure.error_at}\n" + (f"        {failure.error_source}\n"
                                                            if failure.error_source else ""))
-            out.say(f"first failure on {failure.describe()}")
+            out.say(f"first failure on {failure.describe(verdict_said=True)}")
         else:
-            out.say(f"run {summary.run_id} FAILED: first failure on {failure.describe()}")
+            out.say(f"run {summary.run_id} FAILED: first failure on {failure.describe(verdict_said=True)}")
         if failure.hint:
             out.say(f"hint: {failure.hint}")
         if summary.reason:
             out.say(f"not restarted: {summary.reason}")
-        out.say(f"last lines of node{failure.node_rank}" + (f", rank {failure.rank}:" if failure.rank is not None
-                                                             else ":"))
-        for line in failure.last_lines[-10:]:
-            out.write(f"    {line}\n")
+        if failure.error is None:  # else its traceback is above, and the exception and its place just said
+            out.say(f"last lines of node{failure.node_rank}" + (f", rank {failure.rank}:" if failure.rank is not None
+                                                                 else ":"))
+            for line in failure.last_lines[-10:]:
+                out.write(f"    {line}\n")
         last = summary.attempts[-1].attempt
         out.say(f"full logs: {run.log_file(failure.node_rank, last)}; summary: {run.summary_file}")
     elif summary.reason:

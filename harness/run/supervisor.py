@@ -20,6 +20,7 @@ from harness.node.protocol import Kind, parse_arrivals, parse_health, parse_oom
 from harness.plan.planner import Node
 from harness.record.rundir import RunDir
 from harness.record.stream import StreamRecord
+from harness.run.cascade import Cascade
 from harness.run.health_loop import HealthLoop
 from harness.run.live import LiveNode
 from harness.run.output import Output
@@ -71,7 +72,9 @@ class Supervisor:
         self.output.say(message)
 
     def start(self, processes: list[NodeProcess]) -> None:
-        self._started += [(process, LiveNode(process.node, started=time.time())) for process in processes]
+        shown: dict[tuple[str, ...], int] = {}  # the tracebacks shown, whichever node showed them
+        self._started += [(process, LiveNode(process.node, started=time.time(), cascade=Cascade(shown=shown)))
+                          for process in processes]
         self.nodes += [live for _, live in self._started]  # every node known before any can end (_reap counts)
         for process, live in self._started:
             self._spawn(self.output.pump, process, live)
@@ -156,6 +159,10 @@ class Supervisor:
             self.say(f"{held} line(s) {whose}held back from this terminal: they follow from the first failure (a "
                      f"peer that went away); see them with `{self.output.terminal.logs_command}"
                      + (f" --rank {','.join(map(str, ranks))}`" if ranks else "`"))
+        alike = {rank: first for live in self.nodes for rank, first in live.cascade.alike.items()}
+        for rank, first in sorted(alike.items()):
+            self.say(f"rank {rank} failed with the same traceback as rank {first}, held back from this terminal: "
+                     f"`{self.output.terminal.logs_command} --rank {rank}`")
 
     def _spawn(self, target: Callable[..., Any], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)

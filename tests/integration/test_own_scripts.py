@@ -27,6 +27,7 @@ def test_a_script_that_hard_codes_nccl_fails_with_the_hint_on_a_cpu_machine(writ
     assert failure["error_source"] == 'dist.init_process_group(backend="nccl")'
     assert failure["hint"] == NO_CUDA_HINT
     assert f"harness: hint: {NO_CUDA_HINT}" in run.output
+    assert run.output.count("Traceback (most recent call last):") == 1, "both ranks fail alike: one traceback shown"
     assert_nothing_left(run.run_id)
 
 

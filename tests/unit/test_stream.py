@@ -89,6 +89,18 @@ def test_a_peers_consequent_traceback_is_held_back_and_the_root_cause_shown():
         assert (node.cascade.held, node.cascade.held_from) == (5, {second})
 
 
+def test_the_same_traceback_of_another_rank_is_shown_once_whichever_node_says_it():
+    shown: dict[tuple[str, ...], int] = {}
+    first, second = live(0), live(1)
+    first.cascade.shown = second.cascade.shown = shown
+    error = "RuntimeError: nccl2 requires at least one CUDA device"
+    assert first.take_block(text(traceback(0, error)), at=1.0).shown == text(traceback(0, error))
+    assert second.take_block(text([*traceback(1, error), "[rank1]: after"]), at=1.0).shown == "[rank1]: after\n"
+    assert second.cascade.alike == {1: 0} and second.cascade.held == 0, "not a consequence: a rank that failed alike"
+    other = traceback(1, "ValueError: its own")
+    assert second.take_block(text(other), at=2.0).shown == text(other), "another traceback is shown"
+
+
 def test_a_traceback_split_across_blocks_waits_for_its_exception_line():
     node = live()
     lines = traceback(1, "KeyError: 'x'")
