@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from typing import NamedTuple, TypeAlias
@@ -357,7 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         given, script_args = _split_script_args(given)
     args, passthrough = top.parse_known_args(given)
     if passthrough and args.verb != "prepare":
-        top.error(f"unrecognized arguments: {' '.join(passthrough)}")
+        verb = args.verbs.choices[args.verb]
+        if args.verb in ("launch", "render") and (args.module or not str(args.job).endswith((".yaml", ".yml"))):
+            fixed = ["harness", args.verb, *command_line(verb, args, _NOT_RERUN), "--", *passthrough, *script_args]
+            verb.error(f"unrecognized arguments: {' '.join(passthrough)}; the script's own arguments go after `--`: "
+                       f"{shlex.join(fixed)}")
+        verb.error(f"unrecognized arguments: {' '.join(passthrough)}")
     if args.verb in ("launch", "render"):
         if args.job is None and args.module is None and script_args:
             args.job = script_args.pop(0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import concurrent.futures
 import ctypes
+import difflib
 import fcntl
 import hashlib
 import importlib.metadata
@@ -380,7 +381,7 @@ def _payload(entrypoint: dict[str, str] | None, workdir: str) -> Payload | None:
             return {"target": target, "error": f"module {target} is not importable from {workdir}"}
         path = Path(spec.origin)
     if not path.is_file():
-        return {"target": target, "error": f"{path} does not exist"}
+        return {"target": target, "error": f"{path} does not exist{_did_you_mean(path)}"}
     source = path.read_bytes()
     found: Payload = {"target": target, "path": str(path), "sha256": hashlib.sha256(source).hexdigest()}
     try:
@@ -390,6 +391,16 @@ def _payload(entrypoint: dict[str, str] | None, workdir: str) -> Payload | None:
     except ValueError as exc:  # a NUL byte in the source
         found["syntax_error"] = f"{path}: {exc}"
     return found
+
+
+def _did_you_mean(path: Path) -> str:
+    """` (did you mean train.py?)` where a file beside it is named almost the same (a typo), else nothing."""
+    try:
+        names = [entry.name for entry in os.scandir(path.parent) if entry.is_file()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _space(path: str) -> int | None:

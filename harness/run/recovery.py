@@ -178,7 +178,8 @@ def no_restart_reason(restarts: Restarts, attempts: list[Attempt]) -> str | None
     if last.kind is not None and last.kind not in restarts.on:
         what = {FailureKind.PROGRAM: "the program failed (not the infrastructure)", FailureKind.HANG: "the job hung",
                 FailureKind.INFRA: "the infrastructure failed"}[last.kind]
-        return f"{what}, and restarts.on is {', '.join(restarts.on)}"
+        return (f"{what}, and restarts.on is {', '.join(restarts.on)}: a job spec with `restarts: {{on: any}}` "
+                f"(`--save-job` writes one) retries every kind")
     if done >= restarts.max:
         return f"every restart is used up (restarts.max: {restarts.max})"
     return None

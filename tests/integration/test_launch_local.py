@@ -132,13 +132,15 @@ def test_a_missing_script_fails_before_anything_starts(write_yaml, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_script_that_does_not_compile_is_refused_before_any_node_starts_with_its_line(tmp_path):
+def test_a_script_that_does_not_compile_or_is_misspelt_is_refused_before_any_node_starts(tmp_path):
     (tmp_path / "train.py").write_text("import torch\nfor step in range(3)\n    print(step)\n")
     result = harness("launch", "train.py", "--nnodes", "2", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
     assert result.returncode == 1, result.stdout
     assert (f"fingerprint  FAIL    entrypoint train.py does not compile: {tmp_path / 'train.py'}:2: expected ':' "
             f"(SyntaxError)") in result.stderr, result.stderr
     assert "nothing was started" in result.stderr and not (tmp_path / "runs").exists()
+    typo = harness("launch", "trian.py", "--nnodes", "2", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert typo.returncode == 1 and f"{tmp_path / 'trian.py'} does not exist (did you mean train.py?)" in typo.stderr
 
 
 def test_detached_run_outlives_the_launch_and_obeys_stop(write_yaml, tmp_path):

@@ -65,3 +65,19 @@ def test_every_argument_of_every_verb_has_help(verb: str) -> None:
     parser = cli.parser()._subparsers._group_actions[0].choices[verb]
     bare = [a.dest for a in parser._actions if not a.help]
     assert bare == [], f"harness {verb}: arguments without help text: {bare}"
+
+
+def test_a_scripts_arguments_before_the_double_dash_are_refused_with_the_command_that_works(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, fixed in ((["launch", "train.py", "--nnodes", "2", "--steps", "5"],
+                         "harness launch --nnodes=2 train.py -- --steps 5"),
+                        (["render", "train.py", "--steps", "5", "--", "--lr", "3"],
+                         "harness render train.py -- --steps 5 --lr 3")):
+        with pytest.raises(SystemExit) as ended:
+            cli.main(argv)
+        error = capsys.readouterr().err
+        assert ended.value.code == 2 and error.startswith(f"usage: harness {argv[0]}"), error
+        assert error.endswith(f"unrecognized arguments: --steps 5; the script's own arguments go after `--`: {fixed}\n")
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "job.yaml", "--steps", "5"])
+    assert capsys.readouterr().err.endswith("error: unrecognized arguments: --steps 5\n"), "a spec file has no script args"

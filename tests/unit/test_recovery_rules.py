@@ -238,7 +238,9 @@ def test_the_same_failure_at_the_same_place_twice_is_not_restarted_again(on, fir
 @pytest.mark.parametrize(("restarts", "kinds", "expected"), [
     (Restarts(), [FailureKind.INFRA], "restarts are off"),
     (Restarts(max=2), [FailureKind.INFRA], None),
-    (Restarts(max=2), [FailureKind.PROGRAM], "the program failed"),
+    (Restarts(max=2), [FailureKind.PROGRAM], "the program failed (not the infrastructure), and restarts.on is infra: "
+                                             "a job spec with `restarts: {on: any}` (`--save-job` writes one) retries "
+                                             "every kind"),
     (Restarts(max=2, on="any"), [FailureKind.PROGRAM], None),
     (Restarts(max=2), [FailureKind.INFRA, FailureKind.INFRA], None),
     (Restarts(max=2), [FailureKind.INFRA] * 3, "every restart is used up (restarts.max: 2)"),
