@@ -25,6 +25,7 @@ from harness.run.stopper import Stopper
 TICK_SECONDS = 0.5
 TIMELINE_SECONDS = 5.0  # how often each rank's course is added to timeline.jsonl
 RATE_WINDOW = 60.0  # seconds of reported steps the step rate is measured over
+STEP_QUIET_SECONDS = 10.0  # no new step for this long (and three of the rank's usual intervals): its rate is 0
 LINE_KEPT = 240  # characters of a rank's last line in health.json
 MEASURE_WORDS = {"arrival": "when it arrives at its collectives", "busy": "CPU time"}
 
@@ -104,7 +105,7 @@ class HealthLoop:
         now = time.time()
         views = self.judge.views() if self.judge is not None else {}
         slow = self.judge.slow_ranks() if self.judge is not None else {}
-        ranks = {rank: _rank_row(live, views.get(rank), live.activity.get(rank), now)
+        ranks = {rank: rank_row(live, views.get(rank), live.activity.get(rank), now)
                  for live in self.nodes for rank in live.node.ranks}
         self.run.write_health(LiveHealth(
             attempt=self.attempt, t=now, slow={rank: round(waited, 1) for rank, waited in slow.items()},
@@ -117,7 +118,7 @@ class HealthLoop:
                 for rank, row in ranks.items() if rank in views or row.step is not None}))
 
 
-def _rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | None, now: float) -> RankRow:
+def rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | None, now: float) -> RankRow:
     """One rank's row of health.json: its node, state, CPU use, last line and step."""
     if live.outcome is not None:
         state = f"ended ({live.outcome.describe()})"
@@ -128,7 +129,9 @@ def _rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | No
         step = activity.steps[-1].step
         recent = [mark for mark in activity.steps if mark.at >= now - RATE_WINDOW]
         if len(recent) >= 2 and recent[-1].at > recent[0].at:
-            rate = round((recent[-1].step - recent[0].step) / (recent[-1].at - recent[0].at), 3)
+            between = (recent[-1].at - recent[0].at) / (len(recent) - 1)
+            still = now - recent[-1].at > max(STEP_QUIET_SECONDS, 3 * between)  # no new step for a while: not moving
+            rate = 0.0 if still else round((recent[-1].step - recent[0].step) / (recent[-1].at - recent[0].at), 3)
     return RankRow(node=live.node.label, host=live.node.host, state=state,
                    cpu=None if view is None else round(view.cpu, 3), busy=None if view is None else round(view.busy, 3),
                    last_line=None if activity is None else activity.line[:LINE_KEPT],

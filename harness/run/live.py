@@ -173,7 +173,7 @@ class LiveNode:
                     activity.line, activity.at = line, at
             if progress is not None and activity is not None and (found := progress.search(line)):
                 stepped.add(rank)
-                step = int(found["step"])
+                step = global_step(found)
                 if not activity.steps or activity.steps[-1].step != step:
                     activity.steps.append(StepMark(at, step))
 
@@ -181,6 +181,16 @@ class LiveNode:
         """The failing rank's own last lines say why; the node's tail is the fallback."""
         own = [line for line in self.tail if rank is not None and line.startswith(f"[rank{rank}]:")]
         return (own or list(self.tail))[-count:]
+
+
+def global_step(found: re.Match[str]) -> int:
+    """The step a progress line names, counted from the run's start: `epoch 2/12 step 248/312` is step 560
+    (the pattern's groups epoch, from 1, and per_epoch), `step 560` is 560."""
+    groups = found.groupdict()
+    step = int(groups["step"])
+    if groups.get("epoch") and groups.get("per_epoch"):
+        return (int(groups["epoch"]) - 1) * int(groups["per_epoch"]) + step
+    return step
 
 
 def _plain(text: str, count: int) -> bool:

@@ -305,8 +305,9 @@ class Restarts(StrictModel):
     min_nnodes: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=MAX_NNODES)] | None = None
 
 
-# The payload's progress lines (`epoch 1 step 12/97 ...`), and many scripts' `step 12`.
-DEFAULT_PROGRESS = r"\bstep (?P<step>\d+)"
+# The payload's progress lines (`epoch 2/12 step 12/97 ...`), and many scripts' `step 12`: where a line names
+# its epoch and the steps of one, the step counts from the run's start (run/live.py, global_step).
+DEFAULT_PROGRESS = r"(?:\bepoch (?P<epoch>\d+)/\d+ )?\bstep (?P<step>\d+)(?:/(?P<per_epoch>\d+))?"
 
 
 class Health(StrictModel):
@@ -315,7 +316,9 @@ class Health(StrictModel):
     stack is captured, the job stopped and the attempt classed `hang`; 0 turns the watch off. slow: a
     rank that its peers wait for at least this percentage of the time, for a minute, is named as
     slow; 0 turns it off. progress: the regular expression that finds a step number (a group named
-    `step`) in a rank's lines, for the step and step rate `harness status` shows; empty turns it off."""
+    `step`) in a rank's lines, for the step and step rate `harness status` shows; with groups named `epoch`
+    (from 1) and `per_epoch` too, a step that starts again each epoch counts from the run's start; empty
+    turns it off."""
 
     stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
     slow: Annotated[Seconds, Field(ge=0, le=100)] = 20

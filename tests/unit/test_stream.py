@@ -23,8 +23,10 @@ from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir
 from harness.record.schema import ControllerId, RunState, RunStatus
 from harness.record.stream import STAMP_WIDTH, StreamRecord, stamp
+from harness.run.health_loop import rank_row
 from harness.run.live import TAIL_KEPT, LiveNode
 from harness.run.terminal import Terminal
+from harness.spec.job import Health
 from harness.targets.agent_link import AgentNode
 from harness.view.logs import Selection, duration, print_logs
 
@@ -56,6 +58,20 @@ def test_a_block_of_plain_rank_lines_passes_whole_and_notes_each_ranks_last_line
     assert (node.activity[0].line, node.activity[0].at, list(node.activity[0].steps)) == (lines[-2], 100.0, [(100.0, 8)])
     assert (node.activity[1].line, list(node.activity[1].steps)) == ("[rank1]: saving", [(100.0, 7)])
     assert list(node.tail) == lines
+
+
+def test_the_payloads_step_counts_from_the_runs_start_across_epochs_and_a_still_rank_has_no_rate():
+    """`epoch 2/12 step 8/10` is step 18: the step and its rate do not fall back at an epoch's start; a rank that
+    reports no new step for a while is not moving (rate 0), whatever its last steps' pace was."""
+    node = live()
+    pattern = re.compile(Health().progress)
+    for at, line in ((100.0, "epoch 1/12 step 9/10 loss 1.0"), (101.0, "epoch 2/12 step 1/10 loss 0.9"),
+                     (102.0, "epoch 2/12 step 8/10 loss 0.8"), (103.0, "step 30")):
+        node.take_block(f"[rank0]: {line}\n", at=at, progress=pattern)
+    assert [mark.step for mark in node.activity[0].steps] == [9, 11, 18, 30]
+    moving = rank_row(node, None, node.activity[0], now=104.0)
+    assert (moving.step, moving.step_rate) == (30, 7.0)
+    assert rank_row(node, None, node.activity[0], now=120.0).step_rate == 0.0
 
 
 def test_a_big_block_keeps_its_last_lines_in_the_tail():
