@@ -45,7 +45,7 @@ from bench import procs
 from bench.launch import died_at, torchrun_by_hand
 from harness.node.collectives import read_trace
 from harness.node.proctable import process_tree, run_processes
-from harness.node.ranks import find_ranks, sample
+from harness.node.ranks import children_of, find_ranks, sample
 from harness.spec.job import Health
 
 SCRIPT = "bench/hang_fault.py"
@@ -290,12 +290,12 @@ ARM_ENV = {"no-fr": {"TORCH_FR_BUFFER_SIZE": "0"}}
 
 
 def sampling_cost(root: int, run_id: str, repeats: int = 50) -> float:
-    """CPU seconds one health sample costs a node agent: what watch_ranks does each time (the process
+    """CPU seconds one health sample costs a node agent: what RankObserver.sample_every does each time (the process
     tree, its ranks, their /proc figures), here over the whole job's tree (both nodes: an upper bound)."""
     began = time.thread_time()
     for _ in range(repeats):
         below, _ = process_tree(root)
-        if not sample(find_ranks(below, run_id), below):
+        if not sample(find_ranks(below, run_id), children_of(below)):
             raise RuntimeError(f"no ranks of {run_id} below pid {root}")
     return (time.thread_time() - began) / repeats
 

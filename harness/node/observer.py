@@ -43,7 +43,8 @@ class RankObserver:
             below, _ = process_tree(os.getpid())
             self.ranks = find_ranks(below, self.run_id) or self.ranks
             self.seen.update({pid: rank for rank, pid in self.ranks.items()})
-            samples = self._with_gpu_use(sample(self.ranks, below), below)
+            tree = children_of(below)
+            samples = self._with_gpu_use(sample(self.ranks, tree), tree)
             traces = self.traces({rank: found.state for rank, found in samples.items()})
             now = time.time()
             for rank, trace in traces.items():
@@ -57,15 +58,14 @@ class RankObserver:
             for body in health_bodies(now, samples):
                 self.say(Kind.HEALTH, body)
 
-    def _with_gpu_use(self, samples: dict[int, RankSample], below: list[int]) -> dict[int, RankSample]:
+    def _with_gpu_use(self, samples: dict[int, RankSample], tree: dict[int, list[int]]) -> dict[int, RankSample]:
         """Each sample with its rank's GPU use (its own process's and its children's), where the driver
-        lists one of them; the others unchanged (unknown)."""
+        lists one of them; the others unchanged (unknown). tree: children_of the processes below the agent."""
         if self.nvml is None:
             self.nvml = open_nvml()
         if isinstance(self.nvml, str):
             return samples
         use = self.nvml.process_use()
-        tree = children_of(below)
         for rank, taken in samples.items():
             members, stack = [], [taken.pid]
             while stack:
@@ -102,9 +102,9 @@ class RankObserver:
         line as this node has it; then `stacks-done TAG`."""
         below, _ = process_tree(os.getpid())
         ranks = find_ranks(below, self.run_id) or self.ranks
-        states = sample(ranks, below)
-        py_spy = py_spy_path()
         tree = children_of(below)
+        states = sample(ranks, tree)
+        py_spy = py_spy_path()
         answers: dict[int, dict[str, object]] = {}
 
         def threads_of(pid: int, state: str) -> object:

@@ -75,9 +75,8 @@ def children_of(below: list[int]) -> dict[int, list[int]]:
     return tree
 
 
-def sample(ranks: dict[int, int], below: list[int]) -> dict[int, RankSample]:
-    """Each rank still there, as the health message carries it."""
-    tree = children_of(below)
+def sample(ranks: dict[int, int], tree: dict[int, list[int]]) -> dict[int, RankSample]:
+    """Each rank still there, as the health message carries it. tree: children_of the processes below the agent."""
     found: dict[int, RankSample] = {}
     for rank, pid in ranks.items():
         own = stat_fields(pid)

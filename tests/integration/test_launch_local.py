@@ -40,10 +40,10 @@ def test_two_nodes_train_over_gloo(write_yaml, launch):
 def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
     """Rank 1 exits 3 while rank 0 is blocked for an hour: the harness must end rank 0, fast. The live line,
     the report, `harness status` and `harness report`'s page all give rank 1's own exit code, 3 (torchrun's own
-    is 1). Rank 1 fails a second after its process group exists (the rank hook's server is up, and ends with it):
-    the stream holds the job's lines and the harness's, nothing else."""
+    is 1). Rank 1 fails once the rank hook's server is up in it (and ends with it): the stream holds the job's
+    lines and the harness's, nothing else."""
     run = launch(job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="3", FAIL_CODE="3", HANG_AT_STEP="3", STEPS="1000",
-                     STEP_SECONDS="0.4"))
+                     AWAIT_RANK_HOOK="1"))
     assert run.finish() == 1, run.output
     assert_only_the_jobs_lines(run.output)
     assert "[c10d] Server exited" in (run.runs_dir / run.run_id / "node1.log").read_text(), "the server was up"

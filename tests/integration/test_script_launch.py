@@ -18,9 +18,10 @@ from testbed.cluster import Cluster
 from conftest import Launch, assert_nothing_left, assert_only_the_jobs_lines, harness
 
 # A user's script: it knows nothing of the harness. Given a --meet file, rank 0 waits there until every
-# job that shares the file has come up (two jobs side by side prove they ran at once). --hold keeps it up for
-# that long after its process group exists (the rank hook's worker server is up by then); it ends with
-# destroy_process_group() as the README's example does, unless --no-destroy.
+# job that shares the file has come up (two jobs side by side prove they ran at once). --until-hook keeps it
+# up until the harness's rank hook has started its worker server in this rank (its socket exists: a test
+# waits for the event, not for a time); it ends with destroy_process_group() as the README's example does,
+# unless --no-destroy.
 SCRIPT = textwrap.dedent("""
     import argparse, os, sys, time
     import torch
@@ -30,7 +31,7 @@ SCRIPT = textwrap.dedent("""
     parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--meet")
     parser.add_argument("--jobs", type=int, default=1)
-    parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument("--until-hook", action="store_true")
     parser.add_argument("--no-destroy", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -45,7 +46,10 @@ SCRIPT = textwrap.dedent("""
         while len(open(args.meet).read().split()) < args.jobs and time.monotonic() < deadline:
             time.sleep(0.2)
         print(f"met {open(args.meet).read().split()}", flush=True)
-    time.sleep(args.hold)
+    hook = os.path.join(os.environ.get("HARNESS_AGENT_DIR", "/nowhere"), os.environ["RANK"] + ".sock")
+    deadline = time.monotonic() + 120
+    while args.until_hook and not os.path.exists(hook) and time.monotonic() < deadline:
+        time.sleep(0.05)
     dist.barrier()
     if not args.no_destroy:
         dist.destroy_process_group()
@@ -64,10 +68,10 @@ def _plan(run: Launch) -> dict:
 
 def test_a_script_runs_on_two_simulated_nodes_with_one_command(tmp_path: Path) -> None:
     """The stream holds the script's lines and the harness's own, nothing else (the rank hook's worker server was
-    up for a second and ends with the ranks)."""
+    up, and ends with the ranks)."""
     script = _script(tmp_path)
     run = Launch(script, tmp_path / "runs", "--nnodes", "2", "--nproc-per-node", "2", "--", "--lr", "0.1",
-                 "--hold", "1.5", cwd=tmp_path)
+                 "--until-hook", cwd=tmp_path)
     try:
         assert run.finish() == 0, run.output
     finally:
@@ -81,11 +85,11 @@ def test_a_script_runs_on_two_simulated_nodes_with_one_command(tmp_path: Path) -
     assert 20000 <= plan["master_port"] < ephemeral_start()  # auto: picked below the ephemeral range
     kept = load_job(run.runs_dir / run.run_id / "spec.yaml")  # the spec the flags made, kept with the run
     assert (kept.name, kept.nnodes, kept.nproc_per_node, kept.entrypoint.script, kept.entrypoint.args) == \
-        ("train", 2, 2, str(script), ["--lr", "0.1", "--hold", "1.5"])
+        ("train", 2, 2, str(script), ["--lr", "0.1", "--until-hook"])
     # The run's plan.txt is exactly what render prints for that run: the commands that ran.
     rendered = harness("render", str(script), "--nnodes", "2", "--nproc-per-node", "2", "--runs-dir",
                        str(run.runs_dir), "--run-id", run.run_id, "--master-port", str(plan["master_port"]), "--",
-                       "--lr", "0.1", "--hold", "1.5", cwd=tmp_path)
+                       "--lr", "0.1", "--until-hook", cwd=tmp_path)
     assert rendered.returncode == 0, rendered.stderr
     assert rendered.stdout == (run.runs_dir / run.run_id / "plan.txt").read_text()
     assert_nothing_left(run.run_id)
@@ -129,7 +133,7 @@ def test_a_module_runs_with_dash_m_and_c10d_rendezvous(tmp_path: Path) -> None:
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     (tmp_path / "mypkg" / "train.py").write_text(SCRIPT)
     result = harness("launch", "-m", "mypkg.train", "--nnodes", "2", "--rdzv-backend", "c10d", "--runs-dir",
-                     str(tmp_path / "runs"), "--", "--lr", "3", "--hold", "1.5", "--no-destroy", cwd=tmp_path)
+                     str(tmp_path / "runs"), "--", "--lr", "3", "--until-hook", "--no-destroy", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert_only_the_jobs_lines(result.stdout)
     run_dir = next((tmp_path / "runs").iterdir())

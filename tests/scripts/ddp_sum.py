@@ -2,7 +2,8 @@
 
 FAIL_RANK / FAIL_AT_STEP make one rank exit FAIL_CODE (default 1) mid-run, and HANG_AT_STEP makes every other rank block
 there (like a long step or a stuck read) so that only the supervisor can end them. STEPS and
-STEP_SECONDS set the pace.
+STEP_SECONDS set the pace. AWAIT_RANK_HOOK=1: each rank waits, once its process group exists, until the
+harness's rank hook serves in it (its socket exists), so that a test sees the hook's server end with the rank.
 """
 
 import os
@@ -17,6 +18,11 @@ import torch.distributed as dist
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if os.environ.get("AWAIT_RANK_HOOK") == "1":
+        hook = os.path.join(os.environ.get("HARNESS_AGENT_DIR", "/nowhere"), f"{rank}.sock")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(hook) and time.monotonic() < deadline:
+            time.sleep(0.05)
     steps = int(os.environ.get("STEPS", "20"))
     pause = float(os.environ.get("STEP_SECONDS", "0"))
     fail_rank = int(os.environ.get("FAIL_RANK", "-1"))
