@@ -109,6 +109,9 @@ def _job_arguments() -> argparse.ArgumentParser:
     health.add_argument("--slow", type=_number, metavar="PERCENT",
                         help="name a rank its peers wait for at least this percentage of the time, 0 to 100; 0: off "
                              "(health.slow, default 20)")
+    health.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve the run's metrics to Prometheus on this port while it runs, every interface "
+                             "(health.metrics_port; default: off; docs/metrics.md)")
     return job
 
 

@@ -59,13 +59,14 @@ class Job:
 
 
 def job_of(args: argparse.Namespace) -> Job:
-    """A spec file (*.yaml) as it is, but for the flags that win over its keys (--stall, --slow); a script or
+    """A spec file (*.yaml) as it is, but for the flags that win over its keys (--stall, ...); a script or
     -m module with torchrun's flags as the spec they make, also written to --save-job."""
     flags = ScriptFlags(script=None if args.module else args.job, module=args.module, args=args.script_args,
                         name=args.name, min_nnodes=args.nnodes.fewest if args.nnodes else None,
                         nnodes=args.nnodes.nodes if args.nnodes else None, nproc_per_node=args.nproc_per_node,
                         master_port=args.master_port, rdzv=args.rdzv, backend=args.backend,
-                        max_restarts=args.max_restarts, env=args.env, stall=args.stall, slow=args.slow)
+                        max_restarts=args.max_restarts, env=args.env, stall=args.stall, slow=args.slow,
+                        metrics_port=args.metrics_port)
     command = shlex.join(["harness", *args.rerun])
     if args.module is None and args.job is not None and args.job.endswith((".yaml", ".yml")):
         refused = flags.given(script_only=True) + (["--save-job"] if args.save_job else [])
@@ -75,7 +76,7 @@ def job_of(args: argparse.Namespace) -> Job:
                              f"job spec: set its keys there (docs/job-spec.md)")
         spec = with_spec_file_flags(load_job(args.job), flags)  # the file's errors first, located
         text = Path(args.job).read_text()
-        if flags.given():  # --stall, --slow: the run's spec.yaml says that they won over the file's keys
+        if flags.given():  # --stall, ...: the run's spec.yaml says that they won over the file's keys
             text = f"# Launched with: {command} (its flags override this file's keys)\n{text}"
         return Job(spec, text, args.job)
     if args.job is None and args.module is None:
@@ -206,7 +207,12 @@ def launch(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "harness.cli", verb, f"--runs-dir={root}", f"--run-id={run.run_id}", *words]
         return start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
-    return controller.launch(target, spec, job.text, job.source, root, run_id, detach=args.detach)
+    if isinstance(target, Scheduler):  # the controller in the job's batch step serves them
+        return controller.launch(target, spec, job.text, job.source, root, run_id, detach=args.detach)
+    from harness.view.metrics import serving_metrics
+
+    with serving_metrics(run_dir(root, run_id), spec.health.metrics_port):
+        return controller.launch(target, spec, job.text, job.source, root, run_id)
 
 
 def _target(args: argparse.Namespace, spec: JobSpec) -> Backend | Scheduler:
@@ -237,7 +243,10 @@ def batch_step(args: argparse.Namespace) -> int:
     before = earlier_attempts(run, requeued=int(os.environ.get("SLURM_RESTART_COUNT") or 0))
     continued = Continued(run, before, lambda: TIME_LIMIT if run.time_limit_marker.exists() else None,
                           lambda: client.requeue(job_id))
-    return controller.continue_run(SrunBackend(Allocation.from_env(os.environ, client)), spec, continued)
+    from harness.view.metrics import serving_metrics
+
+    with serving_metrics(run, spec.health.metrics_port):
+        return controller.continue_run(SrunBackend(Allocation.from_env(os.environ, client)), spec, continued)
 
 
 TIME_LIMIT = "Slurm's time-limit warning"

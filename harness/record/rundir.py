@@ -79,7 +79,7 @@ class RunDir:
     @property
     def attempts_file(self) -> Path:
         """The attempts so far, written after each: a controller in a batch job that Slurm requeues
-        continues from them."""
+        continues from them; status and the metrics count a running run's time by them."""
         return self.path / "attempts.json"
 
     @property

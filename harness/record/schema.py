@@ -143,6 +143,28 @@ class HealthEvent:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """An attempt's course in steps, from the job's progress lines (the furthest any rank reported): its first
+    and last step and when their lines came; new_at: when it first went past the furthest step of the attempts
+    before it (the steps until then were done again; None: not yet); total: the run's steps where the lines say
+    (`step 12/97`, `epoch 1/3 step 12/97`); rate: steps per second lately (None: not known yet)."""
+
+    first_step: int
+    first_at: float
+    last_step: int
+    last_at: float
+    new_at: float | None = None
+    total: int | None = None
+    rate: float | None = None
+
+    def left_s(self) -> float | None:
+        """Seconds to the last step at the recent rate (None: no total or no rate known)."""
+        if self.total is None or not self.rate:
+            return None
+        return max(0.0, self.total - self.last_step) / self.rate
+
+
+@dataclass(frozen=True)
 class Attempt:
     """One start of every node. failures: cause first (a node's own failure before the consequences
     on its peers). Timings in seconds: teardown from the first failure to the last node's end,
@@ -167,6 +189,7 @@ class Attempt:
     world_size: int | None = None  # None in records written before attempts recorded their size
     health: list[HealthEvent] = field(default_factory=list)  # the health watch's verdicts, in order
     ended_by: str | None = None  # what ended it from outside the job: Slurm's time limit, a requeue
+    progress: Progress | None = None  # None: no progress line seen (or not watched)
 
     def where(self, resized: bool) -> str:
         """Its hosts, and with them its size when the run's attempts did not all have the same (resized)."""
@@ -192,6 +215,8 @@ class RankRow:
     step_rate: float | None = None
     gpu_util: float | None = None
     gpu_memory: int | None = None
+    idle: float | None = None  # seconds without progress (CPU time used), as the judge counts them
+    step_at: float | None = None  # when its step's line came
 
 
 @dataclass(frozen=True)
@@ -205,6 +230,21 @@ class LiveHealth:
     slow: dict[int, float] = field(default_factory=dict)
     hang: str | None = None
     ranks: dict[int, RankRow] = field(default_factory=dict)
+    started_at: float | None = None  # the attempt's start (None in files written before it was kept)
+    progress: Progress | None = None
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Where a run's wall time went (record/goodput.py says how each second is put in one bucket): seconds by
+    bucket, in the order of GOODPUT_BUCKETS, adding up to wall_s; goodput: the share of wall_s that trained."""
+
+    wall_s: float
+    seconds: dict[str, float]
+    goodput: float
+
+
+GOODPUT_BUCKETS = ("start-up", "training", "redone", "hung", "restarting", "ending")
 
 
 @dataclass(frozen=True)
@@ -222,6 +262,7 @@ class RunSummary:
     reason: str | None = None  # why the run ended without another attempt, when it failed
     error: str | None = None  # what went wrong, in one line, for a failed run (never None then)
     warnings: list[str] = field(default_factory=list)  # e.g. a success that never ran distributed
+    goodput: Goodput | None = None  # None in records written before it was measured
 
     @property
     def world_sizes(self) -> list[int]:

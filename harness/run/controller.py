@@ -31,6 +31,7 @@ from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.plan.render import render_json, render_text
 from harness.record.atomic import write_text_atomic
 from harness.record.entrypoint import write_entrypoint_record
+from harness.record.goodput import run_goodput
 from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir, run_dir
 from harness.record.schema import Attempt, ControllerId, FailureKind, RunState, RunStatus, RunSummary
@@ -181,15 +182,15 @@ class _BackendRun(_TargetRun):
             if plan.nnodes < spec.nnodes:
                 out.say(_fewer_nodes(spec, plan, down))
             attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out))
-            if self.continued is not None:
-                if (time_up := self.continued.time_up()) is not None:
-                    attempts[-1] = replace(attempts[-1], status=RunStatus.FAILED, ended_by=time_up,
-                                           kind=attempts[-1].kind or FailureKind.INFRA)
-                run.write_attempts(attempts)
-                if time_up is not None:
-                    stop.clear()  # the batch script's SIGTERM after the warning, not a stop asked for
-                    reason = self._requeue(time_up, attempts)
-                    break
+            time_up = self.continued.time_up() if self.continued is not None else None
+            if time_up is not None:
+                attempts[-1] = replace(attempts[-1], status=RunStatus.FAILED, ended_by=time_up,
+                                       kind=attempts[-1].kind or FailureKind.INFRA)
+            run.write_attempts(attempts)  # for a requeued job's next run, and for status and metrics meanwhile
+            if time_up is not None:
+                stop.clear()  # the batch script's SIGTERM after the warning, not a stop asked for
+                reason = self._requeue(time_up, attempts)
+                break
             if attempts[-1].status is not RunStatus.FAILED or stop.is_set():
                 break
             reason = no_restart_reason(spec.restarts, attempts)
@@ -328,7 +329,8 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
                      quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys(),
                      judge=HealthJudge(spec.health.stall, spec.health.slow) if spec.health.watched else None, run=run,
-                     attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern)
+                     attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern,
+                     furthest=max((a.progress.last_step for a in before if a.progress), default=None))
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     hosts = ", ".join(n.host for n in plan.nodes)
     sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "
@@ -364,6 +366,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         if previous_failure else None,
         joined_ranks=sorted(set().union(*(r.joined for r in sup.nodes))) if watched else None,
         nnodes=plan.nnodes, world_size=plan.world_size, health=sup.health_loop.events,
+        progress=sup.health_loop.track_progress([]),
     )
 
 
@@ -395,6 +398,7 @@ def _finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threadi
         ended_at=ended, duration_s=round(ended - state.started_at, 3), nodes=last.nodes if last else [],
         first_failure=first_failure, attempts=attempts, reason=reason, warnings=warnings,
         error=summary_error(first_failure, reason) if status is RunStatus.FAILED else None,
+        goodput=run_goodput(state.started_at, ended, attempts),
     )
     run.write_summary(summary)
     run.write_state(replace(state, status=status, ended_at=ended))

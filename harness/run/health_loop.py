@@ -15,7 +15,7 @@ from harness.health.rank_stack import ranks_text
 from harness.health.verdict import Ended, Verdict, hang_verdict
 from harness.plan.planner import Node
 from harness.record.rundir import RunDir
-from harness.record.schema import HealthEvent, HealthEventKind, LiveHealth, RankRow
+from harness.record.schema import HealthEvent, HealthEventKind, LiveHealth, Progress, RankRow
 from harness.record.timeline import RankPoint, Sample, append_sample
 from harness.run.live import LiveNode, RankActivity
 from harness.run.output import Output
@@ -33,12 +33,15 @@ MEASURE_WORDS = {"arrival": "when it arrives at its collectives", "busy": "CPU t
 class HealthLoop:
     """judge: what decides (None: hangs and slow ranks are not watched, only `harness stacks` answered);
     run: where stacks, health.json and `harness stacks` requests live (None: nowhere); stopper: stops
-    every node once a hang is found (and once the nodes are stopping, there is nothing more to judge)."""
+    every node once a hang is found (and once the nodes are stopping, there is nothing more to judge);
+    furthest: the furthest step the run's earlier attempts reached (None: none), which this one redoes first."""
 
     def __init__(self, judge: HealthJudge | None, run: RunDir | None, attempt: int, nodes: list[LiveNode],
-                 stacks: StackCapture, output: Output, stopper: Stopper) -> None:
+                 stacks: StackCapture, output: Output, stopper: Stopper, furthest: int | None = None) -> None:
         self.judge, self.run, self.attempt, self.nodes = judge, run, attempt, nodes
-        self.stacks, self.output, self.stopper = stacks, output, stopper
+        self.stacks, self.output, self.stopper, self.furthest = stacks, output, stopper, furthest
+        self.started_at = time.time()
+        self.progress: Progress | None = None  # the attempt's steps so far
         self.hang: Verdict | None = None  # the job hung: who it is about
         self.hang_at: float | None = None
         self.ended = threading.Event()  # every node has ended: the loop ends at once, not at its next tick
@@ -107,9 +110,11 @@ class HealthLoop:
         slow = self.judge.slow_ranks() if self.judge is not None else {}
         ranks = {rank: rank_row(live, views.get(rank), live.activity.get(rank), now)
                  for live in self.nodes for rank in live.node.ranks}
+        self.track_progress([row.step_rate for row in ranks.values() if row.step_rate is not None])
         self.run.write_health(LiveHealth(
             attempt=self.attempt, t=now, slow={rank: round(waited, 1) for rank, waited in slow.items()},
-            hang=f"hang: {self.hang.text}" if self.hang else None, ranks=dict(sorted(ranks.items()))))
+            hang=f"hang: {self.hang.text}" if self.hang else None, ranks=dict(sorted(ranks.items())),
+            started_at=self.started_at, progress=self.progress))
         if now - self._sampled >= TIMELINE_SECONDS and (views or any(r.step is not None for r in ranks.values())):
             self._sampled = now
             append_sample(self.run.timeline, Sample(now, self.attempt, {
@@ -118,15 +123,37 @@ class HealthLoop:
                 for rank, row in ranks.items() if rank in views or row.step is not None}))
 
 
+    def track_progress(self, rates: list[float]) -> Progress | None:
+        """The attempt's progress from every rank's steps (rates: their step rates now; none: as before): the
+        furthest step any rank reported (in a data-parallel job, often only rank 0 prints), and when it first
+        went past the earlier attempts' furthest step."""
+        marks = [mark for live in self.nodes for activity in live.activity.values() for mark in activity.steps]
+        if not marks:
+            return self.progress
+        first = min(marks, key=lambda mark: mark.at)
+        if self.progress is not None:
+            first = first._replace(step=self.progress.first_step, at=self.progress.first_at)
+        last = max(marks, key=lambda mark: (mark.step, -mark.at))  # the furthest step, when it first came
+        new_at = self.progress.new_at if self.progress else None
+        if new_at is None:
+            past = [mark.at for mark in marks if self.furthest is None or mark.step > self.furthest]
+            new_at = min(past) if past else None
+        totals = [a.total for live in self.nodes for a in live.activity.values() if a.total is not None]
+        rate = max(rates) if rates else self.progress.rate if self.progress else None
+        self.progress = Progress(first.step, first.at, last.step, last.at, new_at, max(totals) if totals else None,
+                                 rate)
+        return self.progress
+
+
 def rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | None, now: float) -> RankRow:
     """One rank's row of health.json: its node, state, CPU use, last line and step."""
     if live.outcome is not None:
         state = f"ended ({live.outcome.describe()})"
     else:
         state = view.state if view is not None else "running"
-    step = rate = None
+    step = rate = step_at = None
     if activity is not None and activity.steps:
-        step = activity.steps[-1].step
+        step, step_at = activity.steps[-1].step, activity.steps[-1].at
         recent = [mark for mark in activity.steps if mark.at >= now - RATE_WINDOW]
         if len(recent) >= 2 and recent[-1].at > recent[0].at:
             between = (recent[-1].at - recent[0].at) / (len(recent) - 1)
@@ -137,4 +164,5 @@ def rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | Non
                    last_line=None if activity is None else activity.line[:LINE_KEPT],
                    last_line_at=None if activity is None else round(activity.at, 3), step=step, step_rate=rate,
                    gpu_util=None if view is None else view.gpu_util,
-                   gpu_memory=None if view is None else view.gpu_memory)
+                   gpu_memory=None if view is None else view.gpu_memory,
+                   idle=None if view is None else round(view.idle, 1), step_at=step_at and round(step_at, 3))

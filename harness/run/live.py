@@ -53,6 +53,7 @@ class RankActivity:
     line: str
     at: float
     steps: deque[StepMark] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    total: int | None = None  # the run's steps, where its lines say (step_total)
 
 
 # torchrun's ChildFailedError report names the root-cause rank; use it when present.
@@ -176,6 +177,7 @@ class LiveNode:
                 step = global_step(found)
                 if not activity.steps or activity.steps[-1].step != step:
                     activity.steps.append(StepMark(at, step))
+                    activity.total = step_total(found)
 
     def last_lines(self, rank: int | None, count: int = TAIL_LINES) -> list[str]:
         """The failing rank's own last lines say why; the node's tail is the fallback."""
@@ -191,6 +193,17 @@ def global_step(found: re.Match[str]) -> int:
     if groups.get("epoch") and groups.get("per_epoch"):
         return (int(groups["epoch"]) - 1) * int(groups["per_epoch"]) + step
     return step
+
+
+def step_total(found: re.Match[str]) -> int | None:
+    """The run's steps, where a progress line says: a group named total, or the steps of one epoch times the
+    epochs (`epoch 2/12 step 248/312`: 3744), or without an epoch the steps after the slash (`step 248/312`)."""
+    groups = found.groupdict()
+    if groups.get("total"):
+        return int(groups["total"])
+    if not groups.get("per_epoch") or (groups.get("epoch") and not groups.get("epochs")):
+        return None
+    return int(groups["per_epoch"]) * int(groups.get("epochs") or 1)
 
 
 def _plain(text: str, count: int) -> bool:

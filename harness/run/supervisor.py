@@ -40,17 +40,20 @@ class Supervisor:
     nowhere); record: the run's timed record of its stream (None: none); quiet_cpp_info: torch's C++ INFO
     lines are the harness's own watch, so they go to the log only; progress: the job's step lines.
     judge: what judges hangs and slow ranks (None: off); run: where stacks, the health file and
-    `harness stacks` requests live; attempt: this attempt's number."""
+    `harness stacks` requests live; attempt: this attempt's number; furthest: the furthest step of the run's
+    earlier attempts (None: none)."""
 
     def __init__(self, grace: float, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
                  quiet_cpp_info: bool = False, judge: HealthJudge | None = None, run: RunDir | None = None,
-                 attempt: int = 0, record: StreamRecord | None = None, progress: re.Pattern[str] | None = None) -> None:
+                 attempt: int = 0, record: StreamRecord | None = None, progress: re.Pattern[str] | None = None,
+                 furthest: int | None = None) -> None:
         self.output = Output(terminal, log_file, record, attempt, quiet_cpp_info, progress)
         self._started: list[tuple[NodeProcess, LiveNode]] = []  # every started node, what stops and asks it
         self.stopper = Stopper(grace, self._started)
         self.stacks = StackCapture(self._started)
         self.nodes: list[LiveNode] = []
-        self.health_loop = HealthLoop(judge, run, attempt, self.nodes, self.stacks, self.output, self.stopper)
+        self.health_loop = HealthLoop(judge, run, attempt, self.nodes, self.stacks, self.output, self.stopper,
+                                      furthest)
         self.first_failure: LiveNode | None = None
         self._ended: queue.Queue[LiveNode] = queue.Queue()
         self._threads: list[threading.Thread] = []

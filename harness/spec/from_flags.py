@@ -29,9 +29,10 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "env": (("env",), "--env"),
     "stall": (("health", "stall"), "--stall"),
     "slow": (("health", "slow"), "--slow"),
+    "metrics_port": (("health", "metrics_port"), "--metrics-port"),
 }
 # The fields whose flags a spec file takes too (harness launch job.yaml --stall 60): they win over its keys.
-SPEC_FILE_FLAGS = ("stall", "slow")
+SPEC_FILE_FLAGS = ("stall", "slow", "metrics_port")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ScriptFlags:
     env: list[str] = field(default_factory=list)
     stall: float | None = None  # health.stall: seconds
     slow: float | None = None  # health.slow: percent
+    metrics_port: int | None = None  # health.metrics_port
 
     def given(self, script_only: bool = False) -> list[str]:
         """The flags that were set, as the user types them; script_only: only those a spec file refuses."""
@@ -98,7 +100,7 @@ def spec_data(flags: ScriptFlags) -> dict[str, Any]:
     return data
 
 
-def _health(flags: ScriptFlags) -> dict[str, float]:
+def _health(flags: ScriptFlags) -> dict[str, float | int]:
     return {key: value for key in SPEC_FILE_FLAGS if (value := getattr(flags, key)) is not None}
 
 
@@ -112,8 +114,8 @@ def spec_from_flags(flags: ScriptFlags) -> JobSpec:
 
 
 def with_spec_file_flags(spec: JobSpec, flags: ScriptFlags) -> JobSpec:
-    """A spec file's spec with the flags that win over its keys (--stall, --slow), validated as the file's values
-    are; a bad value is a usage error naming its flag."""
+    """A spec file's spec with the flags that win over its keys (--stall, --slow, --metrics-port), validated as
+    the file's values are; a bad value is a usage error naming its flag."""
     if not (health := _health(flags)):
         return spec
     try:

@@ -307,7 +307,7 @@ class Restarts(StrictModel):
 
 # The payload's progress lines (`epoch 2/12 step 12/97 ...`), and many scripts' `step 12`: where a line names
 # its epoch and the steps of one, the step counts from the run's start (run/live.py, global_step).
-DEFAULT_PROGRESS = r"(?:\bepoch (?P<epoch>\d+)/\d+ )?\bstep (?P<step>\d+)(?:/(?P<per_epoch>\d+))?"
+DEFAULT_PROGRESS = r"(?:\bepoch (?P<epoch>\d+)/(?P<epochs>\d+) )?\bstep (?P<step>\d+)(?:/(?P<per_epoch>\d+))?"
 
 
 class Health(StrictModel):
@@ -317,12 +317,16 @@ class Health(StrictModel):
     rank that its peers wait for at least this percentage of the time, for a minute, is named as
     slow; 0 turns it off. progress: the regular expression that finds a step number (a group named
     `step`) in a rank's lines, for the step and step rate `harness status` shows; with groups named `epoch`
-    (from 1) and `per_epoch` too, a step that starts again each epoch counts from the run's start; empty
-    turns it off."""
+    (from 1) and `per_epoch` too, a step that starts again each epoch counts from the run's start; the run's
+    steps, for its progress and time left, from a group named `total`, or `per_epoch` times `epochs` (without
+    an epoch, `per_epoch` alone: `step 12/97`); empty turns it off. metrics_port: the port on which the
+    controller serves the run's metrics to Prometheus while it runs (every interface; docs/metrics.md); None,
+    the default: nothing listens."""
 
     stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
     slow: Annotated[Seconds, Field(ge=0, le=100)] = 20
     progress: str = DEFAULT_PROGRESS
+    metrics_port: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=65535)] | None = None
 
     @field_validator("progress")
     @classmethod

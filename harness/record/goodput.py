@@ -1,0 +1,92 @@
+"""Where a run's time went, second by second, from its record alone: each second from the launch to the end
+is in one bucket, so the buckets add up to the wall time, and the goodput is the share spent in training
+steps that were not done again:
+
+- start-up: from the launch to the first attempt's first step (planning, checks, start, rendezvous, loading);
+- training: from an attempt's first new step to its last step (and on to its fault: steps not yet reported);
+- redone: after a restart, the steps until the run is past the furthest step an earlier attempt reached;
+- hung: from the last progress (or the attempt's start, without any) to the hang's verdict;
+- restarting: from a fault (or the verdict) to the next attempt's first step: teardown, backoff, checks, start-up;
+- ending: from the last attempt's last step (or its fault) to the run's end: the last save, teardown, summary.
+
+A step is known from the job's progress lines (health.progress): a job that prints none has no training and
+a goodput of 0, which is what the record can prove."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from harness.record.schema import GOODPUT_BUCKETS, Attempt, Goodput, HealthEventKind, LiveHealth, Progress
+
+
+@dataclass(frozen=True)
+class AttemptTimes:
+    """What the buckets need of an attempt: its start and end, its steps, its hang's verdict and its fault."""
+
+    started_at: float
+    ended_at: float
+    progress: Progress | None
+    hang_at: float | None = None
+    fault_at: float | None = None
+
+    @classmethod
+    def of(cls, attempt: Attempt) -> AttemptTimes:
+        hang = next((event.at for event in attempt.health if event.kind is HealthEventKind.HANG), None)
+        fault = attempt.started_at + attempt.failures[0].after_s if attempt.failures else None
+        return cls(attempt.started_at, attempt.ended_at, attempt.progress, hang, fault)
+
+    @classmethod
+    def running(cls, health: LiveHealth, now: float) -> AttemptTimes | None:
+        """The running attempt, as health.json says it (None: a file without the attempt's start)."""
+        return None if health.started_at is None else cls(health.started_at, now, health.progress)
+
+
+def time_spent(started_at: float, ended_at: float, attempts: Sequence[AttemptTimes], running: bool = False) -> Goodput:
+    """The buckets of a run from started_at to ended_at (now, for a running run: its last attempt goes on)."""
+    cuts: list[tuple[float, str]] = [(started_at, "start-up")]  # each bucket holds from its time to the next cut
+    furthest: int | None = None
+    for index, attempt in enumerate(attempts):
+        last = index == len(attempts) - 1
+        cuts.append((attempt.started_at, "start-up" if index == 0 else "restarting"))
+        progress = attempt.progress
+        if progress is not None:
+            redone = furthest is not None and progress.new_at != progress.first_at
+            cuts.append((progress.first_at, "redone" if redone else "training"))
+            if redone and progress.new_at is not None:
+                cuts.append((progress.new_at, "training"))
+            furthest = max(progress.last_step, furthest if furthest is not None else progress.last_step)
+        moved = progress.last_at if progress is not None else attempt.started_at
+        after = "ending" if last else "restarting"
+        if attempt.hang_at is not None:
+            cuts += [(moved, "hung"), (attempt.hang_at, after)]
+        elif progress is None:  # no step: starting (or restarting) went on to the fault, or the end
+            cuts.append((attempt.fault_at or attempt.ended_at, after))
+        elif not (last and running):
+            cuts.append((max(moved, attempt.fault_at or moved), after))
+    return _summed(cuts, started_at, ended_at)
+
+
+def _summed(cuts: list[tuple[float, str]], started_at: float, ended_at: float) -> Goodput:
+    """The seconds of each bucket; a cut out of order (clocks, or a bucket that did not happen) is moved up to
+    the one before it, so that every second is counted once."""
+    seconds = dict.fromkeys(GOODPUT_BUCKETS, 0.0)
+    at = started_at
+    for (cut, bucket), (end, _) in zip(cuts, [*cuts[1:], (ended_at, "")], strict=True):
+        begin = min(max(cut, at), ended_at)
+        at = min(max(end, begin), ended_at)
+        seconds[bucket] += at - begin
+    wall = ended_at - started_at
+    return Goodput(round(wall, 3), {bucket: round(value, 3) for bucket, value in seconds.items()},
+                   round(seconds["training"] / wall, 4) if wall > 0 else 0.0)
+
+
+def run_goodput(started_at: float, ended_at: float, attempts: Sequence[Attempt], live: LiveHealth | None = None,
+                now: float | None = None) -> Goodput:
+    """A run's buckets from its record: its ended attempts, and the running one's health.json when it runs."""
+    times = [AttemptTimes.of(attempt) for attempt in attempts]
+    current = AttemptTimes.running(live, now) if live is not None and now is not None else None
+    if current is not None and live is not None and all(attempt.attempt != live.attempt for attempt in attempts):
+        times.append(current)
+        return time_spent(started_at, ended_at, times, running=True)
+    return time_spent(started_at, ended_at, times)
