@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -132,6 +133,22 @@ def worker_pid(run_id: str, rank: int) -> int:
         if f"RANK={rank}".encode() in environ:
             return pid
     raise AssertionError(f"no worker with RANK={rank} in run {run_id}")
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports a process listens on: its sockets that /proc/net/tcp and tcp6 list in state LISTEN."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if (link := os.readlink(fd)).startswith("socket:["):
+                inodes.add(link.removeprefix("socket:[").removesuffix("]"))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def agent_pid(run_id: str, node_rank: int) -> int:

@@ -1,15 +1,17 @@
 """Each rank's GPU use as the NVIDIA driver reports it (harness.node.gpu, read by the node agent): shown by
-`harness status` while the job runs, kept in timeline.jsonl and drawn by `harness report`; and an NCCL job's
-stream that holds its lines and the harness's, nothing else."""
+`harness status` while the job runs, served to Prometheus (health.metrics_port), kept in timeline.jsonl and
+drawn by `harness report`; and an NCCL job's stream that holds its lines and the harness's, nothing else."""
 
 from __future__ import annotations
 
 import json
 import re
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import assert_nothing_left, assert_only_the_jobs_lines, free_port, harness
 
@@ -40,9 +42,9 @@ ROW = re.compile(r"^ +0 node0 +sim0 +.+? +\d+% +(\d+)% +([\d.]+)GiB ", re.MULTIL
 
 def test_a_ranks_gpu_use_is_shown_kept_and_drawn_and_its_stream_is_the_jobs_own(tmp_path: Path, launch) -> None:
     (tmp_path / "busy.py").write_text(SCRIPT)
-    job = tmp_path / "job.yaml"
+    job, metrics_port = tmp_path / "job.yaml", free_port()
     job.write_text(f"name: busy\nnnodes: 1\nnproc_per_node: 1\nbackend: nccl\nmaster_port: {free_port()}\n"
-                   f"entrypoint: {{script: busy.py}}\nhealth: {{stall: 60}}\n")
+                   f"entrypoint: {{script: busy.py}}\nhealth: {{stall: 60, metrics_port: {metrics_port}}}\n")
     run = launch(job, cwd=tmp_path)
     run.wait_for(r"\[rank0\]: step 10$", timeout=300)
     runs = str(tmp_path / "runs")
@@ -52,6 +54,11 @@ def test_a_ranks_gpu_use_is_shown_kept_and_drawn_and_its_stream_is_the_jobs_own(
         time.sleep(1)
     assert found, status
     assert int(found.group(1)) >= 20 and float(found.group(2)) >= 0.1, status  # a 64 MiB matrix, kernels back to back
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as answer:
+        served = {sample.name: sample for family in text_string_to_metric_families(answer.read().decode())
+                  for sample in family.samples if sample.labels.get("rank") == "0"}
+    assert served["harness_rank_gpu_utilization_ratio"].value >= 0.2, served
+    assert served["harness_rank_gpu_memory_bytes"].value >= 0.1 * 2**30, served
     assert run.finish(timeout=120) == 0, run.output[-3000:]
     assert_only_the_jobs_lines(run.output)
     timeline = [json.loads(line) for line in (tmp_path / "runs" / run.run_id / "timeline.jsonl").read_text().splitlines()]

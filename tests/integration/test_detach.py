@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from conftest import assert_nothing_left, harness, leftover
+from conftest import assert_nothing_left, harness, leftover, listening_ports
 
 LAUNCH_TIMEOUT = 300  # four launches at once, each importing torch for its preflight, on 2 busy cores
 # Each rank writes what it was given to <run id>.argv in the launch directory (HARNESS_RUN_ID names the run that
@@ -63,7 +63,10 @@ def test_every_launch_form_detaches_and_runs_the_run_it_names(tmp_path):
     try:
         for form, done in launched.items():
             assert done.returncode == 0, (form, done.stdout, done.stderr)
-            run_ids[form] = re.search(r"^run (\S+) started in the background", done.stdout, re.M).group(1)
+            started = re.search(r"^run (\S+) started in the background \(controller pid (\d+)\)", done.stdout, re.M)
+            run_ids[form] = started.group(1)
+            # Nothing listens unless asked to (health.metrics_port: test_metrics.py): not a metrics port, nothing.
+            assert listening_ports(int(started.group(2))) == set(), form
         for form, run_id in run_ids.items():
             runs = tmp_path / form / "runs"
             # The launch returned while its job waits for the test: it is detached.

@@ -1,0 +1,92 @@
+"""Where a run's time went: every second from the launch to the end in one bucket, from the record alone
+(record/goodput.py), and the progress and time left that status shows (view/status.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness.record.goodput import AttemptTimes, time_spent
+from harness.record.schema import GOODPUT_BUCKETS, LiveHealth, Progress
+from harness.run.live import global_step, step_total
+from harness.spec.job import DEFAULT_PROGRESS
+from harness.view.status import goodput_words, progress_words
+
+T0 = 1_000_000.0
+
+
+def _assert_adds_up(seconds: dict[str, float], wall: float) -> None:
+    assert list(seconds) == list(GOODPUT_BUCKETS)
+    assert sum(seconds.values()) == pytest.approx(wall, abs=0.01), seconds
+
+
+def test_a_run_with_a_hang_and_a_restart_puts_every_second_in_one_bucket() -> None:
+    """Launch at 0; attempt 0 starts at 5, first step at 12, last step 40 at 30, the hang's verdict at 45, its
+    end at 48; attempt 1 starts at 52 (backoff, checks), resumes at step 32 at 60, passes step 40 at 64, its last
+    step at 90, the run ends at 95."""
+    first = AttemptTimes(T0 + 5, T0 + 48, Progress(4, T0 + 12, 40, T0 + 30, T0 + 12), hang_at=T0 + 45,
+                         fault_at=T0 + 45)
+    second = AttemptTimes(T0 + 52, T0 + 94, Progress(32, T0 + 60, 80, T0 + 90, T0 + 64))
+    goodput = time_spent(T0, T0 + 95, [first, second])
+    assert goodput.seconds == {"start-up": 12.0, "training": 18.0 + 26.0, "redone": 4.0, "hung": 15.0,
+                               "restarting": 3.0 + 4.0 + 8.0, "ending": 5.0}
+    _assert_adds_up(goodput.seconds, 95.0)
+    assert goodput.wall_s == 95.0 and goodput.goodput == round(44 / 95, 4)
+
+
+def test_a_program_failure_trains_to_its_fault_and_restarts_from_there() -> None:
+    """The steps after the last progress line are training until the fault; the next attempt that never
+    reaches the furthest step again only redid work."""
+    first = AttemptTimes(T0 + 1, T0 + 20, Progress(1, T0 + 3, 10, T0 + 10), fault_at=T0 + 15)
+    second = AttemptTimes(T0 + 22, T0 + 30, Progress(6, T0 + 25, 9, T0 + 28), fault_at=T0 + 29)
+    goodput = time_spent(T0, T0 + 31, [first, second])
+    assert goodput.seconds == {"start-up": 3.0, "training": 12.0, "redone": 4.0, "hung": 0.0,
+                               "restarting": 5.0 + 2.0 + 3.0, "ending": 2.0}
+    _assert_adds_up(goodput.seconds, 31.0)
+
+
+def test_a_running_run_trains_until_now_and_a_run_without_steps_never_trained() -> None:
+    running = AttemptTimes(T0 + 2, T0 + 20, Progress(5, T0 + 6, 50, T0 + 18))
+    goodput = time_spent(T0, T0 + 20, [running], running=True)
+    assert goodput.seconds["start-up"] == 6.0 and goodput.seconds["training"] == 14.0 and goodput.goodput == 0.7
+    silent = time_spent(T0, T0 + 10, [AttemptTimes(T0 + 1, T0 + 9, None)])
+    assert silent.seconds["start-up"] == 9.0 and silent.seconds["ending"] == 1.0 and silent.goodput == 0.0
+    nothing = time_spent(T0, T0 + 3, [])  # stopped before any attempt started
+    assert nothing.seconds["start-up"] == 3.0
+    hung_at_start = time_spent(T0, T0 + 30, [AttemptTimes(T0 + 1, T0 + 29, None, hang_at=T0 + 27, fault_at=T0 + 27)])
+    assert hung_at_start.seconds == {"start-up": 1.0, "training": 0.0, "redone": 0.0, "hung": 26.0,
+                                     "restarting": 0.0, "ending": 3.0}
+
+
+def test_a_running_attempt_counts_from_health_json() -> None:
+    from harness.record.goodput import run_goodput
+
+    live = LiveHealth(attempt=0, t=T0 + 9, started_at=T0 + 1, progress=Progress(1, T0 + 4, 20, T0 + 9))
+    goodput = run_goodput(T0, T0 + 10, [], live, T0 + 10)
+    assert goodput.seconds["start-up"] == 4.0 and goodput.seconds["training"] == 6.0
+    assert goodput_words(goodput) == "10.0 s, goodput 60%: start-up 4.0 s, training 6.0 s"
+
+
+@pytest.mark.parametrize(("line", "step", "total"), [
+    ("epoch 2/3 step 12/97 loss 2.1", 109, 291),  # the payload's lines
+    ("step 12/97", 12, 97),
+    ("step 12", 12, None),
+    ("Epoch 1 step 5", 5, None),  # no `epoch N/M`: the step as it is
+])
+def test_the_default_pattern_gives_the_global_step_and_the_runs_steps(line: str, step: int, total: int | None) -> None:
+    found = re.search(DEFAULT_PROGRESS, line)
+    assert found is not None
+    assert (global_step(found), step_total(found)) == (step, total)
+    named = re.search(r"it (?P<step>\d+) of (?P<total>\d+)", "it 7 of 70")
+    assert named is not None and step_total(named) == 70
+
+
+def test_status_says_the_step_out_of_the_total_the_rate_and_the_time_left() -> None:
+    moving = Progress(1, T0, 120, T0 + 10, T0, total=312, rate=16.0)
+    assert progress_words(moving, running=True) == "step 120/312 (38%), 16 steps/s, about 12 s left"
+    assert progress_words(Progress(1, T0, 120, T0 + 10, T0, 3120, 0.5), True).endswith("about 1 h 40 min left")
+    assert progress_words(Progress(1, T0, 120, T0 + 10, T0, 312, 0.0), True) == \
+        "step 120/312 (38%), 0 steps/s, not moving: no time left can be told"
+    assert progress_words(Progress(1, T0, 312, T0 + 10, T0, 312, 16.0), running=False) == "step 312/312 (100%)"
+    assert progress_words(Progress(1, T0, 50, T0 + 10, T0), running=True) == "step 50"
