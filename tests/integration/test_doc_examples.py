@@ -106,6 +106,8 @@ NOT_RUN: dict[str, str] = {
     "harness launch job.yaml --hosts hosts.yaml": "needs 3 SSH hosts and one of them dying mid-run (tests/integration/test_recovery.py)",
     "harness status resume-...": "shows the record of the run above",
     "harness prepare --data-dir data/cifar10": "downloads CIFAR-10 (170 MB) from the internet",
+    "harness launch jobs/smoke.yaml --metrics-port 9400": "a fixed port, which anything on the machine may hold; "
+                                                          "test_metrics.py launches with --metrics-port on a free one",
     "torchrun --nproc-per-node=8 -m harness.payload.train --data cifar10 --data-dir data/cifar10 "
     "--batch-size 256 --lr 0.8 --precision bf16 --compile reduce-overhead --ckpt-dir ckpt --resume --out-dir out":
         "needs 8 GPUs and CIFAR-10",

@@ -10,9 +10,10 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
-from conftest import assert_nothing_left, worker_pid
+from conftest import assert_nothing_left, harness, worker_pid
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 
 STALL = 10
@@ -54,6 +55,20 @@ def test_a_stopped_rank_is_a_hang_and_the_restart_resumes_bitwise_equal(uninterr
     assert re.search(rf"harness: run {run.run_id} attempt 1, 2 node\(s\)", run.output), run.output
     resumed = int(re.search(r"\[rank0\]: resume: epoch 1 step (\d+) ", run.output).group(1))
     assert resumed in range(8, 64, 4), "resumed from a checkpoint written after step 11, before the end"
+
+    # Where the time went: every second in one bucket; hung from the last step to the verdict (the stall, and
+    # up to a step's time before the SIGSTOP), restarting from the verdict to the next attempt's first step.
+    spent, hang_at = summary["goodput"]["seconds"], first["started_at"] + failure["after_s"]
+    assert sum(spent.values()) == pytest.approx(summary["duration_s"], rel=0.01), spent
+    assert STALL <= spent["hung"] < DETECT_WITHIN + 5, spent
+    assert spent["hung"] == pytest.approx(hang_at - first["progress"]["last_at"], abs=0.01), (spent, first)
+    assert spent["restarting"] == pytest.approx(second["progress"]["first_at"] - hang_at, abs=0.01), spent
+    assert spent["training"] > 0 and spent["start-up"] > 0 and spent["ending"] > 0, spent
+    assert second["progress"]["first_step"] <= first["progress"]["last_step"] < second["progress"]["last_step"] == 64
+    assert spent["redone"] == pytest.approx(second["progress"]["new_at"] - second["progress"]["first_at"], abs=0.01)
+    status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout
+    assert f"  time: {summary['duration_s']:.1f} s, goodput {100 * summary['goodput']['goodput']:.0f}%: " \
+           f"start-up " in status and " hung " in status and "  progress: step 64/64 (100%)\n" in status, status
 
     stacks = run.runs_dir / run.run_id / "stacks" / "attempt-0"
     assert verdict.group(2) == str(stacks)

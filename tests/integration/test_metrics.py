@@ -11,13 +11,14 @@ import shutil
 import subprocess
 import textwrap
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import Launch, assert_nothing_left, assert_only_the_jobs_lines, free_port, harness
+from conftest import REPO, Launch, assert_nothing_left, assert_only_the_jobs_lines, free_port, harness
 
 STEP_S = 0.25
 STEPS = 40  # per epoch, two epochs: 20 s of steps at the script's own pace
@@ -73,6 +74,15 @@ class Prometheus:
         text = self._get("/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
         return json.loads(text)["data"]["result"] if text else []
 
+    def refused(self, promql: str) -> str | None:
+        """Why Prometheus refuses promql (None: it takes it)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/v1/query?"
+                                        + urllib.parse.urlencode({"query": promql}), timeout=5):
+                return None
+        except urllib.error.HTTPError as refusal:
+            return json.loads(refusal.read())["error"]
+
     def _wait(self, ready, what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
@@ -125,6 +135,11 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
         run_id = run.run_id
         rates = server.wait_for(f'harness_rank_steps_per_second{{run_id="{run_id}"}} > 0', 4)
         running = server.query(f'harness_run_status{{run_id="{run_id}"}} == 1')
+        documented = re.search(r"^Some queries.*?```text\n(.*?)```", (REPO / "docs" / "metrics.md").read_text(),
+                               re.S | re.M)
+        assert documented, "docs/metrics.md's queries"
+        refused = {query: why for query in documented.group(1).splitlines() if (why := server.refused(query))}
+        assert not refused, refused
         run.wait_for(r"^\[node0\] \[rank0\]: epoch 1/2 step 20/")
         asked = time.time()
         status = harness("status", run_id, "--runs-dir", str(tmp_path / "runs")).stdout
