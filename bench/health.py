@@ -24,6 +24,8 @@ whether the right rank is named, against torchrun alone; and what the watch cost
    without Flight Recorder (`env: {TORCH_FR_BUFFER_SIZE: '0'}`: the hook still serves, the reads find
    nothing) and off (`health: {stall: 0, slow: 0}`), interleaved: rank 0's img/s over the steps after
    warm-up, and the time from the command's start to rank 0's first step.
+12. Serving the run's metrics to Prometheus (health.metrics_port): the controller's CPU per scrape and per
+   rank at a scrape every 5 s, beside the controller's own CPU rate (metrics_cost).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -385,3 +388,84 @@ def watch_cost(cfg: dict[str, Any]) -> dict[str, Any]:
                                      "rank_cpu_ms": round(1000 * recorder["rank_cpu_s"], 2),
                                      "agent_cpu_ms": round(1000 * recorder["agent_cpu_s"], 2),
                                      "rank_cpu_share": round(recorder["rank_cpu_s"] / interval, 5)}}
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds a process has used (user and system, all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _scrape(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        return len(answer.read())
+
+
+def _synthetic_scrape(ranks: int, repeats: int) -> dict[str, float]:
+    """CPU seconds one scrape of a run of `ranks` ranks costs the serving process (what RunMetrics reads and
+    prometheus-client writes), on a record made here: without a job, any size."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from harness.record.index import create_run_dir
+    from harness.record.schema import ControllerId, LiveHealth, Progress, RankRow, RunState, RunStatus
+    from harness.view.metrics import RunMetrics
+
+    with tempfile.TemporaryDirectory(prefix="bench-metrics-record-") as tmp:
+        run = create_run_dir(Path(tmp), "bench-20261126-000000-000000")
+        now, per_node = time.time(), 8
+        run.write_state(RunState(run_id=run.run_id, name="bench", mode="ssh", status=RunStatus.RUNNING,
+                                 started_at=now - 600, nnodes=ranks // per_node, world_size=ranks,
+                                 controller=ControllerId(os.getpid(), None),
+                                 hosts=[f"h{n}" for n in range(ranks // per_node)]))
+        rows = {rank: RankRow(node=f"node{rank // per_node}", host=f"h{rank // per_node}", state="computing", cpu=0.98,
+                              busy=0.9, last_line=f"[rank{rank}]: epoch 1/3 step 512/1000 loss 1.2345",
+                              last_line_at=now - 1, step=512, step_rate=8.5, gpu_util=97.0, gpu_memory=40 << 30,
+                              idle=0.0, step_at=now - 1) for rank in range(ranks)}
+        run.write_health(LiveHealth(attempt=0, t=now, ranks=rows, started_at=now - 590,
+                                    progress=Progress(1, now - 580, 512, now - 1, now - 580, 3000, 8.5)))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(RunMetrics(run))
+        size = len(generate_latest(registry))
+        began = time.thread_time()
+        for _ in range(repeats):
+            generate_latest(registry)
+        return {"ranks": ranks, "cpu_ms": round(1000 * (time.thread_time() - began) / repeats, 2), "bytes": size}
+
+
+def metrics_cost(cfg: dict[str, Any]) -> dict[str, Any]:
+    """12. What serving the metrics costs the controller: the payload (2 nodes x 1 process) launched with
+    health.metrics_port; the controller's own CPU rate over a quiet window (what the watch, the stream and the
+    record cost it: bench 10 measures the agents' side), then `scrapes` scrapes back to back, whose CPU less
+    that rate is the cost of one; and one scrape of records of 8 to 256 ranks, timed in process."""
+    steps, batch = cfg["steps"], cfg["batch_size"]
+    args = ["--data", "synthetic", "--subset", str(2 * batch * steps), "--model", cfg["model"], "--epochs", "1",
+            "--max-steps", str(steps), "--batch-size", str(batch), "--log-every", "1", "--device", "cpu"]
+    port = procs.free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-metrics-") as tmp:
+        job = write_job(Path(tmp) / "metrics.yaml", "module: harness.payload.train\n  args: " + json.dumps(args),
+                        ONE_THREAD, f"{{metrics_port: {port}}}")
+        launch = [procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(Path(tmp) / "runs")]
+        with procs.Proc(launch) as p:
+            p.wait_for(r"\[rank0\]: epoch 1/1 step 50/", timeout=300)
+            controller = p.proc.pid
+            began, cpu = time.monotonic(), _process_cpu(controller)
+            time.sleep(cfg["window"])
+            quiet_rate = (_process_cpu(controller) - cpu) / (time.monotonic() - began)
+            began, cpu = time.monotonic(), _process_cpu(controller)
+            size = sum(_scrape(port) for _ in range(cfg["scrapes"])) // cfg["scrapes"]
+            elapsed = time.monotonic() - began
+            per_scrape = max(0.0, (_process_cpu(controller) - cpu) - quiet_rate * elapsed) / cfg["scrapes"]
+            code = p.wait(timeout=600)
+            if code != 0:
+                raise RuntimeError(f"the payload with metrics served exited {code}:\n{p.output[-3000:]}")
+    ranks, every = 2, cfg["every"]
+    synthetic = [_synthetic_scrape(n, cfg["synthetic_repeats"]) for n in (8, 64, 256)]
+    for row in synthetic:
+        row["cpu_share_per_rank"] = round(row["cpu_ms"] / 1000 / every / row["ranks"], 7)
+    return {"job": f"payload: synthetic data, {cfg['model']} model, batch {batch} x 2 nodes x 1 process, gloo on CPU, "
+                   f"--log-every 1, health.metrics_port set",
+            "scrape_every_s": every, "window_s": cfg["window"], "scrapes": cfg["scrapes"],
+            "controller_cpu_share": round(quiet_rate, 5), "controller_cpu_share_per_rank": round(quiet_rate / ranks, 5),
+            "scrape_cpu_ms": round(1000 * per_scrape, 2), "scrape_bytes": size,
+            "scrape_cpu_share_per_rank": round(per_scrape / every / ranks, 7), "synthetic": synthetic}

@@ -90,7 +90,7 @@ def _one(tmp: Path, kill: Kill, kill_at: int, every: int, extra: list[str], nnod
     return {"phases": phases, "total": marks[-1] - killed, "redone": reached - resumed,
             "reached": reached, "resumed": resumed,
             "attempts": [a["status"] for a in summary["attempts"]], "kind": summary["attempts"][0]["kind"],
-            "world_sizes": [a["world_size"] for a in summary["attempts"]]}
+            "world_sizes": [a["world_size"] for a in summary["attempts"]], "goodput": summary["goodput"]}
 
 
 def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
@@ -102,7 +102,9 @@ def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
             "steps_redone": [r["redone"] for r in runs], "ckpt_every": every,
             "attempts_total_s": [round(r["total"], 2) for r in runs],
             "classified": sorted({r["kind"] for r in runs}), "attempts": runs[0]["attempts"],
-            "world_sizes": runs[0]["world_sizes"]}
+            "world_sizes": runs[0]["world_sizes"], "goodput": median([r["goodput"]["goodput"] for r in runs]),
+            **{f"time_{bucket}_s": median([r["goodput"]["seconds"][bucket] for r in runs])
+               for bucket in runs[0]["goodput"]["seconds"]}}
 
 
 @contextmanager

@@ -278,6 +278,12 @@ def _recovery(r: dict[str, Any]) -> list[str]:
              f"{row['steps_redone']} of {row['ckpt_every']}"] for row in r["rows"]]
     lines += _table(["failure", "world size", "kill to next first step (attempts)", "detection", "teardown",
                      "preflight", "start-up", "checkpoint load", "first step", "steps redone"], rows)
+    if all("goodput" in row for row in r["rows"]):  # results from before the runs' time was bucketed have none
+        buckets = [key for key in r["rows"][0] if key.startswith("time_")]
+        lines += ["", "Where each run's time went (summary.json's goodput; seconds, median):", ""]
+        lines += _table(["failure", "goodput", *(key.removeprefix("time_").removesuffix("_s") for key in buckets)],
+                        [[row["failure"], _percent(row["goodput"]), *(_num(row[key], 1) for key in buckets)]
+                         for row in r["rows"]])
     return lines + [f"Note: {n}" for n in r.get("notes", [])] + ([""] if r.get("notes") else [])
 
 
@@ -401,6 +407,20 @@ def _watch_cost(w: dict[str, Any]) -> list[str]:
             f"{w['sampling_cpu_share']:.3%} of one core per node.", ""]
 
 
+def _metrics_cost(m: dict[str, Any]) -> list[str]:
+    lines = [f"{m['job']}. The controller's own CPU (its watch, the stream, the record) over {m['window_s']} s without "
+             f"scrapes: {m['controller_cpu_share']:.2%} of one core, {m['controller_cpu_share_per_rank']:.2%} per "
+             f"rank. "
+             f"One scrape ({m['scrape_bytes']} bytes; {m['scrapes']} back to back, less that rate): "
+             f"{m['scrape_cpu_ms']} ms of the controller's CPU; every {m['scrape_every_s']:g} s: "
+             f"{m['scrape_cpu_share_per_rank']:.4%} of one core per rank.", "",
+             "One scrape of a larger run's record, timed in process (RunMetrics and prometheus-client's text):", ""]
+    every = f"share of a core per rank, every {m['scrape_every_s']:g} s"
+    return lines + _table(["ranks", "CPU ms per scrape", "bytes", every],
+                          [[r["ranks"], r["cpu_ms"], r["bytes"], f"{r['cpu_share_per_rank']:.4%}"]
+                           for r in m["synthetic"]]) + [""]
+
+
 def _stream(s: dict[str, Any]) -> list[str]:
     return [f"{s['job']}; median of {s['repeats']}, alternating. Harness / torchrun: {s['ratio']:.3f}.", "",
             *_table(["launcher", "end to end (s)", "attempts (s)"],
@@ -421,6 +441,7 @@ SECTIONS = (
     ("hangs", "9. Hangs: detection time and culprit, against torchrun alone", _hangs),
     ("watch_cost", "10. The health watch's cost: img/s and time to first step", _watch_cost),
     ("stream", "11. The stream: a chatty job's lines, against torchrun --tee", _stream),
+    ("metrics_cost", "12. Serving metrics to Prometheus: the controller's CPU", _metrics_cost),
 )
 
 

@@ -25,10 +25,10 @@ from bench import machine, procs, report
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
 NAMES = ("throughput", "tuning", "ddp", "strategies", "first_step", "preflight", "failure", "recovery", "slurm",
-         "containers", "hangs", "watch_cost", "stream")
-HEALTH = ("hangs", "watch_cost")
+         "containers", "hangs", "watch_cost", "stream", "metrics_cost")
+HEALTH = ("hangs", "watch_cost", "metrics_cost")
 # What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed);
-# health is the health watch's alone (benchmarks 9 and 10: 60 hung launches, ~21 min on 2 cores).
+# health is the health watch's alone (benchmarks 9, 10 and 12: 60 hung launches, ~22 min on 2 cores).
 PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp", "strategies"),
                  "full": tuple(n for n in NAMES if n != "tuning" and n not in HEALTH), "health": HEALTH}
 PROFILE_NAMES["quick"] = PROFILE_NAMES["full"]
@@ -81,6 +81,8 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
                   "torchrun_timeout": 30, "torchrun_wait": 15},
         "watch_cost": {"repeats": 4, "model": "small", "batch_size": 32, "steps": 300, "warmup": 20},
         "stream": {"lines": 1_000_000, "repeats": 1 if quick else 3},
+        "metrics_cost": {"model": "small", "batch_size": 32, "steps": 3000, "window": 15, "scrapes": 100, "every": 5,
+                         "synthetic_repeats": 20},
     }
 
 
@@ -103,7 +105,7 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
             "first_step": launch.time_to_first_step, "preflight": preflight.run,
             "failure": launch.failure_propagation, "recovery": recovery.run, "slurm": slurm.run,
             "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost,
-            "stream": stream.run}
+            "stream": stream.run, "metrics_cost": health.metrics_cost}
 
 
 def resolve_device(device: str) -> str:
