@@ -36,7 +36,7 @@ from bench import procs
 from testbed.cluster import missing_support, namespace_cluster
 
 STEP = re.compile(r"\[rank0\]: epoch \d+/\d+ step (\d+)/(\d+) ")
-RESUMED = re.compile(r"\[rank0\]: resume: epoch \d+ step (\d+) ")
+RESUMED = re.compile(r"\[rank0\]: resume: epoch \d+/\d+ step (\d+)/")
 PHASES = ("detection", "teardown", "preflight", "start-up", "load", "first step")
 MARKS = (r"^harness: node\d+ on \S+ failed", r"^harness: attempt 0 failed", r"^harness: run \S+ attempt 1, ",
          r"\[rank0\]: resume: looking for", RESUMED.pattern)

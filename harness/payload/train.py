@@ -228,7 +228,9 @@ class Trainer:
         self.scheduler.load_state_dict(saved.scheduler)
         saved.rng.restore(self.rt.device)
         p = saved.progress
-        self.log(f"resume: epoch {p.epoch + 1} step {p.step} (global step {p.global_step}) from {path}")
+        # epoch E/EPOCHS step N/PER_EPOCH, as the progress lines say it: a progress pattern reads the same step
+        self.log(f"resume: epoch {p.epoch + 1}/{self.args.epochs} step {p.step}/{self.steps_per_epoch} "
+                 f"(global step {p.global_step}) from {path}")
         return replace(p, world_size=self.rt.world_size)
 
     def _announce(self) -> None:

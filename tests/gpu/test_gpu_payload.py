@@ -59,6 +59,6 @@ def test_nccl_rank_learns_checkpoints_and_resumes_on_cuda(tmp_path: Path) -> Non
     first = _run(_torchrun(*args, "--max-steps", "30"))
     assert "device=cuda backend=nccl" in first and "precision=bf16 compile=reduce-overhead" in first, first
     resumed = _run(_torchrun(*args))
-    assert "resume: epoch 1 step 30 (global step 30)" in resumed, resumed
+    assert "resume: epoch 1/4 step 30/32 (global step 30)" in resumed, resumed
     done = re.search(r"^done: test_acc=([\d.]+) global_step=128 world_size=1 ", resumed, re.M)
     assert done and float(done.group(1)) >= 0.5, resumed

@@ -53,7 +53,7 @@ def test_a_stopped_rank_is_a_hang_and_the_restart_resumes_bitwise_equal(uninterr
     assert first["started_at"] + failure["after_s"] - stopped_wall < DETECT_WITHIN
     assert re.search(r"harness: attempt 0 failed at the hang level .*; restart 1 of 2", run.output), run.output
     assert re.search(rf"harness: run {run.run_id} attempt 1, 2 node\(s\)", run.output), run.output
-    resumed = int(re.search(r"\[rank0\]: resume: epoch 1 step (\d+) ", run.output).group(1))
+    resumed = int(re.search(r"\[rank0\]: resume: epoch 1/\d+ step (\d+)/", run.output).group(1))
     assert resumed in range(8, 64, 4), "resumed from a checkpoint written after step 11, before the end"
 
     # Where the time went: every second in one bucket; hung from the last step to the verdict (the stall, and

@@ -29,7 +29,7 @@ def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted
     first, second = summary["attempts"]
     assert first["kind"] == "infra" and first["failures"][0]["evidence"] == "rank 1 killed by SIGKILL"
     assert first["failures"][0]["node_rank"] == 1 and second["recover_s"] > 0
-    resumed = int(re.search(r"\[rank0\]: resume: epoch 1 step (\d+) ", run.output).group(1))
+    resumed = int(re.search(r"\[rank0\]: resume: epoch 1/\d+ step (\d+)/", run.output).group(1))
     assert resumed in range(8, 64, 4), "resumed from a checkpoint written after step 11, before the end"
     assert re.search(rf"harness: run {run.run_id} attempt 1, 2 node\(s\)", run.output), run.output
     run_path = run.runs_dir / run.run_id
@@ -191,7 +191,7 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(uni
     assert re.search(r"harness: attempt 0 failed at the infra level on h2 \(connection to h2 .*\); restart 1 of 2 "
                      r"in 1 s, without h2", run.output), run.output
     assert re.search(r"\[node1\] \[rank1\]: .*", run.output)
-    assert re.search(r"\[rank0\]: resume: epoch \d step \d+ ", run.output), run.output
+    assert re.search(r"\[rank0\]: resume: epoch \d/\d+ step \d+/", run.output), run.output
     assert_nothing_left(run.run_id)
 
 

@@ -260,7 +260,7 @@ def test_warning_and_requeue_resume_and_end_bitwise_equal(uninterrupted, slurm_c
                              r"(\d+)", timeout=60).group(1))
     assert saved < 32, f"saved at global step {saved}, past the first epoch"
     _release(slurm_cluster, run, job_id, 1)
-    run.wait_for(rf"\[node0\] \[rank0\]: resume: epoch 1 step {saved} \(global step {saved}\)", timeout=240)
+    run.wait_for(rf"\[node0\] \[rank0\]: resume: epoch 1/\d+ step {saved}/\d+ \(global step {saved}\)", timeout=240)
     ranks = catching_usr1(run.run_id)
     epoch_end = checkpoint.path_for(tmp_path / "job" / "ckpt", 32)
     deadline = time.monotonic() + 240
@@ -275,7 +275,7 @@ def test_warning_and_requeue_resume_and_end_bitwise_equal(uninterrupted, slurm_c
     summary = run.summary()
     assert [a["status"] for a in summary["attempts"]] == ["failed", "failed", "succeeded"]
     path = run.runs_dir / run.run_id
-    assert "resume: epoch 2 step" in (path / "node0.attempt2.log").read_text()
+    assert "resume: epoch 2/2 step" in (path / "node0.attempt2.log").read_text()
     batch = (path / f"slurm-{job_id}.log").read_text()
     assert "harness: Slurm's time-limit warning: requeueing the job (restart 1 of 2)" in batch, batch
     assert summary["attempts"][1]["ended_by"] == "the allocation ended while it ran (Slurm requeued the job: " \
@@ -328,7 +328,7 @@ def test_a_spare_node_of_the_batch_job_takes_over_and_the_run_ends_bitwise_equal
     kill_node(cluster, "n2", slurmd=True)
     run.wait_for(r"^harness: attempt 0 failed at the infra level on n2 ", timeout=120)
     cluster.restart_slurmd("n2")
-    resumed = int(run.wait_for(r"\[node0\] \[rank0\]: resume: epoch \d step \d+ \(global step (\d+)\)",
+    resumed = int(run.wait_for(r"\[node0\] \[rank0\]: resume: epoch \d/\d+ step \d+/\d+ \(global step (\d+)\)",
                                timeout=240).group(1))
     run.wait_for(rf"\[node0\] \[rank0\]: epoch {resumed // 32 + 1}/2 step {resumed % 32 + 1}/32 ", timeout=60)
     print(f"from the node kill to the next training step: {time.monotonic() - killed:.1f} s")

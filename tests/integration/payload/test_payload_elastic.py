@@ -73,7 +73,7 @@ def test_fsdp_killed_while_writing_its_shards_resumes_bitwise(unbroken, tmp_path
     assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
 
     resumed = run(torchrun() + args, env=ONE_THREAD)
-    assert "resume: epoch 1 step 8 (global step 8)" in resumed.output, resumed.output
+    assert "resume: epoch 1/2 step 8/16 (global step 8)" in resumed.output, resumed.output
     assert not (ckpt / f".{stalled.name}.tmp").exists()
     expected_losses, expected_weights = unbroken["fsdp"]
     assert losses(tmp_path / "losses.jsonl") == expected_losses
@@ -94,7 +94,7 @@ def test_a_checkpoint_resumes_on_another_world_size_with_the_same_losses(unbroke
     split = f"{share} image(s) per rank" + (" as 2 micro-batches of 32" if share == 64 else "")
     assert f"resume: world size {before} -> {after}; the same steps continue: global batch 64 = {after} rank(s) x " \
            f"{split}" in resumed.output, resumed.output
-    assert re.search(r"^resume: epoch 1 step 10 \(global step 10\)", resumed.output, re.M), resumed.output
+    assert re.search(r"^resume: epoch 1/2 step 10/16 \(global step 10\)", resumed.output, re.M), resumed.output
     expected_losses, expected_weights = unbroken[strategy]
     got = losses(curve)
     assert list(got) == list(expected_losses) == list(range(1, 33))

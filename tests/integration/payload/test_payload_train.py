@@ -78,7 +78,7 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise(reference, tmp_path: Path) -> 
     assert saved and not (tmp_path / "final.pt").exists()
 
     resumed = run(torchrun() + args)
-    step = int(re.search(r"^resume: epoch 1 step (\d+) ", resumed.output, re.M).group(1))
+    step = int(re.search(r"^resume: epoch 1/\d+ step (\d+)/", resumed.output, re.M).group(1))
     assert 8 <= step < 32 and checkpoint.path_for(ckpt, step) == saved[0]
     assert_same_weights(reference[0], weights(tmp_path / "final.pt"))
     def curve(history: list[dict]) -> list[tuple[float, float]]:
@@ -110,7 +110,7 @@ def test_kill_during_checkpoint_write_then_resume_is_bitwise(reference, tmp_path
     resumed = run(torchrun() + args)
     skipped = [line for line in resumed.lines if "skipping unreadable checkpoint" in line]
     assert len(skipped) == 1 and str(corrupt) in skipped[0]
-    assert "resume: epoch 1 step 8 (global step 8)" in resumed.output
+    assert re.search(r"^resume: epoch 1/2 step 8/\d+ \(global step 8\) ", resumed.output, re.M), resumed.output
     assert not partial[0].exists()
     assert_same_weights(reference[0], weights(tmp_path / "final.pt"))
 
