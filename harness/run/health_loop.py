@@ -13,6 +13,7 @@ import time
 from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView
 from harness.health.rank_stack import ranks_text
 from harness.health.verdict import Ended, Verdict, hang_verdict
+from harness.node.protocol import sample_interval
 from harness.plan.planner import Node
 from harness.record.rundir import RunDir
 from harness.record.schema import HealthEvent, HealthEventKind, LiveHealth, RankRow
@@ -23,7 +24,7 @@ from harness.run.stack_capture import StackCapture, keep
 from harness.run.stopper import Stopper
 
 TICK_SECONDS = 0.5
-TIMELINE_SECONDS = 5.0  # how often each rank's course is added to timeline.jsonl
+TIMELINE_SECONDS = 5.0  # how often each rank's course is added to timeline.jsonl (more often while young)
 RATE_WINDOW = 60.0  # seconds of reported steps the step rate is measured over
 STEP_QUIET_SECONDS = 10.0  # no new step for this long (and three of the rank's usual intervals): its rate is 0
 LINE_KEPT = 240  # characters of a rank's last line in health.json
@@ -99,7 +100,8 @@ class HealthLoop:
         self.stopper.stop_all()
 
     def _write_health(self) -> None:
-        """health.json for status and top; every TIMELINE_SECONDS, a line of timeline.jsonl."""
+        """health.json for status and top; a line of timeline.jsonl as soon as a rank's first view or step is
+        known, then every second while the attempt is young and every TIMELINE_SECONDS after (sample_interval)."""
         if self.run is None:
             return
         now = time.time()
@@ -110,10 +112,12 @@ class HealthLoop:
         self.run.write_health(LiveHealth(
             attempt=self.attempt, t=now, slow={rank: round(waited, 1) for rank, waited in slow.items()},
             hang=f"hang: {self.hang.text}" if self.hang else None, ranks=dict(sorted(ranks.items()))))
-        if now - self._sampled >= TIMELINE_SECONDS and (views or any(r.step is not None for r in ranks.values())):
+        age = now - min((live.started for live in self.nodes), default=now)
+        if now - self._sampled >= sample_interval(TIMELINE_SECONDS, age) and \
+                (views or any(r.step is not None for r in ranks.values())):
             self._sampled = now
             append_sample(self.run.timeline, Sample(now, self.attempt, {
-                rank: RankPoint(views[rank].cpu if rank in views else 0.0,
+                rank: RankPoint(views[rank].cpu if rank in views else None,
                                 views[rank].busy if rank in views else None, row.step, row.gpu_util)
                 for rank, row in ranks.items() if rank in views or row.step is not None}))
 

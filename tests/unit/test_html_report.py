@@ -1,18 +1,25 @@
 """`harness report`: a run's record and timeline as one HTML page that parses, fetches nothing, escapes the
 record's strings, and shows the attempts, the health verdicts, the first failure and a chart per plot; also
-for a run still running and for a run recorded before timeline.jsonl."""
+for a run still running and for a run recorded before timeline.jsonl. A short run's course is known from its
+start: the agent and the timeline sample every second while an attempt is young."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections import deque
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 from harness import cli
+from harness.health.judge import HealthJudge
+from harness.node import observer
+from harness.node.observer import RankObserver
 from harness.node.proctable import start_ticks
+from harness.node.protocol import RankSample
+from harness.plan.planner import Node
 from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir
 from harness.record.schema import (
@@ -27,7 +34,10 @@ from harness.record.schema import (
     RunStatus,
     RunSummary,
 )
-from harness.record.timeline import RankPoint, Sample, append_sample
+from harness.record.timeline import RankPoint, Sample, append_sample, read_timeline
+from harness.run import health_loop
+from harness.run.health_loop import HealthLoop
+from harness.run.live import LiveNode, RankActivity, StepMark
 from harness.view.report import html_report
 
 T0 = 1_700_000_000.0
@@ -191,3 +201,65 @@ def test_the_verb_writes_the_page_whole_where_asked(tmp_path: Path, capsys: pyte
     assert "is a directory" in capsys.readouterr().err
     assert cli.main(["report", "train-404", *runs]) == 2
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary file left"
+
+
+# --- a short run's course, from its start -------------------------------------------------------------
+
+
+class Clock:
+    """The clock a module reads (its `time`), moved on by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time_ns(self) -> int:
+        return int(self.now * 1e9)
+
+
+def test_the_agent_samples_every_second_while_the_attempt_is_young(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first sample within a second of the ranks, so a short run is seen from its start; then every WATCH
+    seconds (5 by default)."""
+    clock, waits = Clock(0.0), []
+
+    class Minute:
+        """The agent's wait between samples, on the test's clock: the attempt ends after a minute."""
+
+        def wait(self, seconds: float) -> bool:
+            waits.append(seconds)
+            clock.now += seconds
+            return clock.now > 60
+
+    monkeypatch.setattr(observer, "time", clock)
+    RankObserver("no-such-run", None, "not hooked", lambda kind, body: None).sample_every(5.0, Minute())
+    assert waits[:30] == [1.0] * 30 and set(waits[30:]) == {5.0}, waits
+
+
+def test_the_timeline_has_a_sample_as_soon_as_a_rank_is_known_then_one_a_second_while_young(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The health loop ticks twice a second; the agent samples every second from 2 s, so the judge sees each rank's
+    CPU use from 3 s; rank 0 printed its first step at 1.5 s. Its CPU use is not known then: left out, not 0."""
+    run = create_run_dir(tmp_path, "train-3")
+    node = Node(host="sim0", address="127.0.0.1", node_rank=0, nproc=2)
+    live = LiveNode(node, started=T0)
+    judge, clock = HealthJudge(stall=300, slow=0), Clock(T0)
+    monkeypatch.setattr(health_loop, "time", clock)
+    loop = HealthLoop(judge, run, 0, [live], None, None, None)  # stacks, output, stopper: not used to write health
+    for tick in range(1, 121):
+        clock.now = T0 + tick / 2
+        if tick == 3:
+            live.activity[0] = RankActivity("step 0", clock.now, deque([StepMark(clock.now, 0)]))
+        if tick % 2 == 0 and tick >= 4:
+            judge.observe(node, clock.now, {rank: RankSample(100 + rank, "R", 0.9 * tick / 2, 0.8 * tick / 2, tick)
+                                            for rank in node.ranks})
+        loop._write_health()
+    samples = read_timeline(run.timeline)
+    assert [s.t - T0 for s in samples] == [1.5 + i for i in range(29)] + [34.5, 39.5, 44.5, 49.5, 54.5, 59.5]
+    assert [s.ranks[0].cpu for s in samples[:3]] == [None, None, pytest.approx(0.9)]
+    assert set(samples[0].ranks) == {0} and set(samples[2].ranks) == {0, 1}
+
