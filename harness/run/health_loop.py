@@ -90,12 +90,12 @@ class HealthLoop:
         ended = {rank: Ended(live.node, live.outcome.describe()) for live in self.nodes if live.outcome is not None
                  for rank in live.node.ranks}
         if self.run is not None:
-            keep(self.run.stacks / f"attempt-{self.attempt}", stacks)
+            keep(self.run.hang_stacks(self.attempt), stacks)
         self.hang = hang_verdict(self.judge.stall, stacks, ended)
         self.events.append(HealthEvent(self.hang_at, HealthEventKind.HANG, f"hang: {self.hang.text}",
                                        self.hang.odd[0] if len(self.hang.odd) == 1 else None))
         self._write_health()
-        kept = f" (stacks in {self.run.stacks}/attempt-{self.attempt}/)" if self.run else ""
+        kept = f" (stacks in {self.run.hang_stacks(self.attempt)}/)" if self.run else ""
         self.output.say(f"hang: {self.hang.text}{kept}")
         self.stopper.stop_all()
 
