@@ -9,8 +9,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := openssh-server openssh-client iproute2 iptables
 # Only the tests need these: the Slurm cluster of testbed/slurm_cluster.py (daemons started by the tests, never
 # at boot); buildah and debootstrap build the image (tests/image/), podman runs it on the namespace hosts; jq is
-# piped into by an example of docs/cli.md that tests/integration/test_doc_examples.py runs.
-TEST_APT_PACKAGES := slurmctld slurmd slurm-client munge buildah debootstrap podman runc conmon catatonit jq
+# piped into by an example of docs/cli.md that tests/integration/test_doc_examples.py runs; chromium-headless-shell
+# draws a `harness report` page into a PNG (tests/integration/test_launch_local.py).
+TEST_APT_PACKAGES := slurmctld slurmd slurm-client munge buildah debootstrap podman runc conmon catatonit jq \
+	chromium-headless-shell
 JOB ?=
 HOSTS ?=
 
