@@ -10,7 +10,8 @@ in a CUDA synchronization). A rank without progress for health.stall seconds mea
 whatever its peers print. A slow rank is the one its peers wait for: it enqueues its collectives last
 (Flight Recorder's arrival times, arrivals.py), and its main thread is busy while theirs sleep (see
 docs/health.md). The agents sample as often as spec.job.Health.sample_seconds says, which these rules
-were made for.
+were made for, and every second while an attempt is young (node.protocol.sample_interval): shorter
+intervals only make progress easier to see, never a hang.
 """
 
 from __future__ import annotations

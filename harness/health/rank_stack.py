@@ -188,6 +188,15 @@ class RankStack:
                     lines.append(f"        {frame.code}")
         return "\n".join(lines) + "\n" + workers
 
+    def waits_in(self) -> list[Collective]:
+        """The collective it waits in, in each process group where it has an unfinished one (Flight Recorder);
+        none where its collectives were not read."""
+        if not isinstance(self.collectives, tuple):
+            return []
+        groups = dict.fromkeys(entry.group for entry in self.collectives)
+        return [entry for group in groups
+                if (entry := oldest_unfinished(e for e in self.collectives if e.group == group)) is not None]
+
     def collectives_text(self) -> str:
         """Its last collectives by process group, as a hang's rankN.txt ends: `#21 all_reduce [[100, 100]]
         unfinished`; or why they could not be read."""
@@ -199,6 +208,11 @@ class RankStack:
         lines += [f"    #{entry.seq}{entry.of} {entry.op_name} {entry.sizes} "
                   f"{'completed' if entry.done else 'unfinished'}" for entry in self.collectives]
         return "\n".join(lines) + "\n"
+
+
+def oldest_unfinished(entries: Iterable[Collective]) -> Collective | None:
+    """The collective a rank waits in among its entries of one process group: its oldest unfinished one."""
+    return min((entry for entry in entries if not entry.done), key=lambda entry: entry.seq, default=None)
 
 
 def short_path(path: str) -> str:
@@ -224,16 +238,31 @@ def ranks_text(numbers: Iterable[int]) -> str:
     return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {','.join(map(str, numbers))}"
 
 
-def grouped(stacks: Iterable[RankStack]) -> str:
-    """Every rank's stacks, ranks with the same stacks shown once (as `py-spy dump` / `ray stack` do)."""
+@dataclass(frozen=True)
+class StackGroup:
+    """Ranks whose stacks are alike: head names them (each with its node, pid, state and the collective it waits
+    in, where known), body is the stacks they share."""
+
+    head: str
+    body: str
+
+
+def stack_groups(stacks: Iterable[RankStack]) -> list[StackGroup]:
+    """Every rank's stacks, ranks with the same stacks together (as `py-spy dump` / `ray stack` do), by rank."""
     groups: dict[str, list[RankStack]] = {}
     for stack in sorted(stacks, key=lambda s: s.rank):
         body = stack.text().split("\n", 1)[1]
         key = re.sub(r"Thread \d+ ", "Thread ", body)
         groups.setdefault(key, []).append(stack)
-    blocks = []
-    for members in groups.values():
-        where = ", ".join(f"{s.rank} ({s.node.label} on {s.node.host}, pid {s.pid}, {state_words(s.state)})"
-                          for s in members)
-        blocks.append(f"{ranks_text(s.rank for s in members)}: {where}\n{members[0].text().split(chr(10), 1)[1]}")
-    return "\n".join(blocks)
+    return [StackGroup(f"{ranks_text(s.rank for s in members)}: " + ", ".join(map(_member, members)),
+                       members[0].text().split("\n", 1)[1]) for members in groups.values()]
+
+
+def _member(stack: RankStack) -> str:
+    waits = "".join(f", waiting in {entry.op_name} #{entry.seq}{entry.of}" for entry in stack.waits_in())
+    return f"{stack.rank} ({stack.node.label} on {stack.node.host}, pid {stack.pid}, {state_words(stack.state)}{waits})"
+
+
+def grouped(stacks: Iterable[RankStack]) -> str:
+    """Every rank's stacks as text, ranks with the same stacks shown once (stack_groups)."""
+    return "\n".join(f"{group.head}\n{group.body}" for group in stack_groups(stacks))

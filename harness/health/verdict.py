@@ -19,7 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from harness.health.rank_stack import DEFAULT_GROUP, Collective, RankStack, ranks_text, short_path, state_words
+from harness.health.rank_stack import (
+    DEFAULT_GROUP,
+    Collective,
+    RankStack,
+    oldest_unfinished,
+    ranks_text,
+    short_path,
+    state_words,
+)
 from harness.plan.planner import Node
 
 
@@ -155,8 +163,7 @@ def _groups(entries: dict[int, tuple[Collective, ...]]) -> list[_Group]:
         members = sorted(entries) if name == DEFAULT_GROUP else \
             sorted(r for r, mine in entries.items() if any(e.group == name for e in mine))
         mine = {r: [e for e in entries[r] if e.group == name] for r in members}
-        waiting = {r: min((e for e in own if not e.done), key=lambda e: e.seq)
-                   for r, own in mine.items() if any(not e.done for e in own)}
+        waiting = {r: entry for r, own in mine.items() if (entry := oldest_unfinished(own)) is not None}
         furthest = max(e.seq for e in waiting.values())
         found.append(_Group(name, members, mine, waiting, furthest,
                             {r: e for r, e in waiting.items() if e.seq == furthest}))

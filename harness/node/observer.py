@@ -1,8 +1,8 @@
-"""What the node agent sees of its node's ranks, for the controller's judges: every WATCH seconds each rank's
-health sample (harness.node.ranks: CPU, busy time, I/O) with its progress and new arrivals by Flight Recorder
-(harness.node.collectives) and its GPU use where the driver reports one (harness.node.gpu), and on request
-every rank's stacks (harness.node.pyspy) with its DataLoader workers' and its last collectives. Standard
-library only: shipped to nodes with the agent."""
+"""What the node agent sees of its node's ranks, for the controller's judges: every WATCH seconds (every
+second while the attempt is young) each rank's health sample (harness.node.ranks: CPU, busy time, I/O) with
+its progress and new arrivals by Flight Recorder (harness.node.collectives) and its GPU use where the driver
+reports one (harness.node.gpu), and on request every rank's stacks (harness.node.pyspy) with its DataLoader
+workers' and its last collectives. Standard library only: shipped to nodes with the agent."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from harness.node.collectives import READ_SECONDS, arrivals, last_entries, progress, read_trace
 from harness.node.gpu import Nvml, open_nvml
 from harness.node.proctable import process_tree, stat_fields
-from harness.node.protocol import Kind, RankSample, arrivals_bodies, health_bodies, stacks_bodies
+from harness.node.protocol import Kind, RankSample, arrivals_bodies, health_bodies, sample_interval, stacks_bodies
 from harness.node.pyspy import dump, py_spy_path
 from harness.node.ranks import as_seen, children_of, find_ranks, python_children, sample, source_line
 
@@ -37,9 +37,10 @@ class RankObserver:
         self.nvml: Nvml | str | None = None  # opened at the first sample; a string: why there is none
 
     def sample_every(self, seconds: float, ended: threading.Event) -> None:
-        """Every `seconds` until ended, how far each rank has run (what the controller judges hangs and slow
-        ranks by)."""
-        while not ended.wait(seconds):
+        """Every `seconds` (every second while the attempt is young: sample_interval) until ended, how far each
+        rank has run (what the controller judges hangs and slow ranks by, and draws in timeline.jsonl)."""
+        started = time.monotonic()
+        while not ended.wait(sample_interval(seconds, time.monotonic() - started)):
             below, _ = process_tree(os.getpid())
             self.ranks = find_ranks(below, self.run_id) or self.ranks
             self.seen.update({pid: rank for rank, pid in self.ranks.items()})

@@ -23,6 +23,8 @@ from typing import NamedTuple
 MARKER = b"\x1eharness-"
 CHUNK = 3000  # characters of a stacks answer's JSON per message: every line stays within PIPE_BUF (4096)
 SAMPLES_PER_LINE = 32  # 32 ranks' health samples stay well within PIPE_BUF
+YOUNG_SECONDS = 30.0  # an attempt this young is sampled every YOUNG_EVERY seconds
+YOUNG_EVERY = 1.0
 
 
 class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate 3.11
@@ -43,7 +45,7 @@ class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate
 class Kind(str, Enum):  # noqa: UP042 - as Word
     """Agent -> controller: the kind of a message line."""
 
-    HEALTH = "health"  # every WATCH seconds: each rank's RankSample, SAMPLES_PER_LINE ranks a line
+    HEALTH = "health"  # every sample_interval(WATCH): each rank's RankSample, SAMPLES_PER_LINE ranks a line
     STACKS = "stacks"  # `TAG RANK PART LAST CHUNK`: a chunk of one rank's stacks answer (StackChunks)
     STACKS_DONE = "stacks-done"  # `TAG`: every rank's stacks for TAG were sent
     ARRIVALS = "arrivals"  # with each health sample: the Arrivals of one rank since its last
@@ -130,6 +132,14 @@ def split_line(raw: bytes) -> tuple[bytes, Message | None]:
         return raw[:at], Message(Kind(name), body)
     except ValueError:
         return raw[:at], None
+
+
+def sample_interval(every: float, age: float) -> float:
+    """The seconds to the next sample of an attempt age seconds old: at most YOUNG_EVERY while it is young, so that
+    its first sample comes within a second of its ranks and a short run's course is known from its start (the
+    agent's health samples, the controller's timeline.jsonl); every `every` after, so that a long run costs and
+    keeps little."""
+    return min(every, YOUNG_EVERY) if age < YOUNG_SECONDS else every
 
 
 def health_bodies(t: float, samples: dict[int, RankSample]) -> list[str]:

@@ -103,6 +103,10 @@ class RunDir:
         """Stacks read from the ranks: attempt-N/ for a hang, and what `harness stacks` asked for."""
         return self.path / "stacks"
 
+    def hang_stacks(self, attempt: int) -> Path:
+        """Where the stacks of the attempt's hang are kept (run/stack_capture.keep: rankN.txt, stacks.json)."""
+        return self.stacks / f"attempt-{attempt}"
+
     @property
     def health_file(self) -> Path:
         """The running attempt's health as the controller judges it (slow ranks, a hang's verdict)."""

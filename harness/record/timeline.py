@@ -8,16 +8,17 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
 class RankPoint:
-    """cpu: CPUs the rank (with its children) used over the interval before t (1.0: one CPU all the time);
-    busy: the share of that interval its main thread ran (None: not measured); step: its progress, where
-    the job prints it (None: not known); gpu: the percentage of the SMs' time it ran kernels (None: no GPU the
-    driver reports)."""
+    """cpu: CPUs the rank (with its children) used over the interval before t (1.0: one CPU all the time; None:
+    not measured yet: its step was known before the health watch's first two samples of it); busy: the share
+    of that interval its main thread ran (None: not measured); step: its progress, where the job prints it
+    (None: not known); gpu: the percentage of the SMs' time it ran kernels (None: no GPU the driver reports)."""
 
-    cpu: float
+    cpu: float | None
     busy: float | None = None
     step: int | None = None
     gpu: float | None = None
@@ -32,12 +33,16 @@ class Sample:
 
 def append_sample(path: Path, sample: Sample) -> None:
     """One line, in one write: a reader sees whole lines, or a last one cut short by a crash."""
-    ranks = {str(rank): {"cpu": round(p.cpu, 3), "busy": None if p.busy is None else round(p.busy, 3), "step": p.step,
+    ranks = {str(rank): {"cpu": _rounded(p.cpu), "busy": _rounded(p.busy), "step": p.step,
                          **({} if p.gpu is None else {"gpu": p.gpu})}
              for rank, p in sorted(sample.ranks.items())}
     line = json.dumps({"t": round(sample.t, 3), "attempt": sample.attempt, "ranks": ranks}, separators=(",", ":"))
     with open(path, "a", encoding="utf-8") as file:
         file.write(line + "\n")
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def read_timeline(path: Path) -> list[Sample]:
@@ -51,10 +56,14 @@ def read_timeline(path: Path) -> list[Sample]:
         try:
             data = json.loads(line)
             samples.append(Sample(float(data["t"]), int(data["attempt"]), {
-                int(rank): RankPoint(float(p["cpu"]), None if p.get("busy") is None else float(p["busy"]),
-                                     None if p.get("step") is None else int(p["step"]),
-                                     None if p.get("gpu") is None else float(p["gpu"]))
+                int(rank): RankPoint(_number(p, "cpu"), _number(p, "busy"),
+                                     None if p.get("step") is None else int(p["step"]), _number(p, "gpu"))
                 for rank, p in data["ranks"].items()}))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return samples
+
+
+def _number(point: Mapping[str, Any], key: str) -> float | None:
+    """A point's value, None where it is left out or null."""
+    return None if point.get(key) is None else float(point[key])

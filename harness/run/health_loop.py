@@ -13,6 +13,7 @@ import time
 from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView
 from harness.health.rank_stack import ranks_text
 from harness.health.verdict import Ended, Verdict, hang_verdict
+from harness.node.protocol import sample_interval
 from harness.plan.planner import Node
 from harness.record.rundir import RunDir
 from harness.record.schema import HealthEvent, HealthEventKind, LiveHealth, Progress, RankRow
@@ -23,7 +24,7 @@ from harness.run.stack_capture import StackCapture, keep
 from harness.run.stopper import Stopper
 
 TICK_SECONDS = 0.5
-TIMELINE_SECONDS = 5.0  # how often each rank's course is added to timeline.jsonl
+TIMELINE_SECONDS = 5.0  # how often each rank's course is added to timeline.jsonl (more often while young)
 RATE_WINDOW = 60.0  # seconds of reported steps the step rate is measured over
 STEP_QUIET_SECONDS = 10.0  # no new step for this long (and three of the rank's usual intervals): its rate is 0
 LINE_KEPT = 240  # characters of a rank's last line in health.json
@@ -92,17 +93,18 @@ class HealthLoop:
         ended = {rank: Ended(live.node, live.outcome.describe()) for live in self.nodes if live.outcome is not None
                  for rank in live.node.ranks}
         if self.run is not None:
-            keep(self.run.stacks / f"attempt-{self.attempt}", stacks)
+            keep(self.run.hang_stacks(self.attempt), stacks)
         self.hang = hang_verdict(self.judge.stall, stacks, ended)
         self.events.append(HealthEvent(self.hang_at, HealthEventKind.HANG, f"hang: {self.hang.text}",
                                        self.hang.odd[0] if len(self.hang.odd) == 1 else None))
         self._write_health()
-        kept = f" (stacks in {self.run.stacks}/attempt-{self.attempt}/)" if self.run else ""
+        kept = f" (stacks in {self.run.hang_stacks(self.attempt)}/)" if self.run else ""
         self.output.say(f"hang: {self.hang.text}{kept}")
         self.stopper.stop_all()
 
     def _write_health(self) -> None:
-        """health.json for status and top; every TIMELINE_SECONDS, a line of timeline.jsonl."""
+        """health.json for status and top; a line of timeline.jsonl as soon as a rank's first view or step is
+        known, then every second while the attempt is young and every TIMELINE_SECONDS after (sample_interval)."""
         if self.run is None:
             return
         now = time.time()
@@ -115,10 +117,12 @@ class HealthLoop:
             attempt=self.attempt, t=now, slow={rank: round(waited, 1) for rank, waited in slow.items()},
             hang=f"hang: {self.hang.text}" if self.hang else None, ranks=dict(sorted(ranks.items())),
             started_at=self.started_at, progress=self.progress))
-        if now - self._sampled >= TIMELINE_SECONDS and (views or any(r.step is not None for r in ranks.values())):
+        age = now - min((live.started for live in self.nodes), default=now)
+        if now - self._sampled >= sample_interval(TIMELINE_SECONDS, age) and \
+                (views or any(r.step is not None for r in ranks.values())):
             self._sampled = now
             append_sample(self.run.timeline, Sample(now, self.attempt, {
-                rank: RankPoint(views[rank].cpu if rank in views else 0.0,
+                rank: RankPoint(views[rank].cpu if rank in views else None,
                                 views[rank].busy if rank in views else None, row.step, row.gpu_util)
                 for rank, row in ranks.items() if rank in views or row.step is not None}))
 

@@ -65,7 +65,8 @@ class Mark:
 
 def line_chart(axis: TimeAxis, series: Sequence[Segments], marks: Sequence[Mark], y_max: float,
                y_text: Callable[[float], str], height: int = 220) -> str:
-    """One line per series (colored in turn, as color(i)), y from 0 to y_max rounded up to a round step."""
+    """One line per series (colored in turn, as color(i)), y from 0 to y_max rounded up to a round step; a segment
+    of one point (a short run's, or one between gaps) is a dot, big enough to be seen."""
     top, bottom = 18, height - 24
     step = nice_step(y_max, 4)
     y_top = step * max(1, math.ceil(y_max / step - 1e-9))
@@ -85,7 +86,7 @@ def line_chart(axis: TimeAxis, series: Sequence[Segments], marks: Sequence[Mark]
             coords = " ".join(f"{axis.x(px):.1f},{y(py):.1f}" for px, py in points)
             parts.append(f'<polyline fill="none" stroke="{color(index)}" stroke-width="1.5" points="{coords}"/>'
                          if len(points) > 1 else
-                         f'<circle fill="{color(index)}" r="2" cx="{axis.x(points[0][0]):.1f}" '
+                         f'<circle fill="{color(index)}" r="3" cx="{axis.x(points[0][0]):.1f}" '
                          f'cy="{y(points[0][1]):.1f}"/>')
     parts.append("</svg>")
     return "".join(parts)

@@ -15,11 +15,23 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from html import escape
 
+from harness.health.rank_stack import stack_groups
 from harness.record.liveness import live_status
 from harness.record.rundir import RunDir
-from harness.record.schema import Attempt, Failure, RecordedNode, RunState, RunStatus, RunSummary
+from harness.record.schema import (
+    Attempt,
+    Failure,
+    FailureKind,
+    HealthEvent,
+    HealthEventKind,
+    RecordedNode,
+    RunState,
+    RunStatus,
+    RunSummary,
+)
 from harness.record.timeline import RankPoint, Sample, read_timeline
 from harness.view.charts import Dot, Mark, Row, Segments, Span, TimeAxis, legend, line_chart, rows_chart
+from harness.view.stacks import kept_stacks
 from harness.view.status import (
     health_lines,
     node_failures,
@@ -29,6 +41,7 @@ from harness.view.status import (
 )
 
 MAX_SAMPLES = 600  # per plot: a long run's samples are thinned to about this many, so the page stays small
+VERDICT_ABOVE = "the verdict above"  # a hang's verdict is said once, in the header; elsewhere it is pointed at
 # A rank's value at a sample, from its point, its point at the sample before in the same attempt (None:
 # the first of the attempt) and the seconds between the two; None: not known there.
 Measure = Callable[[RankPoint, RankPoint | None, float], float | None]
@@ -53,22 +66,36 @@ svg.chart{display:block;max-width:100%;height:auto;font-size:11px}
 .legend .hang{color:#5a0000}
 .legend span{margin-right:14px;white-space:nowrap}.legend i{display:inline-block;width:14px;height:4px;
 margin-right:4px;vertical-align:middle}
+details{margin:8px 0}summary{cursor:pointer}details h3{font-size:13px;word-break:break-word}
 """
 
 
 @dataclass(frozen=True)
 class _Run:
-    """What every part of the page reads: the record, and the time axis all charts share."""
+    """What every part of the page reads: the record, its timeline, and the time axis all charts share."""
 
     run: RunDir
     state: RunState
     summary: RunSummary | None
     status: RunStatus
     axis: TimeAxis
+    samples: Sequence[Sample]
 
     def since(self, t: float) -> float:
         """Seconds since the run started: the charts' x."""
         return t - self.state.started_at
+
+    @property
+    def hangs(self) -> dict[int, str]:
+        """Each hung attempt's verdict, by attempt: from the health watch's hang event, else (a record without
+        one) from the hang's failure."""
+        found: dict[int, str] = {}
+        for a in self.summary.attempts if self.summary else []:
+            said = [e.text.removeprefix("hang: ") for e in a.health if e.kind is HealthEventKind.HANG]
+            said += [f.evidence for f in a.failures if f.kind is FailureKind.HANG]
+            if said:
+                found[a.attempt] = said[0]
+        return found
 
 
 def html_report(run: RunDir) -> str:
@@ -76,8 +103,8 @@ def html_report(run: RunDir) -> str:
     state, summary = run.read_state(), run.read_summary()
     samples = read_timeline(run.timeline)
     ended = summary.ended_at if summary else state.ended_at or max([time.time(), *(s.t for s in samples)])
-    r = _Run(run, state, summary, live_status(state), TimeAxis(max(ended - state.started_at, 1.0)))
-    body = [_header(r), _attempts(r), _plots(r, samples), _first_failure(r), _nodes(r),
+    r = _Run(run, state, summary, live_status(state), TimeAxis(max(ended - state.started_at, 1.0)), samples)
+    body = [_header(r), _attempts(r), _plots(r), _first_failure(r), _hang_stacks(r), _nodes(r),
             f"<footer><p>written by harness report on {escape(_clock(time.time()))} from "
             f"<code>{escape(str(run.path))}</code></p></footer>"]
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>harness report: '
@@ -100,10 +127,14 @@ def _header(r: _Run) -> str:
              ("world size", " → ".join(map(str, sizes))),
              ("started", _clock(state.started_at)),
              ("duration", duration),
+             *([("first step", first)] if (first := _first_steps(r)) else []),
              ("exit code", str(summary.exit_code) if summary else "none yet"),
              ("attempts", str(len(summary.attempts)) if summary else f"{state.attempt + 1} so far")]
     error = (summary.error if summary else None) or state.error
-    facts += [("error", error)] if error else []
+    hangs = r.hangs
+    facts += [("error", error)] if error and error not in hangs.values() else []
+    facts += [("hang" if summary and len(summary.attempts) == 1 else f"hang in attempt {attempt}", verdict)
+              for attempt, verdict in hangs.items()]
     facts += [("not restarted", summary.reason)] if summary and summary.reason else []
     facts += [("warning", warning) for warning in (summary.warnings if summary else [])]
     parts = [f'<header><h1>{escape(r.run.run_id)}</h1><p><span class="badge {r.status.value}">{r.status.value}'
@@ -117,6 +148,19 @@ def _header(r: _Run) -> str:
             f"before.") + "</p>")
     parts.append("<dl>" + "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in facts) + "</dl></header>")
     return "".join(parts)
+
+
+def _first_steps(r: _Run) -> str:
+    """When a step was first known: the first sample of timeline.jsonl where any rank's step is, in seconds after
+    the run started (a later attempt's: after that attempt started, where the summary says when); "": never."""
+    starts = {a.attempt: a.started_at for a in r.summary.attempts} if r.summary else {}
+    seen: dict[int, float] = {}
+    for sample in r.samples:
+        if sample.attempt not in seen and any(point.step is not None for point in sample.ranks.values()):
+            seen[sample.attempt] = sample.t
+    return "; ".join(f"{t - r.state.started_at:.1f} s after the run started" if attempt == 0 else
+                     f"attempt {attempt}: {t - starts[attempt]:.1f} s after it started"
+                     for attempt, t in seen.items() if attempt == 0 or attempt in starts)
 
 
 def _attempts(r: _Run) -> str:
@@ -153,19 +197,25 @@ def _spans(r: _Run, a: Attempt) -> list[Span]:
 
 
 def _dots(r: _Run, a: Attempt) -> list[Dot]:
-    return ([Dot(r.since(e.at), e.kind.value, f"+{r.since(e.at):.1f} s {e.kind.value}: {e.text}") for e in a.health]
-            + [Dot(r.since(a.started_at + f.after_s), "failure", f"failure: {f.describe()}")
+    return ([Dot(r.since(e.at), e.kind.value, f"+{r.since(e.at):.1f} s {e.kind.value}: {_said(e)}") for e in a.health]
+            + [Dot(r.since(a.started_at + f.after_s), "failure", f"failure: {f.describe(verdict_said=True)}")
                for f in a.failures])
+
+
+def _said(event: HealthEvent) -> str:
+    """What the health watch said; a hang's verdict pointed at (the header says it)."""
+    return VERDICT_ABOVE if event.kind is HealthEventKind.HANG else event.text
 
 
 def _events(r: _Run, attempts: Iterable[Attempt]) -> Iterable[tuple[float, str, str, str, str]]:
     """Every verdict and failure: seconds since the run started, attempt, what, who, what was said."""
     for a in attempts:
-        yield from ((r.since(e.at), str(a.attempt), e.kind.value, "" if e.rank is None else f"rank {e.rank}", e.text)
-                    for e in a.health)
+        yield from ((r.since(e.at), str(a.attempt), e.kind.value, "" if e.rank is None else f"rank {e.rank}",
+                     _said(e)) for e in a.health)
         yield from ((r.since(a.started_at + f.after_s), str(a.attempt), f"{f.kind.value} failure",
                      f"node{f.node_rank} ({f.host})" + ("" if f.rank is None else f", rank {f.rank}"),
-                     f"{f.description}: {f.error or f.evidence}") for f in a.failures)
+                     f"{f.description}: " + (VERDICT_ABOVE if f.kind is FailureKind.HANG else f.error or f.evidence))
+                    for f in a.failures)
 
 
 def _known(value: int | None) -> str:
@@ -173,7 +223,7 @@ def _known(value: int | None) -> str:
 
 
 def _cause(a: Attempt) -> str:
-    cause = a.failures[0].describe() if a.failures else ""
+    cause = a.failures[0].describe(verdict_said=True) if a.failures else ""
     return cause + (f"; lost {', '.join(a.down)}" if a.down else "")
 
 
@@ -183,8 +233,9 @@ def _timings(a: Attempt) -> str:
     return ", ".join(f"{name} {seconds} s" for name, seconds in times if seconds is not None)
 
 
-def _plots(r: _Run, samples: Sequence[Sample]) -> str:
+def _plots(r: _Run) -> str:
     head = "<section><h2>Ranks over time</h2>"
+    samples = r.samples
     if not r.run.timeline.exists():
         return head + (f"<p>No plots: this run has no {r.run.timeline.name} (runs recorded before the harness kept "
                        f"one have none).</p></section>")
@@ -203,8 +254,8 @@ def _plots(r: _Run, samples: Sequence[Sample]) -> str:
         series = _series(r, kept, ranks, plot.measure)
         values = [y for segments in series for points in segments for _, y in points]
         if values:
-            chart = line_chart(r.axis, series, marks, plot.y_max or max(*values, 1e-3), plot.y_text)
-            parts.append(f"<h3>{escape(plot.title)}</h3>{chart}{key}")
+            chart = line_chart(r.axis, series, marks, plot.y_max or max(*values, plot.least), plot.y_text)
+            parts.append(f'<div id="{plot.key}"><h3>{escape(plot.title)}</h3>{chart}{key}</div>')
         elif plot.missing:
             parts.append(f"<p>No plot of {escape(plot.missing)}.</p>")
     if len(kept) < len(samples):
@@ -214,23 +265,20 @@ def _plots(r: _Run, samples: Sequence[Sample]) -> str:
 
 @dataclass(frozen=True)
 class _Plot:
+    """One line chart of PLOTS: a line per rank of measure's values over time."""
+
+    key: str  # the chart's element id: report.html#cpu
     title: str
     measure: Measure
     y_text: Callable[[float], str]
     missing: str  # what the page says instead, when no rank has a value ("": nothing, e.g. a run without GPUs)
-    y_max: float | None = None  # None: the largest value
+    y_max: float | None = None  # None: the largest value, and at least `least`
+    least: float = 1.0  # the top of the y axis at least: a line of zeros (a hang's step rate) gets a scale
 
 
-def _cpu(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
-    return point.cpu
-
-
-def _waiting(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
-    return None if point.busy is None else 100.0 * (1.0 - point.busy)
-
-
-def _gpu(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
-    return point.gpu
+def _value(read: Callable[[RankPoint], float | None]) -> Measure:
+    """A measure that is the point's own value (not a rate between samples)."""
+    return lambda point, before, seconds: read(point)
 
 
 def _step_rate(point: RankPoint, before: RankPoint | None, seconds: float) -> float | None:
@@ -265,7 +313,7 @@ def _first_failure(r: _Run) -> str:
     failure = r.summary.first_failure if r.summary else None
     if failure is None:
         return ""
-    parts = [f"<section><h2>First failure</h2><p>{escape(failure.describe())}</p>"]
+    parts = [f"<section><h2>First failure</h2><p>{escape(failure.describe(verdict_said=True))}</p>"]
     if failure.error:
         parts.append(f"<p><strong>{escape(failure.error)}</strong></p>")
     if failure.error_at:
@@ -278,6 +326,29 @@ def _first_failure(r: _Run) -> str:
         parts.append(f"<h3>Last lines of node{failure.node_rank}</h3><pre>{escape(chr(10).join(failure.last_lines))}"
                      f"</pre>")
     return "".join(parts) + "</section>"
+
+
+def _hang_stacks(r: _Run) -> str:
+    """Every hung attempt's stacks as the health watch kept them when it found the hang, worded as `harness stacks`
+    words them (alike ranks once, each with the collective it waits in), folded: long, and read after the verdict."""
+    attempts = [a.attempt for a in r.summary.attempts] if r.summary else list(range(r.state.attempt + 1))
+    parts = []
+    for attempt in attempts:
+        where = r.run.hang_stacks(attempt)
+        if not where.is_dir():
+            continue
+        try:
+            stacks = kept_stacks(where)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parts.append(f"<p>attempt {attempt}: the stacks kept in <code>{escape(str(where))}</code> cannot be read "
+                         f"({escape(str(exc))}).</p>")
+            continue
+        groups = stack_groups(stacks)
+        told = (f"attempt {attempt}: {len(stacks)} rank(s), {len(groups)} different stack(s), read when the hang was "
+                f"found (kept in {where}/)")
+        body = "".join(f"<h3>{escape(group.head)}</h3><pre>{escape(group.body)}</pre>" for group in groups)
+        parts.append(f"<details><summary>{escape(told)}</summary>{body or '<p>No rank answered.</p>'}</details>")
+    return "<section><h2>Stacks at the hang</h2>" + "".join(parts) + "</section>" if parts else ""
 
 
 def _nodes(r: _Run) -> str:
@@ -312,10 +383,11 @@ def _table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 
 PLOTS = (
-    _Plot("CPU use (CPUs)", _cpu, "{:g}".format, "CPU use: no rank was sampled"),
-    _Plot("Waiting (% of the time a rank's main thread did not run: for its peers, or for I/O)", _waiting,
-          "{:.0f}%".format, "waiting: no rank's busy share was measured", 100.0),
-    _Plot("Step rate (steps/s)", _step_rate, "{:g}".format, "the step rate: no rank's step is known"),
-    _Plot("GPU use (% of the SMs' time running the rank's kernels, by the NVIDIA driver)", _gpu, "{:.0f}%".format,
-          "", 100.0),
+    _Plot("cpu", "CPU use (CPUs)", _value(lambda p: p.cpu), "{:g}".format, "CPU use: no rank was sampled"),
+    _Plot("waiting", "Waiting (% of the time a rank's main thread did not run: for its peers, or for I/O)",
+          _value(lambda p: None if p.busy is None else 100.0 * (1.0 - p.busy)), "{:.0f}%".format,
+          "waiting: no rank's busy share was measured", 100.0),
+    _Plot("step-rate", "Step rate (steps/s)", _step_rate, "{:g}".format, "the step rate: no rank's step is known"),
+    _Plot("gpu", "GPU use (% of the SMs' time running the rank's kernels, by the NVIDIA driver)",
+          _value(lambda p: p.gpu), "{:.0f}%".format, "", 100.0),
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from pathlib import Path
 
 from harness.errors import UsageError
 from harness.health.rank_stack import RankStack, grouped
@@ -40,9 +41,15 @@ def run_stacks(run: RunDir, timeout: float = ANSWER_SECONDS) -> str:
             request.unlink(missing_ok=True)
             raise UsageError(f"run {run.run_id}: its controller did not answer within {timeout:g} s")
         time.sleep(0.1)
-    answer = json.loads((run.stacks / tag / "stacks.json").read_text(encoding="utf-8"))
-    stacks = [RankStack.from_answer(int(rank), Node(host=a["host"], address=a["host"], node_rank=a["node"], nproc=0),
-                                    a) for rank, a in answer.items()]
+    stacks = kept_stacks(run.stacks / tag)
     if not stacks:
         return f"run {run.run_id}: no rank is running yet\n"
     return grouped(stacks) + f"\n(kept in {run.stacks / tag}/)\n"
+
+
+def kept_stacks(where: Path) -> list[RankStack]:
+    """The stacks kept in where/stacks.json (a hang's, or what `harness stacks` asked for); OSError, ValueError,
+    KeyError or TypeError where it cannot be read."""
+    answer = json.loads((where / "stacks.json").read_text(encoding="utf-8"))
+    return [RankStack.from_answer(int(rank), Node(host=a["host"], address=a["host"], node_rank=a["node"], nproc=0),
+                                  a) for rank, a in answer.items()]

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import struct
+import subprocess
 import time
+import zlib
+from pathlib import Path
+
+from harness.view.charts import LEFT, RIGHT, WIDTH, color
 
 from conftest import (
     REPO,
@@ -20,8 +27,10 @@ from conftest import (
 )
 from conftest import ddp_job as job
 
+CHROMIUM = "chromium-headless-shell"  # the Makefile's TEST_APT_PACKAGES installs it
 
-def test_two_nodes_train_over_gloo(write_yaml, launch):
+
+def test_two_nodes_train_over_gloo(write_yaml, launch, tmp_path):
     run = launch(job(write_yaml, nproc=2, STEPS="12"))
     assert run.finish() == 0, run.output
     weights = set(re.findall(r"\[node(\d)\] \[rank(\d)\]: rank \2 final loss \S+ weights (\[.*\])", run.output))
@@ -35,6 +44,70 @@ def test_two_nodes_train_over_gloo(write_yaml, launch):
     assert (summary["status"], summary["exit_code"], summary["first_failure"]) == ("succeeded", 0, None)
     assert [n["exit_code"] for n in summary["nodes"]] == [0, 0]
     assert_nothing_left(run.run_id)
+    assert harness("report", run.run_id, "--runs-dir", str(run.runs_dir)).returncode == 0
+    _a_short_runs_cpu_chart_has_lines_from_its_first_seconds(run_dir / "report.html", summary, tmp_path)
+
+
+def _a_short_runs_cpu_chart_has_lines_from_its_first_seconds(page: Path, summary: dict, tmp_path: Path) -> None:
+    """The report of this short run (about 9 s), as a browser draws it: its CPU chart has lines of the ranks' colors,
+    above 0, within the run's first 8 s. The health watch sampled every 5 s once: no rank's CPU use was known
+    before 10 s (two samples), and the chart of a run this short was empty."""
+    rows = _cpu_chart_pixels(page, tmp_path)
+    top, bottom = 18, 220 - 24  # the plot's area in charts.line_chart, less the line at 0
+    first = LEFT + (WIDTH - LEFT - RIGHT) * min(1.0, 8.0 / (summary["ended_at"] - summary["started_at"]))
+    colors = [tuple(int(color(i)[at:at + 2], 16) for at in (1, 3, 5)) for i in range(4)]
+    drawn = {x for y in range(top, bottom - 4) for x in range(LEFT, int(first))
+             if any(all(abs(rows[y][3 * x + c] - rgb[c]) <= 48 for c in range(3)) for rgb in colors)}
+    assert len(drawn) >= 30, f"the CPU chart's first 8 s have {len(drawn)} column(s) of the ranks' lines"
+
+
+def _cpu_chart_pixels(page: Path, tmp_path: Path) -> list[bytes]:
+    """The top of the report page as headless Chromium draws it, its CPU chart's SVG pinned to the top left corner
+    over the rest (CSS added to a copy of the page) so that the chart's pixels are where charts.py put them: the
+    chart's rows, RGB."""
+    assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing: `make test` installs it (TEST_APT_PACKAGES)"
+    pinned, png = tmp_path / "pinned.html", tmp_path / "page.png"
+    pinned.write_text(page.read_text().replace("</style>", "#cpu svg{position:absolute;top:0;left:0;background:#fff}</style>", 1))
+    chromium = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--hide-scrollbars", f"--screenshot={png}",
+                                 "--window-size=1000,2400", f"--user-data-dir={tmp_path / 'chromium'}",
+                                 pinned.as_uri()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        assert chromium.wait(timeout=60) == 0, "chromium failed"
+    finally:
+        if chromium.poll() is None:
+            os.killpg(chromium.pid, signal.SIGKILL)
+            chromium.wait()
+    return _png_rows(png, 220)
+
+
+def _png_rows(path: Path, count: int) -> list[bytes]:
+    """The first count rows of an 8-bit RGB or RGBA PNG without interlacing (as Chromium writes them), unfiltered,
+    as RGB."""
+    data, at, packed = path.read_bytes(), 8, b""
+    while at < len(data):
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"IHDR":
+            width, _, depth, mode, _, _, interlace = struct.unpack(">IIBBBBB", data[at + 8:at + 21])
+        elif kind == b"IDAT":
+            packed += data[at + 8:at + 8 + length]
+        at += 12 + length
+    assert (depth, interlace) == (8, 0) and mode in (2, 6), (depth, mode, interlace)
+    size = 3 if mode == 2 else 4
+    raw, stride = zlib.decompress(packed), width * size
+    rows, above = [], bytearray(stride)
+    for y in range(count):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            left = line[i - size] if i >= size else 0
+            corner = above[i - size] if i >= size else 0
+            guess = left + above[i] - corner
+            paeth = min((abs(guess - left), 0, left), (abs(guess - above[i]), 1, above[i]),
+                        (abs(guess - corner), 2, corner))[2]
+            line[i] = (line[i] + (0, left, above[i], (left + above[i]) // 2, paeth)[kind]) & 255
+        rows.append(bytes(line) if size == 3 else bytes(b for i, b in enumerate(line) if i % 4 != 3))
+        above = line
+    return rows
 
 
 def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):

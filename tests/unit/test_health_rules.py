@@ -186,6 +186,16 @@ AT_37 = [frame("broadcast", f"{SITE}/torch/distributed/distributed_c10d.py", 270
          frame("sync_metrics", "f.py", 37), frame("<module>", "f.py", 60)]
 
 
+def test_alike_stacks_name_the_collective_each_rank_waits_in():
+    """As `harness stacks` and `harness report` show them: where Flight Recorder was read, each rank's unfinished
+    collective."""
+    text = grouped([reached(0, IN_ALL_REDUCE, 1043), reached(1, IN_SLEEP, 1042, waiting=False),
+                    reached(2, IN_ALL_REDUCE, 1043)])
+    assert text.startswith("ranks 0,2: 0 (node0 on h1, pid 100, sleeping, waiting in all_reduce #1043), 2 (node2 on "
+                           "h3, pid 102, sleeping, waiting in all_reduce #1043)\n"), text
+    assert "\nrank 1: 1 (node1 on h2, pid 101, sleeping)\n" in text, text
+
+
 def test_by_collective_a_rank_that_has_not_reached_the_others_collective_is_behind():
     stacks = {0: reached(0, IN_ALL_REDUCE, 1043), 1: reached(1, IN_SLEEP, 1042, waiting=False),
               2: reached(2, IN_ALL_REDUCE, 1043), 3: reached(3, IN_ALL_REDUCE, 1043)}

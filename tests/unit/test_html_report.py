@@ -1,18 +1,29 @@
 """`harness report`: a run's record and timeline as one HTML page that parses, fetches nothing, escapes the
 record's strings, and shows the attempts, the health verdicts, the first failure and a chart per plot; also
-for a run still running and for a run recorded before timeline.jsonl."""
+for a run still running and for a run recorded before timeline.jsonl. A short run's course is drawn from its
+start (the agent and the timeline sample every second while an attempt is young); a hang's page says its
+verdict once, scales its flat step rate, and shows the stacks kept; the header says when the first step came."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections import deque
+from dataclasses import replace
+from html import escape
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 from harness import cli
+from harness.health.judge import HealthJudge
+from harness.health.rank_stack import Collective, Frame, RankStack, StackThread
+from harness.node import observer
+from harness.node.observer import RankObserver
 from harness.node.proctable import start_ticks
+from harness.node.protocol import RankSample
+from harness.plan.planner import Node
 from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir
 from harness.record.schema import (
@@ -27,7 +38,12 @@ from harness.record.schema import (
     RunStatus,
     RunSummary,
 )
-from harness.record.timeline import RankPoint, Sample, append_sample
+from harness.record.timeline import RankPoint, Sample, append_sample, read_timeline
+from harness.run import health_loop
+from harness.run.health_loop import HealthLoop
+from harness.run.live import LiveNode, RankActivity, StepMark
+from harness.run.stack_capture import keep
+from harness.view.charts import color
 from harness.view.report import html_report
 
 T0 = 1_700_000_000.0
@@ -191,3 +207,169 @@ def test_the_verb_writes_the_page_whole_where_asked(tmp_path: Path, capsys: pyte
     assert "is a directory" in capsys.readouterr().err
     assert cli.main(["report", "train-404", *runs]) == 2
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary file left"
+
+
+# --- a short run's course, from its start -------------------------------------------------------------
+
+
+class Clock:
+    """The clock a module reads (its `time`), moved on by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time_ns(self) -> int:
+        return int(self.now * 1e9)
+
+
+def test_the_agent_samples_every_second_while_the_attempt_is_young(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first sample within a second of the ranks, so a short run is seen from its start; then every WATCH
+    seconds (5 by default)."""
+    clock, waits = Clock(0.0), []
+
+    class Minute:
+        """The agent's wait between samples, on the test's clock: the attempt ends after a minute."""
+
+        def wait(self, seconds: float) -> bool:
+            waits.append(seconds)
+            clock.now += seconds
+            return clock.now > 60
+
+    monkeypatch.setattr(observer, "time", clock)
+    RankObserver("no-such-run", None, "not hooked", lambda kind, body: None).sample_every(5.0, Minute())
+    assert waits[:30] == [1.0] * 30 and set(waits[30:]) == {5.0}, waits
+
+
+def test_the_timeline_has_a_sample_as_soon_as_a_rank_is_known_then_one_a_second_while_young(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The health loop ticks twice a second; the agent samples every second from 2 s, so the judge sees each rank's
+    CPU use from 3 s; rank 0 printed its first step at 1.5 s. Its CPU use is not known then: left out, not 0."""
+    run = create_run_dir(tmp_path, "train-3")
+    node = Node(host="sim0", address="127.0.0.1", node_rank=0, nproc=2)
+    live = LiveNode(node, started=T0)
+    judge, clock = HealthJudge(stall=300, slow=0), Clock(T0)
+    monkeypatch.setattr(health_loop, "time", clock)
+    loop = HealthLoop(judge, run, 0, [live], None, None, None)  # stacks, output, stopper: not used to write health
+    for tick in range(1, 121):
+        clock.now = T0 + tick / 2
+        if tick == 3:
+            live.activity[0] = RankActivity("step 0", clock.now, deque([StepMark(clock.now, 0)]))
+        if tick % 2 == 0 and tick >= 4:
+            judge.observe(node, clock.now, {rank: RankSample(100 + rank, "R", 0.9 * tick / 2, 0.8 * tick / 2, tick)
+                                            for rank in node.ranks})
+        loop._write_health()
+    samples = read_timeline(run.timeline)
+    assert [s.t - T0 for s in samples] == [1.5 + i for i in range(29)] + [34.5, 39.5, 44.5, 49.5, 54.5, 59.5]
+    assert [s.ranks[0].cpu for s in samples[:3]] == [None, None, pytest.approx(0.9)]
+    assert set(samples[0].ranks) == {0} and set(samples[2].ranks) == {0, 1}
+
+
+def _chart(page: str, key: str) -> str:
+    """The chart of one plot (its element id), or "" where the page has none."""
+    found = re.search(rf'<div id="{key}">(.*?)</div>', page, re.S)
+    return found.group(1) if found else ""
+
+
+def test_one_sample_is_a_dot_to_be_seen_and_two_are_a_line(tmp_path: Path) -> None:
+    """A rank's CPU use not measured yet is no point (not a 0): one measured sample is a dot, two a line."""
+    run = create_run_dir(tmp_path, "train-4")
+    run.write_state(_state(run.run_id, RunStatus.FAILED, ControllerId(1, None)))
+    append_sample(run.timeline, Sample(T0 + 1, 0, {0: RankPoint(None, step=1)}))
+    append_sample(run.timeline, Sample(T0 + 2, 0, {0: RankPoint(0.9, 0.5, step=3)}))
+    cpu, steps = _chart(html_report(run), "cpu"), _chart(html_report(run), "step-rate")
+    assert cpu.count("<circle") == 1 and "<polyline" not in cpu, cpu
+    assert f'<circle fill="{color(0)}" r="3"' in cpu and f'<circle fill="{color(0)}" r="3"' in steps
+    append_sample(run.timeline, Sample(T0 + 3, 0, {0: RankPoint(1.0, 0.5, step=5)}))
+    cpu = _chart(html_report(run), "cpu")
+    assert "<circle" not in cpu and cpu.count(f'<polyline fill="none" stroke="{color(0)}"') == 1, cpu
+
+
+# --- a hang ------------------------------------------------------------------------------------------
+
+VERDICT = ("no progress for 300 s: ranks 0,2,3 wait in all_reduce #1043 at train.py:55 in step; rank 1 (node0 on "
+           "sim0) has not reached #1043, at train.py:42 in load_batch: time.sleep(60)")
+SITE = "/venv/lib/python3.11/site-packages"
+IN_ALL_REDUCE = (Frame("all_reduce", f"{SITE}/torch/distributed/distributed_c10d.py", 2950),
+                 Frame("step", "train.py", 55, "dist.all_reduce(loss)"), Frame("<module>", "train.py", 80))
+IN_SLEEP = (Frame("load_batch", "train.py", 42, "time.sleep(60)"), Frame("<module>", "train.py", 80))
+
+
+def _hung(tmp_path: Path) -> RunDir:
+    """A run of 2 nodes (ranks 0,1 and 2,3) that hung 14 s in, its stacks kept: ranks 0, 2 and 3 in all_reduce
+    #1043, rank 1 asleep in its data loading; the job printed step 7 at 3 s and none after."""
+    run = create_run_dir(tmp_path, "train-5")
+    run.write_state(replace(_state(run.run_id, RunStatus.FAILED, ControllerId(1, None)), nnodes=2, world_size=4))
+    nodes = [Node(host=f"sim{n}", address="127.0.0.1", node_rank=n, nproc=2) for n in (0, 1)]
+    hang = Failure(node_rank=0, host="sim0", ranks=[0, 1], rank=1, rank_exit_code=None, exit_code=None,
+                   description="hung", after_s=14.0, last_lines=["[rank1]: loading"], kind=FailureKind.HANG,
+                   evidence=VERDICT)
+    attempt = Attempt(attempt=0, hosts=["sim0", "sim1"], status=RunStatus.FAILED, started_at=T0 + 0.2,
+                      ended_at=T0 + 16, nodes=[_node(run, 0, [0, 1], 0, None), _node(run, 1, [2, 3], 0, None)],
+                      failures=[hang], kind=FailureKind.HANG, down=[], preflight_s=0.2, nnodes=2, world_size=4,
+                      health=[HealthEvent(at=T0 + 14.2, kind=HealthEventKind.HANG, rank=1, text=f"hang: {VERDICT}")])
+    run.write_summary(RunSummary(run_id=run.run_id, name="train", status=RunStatus.FAILED, exit_code=1, started_at=T0,
+                                 ended_at=T0 + 16, duration_s=16.0, nodes=attempt.nodes, first_failure=hang,
+                                 attempts=[attempt], reason="a hang is not restarted", error=VERDICT))
+    for second in range(2, 15):
+        append_sample(run.timeline, Sample(T0 + second, 0, {
+            rank: RankPoint(0.01, 0.0, step=7 if second >= 3 else None) for rank in range(4)}))
+    waiting = (Collective("0", 1042, "gloo:all_reduce", True, [[100]]),
+               Collective("0", 1043, "gloo:all_reduce", False, [[100]]))
+    stacks = {rank: RankStack(rank, nodes[rank // 2], 100 + rank, "S",
+                              (StackThread("MainThread", 100 + rank, IN_SLEEP if rank == 1 else IN_ALL_REDUCE),),
+                              collectives=waiting[:1] if rank == 1 else waiting) for rank in range(4)}
+    keep(run.hang_stacks(0), stacks)
+    return run
+
+
+def test_a_hangs_verdict_is_said_once_and_pointed_at_elsewhere(tmp_path: Path) -> None:
+    page = html_report(_hung(tmp_path))
+    parsed(page)
+    assert page.count(escape(VERDICT)) == 1, "said once, in full"
+    assert re.search(r"<dt>hang</dt><dd>" + re.escape(escape(VERDICT)) + "</dd>", page), "at the top"
+    assert "hung after 14.0 s (hang: the verdict above)" in page, "the first failure, the attempt's cause"
+    assert "<td>hung: the verdict above</td>" in page and "<td>the verdict above</td>" in page, "the events"
+    assert "failed: rank 1 hung" in page, "node0's end"
+
+
+def test_a_step_rate_of_zeros_gets_a_scale_of_at_least_one_step_a_second(tmp_path: Path) -> None:
+    steps = _chart(html_report(_hung(tmp_path)), "step-rate")
+    ticks = re.findall(r'<text class="tick" x="\d+" y="[\d.]+" text-anchor="end">([^<]*)</text>', steps)
+    assert ticks == ["0", "0.5", "1"], ticks
+
+
+def test_a_hangs_stacks_are_on_its_page_alike_ranks_once_folded(tmp_path: Path) -> None:
+    run = _hung(tmp_path)
+    page = html_report(run)
+    parsed(page)
+    folded = re.search(r"<details><summary>(.*?)</summary>(.*?)</details>", page, re.S)
+    assert folded, "the stacks, folded"
+    assert folded.group(1) == f"attempt 0: 4 rank(s), 2 different stack(s), read when the hang was found (kept in " \
+                              f"{run.hang_stacks(0)}/)"
+    stacks = folded.group(2)
+    assert "<h3>ranks 0,2,3: 0 (node0 on sim0, pid 100, sleeping, waiting in all_reduce #1043), 2 (node1 on sim1, " \
+           "pid 102, sleeping, waiting in all_reduce #1043), 3 (node1 on sim1, pid 103, sleeping, waiting in " \
+           "all_reduce #1043)</h3>" in stacks, stacks
+    assert "<h3>rank 1: 1 (node0 on sim0, pid 101, sleeping)</h3>" in stacks, stacks
+    assert stacks.count("all_reduce (torch/distributed/distributed_c10d.py:2950)") == 1
+    assert stacks.count("time.sleep(60)") == 1
+
+
+def test_a_damaged_kept_stack_is_said_so(tmp_path: Path) -> None:
+    run = _hung(tmp_path)
+    (run.hang_stacks(0) / "stacks.json").write_text("{")
+    page = html_report(run)
+    assert f"attempt 0: the stacks kept in <code>{run.hang_stacks(0)}</code> cannot be read (" in page
+
+
+def test_the_header_says_when_the_first_step_came(tmp_path: Path) -> None:
+    """From timeline.jsonl's first sample with a step: 3 s after the start; a later attempt's after its own start."""
+    assert "<dt>first step</dt><dd>3.0 s after the run started</dd>" in html_report(_hung(tmp_path))
+    page = html_report(_ended(tmp_path / "restarted"))
+    assert "<dt>first step</dt><dd>2.0 s after the run started; attempt 1: 1.0 s after it started</dd>" in page
