@@ -217,6 +217,8 @@ class RankRow:
     gpu_memory: int | None = None
     idle: float | None = None  # seconds without progress (CPU time used), as the judge counts them
     step_at: float | None = None  # when its step's line came
+    loss: float | None = None  # its last loss and items per second, where its lines say them (health.progress)
+    throughput: float | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """timeline.jsonl: how every rank ran over time -- its CPU use, how busy its main thread was (the rest
-of the time it waited, e.g. for its peers in a collective), the step it was at and how busy it kept its
-GPU -- one line per health sample, appended while the run runs, for `harness report`'s plots."""
+of the time it waited, e.g. for its peers in a collective), the step it was at (with its loss and
+throughput, where it prints them) and how busy it kept its GPU -- one line per health sample, appended
+while the run runs, for `harness report`'s plots."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ class RankPoint:
     """cpu: CPUs the rank (with its children) used over the interval before t (1.0: one CPU all the time; None:
     not measured yet: its step was known before the health watch's first two samples of it); busy: the share
     of that interval its main thread ran (None: not measured); step: its progress, where the job prints it
-    (None: not known); gpu: the percentage of the SMs' time it ran kernels (None: no GPU the driver reports)."""
+    (None: not known); gpu: the percentage of the SMs' time it ran kernels (None: no GPU the driver reports);
+    loss and throughput (items per second): as its last progress line said them (None: not said)."""
 
     cpu: float | None
     busy: float | None = None
     step: int | None = None
     gpu: float | None = None
+    loss: float | None = None
+    throughput: float | None = None
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,8 @@ class Sample:
 def append_sample(path: Path, sample: Sample) -> None:
     """One line, in one write: a reader sees whole lines, or a last one cut short by a crash."""
     ranks = {str(rank): {"cpu": _rounded(p.cpu), "busy": _rounded(p.busy), "step": p.step,
-                         **({} if p.gpu is None else {"gpu": p.gpu})}
+                         **{key: value for key, value in (("gpu", p.gpu), ("loss", p.loss),
+                                                           ("throughput", p.throughput)) if value is not None}}
              for rank, p in sorted(sample.ranks.items())}
     line = json.dumps({"t": round(sample.t, 3), "attempt": sample.attempt, "ranks": ranks}, separators=(",", ":"))
     with open(path, "a", encoding="utf-8") as file:
@@ -57,7 +62,8 @@ def read_timeline(path: Path) -> list[Sample]:
             data = json.loads(line)
             samples.append(Sample(float(data["t"]), int(data["attempt"]), {
                 int(rank): RankPoint(_number(p, "cpu"), _number(p, "busy"),
-                                     None if p.get("step") is None else int(p["step"]), _number(p, "gpu"))
+                                     None if p.get("step") is None else int(p["step"]), _number(p, "gpu"),
+                                     _number(p, "loss"), _number(p, "throughput"))
                 for rank, p in data["ranks"].items()}))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue

@@ -123,7 +123,8 @@ class HealthLoop:
             self._sampled = now
             append_sample(self.run.timeline, Sample(now, self.attempt, {
                 rank: RankPoint(views[rank].cpu if rank in views else None,
-                                views[rank].busy if rank in views else None, row.step, row.gpu_util)
+                                views[rank].busy if rank in views else None, row.step, row.gpu_util, row.loss,
+                                row.throughput)
                 for rank, row in ranks.items() if rank in views or row.step is not None}))
 
 
@@ -169,4 +170,6 @@ def rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | Non
                    last_line_at=None if activity is None else round(activity.at, 3), step=step, step_rate=rate,
                    gpu_util=None if view is None else view.gpu_util,
                    gpu_memory=None if view is None else view.gpu_memory,
-                   idle=None if view is None else round(view.idle, 1), step_at=step_at and round(step_at, 3))
+                   idle=None if view is None else round(view.idle, 1), step_at=step_at and round(step_at, 3),
+                   loss=None if activity is None else activity.loss,
+                   throughput=None if activity is None else activity.throughput)

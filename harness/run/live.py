@@ -54,6 +54,8 @@ class RankActivity:
     at: float
     steps: deque[StepMark] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
     total: int | None = None  # the run's steps, where its lines say (step_total)
+    loss: float | None = None  # its last loss and throughput (items per second), where its lines say them
+    throughput: float | None = None
 
 
 # torchrun's ChildFailedError report names the root-cause rank; use it when present.
@@ -178,6 +180,7 @@ class LiveNode:
                 if not activity.steps or activity.steps[-1].step != step:
                     activity.steps.append(StepMark(at, step))
                     activity.total = step_total(found)
+                    activity.loss, activity.throughput = _number(found, "loss"), _number(found, "throughput")
 
     def last_lines(self, rank: int | None, count: int = TAIL_LINES) -> list[str]:
         """The failing rank's own last lines say why; the node's tail is the fallback."""
@@ -204,6 +207,14 @@ def step_total(found: re.Match[str]) -> int | None:
     if not groups.get("per_epoch") or (groups.get("epoch") and not groups.get("epochs")):
         return None
     return int(groups["per_epoch"]) * int(groups.get("epochs") or 1)
+
+
+def _number(found: re.Match[str], group: str) -> float | None:
+    """A named group's number (None: no such group, not matched, or not a number)."""
+    try:
+        return float(found.groupdict()[group])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _plain(text: str, count: int) -> bool:

@@ -307,7 +307,9 @@ class Restarts(StrictModel):
 
 # The payload's progress lines (`epoch 2/12 step 12/97 ...`), and many scripts' `step 12`: where a line names
 # its epoch and the steps of one, the step counts from the run's start (run/live.py, global_step).
-DEFAULT_PROGRESS = r"(?:\bepoch (?P<epoch>\d+)/(?P<epochs>\d+) )?\bstep (?P<step>\d+)(?:/(?P<per_epoch>\d+))?"
+DEFAULT_PROGRESS = (r"(?:\bepoch (?P<epoch>\d+)/(?P<epochs>\d+) )?\bstep (?P<step>\d+)(?:/(?P<per_epoch>\d+))?"
+                    r"(?:.*?\bloss (?P<loss>[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf)))?"
+                    r"(?:.*?\bimg/s (?P<throughput>\d+(?:\.\d*)?))?")
 
 
 class Health(StrictModel):
@@ -319,9 +321,10 @@ class Health(StrictModel):
     `step`) in a rank's lines, for the step and step rate `harness status` shows; with groups named `epoch`
     (from 1) and `per_epoch` too, a step that starts again each epoch counts from the run's start; the run's
     steps, for its progress and time left, from a group named `total`, or `per_epoch` times `epochs` (without
-    an epoch, `per_epoch` alone: `step 12/97`); empty turns it off. metrics_port: the port on which the
-    controller serves the run's metrics to Prometheus while it runs (every interface; docs/metrics.md); None,
-    the default: nothing listens."""
+    an epoch, `per_epoch` alone: `step 12/97`); groups named `loss` and `throughput` (items per second) are
+    drawn by `harness report` and served as metrics (the payload's `loss 2.1 ... img/s 950` by default); empty
+    turns it off. metrics_port: the port on which the controller serves the run's metrics to Prometheus while
+    it runs (every interface; docs/metrics.md); None, the default: nothing listens."""
 
     stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
     slow: Annotated[Seconds, Field(ge=0, le=100)] = 20

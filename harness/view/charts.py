@@ -55,6 +55,17 @@ class TimeAxis:
         return "".join(parts)
 
 
+class StepAxis(TimeAxis):
+    """x: the run's step, from 0 to span (the loss and throughput the ranks printed, over their steps)."""
+
+    def grid(self, top: float, bottom: float) -> str:
+        step = max(1.0, nice_step(self.span, 8))
+        return "".join(f'<line class="grid" x1="{self.x(i * step):.1f}" y1="{top}" x2="{self.x(i * step):.1f}" '
+                       f'y2="{bottom}"/><text class="tick" x="{self.x(i * step):.1f}" y="{bottom + 14}" '
+                       f'text-anchor="middle">{"step " * (i == 0)}{i * step:g}</text>'
+                       for i in range(int(self.span / step) + 1))
+
+
 @dataclass(frozen=True)
 class Mark:
     """A moment worth a vertical line across a chart: an attempt's start."""

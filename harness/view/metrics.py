@@ -105,6 +105,9 @@ def _ranks(run_id: str, health: LiveHealth, now: float) -> Iterator[Metric]:
                                             "(0: not slow)."),
         "gpu_util": ("harness_rank_gpu_utilization_ratio", "The share of the SMs' time the rank ran kernels (NVML)."),
         "gpu_memory": ("harness_rank_gpu_memory_bytes", "GPU memory the rank holds (NVML)."),
+        "loss": ("harness_rank_loss", "The loss the rank's last progress line said (health.progress)."),
+        "throughput": ("harness_rank_throughput", "Items per second the rank's last progress line said "
+                                                  "(the payload's img/s)."),
     }
     out = {key: GaugeMetricFamily(name, text, labels=RANK_LABELS) for key, (name, text) in families.items()}
     for rank, row in sorted(health.ranks.items()):
@@ -113,7 +116,7 @@ def _ranks(run_id: str, health: LiveHealth, now: float) -> Iterator[Metric]:
             "output_age": None if row.last_line_at is None else max(0.0, now - row.last_line_at),
             "step_age": None if row.step_at is None else max(0.0, now - row.step_at), "idle": row.idle,
             "slow": health.slow.get(rank, 0.0) / 100, "gpu_util": None if row.gpu_util is None else row.gpu_util / 100,
-            "gpu_memory": row.gpu_memory,
+            "gpu_memory": row.gpu_memory, "loss": row.loss, "throughput": row.throughput,
         }
         for key, value in values.items():
             if value is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from html import escape
 
 from harness.health.rank_stack import stack_groups
+from harness.record.goodput import run_goodput
 from harness.record.liveness import live_status
 from harness.record.rundir import RunDir
 from harness.record.schema import (
@@ -30,7 +31,7 @@ from harness.record.schema import (
     RunSummary,
 )
 from harness.record.timeline import RankPoint, Sample, read_timeline
-from harness.view.charts import Dot, Mark, Row, Segments, Span, TimeAxis, legend, line_chart, rows_chart
+from harness.view.charts import Dot, Mark, Row, Segments, Span, StepAxis, TimeAxis, legend, line_chart, rows_chart
 from harness.view.stacks import kept_stacks
 from harness.view.status import (
     health_lines,
@@ -64,6 +65,9 @@ svg.chart{display:block;max-width:100%;height:auto;font-size:11px}
 .slow circle{fill:#f0b400}.recovered circle{fill:#2e9e44}.hang circle{fill:#5a0000}g circle{stroke:#fff}
 .failure path{stroke:#000;stroke-width:2.5}.legend .slow{color:#f0b400}.legend .recovered{color:#2e9e44}
 .legend .hang{color:#5a0000}
+.spent{display:flex;height:22px;border-radius:3px;overflow:hidden;margin:6px 0}.spent span{display:block}
+.b-start-up{background:#6b8cae}.b-training{background:#2e9e44}.b-redone{background:#e08a00}.b-hung{background:#5a0000}
+.b-restarting{background:#9467bd}.b-ending{background:#b0b0b0}
 .legend span{margin-right:14px;white-space:nowrap}.legend i{display:inline-block;width:14px;height:4px;
 margin-right:4px;vertical-align:middle}
 details{margin:8px 0}summary{cursor:pointer}details h3{font-size:13px;word-break:break-word}
@@ -104,7 +108,8 @@ def html_report(run: RunDir) -> str:
     samples = read_timeline(run.timeline)
     ended = summary.ended_at if summary else state.ended_at or max([time.time(), *(s.t for s in samples)])
     r = _Run(run, state, summary, live_status(state), TimeAxis(max(ended - state.started_at, 1.0)), samples)
-    body = [_header(r), _attempts(r), _plots(r), _first_failure(r), _hang_stacks(r), _nodes(r),
+    body = [_header(r), _time_spent(r), _attempts(r), _plots(r), _over_steps(r), _first_failure(r), _hang_stacks(r),
+            _nodes(r),
             f"<footer><p>written by harness report on {escape(_clock(time.time()))} from "
             f"<code>{escape(str(run.path))}</code></p></footer>"]
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>harness report: '
@@ -288,6 +293,58 @@ def _step_rate(point: RankPoint, before: RankPoint | None, seconds: float) -> fl
     return (point.step - before.step) / seconds
 
 
+def _time_spent(r: _Run) -> str:
+    """Where the run's time went as one bar, a bucket a color (record/goodput.py), with the seconds of each."""
+    if r.summary is not None:
+        goodput = r.summary.goodput or run_goodput(r.summary.started_at, r.summary.ended_at, r.summary.attempts)
+    else:
+        now = time.time()
+        goodput = run_goodput(r.state.started_at, r.state.ended_at or now, r.run.read_attempts(),
+                              r.run.read_health(r.state.attempt), now)
+    spent = {bucket: seconds for bucket, seconds in goodput.seconds.items() if seconds > 0}
+    wall = goodput.wall_s or 1.0
+    bar = "".join(f'<span class="b-{bucket}" style="width:{100 * seconds / wall:.2f}%" '
+                  f'title="{bucket} {seconds:.1f} s"></span>' for bucket, seconds in spent.items())
+    key = "".join(f'<span><i class="b-{bucket}"></i>{bucket} {seconds:.1f} s ({100 * seconds / wall:.0f}%)</span>'
+                  for bucket, seconds in spent.items())
+    return (f"<section><h2>Where the time went</h2><p>goodput {100 * goodput.goodput:.0f}%: the share of "
+            f"{goodput.wall_s:.1f} s spent in training steps not done again (docs/metrics.md)</p>"
+            f'<div class="spent">{bar}</div><div class="legend">{key}</div></section>')
+
+
+def _over_steps(r: _Run) -> str:
+    """The loss and throughput the ranks printed (health.progress's loss and throughput), over the run's steps;
+    a restart's steps drawn again from where it resumed (a new segment)."""
+    charts = []
+    for key, title, read, y_text in STEP_PLOTS:
+        ranks = sorted({rank for sample in r.samples for rank, point in sample.ranks.items()
+                        if read(point) is not None and point.step is not None})
+        series: list[Segments] = []
+        for rank in ranks:
+            segments: Segments = []
+            attempt = None
+            for sample in r.samples:
+                point = sample.ranks.get(rank)
+                value = None if point is None else read(point)
+                if point is None or point.step is None or value is None or not math.isfinite(value):
+                    continue
+                if sample.attempt != attempt or point.step < segments[-1][-1][0]:
+                    segments.append([])
+                    attempt = sample.attempt
+                if not segments[-1] or segments[-1][-1][0] != point.step:
+                    segments[-1].append((float(point.step), value))
+            series.append(segments)
+        points = [point for segments in series for part in segments for point in part]
+        if points:
+            axis = StepAxis(max(1.0, *(step for step, _ in points)))
+            chart = line_chart(axis, series, [], max(1e-9, *(value for _, value in points)), y_text)
+            labels = legend({i: f"rank {rank}" for i, rank in enumerate(ranks)})
+            charts.append(f'<div id="{key}"><h3>{escape(title)}</h3>{chart}{labels}</div>')
+    if not charts:
+        return ""
+    return "<section><h2>Over the steps</h2>" + "".join(charts) + "</section>"
+
+
 def _series(r: _Run, samples: Sequence[Sample], ranks: list[int], measure: Measure) -> list[Segments]:
     """Each rank's points (in ranks' order), a new segment at every attempt and after each gap."""
     segments: dict[int, Segments] = {rank: [] for rank in ranks}
@@ -390,4 +447,10 @@ PLOTS = (
     _Plot("step-rate", "Step rate (steps/s)", _step_rate, "{:g}".format, "the step rate: no rank's step is known"),
     _Plot("gpu", "GPU use (% of the SMs' time running the rank's kernels, by the NVIDIA driver)",
           _value(lambda p: p.gpu), "{:.0f}%".format, "", 100.0),
+)
+# The charts over steps: (element id, title, the point's value, its tick text).
+STEP_PLOTS: tuple[tuple[str, str, Callable[[RankPoint], float | None], Callable[[float], str]], ...] = (
+    ("loss", "Loss (as the ranks' progress lines said it)", lambda p: p.loss, "{:.3g}".format),
+    ("throughput", "Throughput (items per second, as the lines said it: the payload's img/s)", lambda p: p.throughput,
+     "{:g}".format),
 )

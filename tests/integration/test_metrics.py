@@ -135,6 +135,7 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
         run_id = run.run_id
         rates = server.wait_for(f'harness_rank_steps_per_second{{run_id="{run_id}"}} > 0', 4)
         running = server.query(f'harness_run_status{{run_id="{run_id}"}} == 1')
+        losses = server.query(f'harness_rank_loss{{run_id="{run_id}"}}')
         documented = re.search(r"^Some queries.*?```text\n(.*?)```", (REPO / "docs" / "metrics.md").read_text(),
                                re.S | re.M)
         assert documented, "docs/metrics.md's queries"
@@ -160,6 +161,7 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
         node = f"node{int(series['metric']['rank']) // 2}"
         assert (series["metric"]["node"], series["metric"]["host"]) == (node, f"sim{node[-1]}"), series
     assert [series["metric"]["status"] for series in running] == ["running"], running
+    assert len(losses) == 4 and all(0 < float(series["value"][1]) < 0.5 for series in losses), losses
 
     # status, 20 of 80 steps in: step/total, the rate, the time left -- within 20% of what was left.
     shown = re.search(r"^  progress: step (\d+)/80 \(\d+%\), ([\d.]+) steps/s, about (\d+) s left$", status, re.M)

@@ -373,3 +373,29 @@ def test_the_header_says_when_the_first_step_came(tmp_path: Path) -> None:
     assert "<dt>first step</dt><dd>3.0 s after the run started</dd>" in html_report(_hung(tmp_path))
     page = html_report(_ended(tmp_path / "restarted"))
     assert "<dt>first step</dt><dd>2.0 s after the run started; attempt 1: 1.0 s after it started</dd>" in page
+
+
+# --- where the time went, and the lines' loss and throughput --------------------------------------------------
+
+
+def test_the_page_has_the_runs_time_as_one_bar_and_the_loss_and_throughput_over_steps(tmp_path: Path) -> None:
+    """The restarted run's buckets as one bar, widths by their seconds; the loss and throughput rank 0 printed,
+    over the steps, a new segment where attempt 1 resumed below the step attempt 0 reached."""
+    run = _ended(tmp_path)
+    for attempt, start, steps in ((0, T0 + 2, (10, 20, 30)), (1, T0 + 15, (20, 30, 40, 50))):
+        for second, step in enumerate(steps):
+            append_sample(run.timeline, Sample(start + 6 + second, attempt, {0: RankPoint(
+                0.9, 0.9, step=step, loss=2.0 / step, throughput=1000.0 + step)}))
+    page = html_report(run)
+    parsed(page)
+    spent = re.search(r'<div class="spent">(.*?)</div>', page, re.S)
+    assert spent, page
+    widths = dict(re.findall(r'<span class="b-([a-z-]+)" style="width:([\d.]+)%"', spent.group(1)))
+    # no progress recorded: nothing trained; attempt 1 hung from its start to its verdict
+    assert list(widths) == ["start-up", "hung", "restarting", "ending"], widths
+    assert sum(map(float, widths.values())) == pytest.approx(100, abs=0.05)
+    assert "goodput 0%: the share of 21.0 s" in page
+    loss, throughput = _chart(page, "loss"), _chart(page, "throughput")
+    assert loss.count("<polyline") == 2 and throughput.count("<polyline") == 2, loss  # one line per attempt
+    assert ">step 0</text>" in loss and ">50</text>" in loss, "an axis of steps"
+    assert "No plot" not in page.split('id="loss"')[1].split("</section>")[0]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import yaml
 
 from harness.errors import SpecError
-from harness.spec.job import Restarts, load_job
+from harness.spec.job import Health, Restarts, load_job
 
 from conftest import REPO, harness
 
@@ -124,3 +127,10 @@ def test_missing_file_exits_2():
     result = harness("render", "jobs/does-not-exist.yaml")
     assert result.returncode == 2
     assert "jobs/does-not-exist.yaml: file not found" in result.stderr
+
+
+def test_the_health_section_docs_health_md_shows_is_the_default() -> None:
+    """docs/health.md says its `health:` block holds the defaults: the progress pattern included, to the byte."""
+    block = re.search(r"## The `health:` section\n+```yaml\n(.*?)```", (REPO / "docs" / "health.md").read_text(), re.S)
+    assert block, "docs/health.md's health: block"
+    assert Health.model_validate(yaml.safe_load(block.group(1))["health"]) == Health()
