@@ -303,6 +303,12 @@ def sampling_cost(root: int, run_id: str, repeats: int = 50) -> float:
     return (time.thread_time() - began) / repeats
 
 
+def _process_cpu(pid: int) -> float:
+    """CPU seconds a process has used (user and system, all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def flight_recorder_cost(root: int, run_id: str, repeats: int = 50) -> dict[str, float]:
     """CPU seconds one read of a rank's Flight Recorder costs, as the agent reads it with each health sample:
     in the rank (torch's worker server builds the JSON) and in the agent (the request and its parsing),
@@ -312,18 +318,14 @@ def flight_recorder_cost(root: int, run_id: str, repeats: int = 50) -> dict[str,
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     directory = next(item.split(b"=", 1)[1].decode() for item in environ if item.startswith(b"HARNESS_AGENT_DIR="))
 
-    def rank_cpu() -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     entries = read_trace(directory, rank)
     if isinstance(entries, str):
         raise RuntimeError(f"rank {rank}'s Flight Recorder: {entries}")
-    before, began = rank_cpu(), time.thread_time()
+    before, began = _process_cpu(pid), time.thread_time()
     for _ in range(repeats):
         read_trace(directory, rank)
     agent = (time.thread_time() - began) / repeats
-    return {"rank_cpu_s": (rank_cpu() - before) / repeats, "agent_cpu_s": agent, "entries": len(entries)}
+    return {"rank_cpu_s": (_process_cpu(pid) - before) / repeats, "agent_cpu_s": agent, "entries": len(entries)}
 
 
 def payload_run(tmp: Path, arm: str, cfg: dict[str, Any], measure: bool = False) -> dict[str, Any]:
@@ -388,12 +390,6 @@ def watch_cost(cfg: dict[str, Any]) -> dict[str, Any]:
                                      "rank_cpu_ms": round(1000 * recorder["rank_cpu_s"], 2),
                                      "agent_cpu_ms": round(1000 * recorder["agent_cpu_s"], 2),
                                      "rank_cpu_share": round(recorder["rank_cpu_s"] / interval, 5)}}
-
-
-def _process_cpu(pid: int) -> float:
-    """CPU seconds a process has used (user and system, all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _scrape(port: int) -> int:
