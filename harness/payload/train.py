@@ -323,9 +323,12 @@ class Trainer:
         if self.args.ckpt_dir is None:
             return
         self.fold_losses()
+        began = time.perf_counter()
         saved = checkpoint.Checkpoint(replace(self.progress, seconds_carry=seconds), self.scheduler.state_dict(),
                                       checkpoint.Rng.capture(self.rt.device))
         self.parallel.save(self.optimizer, saved, self.args.ckpt_dir, self.progress.global_step, self.args.keep)
+        # `N steps`, not `step N`: a progress pattern reads no step from it (health.checkpoint reads the seconds)
+        self.log(f"checkpoint: {self.progress.global_step} steps saved in {time.perf_counter() - began:.3f} s")
 
     def end_epoch(self) -> None:
         """Score and record the epoch just ended (finished or stopped by --max-steps) and checkpoint; a

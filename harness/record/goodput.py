@@ -4,6 +4,8 @@ steps that were not done again:
 
 - start-up: from the launch to the first attempt's first step (planning, checks, start, rendezvous, loading);
 - training: from an attempt's first new step to its last step (and on to its fault: steps not yet reported);
+- checkpoint: the seconds the job's lines say its checkpoint saves took (health.checkpoint), taken out of the
+  bucket they fell in (training, most likely);
 - redone: after a restart, the steps until the run is past the furthest step an earlier attempt reached;
 - hung: from the last progress (or the attempt's start, without any) to the hang's verdict;
 - restarting: from a fault (or the verdict) to the next attempt's first step: teardown, backoff, checks, start-up;
@@ -64,10 +66,19 @@ def time_spent(started_at: float, ended_at: float, attempts: Sequence[AttemptTim
             cuts.append((attempt.fault_at or attempt.ended_at, after))
         elif not (last and running):
             cuts.append((max(moved, attempt.fault_at or moved), after))
-    return _summed(cuts, started_at, ended_at)
+    seconds = _summed(cuts, started_at, ended_at)
+    saving = sum(attempt.progress.saving_s for attempt in attempts if attempt.progress is not None)
+    for bucket in ("training", "redone", "ending", "restarting"):  # where the saves happened, most likely first
+        moved = min(saving, seconds[bucket])
+        seconds[bucket] -= moved
+        seconds["checkpoint"] += moved
+        saving -= moved
+    wall = ended_at - started_at
+    return Goodput(round(wall, 3), {bucket: round(value, 3) for bucket, value in seconds.items()},
+                   round(seconds["training"] / wall, 4) if wall > 0 else 0.0)
 
 
-def _summed(cuts: list[tuple[float, str]], started_at: float, ended_at: float) -> Goodput:
+def _summed(cuts: list[tuple[float, str]], started_at: float, ended_at: float) -> dict[str, float]:
     """The seconds of each bucket; a cut out of order (clocks, or a bucket that did not happen) is moved up to
     the one before it, so that every second is counted once."""
     seconds = dict.fromkeys(GOODPUT_BUCKETS, 0.0)
@@ -76,9 +87,7 @@ def _summed(cuts: list[tuple[float, str]], started_at: float, ended_at: float) -
         begin = min(max(cut, at), ended_at)
         at = min(max(end, begin), ended_at)
         seconds[bucket] += at - begin
-    wall = ended_at - started_at
-    return Goodput(round(wall, 3), {bucket: round(value, 3) for bucket, value in seconds.items()},
-                   round(seconds["training"] / wall, 4) if wall > 0 else 0.0)
+    return seconds
 
 
 def run_goodput(started_at: float, ended_at: float, attempts: Sequence[Attempt], live: LiveHealth | None = None,

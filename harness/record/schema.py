@@ -147,7 +147,8 @@ class Progress:
     """An attempt's course in steps, from the job's progress lines (the furthest any rank reported): its first
     and last step and when their lines came; new_at: when it first went past the furthest step of the attempts
     before it (the steps until then were done again; None: not yet); total: the run's steps where the lines say
-    (`step 12/97`, `epoch 1/3 step 12/97`); rate: steps per second lately (None: not known yet)."""
+    (`step 12/97`, `epoch 1/3 step 12/97`); rate: steps per second lately (None: not known yet); saving_s: the
+    seconds its checkpoint saves took, where its lines say (health.checkpoint)."""
 
     first_step: int
     first_at: float
@@ -156,6 +157,7 @@ class Progress:
     new_at: float | None = None
     total: int | None = None
     rate: float | None = None
+    saving_s: float = 0.0
 
     def left_s(self) -> float | None:
         """Seconds to the last step at the recent rate (None: no total or no rate known)."""
@@ -246,7 +248,7 @@ class Goodput:
     goodput: float
 
 
-GOODPUT_BUCKETS = ("start-up", "training", "redone", "hung", "restarting", "ending")
+GOODPUT_BUCKETS = ("start-up", "training", "checkpoint", "redone", "hung", "restarting", "ending")
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,8 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
                      quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys(),
                      judge=HealthJudge(spec.health.stall, spec.health.slow) if spec.health.watched else None, run=run,
                      attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern,
-                     furthest=max((a.progress.last_step for a in before if a.progress), default=None))
+                     furthest=max((a.progress.last_step for a in before if a.progress), default=None),
+                     checkpoint=spec.health.checkpoint_pattern)
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     hosts = ", ".join(n.host for n in plan.nodes)
     sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "

@@ -143,10 +143,11 @@ class HealthLoop:
         if new_at is None:
             past = [mark.at for mark in marks if self.furthest is None or mark.step > self.furthest]
             new_at = min(past) if past else None
-        totals = [a.total for live in self.nodes for a in live.activity.values() if a.total is not None]
+        activities = [activity for live in self.nodes for activity in live.activity.values()]
+        totals = [activity.total for activity in activities if activity.total is not None]
         rate = max(rates) if rates else self.progress.rate if self.progress else None
         self.progress = Progress(first.step, first.at, last.step, last.at, new_at, max(totals) if totals else None,
-                                 rate)
+                                 rate, round(max(activity.saving_s for activity in activities), 3))
         return self.progress
 
 

@@ -56,6 +56,7 @@ class RankActivity:
     total: int | None = None  # the run's steps, where its lines say (step_total)
     loss: float | None = None  # its last loss and throughput (items per second), where its lines say them
     throughput: float | None = None
+    saving_s: float = 0.0  # seconds its lines said its checkpoint saves took (health.checkpoint)
 
 
 # torchrun's ChildFailedError report names the root-cause rank; use it when present.
@@ -148,6 +149,16 @@ class LiveNode:
                 shown += self.cascade.take(rank, line, line[len(f"[rank{rank}]: "):])
         self._note(streamed, at, progress)
         return Block(_text(logged), _text(streamed), _text(shown), len(shown))
+
+    def note_saves(self, text: str, at: float, checkpoint: re.Pattern[str]) -> None:
+        """The checkpoint saves the ranks' lines in text say, each rank's seconds added up (one scan of a block
+        without any first)."""
+        if checkpoint.search(text) is None:
+            return
+        for line in text.splitlines():
+            if (found := checkpoint.search(line)) and (rank := worker_output.rank_of(line)) is not None:
+                activity = self.activity.setdefault(rank, RankActivity(line, at))
+                activity.saving_s += _number(found, "seconds") or 0.0
 
     def release(self) -> Block:
         """The node's output ended: what the cascade was still reading is shown."""

@@ -21,17 +21,19 @@ from harness.targets.base import NodeProcess
 class Output:
     """log_file: where each node's lines go (None: nowhere); record: the run's timed record (None: none);
     quiet_cpp_info: torch's C++ INFO lines are the harness's own watch (plan.STORE_WATCH_ENV), so they go
-    to the log only; progress: the pattern of the job's step lines (health.progress)."""
+    to the log only; progress: the pattern of the job's step lines (health.progress); checkpoint: of its lines
+    that say a checkpoint was saved (health.checkpoint)."""
 
     def __init__(self, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
                  record: StreamRecord | None = None, attempt: int = 0, quiet_cpp_info: bool = False,
-                 progress: re.Pattern[str] | None = None) -> None:
+                 progress: re.Pattern[str] | None = None, checkpoint: re.Pattern[str] | None = None) -> None:
         self.terminal = terminal
         self.log_file = log_file
         self.record = record
         self.attempt = attempt
         self.quiet_cpp_info = quiet_cpp_info
         self.progress = progress
+        self.checkpoint = checkpoint
 
     def say(self, message: str) -> None:
         self.terminal.say(message)
@@ -48,6 +50,8 @@ class Output:
             for text in process.output():
                 at = time.time()
                 block = live.take_block(text, at, self.quiet_cpp_info, self.progress)
+                if self.checkpoint is not None:
+                    live.note_saves(block.streamed, at, self.checkpoint)
                 if log is not None:
                     log.write(block.logged)
                     log.flush()

@@ -41,13 +41,13 @@ class Supervisor:
     lines are the harness's own watch, so they go to the log only; progress: the job's step lines.
     judge: what judges hangs and slow ranks (None: off); run: where stacks, the health file and
     `harness stacks` requests live; attempt: this attempt's number; furthest: the furthest step of the run's
-    earlier attempts (None: none)."""
+    earlier attempts (None: none); checkpoint: the job's lines that say a checkpoint was saved."""
 
     def __init__(self, grace: float, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
                  quiet_cpp_info: bool = False, judge: HealthJudge | None = None, run: RunDir | None = None,
                  attempt: int = 0, record: StreamRecord | None = None, progress: re.Pattern[str] | None = None,
-                 furthest: int | None = None) -> None:
-        self.output = Output(terminal, log_file, record, attempt, quiet_cpp_info, progress)
+                 furthest: int | None = None, checkpoint: re.Pattern[str] | None = None) -> None:
+        self.output = Output(terminal, log_file, record, attempt, quiet_cpp_info, progress, checkpoint)
         self._started: list[tuple[NodeProcess, LiveNode]] = []  # every started node, what stops and asks it
         self.stopper = Stopper(grace, self._started)
         self.stacks = StackCapture(self._started)

@@ -311,6 +311,10 @@ DEFAULT_PROGRESS = (r"(?:\bepoch (?P<epoch>\d+)/(?P<epochs>\d+) )?\bstep (?P<ste
                     r"(?:.*?\bloss (?P<loss>[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf)))?"
                     r"(?:.*?\bimg/s (?P<throughput>\d+(?:\.\d*)?))?")
 
+# A rank's line that says a checkpoint was saved and how long the save took (the payload's `checkpoint: 20 steps
+# saved in 0.120 s`): those seconds are the run's `checkpoint` time, not its training (record/goodput.py).
+DEFAULT_CHECKPOINT = r"\bcheckpoint\b.*?\bsaved in (?P<seconds>\d+(?:\.\d+)?) ?s\b"
+
 
 class Health(StrictModel):
     """What the harness watches while a job runs (harness.health, run/health_loop.py). stall: seconds a rank may make no
@@ -323,30 +327,39 @@ class Health(StrictModel):
     steps, for its progress and time left, from a group named `total`, or `per_epoch` times `epochs` (without
     an epoch, `per_epoch` alone: `step 12/97`); groups named `loss` and `throughput` (items per second) are
     drawn by `harness report` and served as metrics (the payload's `loss 2.1 ... img/s 950` by default); empty
-    turns it off. metrics_port: the port on which the controller serves the run's metrics to Prometheus while
-    it runs (every interface; docs/metrics.md); None, the default: nothing listens."""
+    turns it off. checkpoint: the regular expression of a line that says a checkpoint was saved, with a group
+    named `seconds` (how long the save took), for where the run's time went; empty turns it off. metrics_port:
+    the port on which the controller serves the run's metrics to Prometheus while it runs (every interface;
+    docs/metrics.md); None, the default: nothing listens."""
 
     stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
     slow: Annotated[Seconds, Field(ge=0, le=100)] = 20
     progress: str = DEFAULT_PROGRESS
+    checkpoint: str = DEFAULT_CHECKPOINT
     metrics_port: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=65535)] | None = None
 
-    @field_validator("progress")
+    @field_validator("progress", "checkpoint")
     @classmethod
-    def _progress(cls, value: str) -> str:
+    def _pattern(cls, value: str, info: ValidationInfo) -> str:
         if not value:
             return value
         try:
             pattern = re.compile(value)
         except re.error as exc:
             raise ValueError(f"expected a regular expression, got {short_repr(value)}: {exc}") from None
-        if "step" not in pattern.groupindex:
-            raise ValueError(f"expected a group named step in {short_repr(value)}, e.g. 'step (?P<step>\\d+)'")
+        group, example = ("step", "step (?P<step>\\d+)") if info.field_name == "progress" else \
+            ("seconds", "saved in (?P<seconds>[\\d.]+) s")
+        if group not in pattern.groupindex:
+            raise ValueError(f"expected a group named {group} in {short_repr(value)}, e.g. '{example}'")
         return value
 
     @property
     def progress_pattern(self) -> re.Pattern[str] | None:
         return re.compile(self.progress) if self.progress else None
+
+    @property
+    def checkpoint_pattern(self) -> re.Pattern[str] | None:
+        return re.compile(self.checkpoint) if self.checkpoint else None
 
     @property
     def watched(self) -> bool:

@@ -29,7 +29,7 @@ def test_a_run_with_a_hang_and_a_restart_puts_every_second_in_one_bucket() -> No
                          fault_at=T0 + 45)
     second = AttemptTimes(T0 + 52, T0 + 94, Progress(32, T0 + 60, 80, T0 + 90, T0 + 64))
     goodput = time_spent(T0, T0 + 95, [first, second])
-    assert goodput.seconds == {"start-up": 12.0, "training": 18.0 + 26.0, "redone": 4.0, "hung": 15.0,
+    assert goodput.seconds == {"start-up": 12.0, "training": 18.0 + 26.0, "checkpoint": 0.0, "redone": 4.0, "hung": 15.0,
                                "restarting": 3.0 + 4.0 + 8.0, "ending": 5.0}
     _assert_adds_up(goodput.seconds, 95.0)
     assert goodput.wall_s == 95.0 and goodput.goodput == round(44 / 95, 4)
@@ -41,9 +41,19 @@ def test_a_program_failure_trains_to_its_fault_and_restarts_from_there() -> None
     first = AttemptTimes(T0 + 1, T0 + 20, Progress(1, T0 + 3, 10, T0 + 10), fault_at=T0 + 15)
     second = AttemptTimes(T0 + 22, T0 + 30, Progress(6, T0 + 25, 9, T0 + 28), fault_at=T0 + 29)
     goodput = time_spent(T0, T0 + 31, [first, second])
-    assert goodput.seconds == {"start-up": 3.0, "training": 12.0, "redone": 4.0, "hung": 0.0,
+    assert goodput.seconds == {"start-up": 3.0, "training": 12.0, "checkpoint": 0.0, "redone": 4.0, "hung": 0.0,
                                "restarting": 5.0 + 2.0 + 3.0, "ending": 2.0}
     _assert_adds_up(goodput.seconds, 31.0)
+
+
+def test_the_checkpoint_saves_the_lines_say_come_out_of_training() -> None:
+    """Two attempts whose lines said 1.5 s and 0.5 s of saves: 2 s of checkpoint, 2 s less training."""
+    first = AttemptTimes(T0 + 1, T0 + 20, Progress(1, T0 + 3, 10, T0 + 10, saving_s=1.5), fault_at=T0 + 15)
+    second = AttemptTimes(T0 + 22, T0 + 30, Progress(11, T0 + 25, 20, T0 + 28, T0 + 25, saving_s=0.5))
+    goodput = time_spent(T0, T0 + 31, [first, second])
+    assert goodput.seconds["checkpoint"] == 2.0 and goodput.seconds["training"] == 12.0 + 3.0 - 2.0
+    _assert_adds_up(goodput.seconds, 31.0)
+    assert goodput.goodput == round(13 / 31, 4)
 
 
 def test_a_running_run_trains_until_now_and_a_run_without_steps_never_trained() -> None:
@@ -55,7 +65,7 @@ def test_a_running_run_trains_until_now_and_a_run_without_steps_never_trained() 
     nothing = time_spent(T0, T0 + 3, [])  # stopped before any attempt started
     assert nothing.seconds["start-up"] == 3.0
     hung_at_start = time_spent(T0, T0 + 30, [AttemptTimes(T0 + 1, T0 + 29, None, hang_at=T0 + 27, fault_at=T0 + 27)])
-    assert hung_at_start.seconds == {"start-up": 1.0, "training": 0.0, "redone": 0.0, "hung": 26.0,
+    assert hung_at_start.seconds == {"start-up": 1.0, "training": 0.0, "checkpoint": 0.0, "redone": 0.0, "hung": 26.0,
                                      "restarting": 0.0, "ending": 3.0}
 
 
