@@ -1,8 +1,8 @@
 """The GPUs as the NVIDIA driver sees them, through NVML (libnvidia-ml.so.1, which every driver installs) and
-ctypes: how many there are, and what each process uses of them -- its share of the SMs' time since the last
-read and the memory it holds. Standard library only (shipped to nodes with the agent): importing torch to ask
-would cost seconds and a CUDA context. Where there is no driver, nothing is read and nothing is made up: the
-reader says why.
+ctypes: how many there are, what each process uses of them -- its share of the SMs' time since the last
+read and the memory it holds -- and whether each is fit to run a job (device_health). Standard library only
+(shipped to nodes with the agent): importing torch to ask would cost seconds and a CUDA context. Where there
+is no driver, nothing is read and nothing is made up: the reader says why.
 
 NVML names processes by the PIDs of the machine's own PID namespace; a rank in a container with a PID
 namespace of its own is not found by its PID there, and its use stays unknown.
@@ -11,12 +11,28 @@ namespace of its own is not found by its PID there, and its use stays unknown.
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict
 
 LIBRARY = "libnvidia-ml.so.1"
 SUCCESS, INSUFFICIENT_SIZE, NOT_FOUND = 0, 7, 6
 NOT_AVAILABLE = (1 << 64) - 1  # NVML's value for a memory figure it does not know (e.g. under MIG)
 MAX_PROCESSES = 256  # per device and read: far more ranks than a GPU holds
+RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: what the driver says the GPU needs
+RECOVERY_ACTIONS = {1: "a GPU reset", 2: "a node reboot", 3: "its peer-to-peer traffic drained",
+                    4: "its work drained and a GPU reset"}  # 0: none
+UNCORRECTED, VOLATILE = 1, 0  # nvmlMemoryErrorType_t, nvmlEccCounterType_t: uncorrectable, since the driver loaded
+
+
+class GpuHealth(TypedDict):
+    """What the driver says of one GPU's fitness (None: it does not say, e.g. an older driver or a GPU without
+    ECC): the recovery it needs (NVML's recovery action; None: none), its uncorrectable ECC errors since the
+    driver loaded, and whether memory rows wait to be remapped (a reset applies them) or a remapping failed."""
+
+    index: int
+    recovery: str | None
+    ecc_uncorrected: int | None
+    rows_pending: bool | None
+    rows_failed: bool | None
 
 
 class GpuUse(NamedTuple):
@@ -41,6 +57,14 @@ class _UtilSample(ctypes.Structure):
                 ("memory", ctypes.c_uint), ("encoder", ctypes.c_uint), ("decoder", ctypes.c_uint)]
 
 
+class _FieldValue(ctypes.Structure):
+    """nvmlFieldValue_t: one field nvmlDeviceGetFieldValues answers, its value a union of 8 bytes."""
+
+    _fields_ = [("field_id", ctypes.c_uint), ("scope_id", ctypes.c_uint), ("timestamp", ctypes.c_longlong),
+                ("latency_us", ctypes.c_longlong), ("value_type", ctypes.c_int), ("answer", ctypes.c_int),
+                ("value", ctypes.c_ulonglong)]
+
+
 class Nvml:
     """The driver, opened once (open_nvml). Each read of process_use covers the time since the one before."""
 
@@ -60,8 +84,27 @@ class Nvml:
                 util[pid] = util.get(pid, 0.0) + share
         return {pid: GpuUse(round(util.get(pid, 0.0), 1), memory.get(pid, -1)) for pid in memory.keys() | util.keys()}
 
+    def health(self) -> list[GpuHealth]:
+        """Every GPU's fitness, as the driver says it now."""
+        return [self._health(index, device) for index, device in enumerate(self.devices)]
+
     def close(self) -> None:
         self._lib.nvmlShutdown()
+
+    def _health(self, index: int, device: ctypes.c_void_p) -> GpuHealth:
+        field = _FieldValue(field_id=RECOVERY_ACTION_FIELD)
+        recovery = None
+        if self._lib.nvmlDeviceGetFieldValues(device, 1, ctypes.byref(field)) == SUCCESS and field.answer == SUCCESS:
+            recovery = RECOVERY_ACTIONS.get(field.value & 0xFFFFFFFF)
+        errors = ctypes.c_ulonglong(0)
+        ecc = errors.value if self._lib.nvmlDeviceGetTotalEccErrors(device, UNCORRECTED, VOLATILE,
+                                                                     ctypes.byref(errors)) == SUCCESS else None
+        corrected, uncorrected, pending, failed = (ctypes.c_uint(0) for _ in range(4))
+        rows = self._lib.nvmlDeviceGetRemappedRows(device, ctypes.byref(corrected), ctypes.byref(uncorrected),
+                                                   ctypes.byref(pending), ctypes.byref(failed)) == SUCCESS
+        return GpuHealth(index=index, recovery=recovery, ecc_uncorrected=ecc,
+                         rows_pending=bool(pending.value) if rows else None,
+                         rows_failed=bool(failed.value) if rows else None)
 
     def _processes(self, device: ctypes.c_void_p) -> dict[int, int]:
         count = ctypes.c_uint(MAX_PROCESSES)
@@ -106,6 +149,17 @@ def open_nvml() -> Nvml | str:
         if lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(device)) == SUCCESS:
             devices.append(device)
     return Nvml(lib, devices)
+
+
+def device_health() -> list[GpuHealth] | str:
+    """Every GPU's fitness, or why the driver cannot say."""
+    nvml = open_nvml()
+    if isinstance(nvml, str):
+        return nvml
+    try:
+        return nvml.health()
+    finally:
+        nvml.close()
 
 
 def driver_gpu_count() -> int:

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, final
 
+from harness.node.gpu import GpuHealth, device_health
 from harness.node.pyspy import dump, py_spy_path
 
 if TYPE_CHECKING:  # typing.NotRequired is Python 3.11's; a host's may be older, and annotations stay unevaluated
@@ -69,13 +70,15 @@ class GpuProcess(TypedDict):
 
 
 class Gpus(TypedDict):
-    """What nvidia-smi says: no nvidia-smi is no GPU (driver NONE); gpu_error when it failed."""
+    """What nvidia-smi says: no nvidia-smi is no GPU (driver NONE); gpu_error when it failed. gpu_health: each
+    GPU's fitness as NVML says it (harness.node.gpu), or why it cannot say; only where there are GPUs."""
 
     gpus: int
     driver: str
     gpu_names: list[str]
     gpu_processes: list[GpuProcess]
     gpu_error: NotRequired[str]
+    gpu_health: NotRequired[list[GpuHealth] | str]
 
 
 class Interface(TypedDict):
@@ -276,13 +279,16 @@ def _gpus() -> Gpus:
         return {"gpus": 0, "driver": "unknown", "gpu_names": [], "gpu_processes": [],
                 "gpu_error": f"nvidia-smi failed: {exc}"}
     index_of = {row[2]: row[0] for row in rows}
-    return {
+    found: Gpus = {
         "gpus": len(rows),
         "driver": rows[0][3] if rows else NONE,
         "gpu_names": [row[1] for row in rows],
         "gpu_processes": [{"pid": int(a[0]), "name": a[1], "used_mib": a[2], "gpu": index_of.get(a[3], a[3])}
                           for a in apps if len(a) >= 4],
     }
+    if rows:
+        found["gpu_health"] = device_health()
+    return found
 
 
 def _addresses(name: str) -> list[str] | str:

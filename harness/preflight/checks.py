@@ -205,8 +205,36 @@ def stacks_check(host: str, facts: Facts, *, local: bool = False) -> Check:
                  f"py-spy {stacks['version']} ({stacks['py_spy']}) read the stack of a test process", None, details)
 
 
+def _gpu_health(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> Check:
+    """Whether the driver calls every GPU fit (NVML, before every attempt): a GPU that needs a reset or a
+    reboot, has remappings pending or a remapping failed fails the host, which a spare then replaces;
+    uncorrectable ECC errors alone warn (the remapping, where the GPU has one, says more)."""
+    health = facts.get("gpu_health")
+    if spec is None or (backend != "nccl" and spec.resources.gpus == 0) or health is None:
+        why = "no job given" if spec is None else "no GPU" if health is None else "the job runs on CPU"
+        return Check(host.name, "gpu_health", Status.SKIP, why)
+    if isinstance(health, str):
+        return Check(host.name, "gpu_health", Status.WARN, f"NVML cannot say whether the GPUs are fit: {health}")
+    unfit = [f"GPU {gpu['index']} needs {gpu['recovery']} (the driver's recovery action)"
+             for gpu in health if gpu["recovery"]]
+    unfit += [f"GPU {gpu['index']} has memory rows waiting to be remapped (a GPU reset applies them)"
+              for gpu in health if gpu["rows_pending"]]
+    unfit += [f"GPU {gpu['index']} failed to remap a memory row" for gpu in health if gpu["rows_failed"]]
+    if unfit:
+        return Check(host.name, "gpu_health", Status.FAIL, "; ".join(unfit),
+                     "reset the GPU (`nvidia-smi -r -i N` with nothing running on it) or reboot the host, as the "
+                     "driver says; a failed remapping means the GPU must be replaced")
+    errors = [f"GPU {gpu['index']}: {gpu['ecc_uncorrected']}" for gpu in health if gpu["ecc_uncorrected"]]
+    if errors:
+        return Check(host.name, "gpu_health", Status.WARN,
+                     f"uncorrectable ECC errors since the driver loaded ({', '.join(errors)}), no recovery asked for")
+    return Check(host.name, "gpu_health", Status.PASS, f"{len(health)} GPU(s) fit: no recovery action, no row "
+                                                       f"remapping pending or failed, no uncorrectable ECC error")
+
+
 def resource_checks(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> list[Check]:
-    return [_gpus(host, facts, spec, backend), _shm(host.name, facts), _disk(host.name, facts)]
+    return [_gpus(host, facts, spec, backend), _gpu_health(host, facts, spec, backend), _shm(host.name, facts),
+            _disk(host.name, facts)]
 
 
 def data_checks(facts: dict[str, Facts], paths: list[str], master: str, setup: bool = False, *,
