@@ -28,13 +28,15 @@ class StepReport:
         self.scheduler = scheduler
         self.loss = torch.zeros((), device=rt.device)
         self.bar: Any = None
-        self.label, self.total = "", 0
+        self.label, self.total, self.ends = "", 0, ""
         self.since, self.logged_at = 0.0, 0  # when, and after which global step, the interval began
 
-    def begin(self, label: str, total: int, step: int, global_step: int) -> None:
-        """An epoch of `total` steps, taken up after `step` of them."""
+    def begin(self, label: str, total: int, step: int, global_step: int, run_total: int | None = None) -> None:
+        """An epoch of `total` steps, taken up after `step` of them; run_total: the run's steps, where --max-steps
+        ends it before its epochs do (each line says so, for the harness's time left)."""
         self.bar = _progress_bar(self.rt, total, step, label)
         self.label, self.total = label, total
+        self.ends = f" ({run_total} in all)" if run_total is not None else ""
         self.since, self.logged_at = time.perf_counter(), global_step
         self.loss.zero_()
 
@@ -57,7 +59,7 @@ class StepReport:
         if self.bar is not None:
             self.bar.set_postfix_str(shown)
         else:
-            self.log(f"{self.label} step {step}/{self.total} {shown}")
+            self.log(f"{self.label} step {step}/{self.total}{self.ends} {shown}")
 
     def end(self) -> None:
         if self.bar is not None:

@@ -261,7 +261,9 @@ class Trainer:
         p, rt = self.progress, self.rt
         plan = batches.epoch_plan(len(self.ds.train_y), self.args.seed, p.epoch, rt.rank, rt.world_size, self.ds.pad,
                                   self.ds.flip, rt.device, self.split.accumulation)
-        self.report.begin(f"epoch {p.epoch + 1}/{self.args.epochs}", self.steps_per_epoch, p.step, p.global_step)
+        cut = self.max_steps < self.args.epochs * self.steps_per_epoch  # --max-steps ends the run first
+        self.report.begin(f"epoch {p.epoch + 1}/{self.args.epochs}", self.steps_per_epoch, p.step, p.global_step,
+                          self.max_steps if cut else None)
         self.epoch_started = time.perf_counter()
         while p.step < self.steps_per_epoch and p.global_step < self.max_steps:
             loss = self.train_step(plan)

@@ -305,9 +305,11 @@ class Restarts(StrictModel):
     min_nnodes: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=MAX_NNODES)] | None = None
 
 
-# The payload's progress lines (`epoch 2/12 step 12/97 ...`), and many scripts' `step 12`: where a line names
-# its epoch and the steps of one, the step counts from the run's start (run/live.py, global_step).
+# The payload's progress lines (`epoch 2/12 step 12/97 ...`; `... step 12/97 (150 in all)` where --max-steps ends
+# the run first), and many scripts' `step 12`: where a line names its epoch and the steps of one, the step counts
+# from the run's start (run/live.py, global_step).
 DEFAULT_PROGRESS = (r"(?:\bepoch (?P<epoch>\d+)/(?P<epochs>\d+) )?\bstep (?P<step>\d+)(?:/(?P<per_epoch>\d+))?"
+                    r"(?: \((?P<total>\d+) in all\))?"
                     r"(?:.*?\bloss (?P<loss>[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf)))?"
                     r"(?:.*?\bimg/s (?P<throughput>\d+(?:\.\d*)?))?")
 

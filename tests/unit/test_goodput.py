@@ -80,6 +80,7 @@ def test_a_running_attempt_counts_from_health_json() -> None:
 
 @pytest.mark.parametrize(("line", "step", "total"), [
     ("epoch 2/3 step 12/97 loss 2.1", 109, 291),  # the payload's lines
+    ("epoch 1/3 step 12/97 (150 in all) loss 2.1", 12, 150),  # ... where --max-steps ends the run first
     ("step 12/97", 12, 97),
     ("step 12", 12, None),
     ("Epoch 1 step 5", 5, None),  # no `epoch N/M`: the step as it is
