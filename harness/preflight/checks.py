@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Literal, get_args
 
+from harness.node.gpu import GpuHealth
 from harness.node.probe import MISSING, Facts, Stacks
 from harness.preflight.table import Check, Status
 from harness.spec.inventory import Host
@@ -205,14 +206,20 @@ def stacks_check(host: str, facts: Facts, *, local: bool = False) -> Check:
                  f"py-spy {stacks['version']} ({stacks['py_spy']}) read the stack of a test process", None, details)
 
 
-def _gpu_health(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> Check:
+def _gpu_health(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> list[Check]:
     """Whether the driver calls every GPU fit (NVML, before every attempt): a GPU that needs a reset or a
     reboot, has remappings pending or a remapping failed fails the host, which a spare then replaces;
-    uncorrectable ECC errors alone warn (the remapping, where the GPU has one, says more)."""
+    uncorrectable ECC errors alone warn (the remapping, where the GPU has one, says more). A host without
+    GPUs has no such row."""
     health = facts.get("gpu_health")
-    if spec is None or (backend != "nccl" and spec.resources.gpus == 0) or health is None:
-        why = "no job given" if spec is None else "no GPU" if health is None else "the job runs on CPU"
-        return Check(host.name, "gpu_health", Status.SKIP, why)
+    if health is None:
+        return []
+    return [_fitness(host, health, spec, backend)]
+
+
+def _fitness(host: Host, health: list[GpuHealth] | str, spec: JobSpec | None, backend: str | None) -> Check:
+    if spec is None or (backend != "nccl" and spec.resources.gpus == 0):
+        return Check(host.name, "gpu_health", Status.SKIP, "no job given" if spec is None else "the job runs on CPU")
     if isinstance(health, str):
         return Check(host.name, "gpu_health", Status.WARN, f"NVML cannot say whether the GPUs are fit: {health}")
     unfit = [f"GPU {gpu['index']} needs {gpu['recovery']} (the driver's recovery action)"
@@ -233,7 +240,7 @@ def _gpu_health(host: Host, facts: Facts, spec: JobSpec | None, backend: str | N
 
 
 def resource_checks(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> list[Check]:
-    return [_gpus(host, facts, spec, backend), _gpu_health(host, facts, spec, backend), _shm(host.name, facts),
+    return [_gpus(host, facts, spec, backend), *_gpu_health(host, facts, spec, backend), _shm(host.name, facts),
             _disk(host.name, facts)]
 
 
