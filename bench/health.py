@@ -47,7 +47,7 @@ from typing import Any
 from bench import procs
 from bench.launch import died_at, torchrun_by_hand
 from harness.node.collectives import read_trace
-from harness.node.proctable import process_tree, run_processes
+from harness.node.proctable import process_tree, run_processes, stat_fields
 from harness.node.ranks import children_of, find_ranks, sample
 from harness.spec.job import Health
 
@@ -305,7 +305,9 @@ def sampling_cost(root: int, run_id: str, repeats: int = 50) -> float:
 
 def _process_cpu(pid: int) -> float:
     """CPU seconds a process has used (user and system, all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
+    if fields is None:
+        raise RuntimeError(f"pid {pid} is gone")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -19,7 +19,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from harness.record.schema import GOODPUT_BUCKETS, Attempt, Goodput, HealthEventKind, LiveHealth, Progress
+from harness.record.rundir import RunDir
+from harness.record.schema import (
+    GOODPUT_BUCKETS,
+    Attempt,
+    Goodput,
+    HealthEventKind,
+    LiveHealth,
+    Progress,
+    RunState,
+    RunSummary,
+)
 
 
 @dataclass(frozen=True)
@@ -99,3 +109,13 @@ def run_goodput(started_at: float, ended_at: float, attempts: Sequence[Attempt],
         times.append(current)
         return time_spent(started_at, ended_at, times, running=True)
     return time_spent(started_at, ended_at, times)
+
+
+def goodput_of(run: RunDir, state: RunState, summary: RunSummary | None, now: float,
+               health: LiveHealth | None = None) -> Goodput:
+    """A run's buckets as its record says them now, for every view: the summary's once it has ended, else its
+    ended attempts (attempts.json) and the running one (health: its health.json, read here when not given)."""
+    if summary is not None:
+        return summary.goodput or run_goodput(summary.started_at, summary.ended_at, summary.attempts)
+    live = health if health is not None else run.read_health(state.attempt)
+    return run_goodput(state.started_at, state.ended_at or now, run.read_attempts(), live, now)

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from harness.errors import UsageError
-from harness.record.goodput import run_goodput
+from harness.record.goodput import goodput_of
 from harness.record.liveness import live_status
 from harness.record.rundir import RunDir
 from harness.record.schema import GOODPUT_BUCKETS, Goodput, LiveHealth, RecordError, RunStatus
@@ -33,7 +33,7 @@ class RunMetrics(Collector):
         try:
             state = self.run.read_state()
             health = self.run.read_health(state.attempt)
-            attempts = self.run.read_attempts()
+            goodput = goodput_of(self.run, state, None, time.time(), health)
         except (RecordError, FileNotFoundError):
             return
         run_id, now = state.run_id, time.time()
@@ -52,7 +52,7 @@ class RunMetrics(Collector):
         restarts.add_metric([run_id], state.attempt)
         yield restarts
         yield _gauge("harness_run_world_size", "Ranks of the running attempt.", run_id, state.world_size)
-        yield from _time_spent(run_id, run_goodput(state.started_at, state.ended_at or now, attempts, health, now))
+        yield from _time_spent(run_id, goodput)
         if health is not None:
             yield from _progress(run_id, health)
             yield from _ranks(run_id, health, now)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from html import escape
 
 from harness.health.rank_stack import stack_groups
-from harness.record.goodput import run_goodput
+from harness.record.goodput import goodput_of
 from harness.record.liveness import live_status
 from harness.record.rundir import RunDir
 from harness.record.schema import (
@@ -295,12 +295,7 @@ def _step_rate(point: RankPoint, before: RankPoint | None, seconds: float) -> fl
 
 def _time_spent(r: _Run) -> str:
     """Where the run's time went as one bar, a bucket a color (record/goodput.py), with the seconds of each."""
-    if r.summary is not None:
-        goodput = r.summary.goodput or run_goodput(r.summary.started_at, r.summary.ended_at, r.summary.attempts)
-    else:
-        now = time.time()
-        goodput = run_goodput(r.state.started_at, r.state.ended_at or now, r.run.read_attempts(),
-                              r.run.read_health(r.state.attempt), now)
+    goodput = goodput_of(r.run, r.state, r.summary, time.time())
     spent = {bucket: seconds for bucket, seconds in goodput.seconds.items() if seconds > 0}
     wall = goodput.wall_s or 1.0
     bar = "".join(f'<span class="b-{bucket}" style="width:{100 * seconds / wall:.2f}%" '

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from harness.node.proctable import run_processes
-from harness.record.goodput import run_goodput
+from harness.record.goodput import goodput_of
 from harness.record.index import RunsLookup, runs_lookup
 from harness.record.liveness import live_status
 from harness.record.rundir import RunDir
@@ -82,8 +82,7 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
             now = time.time()
             if health.progress is not None:
                 lines.append(f"  progress: {progress_words(health.progress, running=True)}")
-            goodput = run_goodput(state.started_at, now, run.read_attempts(), health, now)
-            lines.append(f"  time: {goodput_words(goodput)}")
+            lines.append(f"  time: {goodput_words(goodput_of(run, state, None, now, health))}")
             lines += rank_rows(health, now, width)
             lines += [f"  {line}" for line in health_lines(health)]
         return "\n".join(lines) + "\n"
@@ -104,8 +103,7 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
     progress = next((a.progress for a in reversed(summary.attempts) if a.progress is not None), None)
     if progress is not None:
         lines.append(f"  progress: {progress_words(progress, running=False)}")
-    goodput = summary.goodput or run_goodput(summary.started_at, summary.ended_at, summary.attempts)
-    lines.append(f"  time: {goodput_words(goodput)}")
+    lines.append(f"  time: {goodput_words(goodput_of(run, state, summary, time.time()))}")
     lines += [f"  warning: {warning}" for warning in summary.warnings]
     if summary.reason:
         lines.append(f"  not restarted: {summary.reason}")
