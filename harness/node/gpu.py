@@ -1,6 +1,7 @@
 """The GPUs as the NVIDIA driver sees them, through NVML (libnvidia-ml.so.1, which every driver installs) and
 ctypes: how many there are, what each process uses of them -- its share of the SMs' time since the last
-read and the memory it holds -- and whether each is fit to run a job (device_health). Standard library only
+read and the memory it holds -- whether each is fit to run a job (device_health), and the Xid events the driver
+wrote to the kernel log (xid_events: NVML's event sets see only what happens while one is open). Standard library only
 (shipped to nodes with the agent): importing torch to ask would cost seconds and a CUDA context. Where there
 is no driver, nothing is read and nothing is made up: the reader says why.
 
@@ -11,6 +12,10 @@ namespace of its own is not found by its PID there, and its use stays unknown.
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
+import re
+import time
 from typing import NamedTuple, TypedDict
 
 LIBRARY = "libnvidia-ml.so.1"
@@ -21,6 +26,12 @@ RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: what the dri
 RECOVERY_ACTIONS = {1: "a GPU reset", 2: "a node reboot", 3: "its peer-to-peer traffic drained",
                     4: "its work drained and a GPU reset"}  # 0: none
 UNCORRECTED, VOLATILE = 1, 0  # nvmlMemoryErrorType_t, nvmlEccCounterType_t: uncorrectable, since the driver loaded
+KERNEL_LOG = "/dev/kmsg"
+# "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus." after the record's header
+# "priority,sequence,microseconds since boot,flags;".
+XID_RECORD = re.compile(r"^\d+,\d+,(?P<us>\d+),[^;]*;NVRM: Xid \((?:PCI:)?(?P<pci>[^)]*)\): (?P<xid>\d+),? ?"
+                        r"(?P<text>.*)$")
+MAX_XIDS = 32  # the newest kept: a GPU that logs thousands says the same with fewer
 
 
 class GpuHealth(TypedDict):
@@ -33,6 +44,16 @@ class GpuHealth(TypedDict):
     ecc_uncorrected: int | None
     rows_pending: bool | None
     rows_failed: bool | None
+
+
+class XidEvent(TypedDict):
+    """An Xid the driver logged: its number, the GPU's PCI address, how many seconds before the read (the node's
+    own clock: no skew between hosts) and the driver's words."""
+
+    xid: int
+    pci: str
+    age_s: float
+    text: str
 
 
 class GpuUse(NamedTuple):
@@ -160,6 +181,37 @@ def device_health() -> list[GpuHealth] | str:
         return nvml.health()
     finally:
         nvml.close()
+
+
+def xid_events(path: str = KERNEL_LOG) -> list[XidEvent] | str:
+    """The newest Xid events in the kernel's log since boot (oldest first), or why it cannot be read (reading
+    /dev/kmsg takes root or CAP_SYSLOG where kernel.dmesg_restrict is 1)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        return f"the kernel log cannot be read ({path}: {exc.strerror})"
+    found: list[XidEvent] = []
+    now_us = time.monotonic() * 1e6  # the log's clock: microseconds since boot, as CLOCK_MONOTONIC counts
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192)  # one record per read from /dev/kmsg
+            except BlockingIOError:
+                break  # the end of the log
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:
+                    continue  # records overwritten while reading: the next one follows
+                return f"the kernel log cannot be read ({path}: {exc.strerror})"
+            if not record:
+                break
+            for line in record.decode(errors="replace").splitlines():  # a record and its " KEY=value" lines
+                if (match := XID_RECORD.match(line)) is not None:
+                    found.append(XidEvent(xid=int(match["xid"]), pci=match["pci"], text=match["text"].strip(),
+                                          age_s=round(max(0.0, now_us - int(match["us"])) / 1e6, 1)))
+            del found[:-MAX_XIDS]
+    finally:
+        os.close(fd)
+    return found
 
 
 def driver_gpu_count() -> int:

@@ -32,7 +32,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, final
 
-from harness.node.gpu import GpuHealth, device_health
+from harness.node.gpu import GpuHealth, XidEvent, device_health, xid_events
+from harness.node.proctable import environ
 from harness.node.pyspy import dump, py_spy_path
 
 if TYPE_CHECKING:  # typing.NotRequired is Python 3.11's; a host's may be older, and annotations stay unevaluated
@@ -61,17 +62,21 @@ class Versions(TypedDict):
 
 
 class GpuProcess(TypedDict):
-    """A process holding GPU memory, as nvidia-smi lists it; gpu: its index (its uuid if not listed)."""
+    """A process holding GPU memory, as nvidia-smi lists it; gpu: its index (its uuid if not listed). run_id and
+    attempt: the harness run and attempt that started it, from its environment (a rank left over by one)."""
 
     pid: int
     name: str
     used_mib: str
     gpu: str
+    run_id: NotRequired[str]
+    attempt: NotRequired[str]
 
 
 class Gpus(TypedDict):
     """What nvidia-smi says: no nvidia-smi is no GPU (driver NONE); gpu_error when it failed. gpu_health: each
-    GPU's fitness as NVML says it (harness.node.gpu), or why it cannot say; only where there are GPUs."""
+    GPU's fitness as NVML says it (harness.node.gpu), or why it cannot say; gpu_xids: the Xid events in the
+    kernel's log, or why it cannot be read; both only where there are GPUs."""
 
     gpus: int
     driver: str
@@ -79,6 +84,7 @@ class Gpus(TypedDict):
     gpu_processes: list[GpuProcess]
     gpu_error: NotRequired[str]
     gpu_health: NotRequired[list[GpuHealth] | str]
+    gpu_xids: NotRequired[list[XidEvent] | str]
 
 
 class Interface(TypedDict):
@@ -283,12 +289,21 @@ def _gpus() -> Gpus:
         "gpus": len(rows),
         "driver": rows[0][3] if rows else NONE,
         "gpu_names": [row[1] for row in rows],
-        "gpu_processes": [{"pid": int(a[0]), "name": a[1], "used_mib": a[2], "gpu": index_of.get(a[3], a[3])}
-                          for a in apps if len(a) >= 4],
+        "gpu_processes": [_gpu_process(int(a[0]), a[1], a[2], index_of.get(a[3], a[3])) for a in apps if len(a) >= 4],
     }
     if rows:
         found["gpu_health"] = device_health()
+        found["gpu_xids"] = xid_events()
     return found
+
+
+def _gpu_process(pid: int, name: str, used_mib: str, gpu: str) -> GpuProcess:
+    process: GpuProcess = {"pid": pid, "name": name, "used_mib": used_mib, "gpu": gpu}
+    env = environ(pid)
+    if b"HARNESS_RUN_ID" in env:
+        process["run_id"] = env[b"HARNESS_RUN_ID"].decode(errors="replace")
+        process["attempt"] = env.get(b"HARNESS_ATTEMPT", b"?").decode(errors="replace")
+    return process
 
 
 def _addresses(name: str) -> list[str] | str:

@@ -22,25 +22,24 @@ import sys
 import time
 
 
+def environ(pid: int) -> dict[bytes, bytes]:
+    """A process's environment as it started ({} when gone or another user's)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return dict(item.partition(b"=")[::2] for item in handle.read().split(b"\0") if item)
+    except OSError:
+        return {}
+
+
 def run_processes(run_id: str, node_rank: str | None = None, attempt: str | None = None) -> list[int]:
     """PIDs whose environment says they belong to run_id (and node_rank and attempt, when given)."""
-    wanted = {f"HARNESS_RUN_ID={run_id}".encode()}
+    wanted = {b"HARNESS_RUN_ID": run_id.encode()}
     if node_rank is not None:
-        wanted.add(f"NODE_RANK={node_rank}".encode())
+        wanted[b"NODE_RANK"] = node_rank.encode()
     if attempt is not None:
-        wanted.add(f"HARNESS_ATTEMPT={attempt}".encode())
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                environ = set(handle.read().split(b"\0"))
-        except OSError:
-            continue
-        if wanted <= environ:
-            found.append(int(entry))
-    return found
+        wanted[b"HARNESS_ATTEMPT"] = attempt.encode()
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != os.getpid()
+            and wanted.items() <= environ(int(entry)).items()]
 
 
 def kill_run_processes(run_id: str, node_rank: str | None = None, attempt: str | None = None,

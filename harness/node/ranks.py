@@ -16,18 +16,10 @@ from __future__ import annotations
 
 import os
 
-from harness.node.proctable import stat_fields
+from harness.node.proctable import environ, stat_fields
 from harness.node.protocol import RankSample
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _environ(pid: int) -> dict[bytes, bytes]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            return dict(item.partition(b"=")[::2] for item in handle.read().split(b"\0") if item)
-    except OSError:
-        return {}
 
 
 def find_ranks(below: list[int], run_id: str) -> dict[int, int]:
@@ -35,7 +27,7 @@ def find_ranks(below: list[int], run_id: str) -> dict[int, int]:
     run = run_id.encode()
     rank_of: dict[int, bytes] = {}
     for pid in below:
-        env = _environ(pid)
+        env = environ(pid)
         if env.get(b"HARNESS_RUN_ID") == run and b"RANK" in env:
             rank_of[pid] = env[b"RANK"]
     found = {}

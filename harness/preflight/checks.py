@@ -1,12 +1,12 @@
-"""Verdicts from the probes' facts: software parity across hosts, GPUs, /dev/shm, disk, stack capture, name
-resolution."""
+"""Verdicts from the probes' facts: software parity across hosts, GPUs and their fitness, /dev/shm, disk, stack
+capture, name resolution."""
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Literal, get_args
 
-from harness.node.gpu import GpuHealth
+from harness.node.gpu import GpuHealth, XidEvent
 from harness.node.probe import MISSING, Facts, Stacks
 from harness.preflight.table import Check, Status
 from harness.spec.inventory import Host
@@ -21,6 +21,10 @@ SHM_WARN = 1 * GIB
 DISK_FAIL = 1 * GIB
 DISK_WARN = 10 * GIB
 PY_SPY = "py-spy==0.4.3"  # pyproject's pin: what the node agent reads the ranks' Python stacks with
+# Xids whose cure NVIDIA's catalog says is a GPU reset, a reboot or new hardware (ECC, row remapping, NVLink, the bus,
+# the GSP); the others (13, 31, 43, ...) are a program's own faults.
+HARDWARE_XIDS = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 121, 123, 140, 143, 149, 154})
+XID_FRESH_S = 600.0  # a hardware Xid this recent is the fault a restart follows (or one just before the launch)
 NO_STACKS = "hang verdicts and `harness stacks` will have no Python stacks from this {where} (the job itself runs)"
 
 
@@ -124,6 +128,13 @@ def _gpus(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -
                      f"the driver {facts['driver']} may be too old for CUDA {facts['cuda']}, "
                      f"or CUDA_VISIBLE_DEVICES hides GPUs")
     busy = facts["gpu_processes"]
+    if left := [p for p in busy if "run_id" in p]:
+        holders = ", ".join(f"pid {p['pid']} ({p['name']}) {p['used_mib']} MiB on GPU {p['gpu']}, of run {p['run_id']} "
+                            f"attempt {p['attempt']}" for p in left)
+        return Check(host.name, "gpus", Status.FAIL, f"GPU memory still held by a harness run's process that "
+                     f"outlived its attempt: {holders}",
+                     f"end it (`kill -9 PID` on {host.name}); one that SIGKILL does not end is stuck in the driver "
+                     f"and the host needs a GPU reset or a reboot", {"processes": busy})
     if busy:
         holders = ", ".join(f"pid {p['pid']} ({p['name']}) {p['used_mib']} MiB on GPU {p['gpu']}" for p in busy)
         return Check(host.name, "gpus", Status.WARN, f"{found} GPUs, but memory is in use: {holders}",
@@ -207,36 +218,47 @@ def stacks_check(host: str, facts: Facts, *, local: bool = False) -> Check:
 
 
 def _gpu_health(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> list[Check]:
-    """Whether the driver calls every GPU fit (NVML, before every attempt): a GPU that needs a reset or a
-    reboot, has remappings pending or a remapping failed fails the host, which a spare then replaces;
-    uncorrectable ECC errors alone warn (the remapping, where the GPU has one, says more). A host without
-    GPUs has no such row."""
+    """Whether the driver calls every GPU fit (NVML and the kernel log, before every attempt): a GPU that needs a
+    reset or a reboot, has remappings pending or a remapping failed, or logged a hardware Xid in the last
+    XID_FRESH_S fails the host, which a spare then replaces; uncorrectable ECC errors and older hardware Xids
+    alone warn. A host without GPUs has no such row."""
     health = facts.get("gpu_health")
     if health is None:
         return []
-    return [_fitness(host, health, spec, backend)]
+    return [_fitness(host, health, facts.get("gpu_xids", []), spec, backend)]
 
 
-def _fitness(host: Host, health: list[GpuHealth] | str, spec: JobSpec | None, backend: str | None) -> Check:
+def _fitness(host: Host, health: list[GpuHealth] | str, xids: list[XidEvent] | str, spec: JobSpec | None,
+             backend: str | None) -> Check:
     if spec is None or (backend != "nccl" and spec.resources.gpus == 0):
         return Check(host.name, "gpu_health", Status.SKIP, "no job given" if spec is None else "the job runs on CPU")
     if isinstance(health, str):
         return Check(host.name, "gpu_health", Status.WARN, f"NVML cannot say whether the GPUs are fit: {health}")
+    hardware = [] if isinstance(xids, str) else [x for x in xids if x["xid"] in HARDWARE_XIDS]
     unfit = [f"GPU {gpu['index']} needs {gpu['recovery']} (the driver's recovery action)"
              for gpu in health if gpu["recovery"]]
     unfit += [f"GPU {gpu['index']} has memory rows waiting to be remapped (a GPU reset applies them)"
               for gpu in health if gpu["rows_pending"]]
     unfit += [f"GPU {gpu['index']} failed to remap a memory row" for gpu in health if gpu["rows_failed"]]
+    unfit += [_xid(x) for x in hardware if x["age_s"] <= XID_FRESH_S]
     if unfit:
         return Check(host.name, "gpu_health", Status.FAIL, "; ".join(unfit),
                      "reset the GPU (`nvidia-smi -r -i N` with nothing running on it) or reboot the host, as the "
-                     "driver says; a failed remapping means the GPU must be replaced")
+                     "driver says; a failed remapping means the GPU must be replaced", {"xids": hardware})
     errors = [f"GPU {gpu['index']}: {gpu['ecc_uncorrected']}" for gpu in health if gpu["ecc_uncorrected"]]
-    if errors:
-        return Check(host.name, "gpu_health", Status.WARN,
-                     f"uncorrectable ECC errors since the driver loaded ({', '.join(errors)}), no recovery asked for")
+    warnings = [f"uncorrectable ECC errors since the driver loaded ({', '.join(errors)}), no recovery asked for"
+                ] if errors else []
+    warnings += [f"older hardware Xids: {'; '.join(_xid(x) for x in hardware)}"] if hardware else []
+    if warnings:
+        return Check(host.name, "gpu_health", Status.WARN, "; ".join(warnings), None, {"xids": hardware})
+    read = f"Xids not read: {xids}" if isinstance(xids, str) else "no hardware Xid"
     return Check(host.name, "gpu_health", Status.PASS, f"{len(health)} GPU(s) fit: no recovery action, no row "
-                                                       f"remapping pending or failed, no uncorrectable ECC error")
+                                                       f"remapping pending or failed, no uncorrectable ECC error, "
+                                                       f"{read}")
+
+
+def _xid(event: XidEvent) -> str:
+    return f"Xid {event['xid']} on GPU {event['pci']} {event['age_s']:.0f} s ago ({event['text']})"
 
 
 def resource_checks(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> list[Check]:

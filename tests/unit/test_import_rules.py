@@ -178,7 +178,7 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 def test_shipped_code_takes_its_siblings_along() -> None:
     assert siblings("agent") == ("protocol", "collectives", "gpu", "proctable", "pyspy", "ranks", "observer", "oom")
     assert siblings("proctable") == ()
-    assert siblings("probe") == ("gpu", "pyspy")
+    assert siblings("probe") == ("gpu", "proctable", "pyspy")
     assert siblings("netcheck") == ()
     assert shipped("agent", ["x"]).count(b"\n") == 1, "the program must be one line: BOOT reads one"
 
