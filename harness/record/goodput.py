@@ -12,7 +12,10 @@ steps that were not done again:
 - ending: from the last attempt's last step (or its fault) to the run's end: the last save, teardown, summary.
 
 A step is known from the job's progress lines (health.progress): a job that prints none has no training and
-a goodput of 0, which is what the record can prove."""
+a goodput of 0, which is what the record can prove.
+
+A restart's own phases (restart_of), from the failed attempt's last progress to the next one's first step, are
+kept in that attempt's record."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from harness.record.schema import (
     HealthEventKind,
     LiveHealth,
     Progress,
+    Restart,
     RunState,
     RunSummary,
 )
@@ -119,3 +123,34 @@ def goodput_of(run: RunDir, state: RunState, summary: RunSummary | None, now: fl
         return summary.goodput or run_goodput(summary.started_at, summary.ended_at, summary.attempts)
     live = health if health is not None else run.read_health(state.attempt)
     return run_goodput(state.started_at, state.ended_at or now, run.read_attempts(), live, now)
+
+
+def restart_of(failed: Attempt, started_at: float, joined: Sequence[float], progress: Progress | None,
+               furthest: int | None) -> Restart:
+    """How the attempt that started at started_at came to its first step after failed: detection (failed's last
+    progress line to its fault, or to the hang's verdict), stop (to its last node's end), backoff, preflight (the
+    plan and checks, to this attempt's start), start-up (to the first rank joining the process group: processes,
+    imports), rendezvous (to the last rank joining), restore (to its first progress line: the payload's resume
+    line), first step (to the first line past it). joined: when each rank joined; furthest: the furthest step of
+    the attempts before."""
+    times = AttemptTimes.of(failed)
+    fault = times.hang_at or times.fault_at or failed.ended_at
+    alive = failed.progress.last_at if failed.progress is not None and failed.progress.last_at <= fault else None
+    backoff_end = failed.ended_at + (failed.backoff_s or 0.0)
+    ends = [("detection", fault if alive is not None else None), ("stop", failed.ended_at), ("backoff", backoff_end),
+            ("preflight", started_at),
+            ("start-up", min(joined) if joined else None), ("rendezvous", max(joined) if joined else None),
+            ("restore", progress.first_at if progress is not None else None),
+            ("first step", progress.stepped_at if progress is not None else None)]
+    begin = at = alive if alive is not None else fault
+    phases: dict[str, float] = {}
+    for phase, end in ends:
+        if end is not None:
+            phases[phase] = round(max(0.0, end - at), 3)
+            at = max(at, end)
+    redone = redone_s = None
+    if progress is not None and furthest is not None:
+        redone = max(0, furthest - progress.first_step)
+        start = progress.stepped_at or progress.first_at
+        redone_s = round(progress.new_at - start, 3) if redone and progress.new_at is not None else None
+    return Restart(phases, round(at - begin, 3), redone, redone_s)

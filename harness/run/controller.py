@@ -31,7 +31,7 @@ from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.plan.render import render_json, render_text
 from harness.record.atomic import write_text_atomic
 from harness.record.entrypoint import write_entrypoint_record
-from harness.record.goodput import run_goodput
+from harness.record.goodput import restart_of, run_goodput
 from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir, run_dir
 from harness.record.schema import Attempt, ControllerId, FailureKind, RunState, RunStatus, RunSummary
@@ -325,12 +325,13 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     """Start every node of plan (spec on the plan's nodes, which may be fewer than the job's), supervise
     them to their end, and say how this attempt went."""
     watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes)
+    furthest = max((a.progress.last_step for a in before if a.progress), default=None)
     sup = Supervisor(grace=spec.timeouts.stop_grace, terminal=out,
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
                      quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys(),
                      judge=HealthJudge(spec.health.stall, spec.health.slow) if spec.health.watched else None, run=run,
                      attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern,
-                     furthest=max((a.progress.last_step for a in before if a.progress), default=None),
+                     furthest=furthest,
                      checkpoint=spec.health.checkpoint_pattern)
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     hosts = ", ".join(n.host for n in plan.nodes)
@@ -357,6 +358,8 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     else:
         status = RunStatus.FAILED if sup.first_failure is not None or sup.hang else RunStatus.SUCCEEDED
     previous_failure = before[-1].failures[0] if before and before[-1].failures else None
+    progress = sup.health_loop.track_progress([])
+    joined = [at for live in sup.nodes for at in live.joined.values()]
     return Attempt(
         attempt=plan.attempt, hosts=[n.host for n in plan.nodes], status=status, started_at=started, ended_at=ended,
         nodes=[recorded_node(r, run, plan.attempt) for r in sup.nodes], failures=failures,
@@ -366,8 +369,9 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)
         if previous_failure else None,
         joined_ranks=sorted(set().union(*(r.joined for r in sup.nodes))) if watched else None,
-        nnodes=plan.nnodes, world_size=plan.world_size, health=sup.health_loop.events,
-        progress=sup.health_loop.track_progress([]),
+        nnodes=plan.nnodes, world_size=plan.world_size, health=sup.health_loop.events, progress=progress,
+        restart=restart_of(before[-1], started, joined, progress, furthest)
+        if previous_failure else None,
     )
 
 

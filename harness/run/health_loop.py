@@ -146,8 +146,12 @@ class HealthLoop:
         activities = [activity for live in self.nodes for activity in live.activity.values()]
         totals = [activity.total for activity in activities if activity.total is not None]
         rate = max(rates) if rates else self.progress.rate if self.progress else None
+        stepped_at = self.progress.stepped_at if self.progress else None
+        if stepped_at is None:
+            stepped = [mark.at for mark in marks if mark.step > first.step]
+            stepped_at = min(stepped) if stepped else None
         self.progress = Progress(first.step, first.at, last.step, last.at, new_at, max(totals) if totals else None,
-                                 rate, round(max(activity.saving_s for activity in activities), 3))
+                                 rate, round(max(activity.saving_s for activity in activities), 3), stepped_at)
         return self.progress
 
 

@@ -73,7 +73,7 @@ class LiveNode:
     ended: float | None = None
     outcome: Outcome | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_KEPT))
-    joined: set[int] = field(default_factory=set)  # ranks seen connecting to the rendezvous store
+    joined: dict[int, float] = field(default_factory=dict)  # rank -> when seen connecting to the rendezvous store
     torchrun_reporting: bool = False  # torchrun's failure report began: its lines stay in the log
     in_agent_cpp_log: bool = False  # within a C++ log line of torchrun's own and its exception dump
     oom: dict[int, str] = field(default_factory=dict)  # rank -> the kernel's line: its OOM killer ended it
@@ -95,13 +95,13 @@ class LiveNode:
                 code = int(match.group(1))
         return RootCause(rank, code)
 
-    def take(self, raw: str, quiet_cpp_info: bool = False) -> tuple[str, bool]:
+    def take(self, raw: str, quiet_cpp_info: bool = False, at: float = 0.0) -> tuple[str, bool]:
         """A line of the node's output as it is logged (one rank prefix), and whether the live stream
         shows it: not the rank hook's worker server's lines, nor torch's C++ INFO lines when they are the
         harness's own watch (quiet_cpp_info), nor
         torchrun's own C++ log lines with their exception dumps (its store client's, e.g. a peer's agent
         that left first at the end of a run), nor torchrun's ChildFailedError report: the harness reports
-        what they mean. Notes which ranks joined the rendezvous store."""
+        what they mean. Notes which ranks joined the rendezvous store, and when (at: the line's arrival)."""
         line = worker_output.normalize(raw)
         if worker_output.is_rank_hook_server(line):
             return line, False  # the harness's own rank hook: in the node's log only
@@ -110,7 +110,7 @@ class LiveNode:
             (self.in_agent_cpp_log and worker_output.continues_cpp_dump(line))
         if worker_output.is_cpp_info(line):
             if (rank := worker_output.joined_rank(line)) is not None:
-                self.joined.add(rank)
+                self.joined.setdefault(rank, at)
             if quiet_cpp_info:
                 return line, False
         self.tail.append(line)
@@ -135,7 +135,7 @@ class LiveNode:
         streamed: list[str] = []
         shown: list[str] = []
         for raw in text.splitlines():
-            line, show = self.take(raw, quiet_cpp_info)
+            line, show = self.take(raw, quiet_cpp_info, at)
             logged.append(line)
             if not show:
                 continue

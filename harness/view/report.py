@@ -235,7 +235,8 @@ def _cause(a: Attempt) -> str:
 def _timings(a: Attempt) -> str:
     times = [("preflight", a.preflight_s), ("teardown", a.teardown_s), ("backoff", a.backoff_s),
              ("recovered in", a.recover_s)]
-    return ", ".join(f"{name} {seconds} s" for name, seconds in times if seconds is not None)
+    said = ", ".join(f"{name} {seconds} s" for name, seconds in times if seconds is not None)
+    return said + (f"; restart: {a.restart.describe()}" if a.restart is not None else "")
 
 
 def _plots(r: _Run) -> str:

@@ -240,6 +240,8 @@ def _attempt_line(attempt: Attempt, resized: bool) -> str:
         text += f"; lost {', '.join(attempt.down)}"
     if attempt.recover_s is not None:
         text += f"; recovered {attempt.recover_s} s after the previous failure"
+    if attempt.restart is not None:
+        text += f"\n    restart: {attempt.restart.describe()}"
     return text
 
 

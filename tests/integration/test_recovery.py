@@ -10,6 +10,9 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
+from harness.record.schema import RESTART_PHASES
 from testbed.cluster import Cluster
 
 from conftest import SCRIPT, STOP_GRACE, agent_pid, assert_nothing_left, free_port, harness, worker_pid
@@ -41,7 +44,22 @@ def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted
     status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir))
     assert re.search(r"attempt 0 on sim0, sim1: failed \(infra: node1 on sim1, rank 1 killed by "
                      r"SIGKILL\)", status.stdout), status.stdout
+    assert_restart_told(first, second, status.stdout)
     assert_nothing_left(run.run_id)
+
+
+def assert_restart_told(failed: dict, restarted: dict, status: str) -> None:
+    """The restart's phases are in the record, every one seen (the ranks' joins watched, the payload's resume line
+    and the step after it), adding up to the time from the failed attempt's last progress line to the next one's
+    first step; the steps redone counted; `harness status` says it."""
+    restart = restarted["restart"]
+    assert list(restart["phases"]) == list(RESTART_PHASES), restart
+    assert sum(restart["phases"].values()) == pytest.approx(restart["total_s"], rel=0.05, abs=0.01)
+    span = restarted["progress"]["stepped_at"] - failed["progress"]["last_at"]
+    assert restart["total_s"] == pytest.approx(span, rel=0.05), (restart, span)
+    assert restart["steps_redone"] == failed["progress"]["last_step"] - restarted["progress"]["first_step"] >= 0
+    assert re.search(r"restart: [\d.]+ s to the first step \(detection [\d.]+ s, stop .* first step [\d.]+ s\); "
+                     r"\d+ step\(s\) redone", status), status
 
 
 def sum_job(write_yaml, restarts: str, nnodes: int = 2, **env: str) -> Path:
@@ -192,6 +210,7 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(uni
                      r"in 1 s, without h2", run.output), run.output
     assert re.search(r"\[node1\] \[rank1\]: .*", run.output)
     assert re.search(r"\[rank0\]: resume: epoch \d/\d+ step \d+/", run.output), run.output
+    assert_restart_told(first, second, harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout)
     assert_nothing_left(run.run_id)
 
 

@@ -1,5 +1,6 @@
-"""Where a run's time went: every second from the launch to the end in one bucket, from the record alone
-(record/goodput.py), and the progress and time left that status shows (view/status.py)."""
+"""Where a run's time went: every second from the launch to the end in one bucket, and each restart phase by
+phase, from the record alone (record/goodput.py), and the progress and time left that status shows
+(view/status.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ import re
 
 import pytest
 
-from harness.record.goodput import AttemptTimes, time_spent
-from harness.record.schema import GOODPUT_BUCKETS, LiveHealth, Progress
+from harness.record.goodput import AttemptTimes, restart_of, time_spent
+from harness.record.schema import (
+    GOODPUT_BUCKETS,
+    RESTART_PHASES,
+    Attempt,
+    Failure,
+    FailureKind,
+    LiveHealth,
+    Progress,
+    RunStatus,
+)
 from harness.run.live import global_step, step_total
 from harness.spec.job import DEFAULT_PROGRESS
 from harness.view.status import goodput_words, progress_words
@@ -101,3 +111,39 @@ def test_status_says_the_step_out_of_the_total_the_rate_and_the_time_left() -> N
         "step 120/312 (38%), 0 steps/s, not moving: no time left can be told"
     assert progress_words(Progress(1, T0, 312, T0 + 10, T0, 312, 16.0), running=False) == "step 312/312 (100%)"
     assert progress_words(Progress(1, T0, 50, T0 + 10, T0), running=True) == "step 50"
+
+
+def _failed(progress: Progress | None, backoff_s: float = 1.0) -> Attempt:
+    """Attempt 0: started at 5, its node lost 20 s in (at 25), its last node ended at 26.5."""
+    lost = Failure(node_rank=1, host="h2", ranks=[1], rank=None, rank_exit_code=None, exit_code=None,
+                   description="lost its node agent", after_s=20.0, last_lines=[], kind=FailureKind.INFRA,
+                   evidence="the agent's connection closed", host_down=True)
+    return Attempt(attempt=0, hosts=["h1", "h2"], status=RunStatus.FAILED, started_at=T0 + 5, ended_at=T0 + 26.5,
+                   nodes=[], failures=[lost], kind=FailureKind.INFRA, down=["h2"], preflight_s=0.2, backoff_s=backoff_s,
+                   progress=progress)
+
+
+def test_a_restart_is_told_phase_by_phase_from_the_last_progress_to_the_first_step() -> None:
+    """Last step 39 at 24.5; fault at 25, stop to 26.5, backoff 1 s, checks to 28.2 (the next attempt's start),
+    ranks join at 30.0 and 30.4, the resume line (step 30) at 31.0, step 31 at 31.2, past step 39 at 33.0."""
+    failed = _failed(Progress(1, T0 + 8, 39, T0 + 24.5))
+    progress = Progress(30, T0 + 31.0, 45, T0 + 36, new_at=T0 + 33.0, stepped_at=T0 + 31.2)
+    restart = restart_of(failed, T0 + 28.2, [T0 + 30.4, T0 + 30.0], progress, furthest=39)
+    assert restart.phases == {"detection": 0.5, "stop": 1.5, "backoff": 1.0, "preflight": 0.7, "start-up": 1.8,
+                              "rendezvous": 0.4, "restore": 0.6, "first step": 0.2}
+    assert list(restart.phases) == list(RESTART_PHASES)
+    assert restart.total_s == pytest.approx(sum(restart.phases.values())) and restart.total_s == 6.7
+    assert (restart.steps_redone, restart.redone_s) == (9, 1.8)
+    assert restart.describe() == (
+        "6.70 s to the first step (detection 0.50 s, stop 1.50 s, backoff 1.00 s, preflight 0.70 s, start-up 1.80 s, "
+        "rendezvous 0.40 s, restore 0.60 s, first step 0.20 s); 9 step(s) redone in 1.80 s")
+
+
+def test_a_phase_the_record_cannot_see_is_left_out_and_its_time_falls_in_the_next() -> None:
+    """No progress line before the fault (no detection: it starts at the fault), ranks not watched joining
+    (start-up, rendezvous: in restore), no step after the first line yet; a just-in-time resume redoes nothing."""
+    restart = restart_of(_failed(None, backoff_s=0.0), T0 + 27.0, [], Progress(40, T0 + 30.0, 40, T0 + 30.0),
+                         furthest=39)
+    assert restart.phases == {"stop": 1.5, "backoff": 0.0, "preflight": 0.5, "restore": 3.0}
+    assert restart.total_s == 5.0 and restart.steps_redone == 0 and restart.redone_s is None
+    assert restart_of(_failed(None), T0 + 28.0, [], None, None).steps_redone is None
