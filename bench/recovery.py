@@ -13,6 +13,8 @@ rank 0 print (bench/procs.Proc):
   start-up    -> rank 0's `resume: looking for the newest checkpoint` (processes, rendezvous, data, model)
   load        -> rank 0's `resume: epoch ...` (the newest checkpoint read and applied)
   first step  -> rank 0's first progress line after it
+The same restart as the run's record tells it (summary.json's attempts[1].restart: from the failed attempt's
+last progress line to the first step, phase by phase) is in the row as recorded_*.
 Steps redone: the last step rank 0 logged in the failed attempt minus the step the next one resumed
 from, against the checkpoint interval (at most interval - 1: only the work since the newest
 checkpoint is lost).
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
+from harness.record.schema import RESTART_PHASES
 from testbed.cluster import missing_support, namespace_cluster
 
 STEP = re.compile(r"\[rank0\]: epoch \d+/\d+ step (\d+)/(\d+) ")
@@ -90,7 +93,8 @@ def _one(tmp: Path, kill: Kill, kill_at: int, every: int, extra: list[str], nnod
     return {"phases": phases, "total": marks[-1] - killed, "redone": reached - resumed,
             "reached": reached, "resumed": resumed,
             "attempts": [a["status"] for a in summary["attempts"]], "kind": summary["attempts"][0]["kind"],
-            "world_sizes": [a["world_size"] for a in summary["attempts"]], "goodput": summary["goodput"]}
+            "world_sizes": [a["world_size"] for a in summary["attempts"]], "goodput": summary["goodput"],
+            "recorded": summary["attempts"][1]["restart"]}
 
 
 def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
@@ -103,6 +107,9 @@ def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
             "attempts_total_s": [round(r["total"], 2) for r in runs],
             "classified": sorted({r["kind"] for r in runs}), "attempts": runs[0]["attempts"],
             "world_sizes": runs[0]["world_sizes"], "goodput": median([r["goodput"]["goodput"] for r in runs]),
+            "recorded_total_s": median([r["recorded"]["total_s"] for r in runs]),
+            **{f"recorded_{phase}_s": median([r["recorded"]["phases"].get(phase, 0.0) for r in runs])
+               for phase in RESTART_PHASES},
             **{f"time_{bucket}_s": median([r["goodput"]["seconds"][bucket] for r in runs])
                for bucket in runs[0]["goodput"]["seconds"]}}
 

@@ -284,6 +284,13 @@ def _recovery(r: dict[str, Any]) -> list[str]:
         lines += _table(["failure", "goodput", *(key.removeprefix("time_").removesuffix("_s") for key in buckets)],
                         [[row["failure"], _percent(row["goodput"]), *(_num(row[key], 1) for key in buckets)]
                          for row in r["rows"]])
+    if all("recorded_total_s" in row for row in r["rows"]):  # results from before restarts were recorded have none
+        phases = [key for key in r["rows"][0] if key.startswith("recorded_") and key != "recorded_total_s"]
+        lines += ["", "The same restarts as their records tell them (summary.json's attempts[1].restart, from the "
+                      "failed attempt's last progress line to the first step; seconds, median):", ""]
+        lines += _table(["failure", "total", *(key.removeprefix("recorded_").removesuffix("_s") for key in phases)],
+                        [[row["failure"], _num(row["recorded_total_s"], 2), *(_num(row[key], 2) for key in phases)]
+                         for row in r["rows"]])
     return lines + [f"Note: {n}" for n in r.get("notes", [])] + ([""] if r.get("notes") else [])
 
 

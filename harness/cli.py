@@ -219,6 +219,7 @@ def parser() -> argparse.ArgumentParser:
     _logs_verb(verbs, runs_dir)
     _report_verb(verbs, runs_dir)
     _preflight_verb(verbs)
+    _hosts_verb(verbs)
     prepare = verbs.add_parser("prepare", add_help=False, help="download and verify CIFAR-10 once, before training "
                                "(harness prepare --data-dir DIR; --help for options)")
     prepare.set_defaults(func=commands.prepare)
@@ -293,6 +294,15 @@ def _status_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
     status.add_argument("run_id", nargs="?", metavar="RUN_ID",
                         help=f"one run to show node by node: {RUN_HELP} (default: list the runs)")
     status.set_defaults(func=commands.status)
+
+
+def _hosts_verb(verbs: Verbs) -> None:
+    hosts = verbs.add_parser("hosts", help="the hosts kept out of every run after they failed, why and until when",
+                             epilog="examples:\n  harness hosts\n  harness hosts --release h2",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    hosts.add_argument("--release", metavar="HOST",
+                       help="bring a host back before its cool-down ends: its inventory name or address, or all")
+    hosts.set_defaults(func=commands.hosts)
 
 
 def _top_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:

@@ -272,6 +272,13 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
+def hosts(args: argparse.Namespace) -> int:
+    from harness.view.hosts import hosts_text, release
+
+    sys.stdout.write(hosts_text() if args.release is None else release(args.release))
+    return 0
+
+
 def top(args: argparse.Namespace) -> int:
     from harness.view.top import top as show
 

@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 import yaml
 
+from harness.record.hosts_out import bring_back, hosts_file, hosts_out
 from harness.spec.inventory import Host
 from testbed import podman_config
 
@@ -185,6 +186,7 @@ class Cluster:
             self.prefix = self._add_bridge(self.bridge, gateway=True)
             if self.multi_nic:
                 self.data_prefix = self._add_bridge(self.data_bridge, gateway=False)
+        self._stack.callback(self._forget_kept_out)
         for index in range(1, self.size + 1):
             self.hosts.append(self._add_host(f"h{index}", f"{self.prefix}.{10 + index}", f"{self.tag}v{index}"))
         hosts_lines = "".join(f"{h.address} {h.name}\n" for h in self.hosts)
@@ -323,6 +325,14 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _forget_kept_out(self) -> None:
+        """The hosts a run kept out (record/hosts_out.py) go with the cluster: a later one on this subnet has new
+        machines at the same addresses."""
+        path = hosts_file()
+        for entry in hosts_out(path):
+            if entry.machine.startswith(f"{self.prefix}."):
+                bring_back(path, entry.machine)
 
     # -- helpers for tests ---------------------------------------------------------------------------
 

@@ -127,14 +127,7 @@ def _gpus(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -
                      f"torch sees {facts['torch_gpus']} GPUs but nvidia-smi lists {found}; the job needs {required}",
                      f"the driver {facts['driver']} may be too old for CUDA {facts['cuda']}, "
                      f"or CUDA_VISIBLE_DEVICES hides GPUs")
-    busy = facts["gpu_processes"]
-    if left := [p for p in busy if "run_id" in p]:
-        holders = ", ".join(f"pid {p['pid']} ({p['name']}) {p['used_mib']} MiB on GPU {p['gpu']}, of run {p['run_id']} "
-                            f"attempt {p['attempt']}" for p in left)
-        return Check(host.name, "gpus", Status.FAIL, f"GPU memory still held by a harness run's process that "
-                     f"outlived its attempt: {holders}",
-                     f"end it (`kill -9 PID` on {host.name}); one that SIGKILL does not end is stuck in the driver "
-                     f"and the host needs a GPU reset or a reboot", {"processes": busy})
+    busy = [p for p in facts["gpu_processes"] if "run_id" not in p]  # a harness run's: _left_over's
     if busy:
         holders = ", ".join(f"pid {p['pid']} ({p['name']}) {p['used_mib']} MiB on GPU {p['gpu']}" for p in busy)
         return Check(host.name, "gpus", Status.WARN, f"{found} GPUs, but memory is in use: {holders}",
@@ -142,6 +135,21 @@ def _gpus(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -
     names = ", ".join(sorted(set(facts["gpu_names"])))
     return Check(host.name, "gpus", Status.PASS,
                  f"{found} GPUs ({names}), driver {facts['driver']}, job needs {required}")
+
+
+def _left_over(host: Host, facts: Facts, spec: JobSpec | None) -> list[Check]:
+    """GPU memory held by a process a harness run started (its environment says which run and attempt): a rank
+    that outlived its attempt, as one stuck in the driver does, holds what the next attempt needs. No row
+    where there is none."""
+    left = [p for p in facts["gpu_processes"] if "run_id" in p]
+    if not left or spec is None:
+        return []
+    holders = ", ".join(f"pid {p['pid']} ({p['name']}) {p['used_mib']} MiB on GPU {p['gpu']}, of run {p['run_id']} "
+                        f"attempt {p['attempt']}" for p in left)
+    return [Check(host.name, "gpu_memory", Status.FAIL, f"GPU memory still held by a harness run's process that "
+                  f"outlived its attempt: {holders}",
+                  f"end it (`kill -9 PID` on {host.name}); one that SIGKILL does not end is stuck in the driver and "
+                  f"the host needs a GPU reset or a reboot", {"processes": left})]
 
 
 def _shm(host: str, facts: Facts) -> Check:
@@ -262,7 +270,8 @@ def _xid(event: XidEvent) -> str:
 
 
 def resource_checks(host: Host, facts: Facts, spec: JobSpec | None, backend: str | None) -> list[Check]:
-    return [_gpus(host, facts, spec, backend), *_gpu_health(host, facts, spec, backend), _shm(host.name, facts),
+    return [_gpus(host, facts, spec, backend), *_gpu_health(host, facts, spec, backend), *_left_over(host, facts, spec),
+            _shm(host.name, facts),
             _disk(host.name, facts)]
 
 

@@ -13,6 +13,11 @@ from harness.targets.base import CheckFailed
 from harness.targets.ssh.backend import HostsCheck, SSHOptions
 from harness.targets.ssh.transport import Connection
 
+# The checks whose failure is the machine's own, not the job's set-up on it: such a host is kept out of later runs
+# for a cool-down (record/hosts_out.py); so is one that SSH cannot reach (not one it cannot resolve or log in to).
+MACHINE_CHECKS = frozenset({"gpu_health", "gpu_memory"})
+UNREACHABLE = frozenset({"timeout", "refused", "no_route", "network"})
+
 
 def hosts_gate(inventory: Inventory, options: SSHOptions) -> HostsCheck:
     """The fast checks (no torch import, no collective) on the hosts an attempt is about to use, over the
@@ -23,8 +28,10 @@ def hosts_gate(inventory: Inventory, options: SSHOptions) -> HostsCheck:
                                known_hosts=options.known_hosts, accept_new_host_keys=options.accept_new_host_keys,
                                fast=True, timeout=spec.timeouts.connect, connections=connections)
         if not report.ok:
+            unfit = {c.host: f"{c.name}: {c.reason}" for c in report.failures if c.name in MACHINE_CHECKS
+                     or (c.name == "ssh" and (c.details or {}).get("kind") in UNREACHABLE)}
             raise CheckFailed("preflight failed, nothing was started (use --skip-preflight to launch anyway):\n"
-                              + report.render_table(), hosts=frozenset(c.host for c in report.failures))
+                              + report.render_table(), hosts=frozenset(c.host for c in report.failures), unfit=unfit)
         return report.interfaces
 
     return check

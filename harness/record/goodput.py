@@ -135,7 +135,8 @@ def restart_of(failed: Attempt, started_at: float, joined: Sequence[float], prog
     the attempts before."""
     times = AttemptTimes.of(failed)
     fault = times.hang_at or times.fault_at or failed.ended_at
-    alive = failed.progress.last_at if failed.progress is not None and failed.progress.last_at <= fault else None
+    # A line that said the last step may arrive just after the fault was noticed (the stream lags): detection 0.
+    alive = min(failed.progress.last_at, fault) if failed.progress is not None else None
     backoff_end = failed.ended_at + (failed.backoff_s or 0.0)
     ends = [("detection", fault if alive is not None else None), ("stop", failed.ended_at), ("backoff", backoff_end),
             ("preflight", started_at),

@@ -219,6 +219,7 @@ class Attempt:
     ended_by: str | None = None  # what ended it from outside the job: Slurm's time limit, a requeue
     progress: Progress | None = None  # None: no progress line seen (or not watched)
     restart: Restart | None = None  # an attempt after a failed one: how it came to its first step
+    kept_out: dict[str, str] = field(default_factory=dict)  # host -> why an earlier failure keeps it out (hosts_out)
 
     def where(self, resized: bool) -> str:
         """Its hosts, and with them its size when the run's attempts did not all have the same (resized)."""

@@ -32,6 +32,7 @@ from harness.plan.render import render_json, render_text
 from harness.record.atomic import write_text_atomic
 from harness.record.entrypoint import write_entrypoint_record
 from harness.record.goodput import restart_of, run_goodput
+from harness.record.hosts_out import RunsHosts, hosts_file
 from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir, run_dir
 from harness.record.schema import Attempt, ControllerId, FailureKind, RunState, RunStatus, RunSummary
@@ -159,10 +160,24 @@ class _BackendRun(_TargetRun):
 
     def prepare(self, source: str, runs_root: Path, run_id: str) -> None:
         first = len(self.continued.before) if self.continued else 0
-        self.plan = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs, first,
-                                self.down, self.out)
+        machines = self.backend.machines()
+        self.hosts_out = RunsHosts(hosts_file(), machines, run_id, self.spec.restarts.cooldown,
+                                   self.spec.restarts.out_limit(len(machines)))
+        for line in self.hosts_out.keep_out_earlier():
+            self.out.say(line)
+        self.down |= set(self.hosts_out.kept_out)
+        unfit: dict[str, str] = {}
+        try:
+            self.plan = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs, first,
+                                    self.down, self.out, unfit)
+        finally:
+            self._keep_out(unfit)
         self.nnodes, self.world_size = self.plan.nnodes, self.plan.world_size
         self.hosts = [n.host for n in self.plan.nodes]
+
+    def _keep_out(self, failed: dict[str, str]) -> None:
+        for line in self.hosts_out.keep_out(failed):
+            self.out.say(line)
 
     def run(self, run: RunDir, stop: threading.Event) -> tuple[list[Attempt], str | None]:
         """Attempt after attempt until one succeeds, the program fails (restarts.on: infra), the restarts
@@ -181,7 +196,9 @@ class _BackendRun(_TargetRun):
             run.write_state(self.state)
             if plan.nnodes < spec.nnodes:
                 out.say(_fewer_nodes(spec, plan, down))
-            attempts.append(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out))
+            attempts.append(replace(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out),
+                                    kept_out={name: f"{entry.reason} (run {entry.run_id})"
+                                              for name, entry in self.hosts_out.kept_out.items()}))
             time_up = self.continued.time_up() if self.continued is not None else None
             if time_up is not None:
                 attempts[-1] = replace(attempts[-1], status=RunStatus.FAILED, ended_by=time_up,
@@ -197,6 +214,7 @@ class _BackendRun(_TargetRun):
             if reason is not None:
                 break
             down |= set(attempts[-1].down)
+            self._keep_out({f.host: f.evidence for f in attempts[-1].failures if f.host_down})
             delay = backoff_seconds(spec.restarts, len(attempts) - 1)
             cause = attempts[-1].failures[0]
             out.say(f"attempt {plan.attempt} failed at the {attempts[-1].kind} level on {cause.host} "
@@ -206,11 +224,14 @@ class _BackendRun(_TargetRun):
             if stop.wait(delay):
                 break
             began = time.time()
+            unfit: dict[str, str] = {}
             try:
-                plan = _ready_plan(backend, spec, run.run_id, run.backend_logs, plan.attempt + 1, down, out)
+                plan = _ready_plan(backend, spec, run.run_id, run.backend_logs, plan.attempt + 1, down, out, unfit)
             except (CheckFailed, NoSpareHosts) as exc:
                 reason = f"attempt {plan.attempt + 1} could not start: {exc}"
                 break
+            finally:
+                self._keep_out(unfit)
             preflight_s = time.time() - began
             if stop.is_set():
                 break
@@ -291,11 +312,12 @@ class _SchedulerRun(_TargetRun):
 
 
 def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, attempt: int, down: set[str],
-                out: Terminal) -> Plan:
+                out: Terminal, unfit: dict[str, str]) -> Plan:
     """Plan on the hosts not down and check them; a host that fails the check is down too and a spare
     takes its place, until the check passes or no spare is left (the check's report is then the error).
     With no spare left the plan has fewer nodes as restarts.min_nnodes allows (the planner's
-    take_healthy), and the check gets the spec on that many nodes."""
+    take_healthy), and the check gets the spec on that many nodes. unfit gets the hosts whose machine
+    failed the check (CheckFailed.unfit), to be kept out of later runs too."""
     plan = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
     while True:
         try:
@@ -304,6 +326,7 @@ def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, att
             if not exc.hosts or exc.hosts <= down:
                 raise
             down |= exc.hosts
+            unfit.update(exc.unfit)
             try:
                 again = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
             except NoSpareHosts as none_left:

@@ -297,12 +297,20 @@ class Restarts(StrictModel):
     rendezvous timeout); hang, a job that made no progress for health.stall seconds; program, a
     program that fails by itself; any, all three. min_nnodes: the fewest nodes the job may go on with
     when hosts are down and no spare is left (torchrun's --nnodes MIN:MAX); unset, nnodes: the run
-    ends instead."""
+    ends instead. cooldown: seconds a host that failed at the machine's level stays out of every run
+    (record/hosts_out.py; 0: only out of its own run); max_out: how many of the inventory's hosts may be
+    out at once (unset: a quarter of them, at least 1)."""
 
     max: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
     on: Annotated[tuple[str, ...], PlainValidator(_failure_kinds)] = ("infra",)
     backoff: Annotated[Seconds, Field(ge=0, le=MAX_BACKOFF)] = 5
     min_nnodes: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=MAX_NNODES)] | None = None
+    cooldown: Annotated[Seconds, Field(ge=0, le=30 * 86400)] = 3600
+    max_out: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=MAX_NNODES)] | None = None
+
+    def out_limit(self, hosts: int) -> int:
+        """How many of an inventory's hosts may be kept out at once."""
+        return self.max_out if self.max_out is not None else max(1, hosts // 4)
 
 
 # The payload's progress lines (`epoch 2/12 step 12/97 ...`; `... step 12/97 (150 in all)` where --max-steps ends

@@ -80,11 +80,13 @@ class NodeProcess(Protocol):
 
 class CheckFailed(HarnessError):
     """The backend's pre-start check found a problem: nothing was started (exit status 1).
-    hosts: the hosts the problem is on, which a spare may replace (none: the job itself is at fault)."""
+    hosts: the hosts the problem is on, which a spare may replace (none: the job itself is at fault); unfit:
+    those of them whose machine failed (not the job's set-up on it), with the reason."""
 
-    def __init__(self, message: str, hosts: frozenset[str] = frozenset()) -> None:
+    def __init__(self, message: str, hosts: frozenset[str] = frozenset(), unfit: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.hosts = hosts
+        self.unfit = unfit or {}  # host -> why the machine itself is unfit (unreachable, a GPU): kept out after
 
 
 class Backend(Protocol):
@@ -98,6 +100,10 @@ class Backend(Protocol):
         """The exact per-node commands on this backend (pure apart from facts read once: GPUs, DNS), for
         attempt number `attempt`, on hosts other than `down` (spares take their place; NoSpareHosts
         when too few are left). A backend with one machine has no hosts to avoid."""
+
+    def machines(self) -> dict[str, str]:
+        """Host name -> the machine it is (address:port), for every host a failure may keep out of later runs
+        (record/hosts_out.py); empty where there is nothing to keep out (one machine; Slurm's nodes, for now)."""
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """Prove what is cheap to prove before anything starts; raise CheckFailed or UsageError. Returns

@@ -69,7 +69,7 @@ def test_gpu_memory_a_previous_attempts_process_still_holds_fails_the_host() -> 
         assert mine and mine[0]["run_id"] == "left-over" and mine[0]["attempt"] == "3", facts["gpu_processes"]
         assert int(mine[0]["used_mib"]) >= 256, mine
         check = next(c for c in resource_checks(Host(name="gpu", address="127.0.0.1"), {**facts, **DISK}, SPEC,
-                                                "nccl") if c.name == "gpus")
+                                                "nccl") if c.name == "gpu_memory")
         assert check.status is Status.FAIL, check
         assert f"pid {holder.pid} " in check.reason and "of run left-over attempt 3" in check.reason, check
     finally:

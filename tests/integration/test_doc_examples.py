@@ -58,6 +58,7 @@ RUN: dict[str, Expect] = {
     "harness stop smoke-20261121-101500-3fa2c1": Expect(),
     "harness report smoke-20261121-101500-3fa2c1": Expect(),
     "harness top latest --once": Expect(),
+    "harness hosts": Expect(),
     # docs/kubernetes.md
     ".venv/bin/kubernetes-validate --strict k8s/*.yaml": Expect(),
     "harness logs smoke-20261121-101500-3fa2c1 --rank 0": Expect(),

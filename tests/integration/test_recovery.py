@@ -15,7 +15,7 @@ import pytest
 from harness.record.schema import RESTART_PHASES
 from testbed.cluster import Cluster
 
-from conftest import SCRIPT, STOP_GRACE, agent_pid, assert_nothing_left, free_port, harness, worker_pid
+from conftest import SCRIPT, STOP_GRACE, Launch, agent_pid, assert_nothing_left, free_port, harness, worker_pid
 from payload_procs import losses, weights
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 
@@ -212,6 +212,29 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(uni
     assert re.search(r"\[rank0\]: resume: epoch \d/\d+ step \d+/", run.output), run.output
     assert_restart_told(first, second, harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout)
     assert_nothing_left(run.run_id)
+    assert_kept_out_of_the_next_run(cluster, run, tmp_path)
+
+
+def assert_kept_out_of_the_next_run(cluster: Cluster, lost: Launch, tmp_path: Path) -> None:
+    """The lost h2 is kept out of the next run too (its cool-down: restarts.cooldown), which says so and runs on
+    h1 and h3 without trying it; `harness hosts` lists it with the reason, and brings it back."""
+    assert re.search(r"harness: h2 is kept out of later runs until \d{4}-\d\d-\d\d \d\d:\d\d \(restarts.cooldown\); "
+                     r"`harness hosts --release h2` brings it back", lost.output), lost.output
+    listed = harness("hosts").stdout
+    assert re.search(rf"^h2 +{re.escape(cluster.host('h2').address)}:22 +\d+ min more +{lost.run_id} +connection to h2 ",
+                     listed, re.MULTILINE), listed
+    job = tmp_path / "sum.yaml"
+    job.write_text(f"name: sum\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\nentrypoint: {{script: {SCRIPT}}}\n"
+                   f"env: {{STEPS: '3'}}\n")
+    hosts = ["--hosts", str(tmp_path / "hosts.yaml"), "--known-hosts", str(cluster.known_hosts)]
+    after = harness("launch", str(job), *hosts, "--runs-dir", str(tmp_path / "runs"), timeout=180)
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert re.search(rf"harness: h2 is kept out until .*: connection to h2 .* \(run {lost.run_id}\); `harness hosts "
+                     r"--release h2` brings it back", after.stdout), after.stdout
+    summary = json.loads(next((tmp_path / "runs").glob("sum-*/summary.json")).read_text())
+    assert summary["attempts"][0]["hosts"] == ["h1", "h3"], summary["attempts"][0]
+    assert summary["attempts"][0]["kept_out"]["h2"].startswith("connection to h2 ")
+    assert harness("hosts", "--release", "h2").stdout.startswith("h2 (")
 
 
 def test_a_lost_master_moves_the_master_and_no_spare_left_fails_naming_the_hosts(doomed_cluster3, write_yaml,
@@ -234,6 +257,9 @@ def test_a_lost_master_moves_the_master_and_no_spare_left_fails_naming_the_hosts
     assert re.search(r"harness: not restarted: attempt 2 could not start: host\(s\) down: h1, h3, and no spare left: "
                      r"the job needs nnodes=2 hosts, 1 of the inventory's 3 is left, not known to be down \(h2\)",
                      run.output), run.output
+    assert re.search(r"harness: h1 is kept out of later runs until .* \(restarts.cooldown\)", run.output), run.output
+    assert ("harness: h3 not kept out of later runs: 1 of the inventory's 3 hosts are out already (restarts.max_out)"
+            in run.output), "the limit: a quarter of the inventory, at least 1"
     assert_nothing_left(run.run_id)
 
 

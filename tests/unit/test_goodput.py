@@ -147,3 +147,5 @@ def test_a_phase_the_record_cannot_see_is_left_out_and_its_time_falls_in_the_nex
     assert restart.phases == {"stop": 1.5, "backoff": 0.0, "preflight": 0.5, "restore": 3.0}
     assert restart.total_s == 5.0 and restart.steps_redone == 0 and restart.redone_s is None
     assert restart_of(_failed(None), T0 + 28.0, [], None, None).steps_redone is None
+    late = restart_of(_failed(Progress(1, T0 + 8, 39, T0 + 25.1)), T0 + 28.0, [], None, None)
+    assert late.phases["detection"] == 0.0 and late.total_s == 3.0, "a last line that arrived after the fault"

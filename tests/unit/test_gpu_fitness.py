@@ -134,13 +134,17 @@ def test_gpu_memory_held_by_a_harness_runs_process_fails_the_host_anothers_warns
     other = _gpu_process(os.getpid(), "jupyter", "512", "0")
     assert "run_id" not in other or other["run_id"] != "r-1"
 
-    def gpus(*processes: GpuProcess) -> Any:
+    def rows(*processes: GpuProcess) -> dict[str, Any]:
         facts = _facts([FIT]) | {"gpu_processes": list(processes)}
-        return next(c for c in resource_checks(HOST, facts, JOB, "nccl") if c.name == "gpus")
+        return {c.name: c for c in resource_checks(HOST, facts, JOB, "nccl")}
 
-    failed = gpus(other | {"pid": 7}, left)
+    both = rows(other | {"pid": 7, "name": "jupyter"}, left)
+    failed = both["gpu_memory"]
     assert failed.status is Status.FAIL and failed.reason == (
         f"GPU memory still held by a harness run's process that outlived its attempt: pid {sleeper.pid} (python) "
         f"2048 MiB on GPU 1, of run r-1 attempt 2")
     assert "kill -9" in failed.fix
-    assert gpus({"pid": 7, "name": "jupyter", "used_mib": "512", "gpu": "0"}).status is Status.WARN
+    assert both["gpus"].status is Status.WARN and "pid 7 (jupyter)" in both["gpus"].reason
+    assert str(sleeper.pid) not in both["gpus"].reason
+    alone = rows({"pid": 7, "name": "jupyter", "used_mib": "512", "gpu": "0"})
+    assert alone["gpus"].status is Status.WARN and "gpu_memory" not in alone, "another program's memory only warns"

@@ -74,6 +74,9 @@ class LocalBackend:
         self.python = python
         self._check = check
 
+    def machines(self) -> dict[str, str]:
+        return {}  # one machine: its simulated nodes are never kept out
+
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
         """The job's simulated nodes other than down (nodes whose agent was lost): there are no spares, so

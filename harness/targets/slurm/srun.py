@@ -112,6 +112,9 @@ class SrunBackend:
     def __init__(self, allocation: Allocation) -> None:
         self.allocation = allocation
 
+    def machines(self) -> dict[str, str]:
+        return {}  # the allocation's nodes are Slurm's to keep out (scontrol update state=drain)
+
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
         nodes = self.allocation.nodes

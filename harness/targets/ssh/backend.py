@@ -124,6 +124,9 @@ class SSHBackend:
              down: frozenset[str] = frozenset()) -> Plan:
         return self.pinned_plan(spec, run_id, job_hosts(spec, self.inventory, down), attempt)
 
+    def machines(self) -> dict[str, str]:
+        return {host.name: f"{host.address_key}:{host.port}" for host in self.inventory.hosts}
+
     def pinned_plan(self, spec: JobSpec, run_id: str, hosts: list[Host], attempt: int = 0,
                     interfaces: Mapping[str, str] | None = None, master_ip: str | None = None) -> Plan:
         """The plan on hosts (master first) with the interfaces preflight found pinned where neither the
