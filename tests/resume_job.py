@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, free_port, harness
 
 # The payload on 1024 synthetic images, 2 nodes x 16: 32 steps per epoch, 64 in all; a checkpoint
-# every 4 steps on a directory every node sees. One thread per process: the same arithmetic on every
+# every 4 steps (by default) on a directory every node sees. One thread per process: the same arithmetic on every
 # backend, so that runs compare bitwise.
 PAYLOAD_JOB = """
 name: resume
@@ -22,7 +22,7 @@ master_port: {port}
 entrypoint:
   module: harness.payload.train
   args: [--data, synthetic, --model, small, --subset, "{subset}", --batch-size, "16", --epochs, "2", --log-every, "1",
-         --ckpt-every, "4", --ckpt-dir, {root}/ckpt, --resume, --save-final, {root}/final.pt]
+         --ckpt-every, "{every}", --ckpt-dir, {root}/ckpt, --resume, --save-final, {root}/final.pt]
 env: {{OMP_NUM_THREADS: "1"}}
 restarts: {{max: 2, on: infra, backoff: 1}}
 slurm: {{python: {python}, workdir: {repo}}}
@@ -30,11 +30,14 @@ slurm: {{python: {python}, workdir: {repo}}}
 KILL_AT = r"\[rank0\]: epoch 1/2 step 11/32 "
 
 
-def payload_job(root: Path, subset: int = 1024) -> Path:
-    """The job writing into root; a larger subset makes it longer (subset / 32 steps per epoch)."""
+def payload_job(root: Path, subset: int = 1024, ckpt_every: int = 4) -> Path:
+    """The job writing into root; a larger subset makes it longer (subset / 32 steps per epoch); ckpt_every 0:
+    regular checkpoints at epoch ends only (a failure mid-epoch then resumes from the just-in-time one). The
+    weights at the end do not depend on it."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / "job.yaml"
-    path.write_text(PAYLOAD_JOB.format(port=free_port(), root=root, python=sys.executable, repo=REPO, subset=subset))
+    path.write_text(PAYLOAD_JOB.format(port=free_port(), root=root, python=sys.executable, repo=REPO, subset=subset,
+                                       every=ckpt_every))
     return path
 
 

@@ -9,6 +9,10 @@
   renames that folder into place once every shard and the state are fsynced.
 
 Either way a kill at any moment leaves the complete new checkpoint or none, never a truncated one.
+
+- `ckpt-<step>.jit.pt` (DDP): a just-in-time checkpoint, the same file as the first layout, written when a peer
+  was lost mid-step by the first surviving rank to claim it (a hidden `.ckpt-<step>.jit-claim` made with
+  O_EXCL): every DDP rank holds the whole state of the last step it finished, so the next attempt redoes none.
 What a checkpoint holds is a `Checkpoint`; the files keep it as a plain dict (they are read with
 weights_only, which unpickles no classes), under the same keys as before that class existed, so older
 checkpoints still resume.
@@ -38,6 +42,7 @@ from harness.payload.progress import Config, Progress
 
 PREFIX = "ckpt-"
 SUFFIX = ".pt"
+JUST_IN_TIME = ".jit"  # before SUFFIX: the checkpoint a surviving rank wrote when a peer was lost
 STALL_ENV = "HARNESS_PAYLOAD_STALL_SAVE"
 SHARDED_STATE = "state.pt"  # a sharded checkpoint's own small state, beside the shards
 SHARDS_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards, written last
@@ -105,9 +110,9 @@ def _entries(state: object, names: list[str], where: str = "") -> dict[str, Any]
     return {name: found[name] for name in names}
 
 
-def path_for(ckpt_dir: Path, global_step: int, sharded: bool = False) -> Path:
+def path_for(ckpt_dir: Path, global_step: int, sharded: bool = False, just_in_time: bool = False) -> Path:
     name = f"{PREFIX}{global_step:08d}"
-    return Path(ckpt_dir) / (name if sharded else name + SUFFIX)
+    return Path(ckpt_dir) / (name if sharded else name + (JUST_IN_TIME if just_in_time else "") + SUFFIX)
 
 
 def is_sharded(path: Path) -> bool:
@@ -119,6 +124,23 @@ def save(saved: Checkpoint, ckpt_dir: Path, global_step: int, keep: int) -> Path
     path = path_for(ckpt_dir, global_step)
     atomic_write(path, serialize(saved.encode()))
     prune(ckpt_dir, keep)
+    return path
+
+
+def save_just_in_time(saved: Checkpoint, ckpt_dir: Path, global_step: int) -> Path | None:
+    """The checkpoint of a rank that outlived a peer, for global_step: written by the first rank to claim it, and
+    only where no checkpoint of that step exists; None when another rank claimed it or one exists. Not pruned
+    here (the next attempt's saves prune)."""
+    path = path_for(ckpt_dir, global_step, just_in_time=True)
+    if path.exists() or path_for(ckpt_dir, global_step).exists():
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path.parent / f".{PREFIX}{global_step:08d}{JUST_IN_TIME}-claim",
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return None
+    atomic_write(path, serialize(saved.encode()))
     return path
 
 
@@ -202,7 +224,7 @@ def newest_first(ckpt_dir: Path) -> list[Path]:
     """Finished checkpoints of either layout (never what an interrupted write left), newest first."""
     found = []
     for path in Path(ckpt_dir).glob(f"{PREFIX}*"):
-        digits = path.name[len(PREFIX) :].removesuffix(SUFFIX)
+        digits = path.name[len(PREFIX) :].removesuffix(SUFFIX).removesuffix(JUST_IN_TIME)
         if digits.isdigit() and (path.is_dir() == is_sharded(path)):
             found.append((int(digits), path))
     return [path for _, path in sorted(found, reverse=True)]

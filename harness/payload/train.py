@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -195,6 +198,9 @@ class Trainer:
         # not a reason to switch to slower shape-generic kernels.
         compiled = torch.compile(self.model, mode=args.compile, dynamic=False) if args.compile else self.model
         self.net = self.parallel.wrap(compiled)
+        assert isinstance(compiled, nn.Module)  # torch.compile of a module is one (OptimizedModule)
+        self.buffers = self._keep_buffers(compiled) if self._can_save_just_in_time() else None
+        self.stopping = threading.Event()  # SIGTERM came while training (run)
         self.mean = torch.tensor(self.ds.mean, device=rt.device).view(1, -1, 1, 1) * 255
         self.std = torch.tensor(self.ds.std, device=rt.device).view(1, -1, 1, 1) * 255
         self._announce()
@@ -220,6 +226,18 @@ class Trainer:
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(total_steps, self.args.warmup))
         return model, parallel, optimizer, scheduler
+
+    def _can_save_just_in_time(self) -> bool:
+        """DDP ranks each hold the whole state (save_just_in_time); a lone process has no peer to lose."""
+        return self.args.ckpt_dir is not None and not self.parallel.sharded and self.rt.distributed
+
+    def _keep_buffers(self, module: nn.Module) -> BufferCopy:
+        """The model's buffers as each step found them: its forward changes them (batch norm's running
+        statistics), so after a step that failed past its forward only this copy holds the last step's. Taken
+        where DDP has just made every rank's buffers rank 0's, as the checkpoint of an unbroken run holds them."""
+        kept = BufferCopy(dict(self.model.named_buffers()))
+        module.register_forward_pre_hook(lambda *_: kept.take(self.progress.global_step))
+        return kept
 
     def _resume(self, path: Path, saved: checkpoint.Checkpoint, config: Config) -> Progress:
         """Load the checkpoint's states; its progress goes on with this run's world size."""
@@ -248,12 +266,19 @@ class Trainer:
         return batches.normalize(x, self.mean, self.std)
 
     def run(self) -> None:
-        """Epochs up to --epochs or --max-steps, then the last line; SIGUSR1 stops it early, checkpointed."""
+        """Epochs up to --epochs or --max-steps, then the last line; SIGUSR1 stops it early, checkpointed. While
+        it trains, SIGTERM (the launcher stopping this rank: a peer failed, or a stop was asked for) ends it at
+        the end of its step, or when the step fails, with a just-in-time checkpoint (save_just_in_time)."""
         p = self.progress
-        while p.epoch < self.args.epochs and p.global_step < self.max_steps:
-            if not self.train_epoch():
-                return
-            self.end_epoch()
+        default = signal.signal(signal.SIGTERM, lambda *_: self.stopping.set()) if self.buffers is not None else None
+        try:
+            while p.epoch < self.args.epochs and p.global_step < self.max_steps:
+                if not self.train_epoch():
+                    return
+                self.end_epoch()
+        finally:
+            if default is not None:
+                signal.signal(signal.SIGTERM, default)
         self.finish()
 
     def train_epoch(self) -> bool:
@@ -266,37 +291,49 @@ class Trainer:
                           self.max_steps if cut else None)
         self.epoch_started = time.perf_counter()
         while p.step < self.steps_per_epoch and p.global_step < self.max_steps:
-            loss = self.train_step(plan)
-            self.loss_sum += loss
+            loss, every_rank = self.train_step(plan)
+            self.loss_sum += every_rank
             p.step += 1
             p.global_step += 1
             if self.losses is not None:
                 self.losses.add(p.global_step, loss)
             self.report.step(loss, p.step, p.global_step)
+            if self.stopping.is_set():
+                self.save_just_in_time("SIGTERM: stopped")
+                raise SystemExit(128 + signal.SIGTERM)
             if self.save_mid_epoch():
                 return False
         self.report.end()
         return True
 
-    def train_step(self, plan: batches.Epoch) -> torch.Tensor:
+    def train_step(self, plan: batches.Epoch) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on this rank's share of the global batch, micro-batch by micro-batch; the
-        rank's mean loss. Each micro-batch's loss is scaled so the gradients sum to the share's mean."""
+        rank's mean loss, and the ranks' mean losses summed (an all-reduce before the optimizer step: every
+        rank knows the epoch's loss so far, so any survivor of a lost peer can save it). Each micro-batch's
+        loss is scaled so the gradients sum to the share's mean. Nothing changes until every collective of the
+        step has succeeded: a step that fails leaves the state of the one before it."""
         self.optimizer.zero_grad(set_to_none=True)
         accumulation = self.split.accumulation
         step_loss = torch.zeros((), device=self.rt.device)
-        for micro in range(accumulation):
-            idx = plan.batch(self.progress.step, self.split.micro, micro)
-            x = self.ds.train_x[idx]
-            if not self.args.no_augment:
-                x = batches.augment(x, plan.offsets[idx], plan.flips[idx], self.ds.pad)
-            with self.parallel.accumulating(self.net, last=micro == accumulation - 1):
-                with autocast(self.rt, self.args.precision):
-                    loss = F.cross_entropy(self.net(self.norm(x)), self.ds.train_y[idx])
-                (loss / accumulation).backward()
-            step_loss += loss.detach()
+        try:
+            for micro in range(accumulation):
+                idx = plan.batch(self.progress.step, self.split.micro, micro)
+                x = self.ds.train_x[idx]
+                if not self.args.no_augment:
+                    x = batches.augment(x, plan.offsets[idx], plan.flips[idx], self.ds.pad)
+                with self.parallel.accumulating(self.net, last=micro == accumulation - 1):
+                    with autocast(self.rt, self.args.precision):
+                        loss = F.cross_entropy(self.net(self.norm(x)), self.ds.train_y[idx])
+                    (loss / accumulation).backward()
+                step_loss += loss.detach()
+            mine = step_loss / accumulation
+            every_rank = runtime.all_reduce_sum(self.rt, mine.clone())
+        except RuntimeError as exc:  # a collective's lost peer (gloo: "Connection reset by peer"), or anything else
+            self.save_just_in_time((str(exc).splitlines() or [type(exc).__name__])[0])
+            raise
         self.optimizer.step()
         self.scheduler.step()
-        return step_loss / accumulation
+        return mine, every_rank
 
     def save_mid_epoch(self) -> bool:
         """Checkpoint every --ckpt-every steps, and when SIGUSR1 came: then True, to stop. Not on an
@@ -317,8 +354,38 @@ class Trainer:
     def fold_losses(self) -> None:
         """Move the ranks' loss sums into loss_carry (the global mean loss, summed over steps): a host
         sync, so only at checkpoints and epoch ends."""
-        self.progress.loss_carry += runtime.all_reduce_sum(self.rt, self.loss_sum).item() / self.rt.world_size
+        self.progress.loss_carry += self.loss_sum.item() / self.rt.world_size
         self.loss_sum.zero_()
+
+    def save_just_in_time(self, why: str) -> None:
+        """A step failed before its optimizer step (most often a collective whose peer was lost), or SIGTERM came:
+        the state of the last step finished, which every DDP rank holds whole, saved by the first rank to claim it
+        (checkpoint.save_just_in_time), so that the next attempt redoes no step: the weights and the optimizer
+        as that step left them, the buffers as the failed step's forward found them (BufferCopy); the steps draw
+        nothing from the global generators (the epoch plan holds the augmentation's draws). FSDP's state is
+        spread over the ranks, the lost one's part with it: its newest regular checkpoint is used instead.
+        SIGTERM (the launcher stopping this rank) waits until the file is whole."""
+        args, p = self.args, self.progress
+        if self.buffers is None or p.global_step == 0:
+            return
+        if (buffers := self.buffers.of_step(p.global_step, mine=self.rt.is_main)) is None:
+            return  # the step failed in DDP's own broadcast of rank 0's buffers: this rank never had them
+        began = time.perf_counter()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            self.fold_losses()
+            saved = checkpoint.Checkpoint(
+                replace(p, seconds_carry=p.seconds_carry + began - self.epoch_started), self.scheduler.state_dict(),
+                checkpoint.Rng.capture(self.rt.device), self.model.state_dict() | buffers, self.optimizer.state_dict())
+            path = checkpoint.save_just_in_time(saved, args.ckpt_dir, p.global_step)
+            if path is not None:  # said before SIGTERM, held back meanwhile, may end the rank
+                reason = re.sub(r"^\[[^]]*\] ", "", why).split(". ")[0][:200]  # gloo's "[pair.cc:545] Read error"
+                print(f"checkpoint: {p.global_step} steps saved in {time.perf_counter() - began:.3f} s just in time, "
+                      f"as {path.name} ({reason})", flush=True)  # no `step N` in it: not a progress line
+        except Exception as exc:  # noqa: BLE001 - the step's own failure is what the rank must end with
+            print(f"checkpoint: none saved just in time ({type(exc).__name__}: {exc})", flush=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
     def save(self, seconds: float) -> None:
         """A checkpoint of the progress, with `seconds` of this epoch's training so far (a collective)."""
@@ -393,6 +460,28 @@ class Trainer:
         )
 
 
+class BufferCopy:
+    """A model's buffers as they were when a step's forward began (take), for a just-in-time checkpoint."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
+        self.live = buffers
+        self.copy = {name: buffer.clone() for name, buffer in buffers.items()}
+        self.step: int | None = None  # the steps done when the copy was taken
+
+    def take(self, done: int) -> None:
+        """At each forward; a step's later micro-batches keep its first one's copy."""
+        if self.step != done and self.live:
+            torch._foreach_copy_(list(self.copy.values()), list(self.live.values()))
+            self.step = done
+
+    def of_step(self, done: int, mine: bool) -> dict[str, torch.Tensor] | None:
+        """The buffers as `done` steps left them: the copy taken in the step after, else (its forward never
+        ran) the live ones if they are rank 0's own (mine), else None: not known here."""
+        if self.step == done:
+            return self.copy
+        return dict(self.live) if mine else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -403,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except SystemExit as stopped:  # SIGTERM while training, after its just-in-time checkpoint (Trainer.run)
+        return int(stopped.code or 0)
     # Only after success: tearing down while other ranks may still be inside a collective can hang.
     runtime.teardown(rt)
     return 0

@@ -64,8 +64,9 @@ def test_a_stopped_rank_is_a_hang_and_the_restart_resumes_bitwise_equal(uninterr
     assert spent["hung"] == pytest.approx(hang_at - first["progress"]["last_at"], abs=0.01), (spent, first)
     assert spent["restarting"] == pytest.approx(second["progress"]["first_at"] - hang_at, abs=0.01), spent
     assert spent["training"] > 0 and spent["start-up"] > 0 and spent["ending"] > 0, spent
-    # a checkpoint every 4 steps, each saying how long it took (`checkpoint: 12 steps saved in 0.012 s`)
-    assert re.search(r"^\[node0\] \[rank0\]: checkpoint: 12 steps saved in \d+\.\d{3} s$", run.output, re.M)
+    # a checkpoint every 4 steps, each saying how long it took (`checkpoint: 8 steps saved in 0.012 s`; the stopped
+    # rank 1 may hold rank 0 back before step 12's)
+    assert re.search(r"^\[node0\] \[rank0\]: checkpoint: 8 steps saved in \d+\.\d{3} s$", run.output, re.M)
     saving = first["progress"]["saving_s"] + second["progress"]["saving_s"]
     assert saving > 0 and spent["checkpoint"] == pytest.approx(saving, abs=0.01), (spent, first, second)
     assert second["progress"]["first_step"] <= first["progress"]["last_step"] < second["progress"]["last_step"] == 64

@@ -158,3 +158,23 @@ def test_a_checkpoint_lacking_a_field_is_refused_naming_it(tmp_path: Path, drop:
     warnings: list[str] = []
     assert checkpoint.load_newest(tmp_path, torch.device("cpu"), warn=warnings.append) is None
     assert warnings == [f"resume: skipping unreadable checkpoint {checkpoint.path_for(tmp_path, 22)} (PayloadError: {named})"]
+
+
+def test_a_just_in_time_checkpoint_is_written_once_marked_and_resumed_first(tmp_path: Path) -> None:
+    """The first survivor to claim a step writes it; the others, and a step that has a regular checkpoint, write
+    nothing; it is the newest one on resume, pruned like the others; a claim a killed writer left is removed with
+    the partial writes."""
+    checkpoint.save(state(8.0), tmp_path, 8, keep=3)
+    first = checkpoint.save_just_in_time(state(11.0), tmp_path, 11)
+    assert first == tmp_path / "ckpt-00000011.jit.pt"
+    assert checkpoint.save_just_in_time(state(11.0), tmp_path, 11) is None, "another survivor claimed it"
+    assert checkpoint.save_just_in_time(state(8.0), tmp_path, 8) is None, "a regular checkpoint of the step exists"
+    found = checkpoint.load_newest(tmp_path, torch.device("cpu"), warn=print)
+    assert found is not None and found[0] == first and found[1].progress.global_step == 11
+    assert checkpoint.newest_first(tmp_path) == [first, tmp_path / "ckpt-00000008.pt"]
+    checkpoint.remove_partial_writes(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000008.pt", "ckpt-00000011.jit.pt"]
+    for step in (12, 16, 20):
+        checkpoint.save(state(float(step)), tmp_path, step, keep=3)
+    assert [p.name for p in checkpoint.newest_first(tmp_path)] == ["ckpt-00000020.pt", "ckpt-00000016.pt",
+                                                                   "ckpt-00000012.pt"]
