@@ -210,11 +210,12 @@ class _BackendRun(_TargetRun):
                 break
             if attempts[-1].status is not RunStatus.FAILED or stop.is_set():
                 break
+            # Kept out of later runs whether or not this one restarts.
+            self._keep_out({f.host: f.evidence for f in attempts[-1].failures if f.host_down})
             reason = no_restart_reason(spec.restarts, attempts)
             if reason is not None:
                 break
             down |= set(attempts[-1].down)
-            self._keep_out({f.host: f.evidence for f in attempts[-1].failures if f.host_down})
             delay = backoff_seconds(spec.restarts, len(attempts) - 1)
             cause = attempts[-1].failures[0]
             out.say(f"attempt {plan.attempt} failed at the {attempts[-1].kind} level on {cause.host} "

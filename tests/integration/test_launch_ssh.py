@@ -84,10 +84,15 @@ def test_dropped_connection_stops_the_run(cluster2, write_yaml, launch, tmp_path
     assert sessions, "no sshd session process found on h2"
     for pid in sessions:
         os.kill(pid, signal.SIGKILL)
-    assert run.finish(timeout=30) == 1, run.output
-    failure = run.summary()["first_failure"]
-    assert failure["host"] == "h2" and "connection to h2" in failure["description"], failure
-    assert_nothing_left(run.run_id, within=5.0)
+    try:
+        assert run.finish(timeout=30) == 1, run.output
+        failure = run.summary()["first_failure"]
+        assert failure["host"] == "h2" and "connection to h2" in failure["description"], failure
+        assert_nothing_left(run.run_id, within=5.0)
+        # No restart (restarts.max 0), but the next run must not be given h2 either (restarts.cooldown).
+        assert re.search(r"^harness: h2 is kept out of later runs until ", run.output, re.M), run.output
+    finally:
+        harness("hosts", "--release", "h2")  # the session's cluster2 stays whole for the other tests
 
 
 def test_stop_from_another_terminal_reaches_every_host(cluster2, write_yaml, launch, tmp_path):
