@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -301,8 +302,12 @@ class Trainer:
             if self.stopping.is_set():
                 self.save_just_in_time("SIGTERM: stopped")
                 raise SystemExit(128 + signal.SIGTERM)
-            if self.save_mid_epoch():
-                return False
+            try:
+                if self.save_mid_epoch():
+                    return False
+            except RuntimeError as exc:  # its collectives (SIGUSR1's agreement, a save's barrier) lost a peer
+                self.save_just_in_time(_first_line(exc))
+                raise
         self.report.end()
         return True
 
@@ -329,7 +334,7 @@ class Trainer:
             mine = step_loss / accumulation
             every_rank = runtime.all_reduce_sum(self.rt, mine.clone())
         except RuntimeError as exc:  # a collective's lost peer (gloo: "Connection reset by peer"), or anything else
-            self.save_just_in_time((str(exc).splitlines() or [type(exc).__name__])[0])
+            self.save_just_in_time(_first_line(exc))
             raise
         self.optimizer.step()
         self.scheduler.step()
@@ -358,13 +363,13 @@ class Trainer:
         self.loss_sum.zero_()
 
     def save_just_in_time(self, why: str) -> None:
-        """A step failed before its optimizer step (most often a collective whose peer was lost), or SIGTERM came:
-        the state of the last step finished, which every DDP rank holds whole, saved by the first rank to claim it
-        (checkpoint.save_just_in_time), so that the next attempt redoes no step: the weights and the optimizer
-        as that step left them, the buffers as the failed step's forward found them (BufferCopy); the steps draw
-        nothing from the global generators (the epoch plan holds the augmentation's draws). FSDP's state is
-        spread over the ranks, the lost one's part with it: its newest regular checkpoint is used instead.
-        SIGTERM (the launcher stopping this rank) waits until the file is whole."""
+        """A step failed before its optimizer step, or a collective between steps failed (most often one whose peer
+        was lost), or SIGTERM came: the state of the last step finished, which every DDP rank holds whole, saved by
+        the first rank to claim it (checkpoint.save_just_in_time), so that the next attempt redoes no step: the
+        weights and the optimizer as that step left them, the buffers as the failed step's forward found them
+        (BufferCopy); the steps draw nothing from the global generators (the epoch plan holds the augmentation's
+        draws). FSDP's state is spread over the ranks, the lost one's part with it: its newest regular checkpoint
+        is used instead. SIGTERM (the launcher stopping this rank) waits until the file is whole."""
         args, p = self.args, self.progress
         if self.buffers is None or p.global_step == 0:
             return
@@ -460,6 +465,10 @@ class Trainer:
         )
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
 class BufferCopy:
     """A model's buffers as they were when a step's forward began (take), for a just-in-time checkpoint."""
 
@@ -503,7 +512,13 @@ if __name__ == "__main__":
     # Exit without interpreter finalization: a gloo worker thread may still be releasing the last
     # collective's tensors, and if that happens while Python shuts down, the process aborts
     # ("terminate called without an active exception", SIGABRT) after a run that succeeded.
-    code = main()
+    # A rank that fails (a lost peer's collective, after its just-in-time checkpoint) leaves the same way, its
+    # traceback printed as Python would: finalizing would wait on the broken process group for seconds.
+    try:
+        code = main()
+    except Exception:  # noqa: BLE001 - printed whole, as the interpreter prints an uncaught one
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
