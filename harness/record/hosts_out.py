@@ -71,26 +71,26 @@ def hosts_out(path: Path, now: float | None = None) -> list[HostOut]:
     return [entry for entry in _read(path) if entry.until > now]
 
 
-def take_out(path: Path, failed: Mapping[str, tuple[str, str]], machines: Mapping[str, str], run_id: str,
-             cooldown: float, limit: int) -> tuple[list[HostOut], list[str]]:
-    """Keep the failed hosts (name -> (machine, reason)) out for cooldown seconds, as long as no more than
-    limit of machines (the inventory's: name -> machine) are out at once. Returns the entries made and the
-    names left in (past the limit)."""
+def take_out(path: Path, failed: Mapping[str, str], machines: Mapping[str, str], run_id: str, cooldown: float,
+             limit: int) -> tuple[list[HostOut], list[str]]:
+    """Keep the failed hosts (name -> reason; names of machines, the inventory's: name -> machine) out for
+    cooldown seconds, as long as no more than limit of the inventory's machines are out at once. Returns the
+    entries made and the names left in (past the limit)."""
     if cooldown <= 0 or not failed:
         return [], []
     with _locked(path):
         now = time.time()
-        entries = [entry for entry in _read(path) if entry.until > now]  # ended cool-downs are dropped here
+        entries = hosts_out(path, now)  # ended cool-downs are dropped here
         ours = {entry.machine for entry in entries} & set(machines.values())
         made, left = [], []
-        for name, (machine, reason) in failed.items():
-            if machine in ours:
+        for name, reason in failed.items():
+            if machines[name] in ours:
                 continue
             if len(ours) >= limit:
                 left.append(name)
                 continue
-            ours.add(machine)
-            made.append(HostOut(machine, name, reason, run_id, round(now, 3), round(now + cooldown, 3)))
+            ours.add(machines[name])
+            made.append(HostOut(machines[name], name, reason, run_id, round(now, 3), round(now + cooldown, 3)))
         _write(path, entries + made)
     return made, left
 
@@ -134,7 +134,7 @@ class RunsHosts:
 
     def keep_out(self, failed: Mapping[str, str]) -> list[str]:
         """Keep the failed hosts (name -> reason) out of later runs, within the limit; what to say of it."""
-        known = {name: (self.machines[name], reason) for name, reason in failed.items() if name in self.machines}
+        known = {name: reason for name, reason in failed.items() if name in self.machines}
         made, left = take_out(self.path, known, self.machines, self.run_id, self.cooldown, self.limit)
         said = [f"{e.name} is kept out of later runs until {_clock(e.until)} (restarts.cooldown); `harness hosts "
                 f"--release {e.name}` brings it back" for e in made]

@@ -22,23 +22,23 @@ MACHINES = {f"h{i}": f"10.0.0.{i}:22" for i in range(1, 9)}
 
 def test_a_failed_host_is_kept_out_for_its_cool_down_with_the_reason(tmp_path: Path) -> None:
     path = tmp_path / "hosts.json"
-    made, left = take_out(path, {"h2": ("10.0.0.2:22", "connection to h2 lost")}, MACHINES, "run-1", 60, 2)
+    made, left = take_out(path, {"h2": "connection to h2 lost"}, MACHINES, "run-1", 60, 2)
     assert left == [] and [(e.name, e.machine, e.reason, e.run_id) for e in made] == [
         ("h2", "10.0.0.2:22", "connection to h2 lost", "run-1")]
     assert made[0].until - made[0].since == 60 and abs(made[0].since - time.time()) < 5
     assert hosts_out(path) == made
     assert hosts_out(path, now=made[0].until + 1) == [], "its cool-down over, it is offered again"
-    again, _ = take_out(path, {"h2": ("10.0.0.2:22", "lost again")}, MACHINES, "run-2", 60, 2)
+    again, _ = take_out(path, {"h2": "lost again"}, MACHINES, "run-2", 60, 2)
     assert again == [] and hosts_out(path) == made, "a host already out keeps its first reason and end"
-    assert take_out(path, {"h3": ("10.0.0.3:22", "lost")}, MACHINES, "run-1", 0, 2) == ([], []), "cooldown 0"
+    assert take_out(path, {"h3": "lost"}, MACHINES, "run-1", 0, 2) == ([], []), "cooldown 0"
 
 
 def test_no_more_hosts_than_the_limit_are_out_at_once(tmp_path: Path) -> None:
     """Three hosts failing together on an inventory of eight, limit 2: the third is left in (one bad switch
     must not drain the cluster); hosts out of another inventory do not count."""
     path = tmp_path / "hosts.json"
-    take_out(path, {"x1": ("10.9.9.1:22", "lost")}, {"x1": "10.9.9.1:22"}, "run-0", 60, 1)
-    failed = {name: (MACHINES[name], "lost") for name in ("h1", "h2", "h3")}
+    take_out(path, {"x1": "lost"}, {"x1": "10.9.9.1:22"}, "run-0", 60, 1)
+    failed = dict.fromkeys(("h1", "h2", "h3"), "lost")
     made, left = take_out(path, failed, MACHINES, "run-1", 60, Restarts().out_limit(len(MACHINES)))
     assert [e.name for e in made] == ["h1", "h2"] and left == ["h3"]
     assert [e.name for e in hosts_out(path)] == ["x1", "h1", "h2"]
@@ -47,7 +47,7 @@ def test_no_more_hosts_than_the_limit_are_out_at_once(tmp_path: Path) -> None:
 
 def test_a_host_is_brought_back_by_name_address_or_all_and_an_unknown_one_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "hosts.json"
-    take_out(path, {n: (MACHINES[n], "lost") for n in ("h1", "h2", "h3")}, MACHINES, "run-1", 60, 8)
+    take_out(path, dict.fromkeys(("h1", "h2", "h3"), "lost"), MACHINES, "run-1", 60, 8)
     assert [e.name for e in bring_back(path, "h1")] == ["h1"]
     assert [e.name for e in bring_back(path, "10.0.0.2")] == ["h2"]
     with pytest.raises(UsageError, match=r"no host 'h9' is kept out \(kept out: h3; `harness hosts` lists them\)"):
