@@ -5,14 +5,16 @@ controller, a process on an SSH host, or an srun step's task. It is started as
 
     python -I -S -c "$BOOT" harness-agent RUN_ID node NODE_RANK attempt ATTEMPT
 
-and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK, from the first line of its
-stdin (harness.node.boot), so it imports nothing but the standard library (not even
+and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK STANDBY, from the first line of
+its stdin (harness.node.boot), so it imports nothing but the standard library (not even
 site-packages): hosts need Python, not the harness. It obeys the controller's words on the rest of its
 stdin and says its messages among the node's output on its stdout: harness.node.protocol defines both,
 with what each means. Here: the node's command in a session of its own; the process tree it owns, by run id
 and as a child subreaper (the sweep that TERM, KILL and the end of the node share); what the agent does when
 the controller goes silent or away (TERM, GRACE seconds, then KILL: a lost controller never leaves a job
-running); and, in an srun step, SIGUSR1 ignored (Slurm's time-limit warning, which the training processes
+running); a standby node (STANDBY "1": the next attempt's torchrun started early, its imports done while
+the attempt before runs) that waits on its stdin for the GO word's order, then is its attempt's node; and, in
+an srun step, SIGUSR1 ignored (Slurm's time-limit warning, which the training processes
 catch). What it sees of the ranks is harness.node.observer's.
 
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does. It
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import select
@@ -50,7 +53,7 @@ class Agent:
     """One node's command in a session of its own, and the means to end all of it."""
 
     def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, watch: float,
-                 command: str, cleanup: str, hook: str) -> None:
+                 command: str, cleanup: str, hook: str, standby: bool = False) -> None:
         self.run_id = run_id
         self.node_rank = node_rank
         self.attempt = attempt
@@ -67,7 +70,11 @@ class Agent:
         self.observer = RankObserver(run_id, self.directory, unhooked, say)
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
         hooked = {"HARNESS_AGENT_DIR": self.directory} if self.directory else {}
-        self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdin=subprocess.DEVNULL,
+        self.standing_by = threading.Event()  # a standby: no samples until the GO word
+        if standby:
+            self.standing_by.set()
+        self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True,
+                                      stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
                                       env={**os.environ, **hooked})
         # A command the OS refuses to run (too long, no /bin/sh) raises here: main() reports it.
 
@@ -117,6 +124,8 @@ class Agent:
                     self.kill()
                 elif word is Word.STACKS and argument:
                     threading.Thread(target=self.observer.send_stacks, args=(argument,), daemon=True).start()
+                elif word is Word.GO and self.standing_by.is_set():
+                    self.go(argument)
         if not readable and not self.ended.is_set():
             with contextlib.suppress(OSError):
                 sys.stdout.write(f"harness node agent: no word from the controller for {self.silence:g} s: "
@@ -126,10 +135,27 @@ class Agent:
         self.ended.wait(self.grace)
         self.kill()
 
-    def run(self) -> int:
-        threading.Thread(target=self.obey_controller, daemon=True).start()
+    def go(self, order: str) -> None:
+        """The standby becomes its attempt's node: its identity is the order's, the order goes to the waiting
+        torchrun, and the samples begin."""
+        env = json.loads(order)["env"]
+        self.node_rank, self.attempt = env["NODE_RANK"], env["HARNESS_ATTEMPT"]
+        self.began, self.oom_before = time.time(), oom_counts()
+        assert self.child.stdin is not None
+        with contextlib.suppress(OSError):  # a torchrun that died waiting: its end is the node's
+            self.child.stdin.write(order.encode() + b"\n")
+            self.child.stdin.close()
+        self.standing_by.clear()
+        self._sample()
+
+    def _sample(self) -> None:
         if self.watch > 0:
             threading.Thread(target=self.observer.sample_every, args=(self.watch, self.ended), daemon=True).start()
+
+    def run(self) -> int:
+        threading.Thread(target=self.obey_controller, daemon=True).start()
+        if not self.standing_by.is_set():
+            self._sample()
         code = self.child.wait()
         self.ended.set()
         with self._kill_lock:  # not while a KILL runs the cleanup, a child of ours with our environment
@@ -182,13 +208,14 @@ def say(kind: Kind, body: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook = argv[:9]
+    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby = argv[:10]
     if "SLURM_STEP_ID" in os.environ:
         # Slurm's time-limit warning reaches every process of the step (scancel --signal=USR1): the training
         # processes catch it and checkpoint; the agent and torchrun (which inherits this) must live on.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup, hook)
+        agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup, hook,
+                      standby == "1")
     except OSError as exc:
         sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
         code = 127

@@ -40,6 +40,9 @@ class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate
     # `STACKS TAG`: every rank's stack and its DataLoader workers' (py-spy) and its last collectives (Flight
     # Recorder), answered as STACKS messages, then STACKS_DONE
     STACKS = "STACKS"
+    # `GO ORDER`: a standby node (agent started with STANDBY) becomes its attempt's node: ORDER, one JSON line
+    # ({"env": the node's env, "args": torchrun's arguments}), goes to the waiting torchrun's stdin
+    GO = "GO"
 
 
 class Kind(str, Enum):  # noqa: UP042 - as Word

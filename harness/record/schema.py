@@ -220,6 +220,7 @@ class Attempt:
     progress: Progress | None = None  # None: no progress line seen (or not watched)
     restart: Restart | None = None  # an attempt after a failed one: how it came to its first step
     kept_out: dict[str, str] = field(default_factory=dict)  # host -> why an earlier failure keeps it out (hosts_out)
+    warm: list[str] = field(default_factory=list)  # hosts whose node was a standby (restarts.standby)
 
     def where(self, resized: bool) -> str:
         """Its hosts, and with them its size when the run's attempts did not all have the same (resized)."""

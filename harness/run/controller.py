@@ -13,6 +13,7 @@ and the report.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -49,6 +50,7 @@ from harness.spec.job import JobSpec
 from harness.targets.base import Backend, CheckFailed, Scheduler
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+STANDBY_AFTER = 10.0  # seconds into an attempt whose ranks were not seen joining, when its standbys start anyway
 
 
 def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: str, runs_root: Path, run_id: str,
@@ -196,7 +198,8 @@ class _BackendRun(_TargetRun):
             run.write_state(self.state)
             if plan.nnodes < spec.nnodes:
                 out.say(_fewer_nodes(spec, plan, down))
-            attempts.append(replace(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out),
+            standby = frozenset(down) if spec.restarts.standby and len(attempts) < spec.restarts.max else None
+            attempts.append(replace(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out, standby),
                                     kept_out={name: f"{entry.reason} (run {entry.run_id})"
                                               for name, entry in self.hosts_out.kept_out.items()}))
             time_up = self.continued.time_up() if self.continued is not None else None
@@ -256,6 +259,7 @@ class _BackendRun(_TargetRun):
         return self.requeued
 
     def close(self) -> None:
+        self.backend.stand_down()
         self.backend.close()
 
 
@@ -344,10 +348,23 @@ def _fewer_nodes(spec: JobSpec, plan: Plan, down: set[str]) -> str:
             f"instead of {spec.nnodes * plan.nproc_per_node}, ranks renumbered, master {plan.nodes[0].host}")
 
 
+def _stand_by(backend: Backend, spec: JobSpec, plan: Plan, down: frozenset[str], sup: Supervisor,
+              ended: threading.Event) -> None:
+    """The next attempt's standbys, started once every rank of this one joined its process group (their own
+    imports are done then, and they no longer compete with it for the CPU) or after STANDBY_AFTER seconds."""
+    began = time.monotonic()
+    while not ended.wait(0.2):
+        if sum(len(live.joined) for live in sup.nodes) >= plan.world_size or time.monotonic() - began > STANDBY_AFTER:
+            with contextlib.suppress(HarnessError):  # no plan for the next attempt now: it starts afresh
+                backend.stand_by(spec, plan.run_id, plan.attempt + 1, down)
+            return
+
+
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
-             before: list[Attempt], out: Terminal) -> Attempt:
+             before: list[Attempt], out: Terminal, standby: frozenset[str] | None = None) -> Attempt:
     """Start every node of plan (spec on the plan's nodes, which may be fewer than the job's), supervise
-    them to their end, and say how this attempt went."""
+    them to their end, and say how this attempt went. standby: the hosts down, where the next attempt's
+    standbys are to be started while this one runs (None: none)."""
     watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes)
     furthest = max((a.progress.last_step for a in before if a.progress), default=None)
     sup = Supervisor(grace=spec.timeouts.stop_grace, terminal=out,
@@ -362,15 +379,26 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "
             f"master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
     started = time.time()
+    over = threading.Event()
+    warming = threading.Thread(target=_stand_by, args=(backend, spec, plan, standby, sup, over), daemon=True)
+    warm: list[str] = []
     try:
         try:
             nodes = backend.start(plan, spec.at_nnodes(plan.nnodes))
         except OSError as exc:  # e.g. an argument list too long for the OS: only the OS can refuse it
             raise HarnessError(f"could not start the nodes: {exc.strerror or exc}") from None
+        if warm := [n.node.host for n in nodes if n.warm]:
+            sup.say(f"{', '.join(warm)} started warm: torchrun's imports were done while attempt {plan.attempt - 1} "
+                    f"ran (restarts.standby)")
         sup.start(nodes)
+        if standby is not None:
+            warming.start()
         sup.wait(stop)
     finally:
         sup.finish()
+        over.set()
+        if warming.is_alive():
+            warming.join()
         backend.close()
     ended = time.time()
     found = attempt_failures(sup.nodes, sup.stopping_since)
@@ -395,7 +423,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         joined_ranks=sorted(set().union(*(r.joined for r in sup.nodes))) if watched else None,
         nnodes=plan.nnodes, world_size=plan.world_size, health=sup.health_loop.events, progress=progress,
         restart=restart_of(before[-1], started, joined, progress, furthest)
-        if previous_failure else None,
+        if previous_failure else None, warm=warm,
     )
 
 

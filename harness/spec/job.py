@@ -299,7 +299,9 @@ class Restarts(StrictModel):
     when hosts are down and no spare is left (torchrun's --nnodes MIN:MAX); unset, nnodes: the run
     ends instead. cooldown: seconds a host that failed at the machine's level stays out of every run
     (record/hosts_out.py; 0: only out of its own run); max_out: how many of the inventory's hosts may be
-    out at once (unset: a quarter of them, at least 1)."""
+    out at once (unset: a quarter of them, at least 1). standby: while an attempt runs with a restart left, the
+    next one's torchrun waits on every usable host (spares too) with its imports done, so that a restart
+    starts warm (targets/agent_link.py Standbys; simulated nodes and SSH hosts, not in containers)."""
 
     max: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
     on: Annotated[tuple[str, ...], PlainValidator(_failure_kinds)] = ("infra",)
@@ -307,6 +309,7 @@ class Restarts(StrictModel):
     min_nnodes: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=MAX_NNODES)] | None = None
     cooldown: Annotated[Seconds, Field(ge=0, le=30 * 86400)] = 3600
     max_out: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=MAX_NNODES)] | None = None
+    standby: bool = True
 
     def out_limit(self, hosts: int) -> int:
         """How many of an inventory's hosts may be kept out at once."""

@@ -15,12 +15,12 @@ import shlex
 import subprocess
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from harness.node.boot import BOOT, shipped, source
 from harness.node.protocol import MARKER, Kind, Message, Word, split_line, word_line
 from harness.plan.planner import NodePlan
-from harness.plan.shell import shell_command
+from harness.plan.shell import can_stand_by, shell_command, standby_command, standby_order
 from harness.spec.job import JobSpec
 from harness.targets.base import NodeProcess, Outcome
 
@@ -39,15 +39,15 @@ def agent_argv(python: str, node: NodePlan) -> list[str]:
             node.env["NODE_RANK"], "attempt", node.env["HARNESS_ATTEMPT"]]
 
 
-def agent_program(node: NodePlan, grace: float, silence: float, watch: float) -> bytes:
+def agent_program(node: NodePlan, grace: float, silence: float, watch: float, standby: bool = False) -> bytes:
     """The first line of the agent's stdin: the agent, and what it runs. silence: seconds without a
     word from the controller after which the agent stops its node; watch: seconds between its health
-    samples (0: none)."""
-    command = shell_command(node)
+    samples (0: none); standby: the node's torchrun started to wait for its order (Standbys)."""
+    command = standby_command(node) if standby else shell_command(node)
     if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
-                             shlex.join(node.cleanup), RANK_HOOK])
+                             shlex.join(node.cleanup), RANK_HOOK, "1" if standby else "0"])
 
 
 def agent_silence(connect_timeout: float) -> float:
@@ -66,22 +66,92 @@ def agent_env(node: NodePlan) -> dict[str, str]:
     return _identity(node)
 
 
-def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec) -> list[NodeProcess]:
-    """Every node or none: if one cannot start, the ones already started are killed. Each agent gets
-    its program first (see agent_program)."""
+def _agent_times(spec: JobSpec) -> tuple[float, float, float]:
+    return spec.timeouts.stop_grace, agent_silence(spec.timeouts.connect), spec.health.sample_seconds
+
+
+def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec,
+              standbys: Standbys | None = None) -> list[NodeProcess]:
+    """Every node or none: if one cannot start, the ones already started are killed. A node with a standby
+    on its host gets it (its order sent); the others a new agent, which gets its program first (see
+    agent_program)."""
     started: list[AgentNode] = []
-    grace, silence, watch = spec.timeouts.stop_grace, agent_silence(spec.timeouts.connect), spec.health.sample_seconds
     try:
         for node in nodes:
-            started.append(start(node))
-            started[-1].boot(agent_program(node, grace, silence, watch))
+            warm = standbys.take(node) if standbys is not None else None
+            started.append(warm or start(node))
+            if warm is None:
+                started[-1].boot(agent_program(node, *_agent_times(spec)))
+                started[-1].talk()
     except BaseException:
         for process in started:
             process.kill()
         raise
-    for process in started:
-        threading.Thread(target=process.keep_talking, daemon=True).start()
     return list(started)
+
+
+def same_place(standby: NodePlan, node: NodePlan) -> bool:
+    """Whether a standby started as `standby` can become `node`: the same host, interpreter, directory and
+    setup (the rest is the order's)."""
+    return (standby.host, standby.argv[0], standby.workdir, standby.setup) == (node.host, node.argv[0], node.workdir,
+                                                                                node.setup)
+
+
+class Standbys:
+    """The next attempt's nodes started while an attempt runs, one per host: each an agent whose torchrun has
+    done its imports (seconds of a restart) and waits for its order. The next attempt takes the one on each
+    of its hosts (start_all) and starts the others afresh; a standby that died, or stands where its node
+    would not (another interpreter, directory, setup), is ended instead."""
+
+    def __init__(self) -> None:
+        self._on: dict[str, AgentNode] = {}
+        self._lock = threading.Lock()
+
+    def stand_by(self, nodes: Sequence[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec) -> None:
+        """One standby on each host of nodes that has none; a host where it cannot start simply has none. The
+        standbys on other hosts (down since) are ended."""
+        wanted = {node.host for node in nodes}
+        with self._lock:
+            gone = [self._on.pop(host) for host in list(self._on) if host not in wanted]
+        for agent in gone:  # an unreachable host's may take its connection's timeout to be seen gone
+            threading.Thread(target=agent.end, daemon=True).start()
+        for node in nodes:
+            with self._lock:
+                if not can_stand_by(node) or node.host in self._on:
+                    continue
+            try:
+                agent = start(node)
+            except Exception:  # noqa: BLE001 - whatever the transport raises, that host has no standby
+                continue
+            agent.boot(agent_program(node, *_agent_times(spec), standby=True))
+            agent.talk()
+            with self._lock:
+                self._on[node.host] = agent
+
+    def take(self, node: NodePlan) -> AgentNode | None:
+        """The standby on node's host, now node (None: there is none it can be)."""
+        with self._lock:
+            agent = self._on.pop(node.host, None)
+        if agent is None:
+            return None
+        if not agent.running() or not same_place(agent.node, node):
+            agent.end()
+            return None
+        agent.go(node, standby_order(agent.node, node))
+        return agent
+
+    def hosts(self) -> set[str]:
+        with self._lock:
+            return set(self._on)
+
+    def stand_down(self) -> None:
+        """End every standby (the run is over, or its hosts changed)."""
+        with self._lock:
+            ending, self._on = list(self._on.values()), {}
+        for agent in ending:
+            agent.kill()
+        for agent in ending:
+            agent.end()
 
 
 class AgentNode(ABC):
@@ -93,6 +163,8 @@ class AgentNode(ABC):
         self._exit_code: int | None = None
         self._output_done = threading.Event()
         self._send_lock = threading.Lock()
+        self._talking = False
+        self.warm = False  # a standby that became this node (Standbys)
 
     @abstractmethod
     def _chunks(self) -> Iterable[bytes]:
@@ -106,6 +178,10 @@ class AgentNode(ABC):
     @abstractmethod
     def _wait_agent(self) -> str:
         """Block until the agent has ended; say how it ended, for when it reported no exit code."""
+
+    @abstractmethod
+    def running(self) -> bool:
+        """Whether the agent still runs (a standby's, before it is taken)."""
 
     @abstractmethod
     def _agent_lost(self) -> None:
@@ -170,10 +246,25 @@ class AgentNode(ABC):
         with self._send_lock, contextlib.suppress(OSError, EOFError):  # an ended agent needs no word
             self._send(word_line(word, argument))
 
-    def keep_talking(self) -> None:
+    def talk(self) -> None:
         """PING every PING_SECONDS until the node's output ends: the agent's proof that we are there."""
+        if not self._talking:
+            self._talking = True
+            threading.Thread(target=self._keep_talking, daemon=True).start()
+
+    def _keep_talking(self) -> None:
         while not self._output_done.wait(PING_SECONDS):
             self._word(Word.PING)
+
+    def go(self, node: NodePlan, order: str) -> None:
+        """The standby becomes node: its agent passes the order to the waiting torchrun."""
+        self.node, self.warm = node, True
+        self._word(Word.GO, order)
+
+    def end(self) -> None:
+        """A standby never taken: KILL, and wait for its agent (its output is nobody's)."""
+        self.kill()
+        self._wait_agent()
 
     def terminate(self) -> None:
         self._word(Word.TERM)
@@ -204,6 +295,9 @@ class ChildAgentNode(AgentNode):
         assert self._proc.stdin is not None
         self._proc.stdin.write(data)
         self._proc.stdin.flush()
+
+    def running(self) -> bool:
+        return self._proc.poll() is None
 
     def _child_ended(self) -> str:
         """Wait for the child; how it ended, in words."""

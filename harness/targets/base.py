@@ -60,6 +60,7 @@ class NodeProcess(Protocol):
 
     node: NodePlan
     messages: queue.Queue[Message]  # the node agent's messages (harness.node.protocol)
+    warm: bool  # a standby's: its torchrun was started, its imports done, before its attempt (Backend.stand_by)
 
     def output(self) -> Iterator[str]:
         """The node's combined stdout/stderr until its output ends, in blocks of whole lines (each ending
@@ -91,7 +92,8 @@ class CheckFailed(HarnessError):
 
 class Backend(Protocol):
     """A controller-supervised backend. The run controller calls, in order:
-    plan -> check -> start -> (supervision) -> close, and close also after a failure."""
+    plan -> check -> start -> (supervision, stand_by) -> close, and close also after a failure; stand_down at
+    the run's end."""
 
     name: str  # recorded as the run's mode: "local", "ssh"
 
@@ -112,9 +114,17 @@ class Backend(Protocol):
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         """Start every node, or none: if one cannot start, the ones already started are killed."""
 
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
+        """While an attempt runs, start the next one's nodes as far as they can go without its plan: on each
+        host it may use (not down), torchrun with its imports done, waiting (agent_link.Standbys). start then
+        takes the one on each of its hosts. Nothing is raised: a host without a standby starts afresh."""
+
+    def stand_down(self) -> None:
+        """End every standby: the run is over."""
+
     def close(self) -> None:
         """Release what start opened (connections); the nodes have ended by then. Called after every
-        attempt: the next attempt starts afresh."""
+        attempt; what a standby uses stays open for the next one."""
 
 
 @dataclass(frozen=True)

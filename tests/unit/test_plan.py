@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,12 @@ import pytest
 from harness.errors import UsageError
 from harness.plan.planner import NodePlan, job_hosts, plan_hosts, plan_local
 from harness.plan.render import render_json, render_text
-from harness.plan.shell import shell_command
+from harness.plan.shell import can_stand_by, shell_command, standby_command, standby_order
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job
 from harness.targets.ssh.backend import SSHBackend
 
-from conftest import harness
+from conftest import free_port, harness
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 JOB = """
@@ -174,6 +175,31 @@ def test_shell_form_delivers_hostile_arguments_intact(tmp_path):
                     argv=(sys.executable, "-c", printer, *HOSTILE), env={"WEIRD": "v a l'$x"}, workdir=str(tmp_path))
     out = subprocess.run(["/bin/sh", "-c", shell_command(node)], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [HOSTILE, "v a l'$x", str(tmp_path)]
+
+
+def test_a_standby_becomes_exactly_the_node_it_is_told(tmp_path):
+    """A standby's torchrun (its imports done, waiting) given the node's order runs that node's worker with the
+    node's arguments and environment byte for byte: keys only the standby had are gone, a changed value is the
+    node's. Real torchrun, in a real shell."""
+    script = tmp_path / "show.py"
+    script.write_text("import json, os, sys\nprint(json.dumps([sys.argv[1:], os.environ.get('WEIRD'), "
+                      "os.environ.get('ONLY_STANDBY'), os.environ['NODE_RANK'], os.getcwd()]))\n")
+    base = NodePlan(host="h", address="127.0.0.1", node_rank=0, nproc=1, workdir=str(tmp_path), env={},
+                    argv=(sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+                          "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0", str(script)))
+    standby = replace(base, env={"NODE_RANK": "7", "ONLY_STANDBY": "1", "WEIRD": "old"})
+    node = replace(base, argv=(*base.argv, *HOSTILE), env={"NODE_RANK": "0", "WEIRD": "v a l'$x"})
+    assert can_stand_by(node) and not can_stand_by(replace(node, cleanup=("docker", "rm", "x")))
+    waiting = subprocess.Popen(["/bin/sh", "-c", standby_command(standby)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    out, _ = waiting.communicate(standby_order(standby, node) + "\n", timeout=120)
+    assert waiting.returncode == 0
+    assert json.loads(out.splitlines()[-1]) == [HOSTILE, "v a l'$x", None, "0", str(tmp_path)]
+    failing = replace(node, env={**node.env, "WEIRD": "fail"})  # the script then exits 3: torchrun's error, exit 1
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['WEIRD'] == 'fail' else 0)\n")
+    ended = subprocess.run(["/bin/sh", "-c", standby_command(standby)], input=standby_order(standby, failing) + "\n",
+                           capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 1 and "ChildFailedError" in ended.stderr and "exitcode  : 3" in ended.stderr, ended
 
 
 def test_render_cli_json_shape(write_yaml):

@@ -216,6 +216,9 @@ class _Chunks(AgentNode):
     def _wait_agent(self) -> str:
         return ""
 
+    def running(self) -> bool:
+        return False
+
     def _agent_lost(self) -> None:
         pass
 

@@ -16,7 +16,7 @@ from harness.node.gpu import driver_gpu_count
 from harness.node.proctable import kill_run_processes
 from harness.plan.planner import NodePlan, Plan, local_spec, plan_local, simulated_hosts, take_healthy
 from harness.spec.job import JobSpec
-from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, start_all
+from harness.targets.agent_link import ChildAgentNode, Standbys, agent_argv, agent_env, start_all
 from harness.targets.base import CheckFailed, NodeProcess, WorkdirCheck
 
 
@@ -73,6 +73,7 @@ class LocalBackend:
     def __init__(self, python: str = sys.executable, check: WorkdirCheck | None = None) -> None:
         self.python = python
         self._check = check
+        self._standbys = Standbys()
 
     def machines(self) -> dict[str, str]:
         return {}  # one machine: its simulated nodes are never kept out
@@ -107,7 +108,19 @@ class LocalBackend:
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         _workdirs(plan)
-        return start_all(plan.nodes, lambda node: LocalAgentNode(node, self.python), spec)
+        return start_all(plan.nodes, self._agent, spec, self._standbys)
+
+    def _agent(self, node: NodePlan) -> LocalAgentNode:
+        return LocalAgentNode(node, self.python)
+
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
+        """A standby for each simulated node that attempt would run."""
+        plan = self.plan(spec, run_id, attempt=attempt, down=down)
+        _workdirs(plan)
+        self._standbys.stand_by(plan.nodes, self._agent, spec)
+
+    def stand_down(self) -> None:
+        self._standbys.stand_down()
 
     def close(self) -> None:
-        """Nothing to release: each agent's pipes close when it ends."""
+        """Nothing to release: each agent's pipes close when it ends (standbys stay for the next attempt)."""

@@ -142,6 +142,13 @@ class SrunBackend:
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, node.argv[0]), spec)
 
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
+        """None here: a standby would be a step of its own holding the node's resources (srun --overlap) for
+        the whole attempt; each attempt's steps start afresh."""
+
+    def stand_down(self) -> None:
+        """No standby to end."""
+
     def close(self) -> None:
         """Nothing to release: each srun ends with its step."""
 

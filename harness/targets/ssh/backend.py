@@ -23,7 +23,7 @@ from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
 from harness.spec.yamlsource import located
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
-from harness.targets.agent_link import READ_BYTES, AgentNode, agent_argv, agent_env, start_all
+from harness.targets.agent_link import READ_BYTES, AgentNode, Standbys, agent_argv, agent_env, start_all
 from harness.targets.base import CheckFailed, NodeProcess
 from harness.targets.host_command import NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.ssh.container import in_containers
@@ -84,6 +84,9 @@ class SSHAgentNode(AgentNode):
         except paramiko.SSHException as exc:
             raise EOFError(str(exc)) from exc
 
+    def running(self) -> bool:
+        return not (self._channel.closed or self._channel.exit_status_ready())
+
     def _agent_lost(self) -> None:
         """Nothing to reach the host with: if it is alive, its agent saw its stdin close and stopped the node
         itself. The run counts the host as down, so a restart uses a spare in its place."""
@@ -104,8 +107,9 @@ class SSHOptions:
 
 
 class SSHBackend:
-    """Nodes on the inventory's hosts, master first, over one SSH connection per host per attempt: the
-    check opens it, the master's serves the port pick, and the nodes start on them. Connections may be
+    """Nodes on the inventory's hosts, master first, over one SSH connection per host: the check opens it,
+    the master's serves the port pick, and the nodes start on them; it is closed after the attempt unless a
+    standby for the next one runs over it (the next check then reuses it). Connections may be
     lent by the caller (preflight's collective reuses its own); lent ones are left open at close.
     check: what the hosts must pass before a plan starts on them (preflight's fast checks; None: start
     without)."""
@@ -119,6 +123,7 @@ class SSHBackend:
         self._check = check
         self._lent = dict(connections or {})
         self._opened: dict[str, Connection] = {}
+        self._standbys = Standbys()
 
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
@@ -162,6 +167,13 @@ class SSHBackend:
 
     def _connect_all(self, nodes: tuple[NodePlan, ...], timeout: float) -> dict[str, Connection]:
         """A connection per host, opened in parallel; the first error once every attempt has ended."""
+        errors = self._connect(nodes, timeout)
+        if errors:
+            raise errors[0]
+        return self._lent | self._opened
+
+    def _connect(self, nodes: tuple[NodePlan, ...], timeout: float) -> list[BaseException]:
+        """Open the connections nodes' hosts lack, in parallel; what failed."""
         errors: list[BaseException] = []
 
         def open_one(node: NodePlan) -> None:
@@ -179,17 +191,33 @@ class SSHBackend:
             thread.start()
         for thread in threads:
             thread.join()
-        if errors:
-            raise errors[0]
-        return self._lent | self._opened
+        return errors
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         connections = self._connect_all(plan.nodes, spec.timeouts.connect)
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host]), spec)
+        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host]), spec, self._standbys)
+
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
+        """A standby on every host of the inventory that is not down, spares included: whichever of them the
+        next attempt runs on starts warm. A host that cannot be reached now simply has none."""
+        if spec.container is not None:
+            return  # the node's torchrun is the container's, started by its engine
+        hosts = [host for host in self.inventory.ordered_hosts() if host.name not in down]
+        plan = self.pinned_plan(spec.at_nnodes(len(hosts)), run_id, hosts, attempt)
+        self._connect(plan.nodes, spec.timeouts.connect)
+        connections = self._lent | self._opened
+        for connection in self._opened.values():
+            connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
+        self._standbys.stand_by([node for node in plan.nodes if node.host in connections],
+                                lambda node: SSHAgentNode(node, connections[node.host]), spec)
+
+    def stand_down(self) -> None:
+        self._standbys.stand_down()
 
     def close(self) -> None:
-        for connection in self._opened.values():
-            connection.close()
-        self._opened.clear()
+        """Close the connections that carry no standby."""
+        keep = self._standbys.hosts()
+        for name in [name for name in self._opened if name not in keep]:
+            self._opened.pop(name).close()

@@ -206,11 +206,16 @@ class Connection:
         self.peer_ip: str = transport.getpeername()[0]
         self.lost: str | None = None  # why keep_alive gave the connection up
         self._closed = threading.Event()
+        self._kept_alive = False
 
     def keep_alive(self, interval: float, timeout: float) -> None:
         """Ask the host for an answer every `interval` seconds; with none within `timeout`, close the
         connection, so that every channel on it ends and the host counts as lost. A host that died
-        without a word, or whose traffic is dropped, otherwise leaves TCP silent for many minutes."""
+        without a word, or whose traffic is dropped, otherwise leaves TCP silent for many minutes. Once per
+        connection: one kept for the next attempt is already asked."""
+        if self._kept_alive:
+            return
+        self._kept_alive = True
         threading.Thread(target=self._probe, args=(interval, timeout), daemon=True,
                          name=f"keepalive-{self.host.name}").start()
 
