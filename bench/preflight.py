@@ -15,13 +15,11 @@ grows with k, which real hosts (each with its own CPUs) do not.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import resource
 import statistics
 import subprocess
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -69,15 +67,6 @@ def write_job(path: Path, nnodes: int) -> Path:
     return path
 
 
-def baseline_tree(into: Path) -> Path:
-    """BASELINE's `harness` package, unpacked from git (the working tree stays as it is)."""
-    archive = subprocess.run(["git", "-C", str(procs.REPO), "archive", BASELINE, "harness"], capture_output=True,
-                             check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    return into
-
-
 def full(root: Path, hosts: Path, job: Path, known_hosts: Path) -> tuple[float, dict[str, Any]]:
     """The command as a user types it, with root's harness: wall time and its JSON report."""
     begun = time.monotonic()
@@ -117,7 +106,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     with cluster.namespace_cluster(max(sizes), multi_nic=True) as c, \
             tempfile.TemporaryDirectory(prefix="bench-preflight-") as tmp:
         built = time.monotonic() - begun
-        roots = {"": procs.REPO, "baseline_": baseline_tree(Path(tmp) / "baseline")}
+        roots = {"": procs.REPO, "baseline_": procs.harness_at(BASELINE, Path(tmp) / "baseline")}
         for k in sizes:
             hosts = c.write_inventory(Path(tmp) / f"hosts{k}.yaml", hosts=[f"h{i}" for i in range(1, k + 1)])
             job = write_job(Path(tmp) / f"job{k}.yaml", k)

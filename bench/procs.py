@@ -8,6 +8,7 @@ exactly what this benchmark started, never anything found by name.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -42,6 +44,17 @@ def scratch() -> Iterator[Path]:
     finally:
         _scratch = None
         shutil.rmtree(path, ignore_errors=True)
+
+
+def harness_at(commit: str, into: Path) -> Path:
+    """The harness package of commit, unpacked from git into `into` (the working tree stays as it is): run with
+    `into` as the working directory, `python -m harness.cli` (and a job's `-m harness.payload...`) is that
+    commit's."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "harness"], capture_output=True,
+                             check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
 
 
 def cpu_count() -> int:

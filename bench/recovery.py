@@ -14,10 +14,16 @@ rank 0 print (bench/procs.Proc):
   load        -> rank 0's `resume: epoch ...` (the newest checkpoint read and applied)
   first step  -> rank 0's first progress line after it
 The same restart as the run's record tells it (summary.json's attempts[1].restart: from the failed attempt's
-last progress line to the first step, phase by phase) is in the row as recorded_*.
+last progress line to the first step, phase by phase) is in the row as recorded_*, and the hosts that started
+warm (a standby waiting, restarts.standby) as warm.
 Steps redone: the last step rank 0 logged in the failed attempt minus the step the next one resumed
 from, against the checkpoint interval (at most interval - 1: only the work since the newest
-checkpoint is lost).
+checkpoint is lost; 0 with a just-in-time checkpoint).
+
+Each failure is measured side by side with the harness before issue 48 (BASELINE, that commit's `harness`
+package, payload included), alternating, on the same machine: the row's before_* fields. The node is killed
+at step `kill_at`, seconds into the attempt, as a failure of a long run comes (the standbys are up by then).
+Every run keeps its hosts kept out (record/hosts_out.py) in a state directory of its own.
 """
 
 from __future__ import annotations
@@ -51,11 +57,12 @@ backend: gloo
 master_port: {port}
 entrypoint:
   module: harness.payload.train
-  args: [--data, synthetic, --subset, "2048", --model, small, --epochs, "1", --batch-size, "16", --log-every, "1",
+  args: [--data, synthetic, --subset, "4096", --model, small, --epochs, "1", --batch-size, "16", --log-every, "1",
          --global-batch, "{global_batch}", --ckpt-dir, {ckpt}, --ckpt-every, "{every}", --resume, --device, cpu]
 env: {{OMP_NUM_THREADS: "1"}}
 restarts: {{max: 1, on: infra, backoff: 0, min_nnodes: {fewest}}}
 """
+BASELINE = "47343ce"  # the last commit before issue 48 (just-in-time checkpoints, standbys, hosts kept out)
 PER_RANK = 16  # images per rank at the start: the global batch is PER_RANK x nnodes, kept when the job shrinks
 Kill = Callable[[str], None]  # run id -> kill the node
 
@@ -65,13 +72,16 @@ def _worker_of_rank_1(run_id: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _one(tmp: Path, kill: Kill, kill_at: int, every: int, extra: list[str], nnodes: int = 2,
+def _one(tmp: Path, root: Path, kill: Kill, kill_at: int, every: int, extra: list[str], nnodes: int = 2,
          fewest: int = 2) -> dict[str, Any]:
+    """One launch with root's harness, its node killed at step kill_at."""
     ckpt = tmp / f"ckpt-{time.monotonic_ns()}"
     job = tmp / "recovery.yaml"
     job.write_text(JOB.format(port=procs.free_port(), ckpt=ckpt, every=every, nnodes=nnodes, fewest=fewest,
                               global_batch=PER_RANK * nnodes))
-    with procs.Proc([procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(tmp / "runs"), *extra]) as p:
+    env = procs.clean_env(XDG_STATE_HOME=str(tmp / f"state-{time.monotonic_ns()}"))
+    with procs.Proc([procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(tmp / "runs"), *extra],
+                    env, cwd=root) as p:
         _, header = p.wait_for(r"^harness: run (\S+): ", timeout=120)
         p.wait_for(rf"\[rank0\]: epoch 1/\d+ step {kill_at}/", timeout=300)
         killed = time.monotonic()
@@ -94,14 +104,21 @@ def _one(tmp: Path, kill: Kill, kill_at: int, every: int, extra: list[str], nnod
             "reached": reached, "resumed": resumed,
             "attempts": [a["status"] for a in summary["attempts"]], "kind": summary["attempts"][0]["kind"],
             "world_sizes": [a["world_size"] for a in summary["attempts"]], "goodput": summary["goodput"],
-            "recorded": summary["attempts"][1]["restart"]}
+            "recorded": summary["attempts"][1].get("restart"), "warm": summary["attempts"][1].get("warm")}
 
 
-def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
-    def median(values: list[float]) -> float:
-        return round(statistics.median(values), 2)
+def median(values: list[float]) -> float:
+    return round(statistics.median(values), 2)
 
+
+def _row(name: str, runs: list[dict[str, Any]], before: list[dict[str, Any]], every: int) -> dict[str, Any]:
+    """Today's medians, the phases recorded, and the same failure with BASELINE's harness (before_*)."""
     return {"failure": name, "total_s": median([r["total"] for r in runs]),
+            "before_total_s": median([r["total"] for r in before]),
+            "total_vs_before": round(median([r["total"] for r in runs]) / median([r["total"] for r in before]), 3),
+            **{f"before_{phase}_s": median([r["phases"][phase] for r in before]) for phase in PHASES},
+            "before_steps_redone": [r["redone"] for r in before], "before_attempts_total_s":
+                [round(r["total"], 2) for r in before], "warm": runs[0]["warm"],
             **{f"{phase}_s": median([r["phases"][phase] for r in runs]) for phase in PHASES},
             "steps_redone": [r["redone"] for r in runs], "ckpt_every": every,
             "attempts_total_s": [round(r["total"], 2) for r in runs],
@@ -115,8 +132,9 @@ def _row(name: str, runs: list[dict[str, Any]], every: int) -> dict[str, Any]:
 
 
 @contextmanager
-def _cluster() -> Iterator[Any]:
-    with namespace_cluster(3) as cluster:
+def _cluster(workdir: Path) -> Iterator[Any]:
+    """3 hosts whose nodes run in workdir (root's harness: the job's `-m harness.payload.train` is its own)."""
+    with namespace_cluster(3, workdir=workdir) as cluster:
         yield cluster
 
 
@@ -131,8 +149,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     every, kill_at, repeats = cfg["ckpt_every"], cfg["kill_at"], cfg["repeats"]
     rows, notes = [], []
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
-        runs = [_one(Path(tmp), _worker_of_rank_1, kill_at, every, []) for _ in range(repeats)]
-        rows.append(_row("simulated nodes: rank 1's worker SIGKILLed", runs, every))
+        roots = {"": procs.REPO, "before": procs.harness_at(BASELINE, Path(tmp) / "before")}
+        runs: dict[str, list[dict[str, Any]]] = {version: [] for version in roots}
+        for _ in range(repeats):
+            for version, root in roots.items():
+                runs[version].append(_one(Path(tmp), root, _worker_of_rank_1, kill_at, every, []))
+        rows.append(_row("simulated nodes: rank 1's worker SIGKILLed", runs[""], runs["before"], every))
         reason = missing_support()
         if reason:
             notes.append(f"SSH row left out: {reason}")
@@ -140,14 +162,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             for name, nnodes in (("3 SSH hosts: every process of h2 SIGKILLed, spare h3 takes over", 2),
                                  ("3 SSH hosts, 3 nodes, min_nnodes 2, no spare: every process of h2 SIGKILLed, "
                                   "h1 and h3 go on", 3)):
-                runs = []
-                for _ in range(repeats):  # a fresh cluster each time: the killed host stays dead
-                    with _cluster() as cluster:
-                        hosts = cluster.write_inventory(Path(tmp) / "hosts.yaml")
-                        extra = ["--hosts", str(hosts), "--known-hosts", str(cluster.known_hosts)]
-                        runs.append(_one(Path(tmp), _kill_host(cluster, "h2"), kill_at, every, extra, nnodes=nnodes))
-                rows.append(_row(name, runs, every))
+                runs = {version: [] for version in roots}
+                for _ in range(repeats):
+                    for version, root in roots.items():  # a fresh cluster each time: the killed host stays dead
+                        with _cluster(root) as cluster:
+                            hosts = cluster.write_inventory(Path(tmp) / "hosts.yaml")
+                            extra = ["--hosts", str(hosts), "--known-hosts", str(cluster.known_hosts)]
+                            runs[version].append(_one(Path(tmp), root, _kill_host(cluster, "h2"), kill_at, every,
+                                                      extra, nnodes=nnodes))
+                rows.append(_row(name, runs[""], runs["before"], every))
     return {"job": f"payload: synthetic data, small model, batch {PER_RANK} x the job's nodes (the 3-node job's 48 "
                    f"kept on 2 nodes as 2 x 12 per rank), 1 rank per node, gloo on CPU; restarts max 1, backoff 0",
-            "kill_at_step": kill_at,
+            "kill_at_step": kill_at, "before": BASELINE,
             "repeats": repeats, "statistic": "median", "rows": rows, "notes": notes}

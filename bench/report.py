@@ -11,6 +11,7 @@ LINEAR_GOAL = 0.25  # preflight over the most hosts: t(k) / (k * t(1)) at most t
 HANG_MARGIN = 15.0  # a hang found within health.stall + this many seconds (issue 28)
 STREAM_GOAL = 1.2  # a chatty job's stream against torchrun --tee 3 (issue 38)
 WATCH_GOAL = 0.99  # the payload's img/s with the health watch on / off, at least this
+RECOVERY_GOALS = (3.0, 4.0)  # kill to the next first step: a lost rank on simulated nodes, a lost SSH host (issue 48)
 
 
 def _ok(bench: dict[str, Any] | None) -> bool:
@@ -83,6 +84,16 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                       "open": "open (this machine's noise)",
                       "note": f"the pairs' ratios span {spread:.0%} here, more than the {1 - WATCH_GOAL:.0%} to "
                               "resolve: others' load; the watch's own CPU bounds its cost" if noisy else None})
+    rc = b.get("recovery")
+    if _ok(rc):
+        for row, goal in zip(rc["rows"], RECOVERY_GOALS, strict=False):
+            found.append({"goal": f"{row['failure']}: kill to the next attempt's first step <= {goal:g} s (median)",
+                          "value": f"{row['total_s']} s" + (f" (before issue 48: {row['before_total_s']} s)"
+                                                            if "before_total_s" in row else ""),
+                          "met": row["total_s"] <= goal})
+        found.append({"goal": "no step redone after a lost rank or host (payload, DDP)",
+                      "value": "; ".join(f"{row['steps_redone']}" for row in rc["rows"]),
+                      "met": all(not any(row["steps_redone"]) for row in rc["rows"])})
     return found
 
 
@@ -268,16 +279,25 @@ def _failure(f: dict[str, Any]) -> list[str]:
 
 
 def _recovery(r: dict[str, Any]) -> list[str]:
+    before = all("before_total_s" in row for row in r["rows"])  # results from before the side-by-side runs have none
     lines = [f"{r['job']}; the node is killed when rank 0 reports step {r['kill_at_step']}. Seconds from the kill, "
              f"median of {r['repeats']}; phases as in bench/recovery.py. Steps redone: the last step the failed "
-             f"attempt logged minus the step the next one resumed from (a checkpoint every `ckpt_every` steps).", ""]
+             f"attempt logged minus the step the next one resumed from (a checkpoint every `ckpt_every` steps)."
+             + (f" In parentheses: the same failure with the harness before issue 48 ({r['before']}), alternating "
+                "with today's in the same run." if before else ""), ""]
+
+    def then(row: dict[str, Any], key: str) -> str:
+        return f"{_num(row[key], 2)} ({_num(row['before_' + key], 2)})" if before else _num(row[key], 2)
+
     rows = [[row["failure"], " -> ".join(map(str, row.get("world_sizes", []))) or "-",
-             f"{_num(row['total_s'], 2)} ({', '.join(_num(a, 2) for a in row['attempts_total_s'])})",
-             *(_num(row[f"{phase}_s"], 2) for phase in ("detection", "teardown", "preflight", "start-up", "load",
-                                                         "first step")),
-             f"{row['steps_redone']} of {row['ckpt_every']}"] for row in r["rows"]]
-    lines += _table(["failure", "world size", "kill to next first step (attempts)", "detection", "teardown",
-                     "preflight", "start-up", "checkpoint load", "first step", "steps redone"], rows)
+             f"{then(row, 'total_s')}; attempts {', '.join(_num(a, 2) for a in row['attempts_total_s'])}"
+             + (f"; {row['total_vs_before']:.2f}x" if before else ""),
+             *(then(row, f"{phase}_s") for phase in ("detection", "teardown", "preflight", "start-up", "load",
+                                                     "first step")),
+             f"{row['steps_redone']} of {row['ckpt_every']}" + (f" ({row['before_steps_redone']})" if before else ""),
+             ", ".join(row.get("warm") or []) or "-"] for row in r["rows"]]
+    lines += _table(["failure", "world size", "kill to next first step", "detection", "teardown",
+                     "preflight", "start-up", "checkpoint load", "first step", "steps redone", "started warm"], rows)
     if all("goodput" in row for row in r["rows"]):  # results from before the runs' time was bucketed have none
         buckets = [key for key in r["rows"][0] if key.startswith("time_")]
         lines += ["", "Where each run's time went (summary.json's goodput; seconds, median):", ""]

@@ -72,7 +72,7 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
         "preflight": {"hosts": [1, 4] if quick else [1, 4, 16], "repeats": 1 if quick else 2},
         "failure": {"blocks": ["sleep"] if quick else ["sleep", "collective"], "torchrun_wait": 3 if quick else 20,
                     "repeats": 1 if quick else 3},
-        "recovery": {"ckpt_every": 10, "kill_at": 15, "repeats": 1 if quick else 3},
+        "recovery": {"ckpt_every": 10, "kill_at": 40, "repeats": 1 if quick else 3},
         "slurm": {"repeats": 1 if quick else 3, "wait": 10 if quick else 30},
         "containers": {"repeats": 1 if quick else 3},
         # stall 5 s keeps 60 hung launches short; torchrun alone waits out init_process_group's timeout,
