@@ -222,7 +222,18 @@ def _target(args: argparse.Namespace, spec: JobSpec) -> Backend | Scheduler:
 
     if in_allocation(os.environ):  # salloc, or a batch script: the nodes are ours, as srun steps
         return SrunBackend(Allocation.from_env(os.environ))
-    return scheduler_for("slurm")
+    from harness.targets.slurm.scheduler import SbatchScheduler
+
+    return SbatchScheduler(kept_out=slurm_nodes_out())
+
+
+def slurm_nodes_out() -> dict[str, str]:
+    """The Slurm nodes kept out after they failed (record/hosts_out.py), which a submission and a requeue exclude:
+    node -> what a run says of it."""
+    from harness.record.hosts_out import hosts_file, hosts_out
+    from harness.targets.slurm.srun import slurm_machine
+
+    return {entry.name: entry.said() for entry in hosts_out(hosts_file()) if entry.machine == slurm_machine(entry.name)}
 
 
 def batch_step(args: argparse.Namespace) -> int:
@@ -242,7 +253,7 @@ def batch_step(args: argparse.Namespace) -> int:
     client, job_id = SlurmClient(), int(os.environ["SLURM_JOB_ID"])
     before = earlier_attempts(run, requeued=int(os.environ.get("SLURM_RESTART_COUNT") or 0))
     continued = Continued(run, before, lambda: TIME_LIMIT if run.time_limit_marker.exists() else None,
-                          lambda: client.requeue(job_id))
+                          lambda: client.requeue(job_id, exclude=list(slurm_nodes_out())))
     from harness.view.metrics import serving_metrics
 
     with serving_metrics(run, spec.health.metrics_port):

@@ -29,12 +29,18 @@ ALL = "all"
 class HostOut:
     """A machine kept out: the name its inventory gave it, why, by which run, from when until when (epoch s)."""
 
-    machine: str  # address:port
+    machine: str  # address:port (a Slurm node: targets/slurm/srun.slurm_machine)
     name: str
     reason: str
     run_id: str
     since: float
     until: float
+
+    def said(self, name: str | None = None) -> str:
+        """What a run says of it (name: what this run's inventory calls it)."""
+        name = name or self.name
+        return (f"{name} is kept out until {_clock(self.until)}: {self.reason} (run {self.run_id}); `harness hosts "
+                f"--release {name}` brings it back")
 
 
 def hosts_file(environ: Mapping[str, str] = os.environ) -> Path:
@@ -129,8 +135,7 @@ class RunsHosts:
         """The inventory's hosts an earlier failure keeps out (kept_out), and what to say of them."""
         names = {machine: name for name, machine in self.machines.items()}
         self.kept_out = {names[e.machine]: e for e in hosts_out(self.path) if e.machine in names} if names else {}
-        return [f"{name} is kept out until {_clock(entry.until)}: {entry.reason} (run {entry.run_id}); `harness hosts "
-                f"--release {name}` brings it back" for name, entry in self.kept_out.items()]
+        return [entry.said(name) for name, entry in self.kept_out.items()]
 
     def keep_out(self, failed: Mapping[str, str]) -> list[str]:
         """Keep the failed hosts (name -> reason) out of later runs, within the limit; what to say of it."""

@@ -283,6 +283,8 @@ class _SchedulerRun(_TargetRun):
     def run(self, run: RunDir, stop: threading.Event) -> tuple[list[Attempt], str | None]:
         for name, text in self.submission.files.items():
             write_text_atomic(run.path / name, text)
+        for note in self.submission.notes:
+            self.out.say(note)
         self.job_id = self.scheduler.submit(self.submission, run.path / self.submission.file_name)
         self.state = replace(self.state, scheduler_job=self.job_id)
         run.write_state(self.state)

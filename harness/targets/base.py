@@ -136,6 +136,7 @@ class Submission:
     nnodes: int
     world_size: int
     others: dict[str, str] = field(default_factory=dict)  # further files the job reads from the run directory
+    notes: tuple[str, ...] = ()  # what the run says before it submits (e.g. the nodes it excludes, and why)
 
     @property
     def files(self) -> dict[str, str]:

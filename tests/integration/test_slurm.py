@@ -19,8 +19,11 @@ import pytest
 
 from harness.node.freeport import ephemeral_start
 from harness.payload import checkpoint
+from harness.record.hosts_out import bring_back, hosts_file, hosts_out, take_out
 from harness.spec.job import load_job
 from harness.targets.slurm.batch import batch_script
+from harness.targets.slurm.client import SlurmClient
+from harness.targets.slurm.srun import slurm_machine
 from testbed.slurm_cluster import SlurmCluster
 
 from conftest import REPO, SCRIPT, Launch, Streamed, harness, worker_pid
@@ -28,6 +31,16 @@ from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 from slurm_job import sum_job
 
 # --- on a real Slurm cluster (testbed/slurm_cluster.py) ----------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _slurm_nodes_back() -> Iterator[None]:
+    """A node a test's job lost is kept out of later runs (record/hosts_out.py): the clusters' nodes are
+    every test's, so each test brings back the ones it left out."""
+    yield
+    for entry in hosts_out(hosts_file()):
+        if entry.machine == slurm_machine(entry.name):
+            bring_back(hosts_file(), entry.name)
+
 
 def submit(cluster: SlurmCluster, script: str, tmp_path: Path) -> int:
     path = tmp_path / "job.sbatch"
@@ -38,6 +51,11 @@ def submit(cluster: SlurmCluster, script: str, tmp_path: Path) -> int:
 def ended(cluster: SlurmCluster, job_id: int, timeout: float = 240) -> dict[str, str]:
     """The job's fields from `scontrol show job` once it has ended."""
     cluster.wait_job(job_id, timeout=timeout)
+    return shown_job(cluster, job_id)
+
+
+def shown_job(cluster: SlurmCluster, job_id: int) -> dict[str, str]:
+    """The job's fields from `scontrol show job`."""
     shown = cluster.run(["scontrol", "show", "job", "-o", str(job_id)]).stdout
     return dict(word.split("=", 1) for word in shown.split() if "=" in word)
 
@@ -338,7 +356,38 @@ def test_a_spare_node_of_the_batch_job_takes_over_and_the_run_ends_bitwise_equal
     assert (first["hosts"], first["kind"], first["down"]) == (["n1", "n2"], "infra", ["n2"]), first
     assert second["hosts"] == ["n1", "n3"] and second["status"] == "succeeded"
     assert cluster.job_state(job_id_of(run)) == "COMPLETED" and "requeued" not in run.output
+    kept = harness("hosts").stdout  # the batch job's controller kept the lost node out of later runs
+    assert re.search(rf"^n2 +n2 \(slurm\) +\d+ min more +{run.run_id} +", kept, re.M), kept
     cluster.assert_no_job_processes()
+
+
+def test_a_node_kept_out_is_excluded_from_the_submission_and_from_a_requeue(slurm_cluster3, write_yaml, tmp_path):
+    """n2 failed in an earlier run and is kept out: the next launch says so and excludes it (sbatch --exclude),
+    and the job runs on n1 and n3; requeued by its controller while n3 is kept out too, it waits with both
+    excluded (what it was submitted with kept), not held."""
+    cluster = slurm_cluster3
+    take_out(hosts_file(), {"n2": "connection to n2 lost (a test's)"}, {"n2": slurm_machine("n2")}, "earlier-run",
+             600, 1)
+    job = sum_job(write_yaml, tail="restarts: {max: 1}\n", STEPS="100000", STEP_SECONDS="0.05")
+    submitted = harness("launch", job, "--target", "slurm", "--runs-dir", str(tmp_path / "runs"), "--detach",
+                        env=cluster.env)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert re.search(r"harness: n2 is kept out until .*: connection to n2 lost \(a test's\) \(run earlier-run\); "
+                     r"`harness hosts --release n2` brings it back \(sbatch --exclude\)", submitted.stdout), \
+        submitted.stdout
+    job_id = int(re.search(r"submitted Slurm job (\d+)", submitted.stdout).group(1))
+    try:
+        cluster.wait_job(job_id, frozenset({"RUNNING"}), timeout=120)
+        fields = shown_job(cluster, job_id)
+        assert (fields["ExcNodeList"], fields["NodeList"]) == ("n2", "n[1,3]"), fields
+        SlurmClient(env=cluster.env).requeue(job_id, exclude=["n3"])
+        cluster.wait_job(job_id, frozenset({"PENDING"}), timeout=60)  # n1 alone cannot hold it: it waits
+        fields = shown_job(cluster, job_id)
+        assert fields["ExcNodeList"] == "n2,n3" and not fields["Reason"].startswith("JobHeld"), fields
+    finally:
+        cluster.run(["scancel", str(job_id)])
+    cluster.assert_no_job_processes()
+
 
 
 def test_a_batch_job_without_a_spare_goes_on_with_fewer_nodes(slurm_cluster3, write_yaml, launch_slurm3):

@@ -107,6 +107,10 @@ def test_launch_submits_a_script_whose_batch_step_runs_the_controller(write_yaml
     assert "trap on_warning USR1" in script and 'scancel --signal=USR1 "$SLURM_JOB_ID"' in script
     assert not re.search(r"^(srun|torchrun|exec) ", script, re.M), "the controller starts the nodes"
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert not [option for option in options if option.startswith("--exclude")]
+    own = spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"extra": ["--exclusive", "--exclude=n7"]})})
+    kept_out = re.findall(r"^#SBATCH (--excl.*)$", controller_script(own, "j.yaml", tmp_path, "py", ["n2", "n3"]), re.M)
+    assert kept_out == ["--exclusive", "--exclude=n7,n2,n3"], "the nodes kept out join the job's own --exclude"
 
 
 def test_the_batch_script_names_a_run_directory_or_a_harness_the_node_cannot_see(write_yaml, tmp_path):

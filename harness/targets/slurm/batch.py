@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
 
@@ -67,9 +68,11 @@ def batch_log(log_dir: Path, job_id: int) -> Path:
     return log_dir / BATCH_LOG.replace("%j", str(job_id))
 
 
-def sbatch_options(spec: JobSpec, log_dir: Path | None = None, nodes: int | None = None) -> list[str]:
+def sbatch_options(spec: JobSpec, log_dir: Path | None = None, nodes: int | None = None,
+                   exclude: Sequence[str] = ()) -> list[str]:
     """The #SBATCH lines: the allocation from nnodes (or nodes) and resources, restarts as requeues,
-    the time-limit warning, then the job's slurm: section."""
+    the time-limit warning, then the job's slurm: section; exclude: nodes kept out (with the job's own
+    --exclude, if its slurm.extra has one)."""
     options = [f"--job-name={spec.name}", f"--nodes={nodes or spec.nnodes}", "--ntasks-per-node=1"]
     if spec.resources.cpu is not None:
         options.append(f"--cpus-per-task={max(1, math.ceil(_number(spec.resources.cpu)))}")
@@ -90,7 +93,12 @@ def sbatch_options(spec: JobSpec, log_dir: Path | None = None, nodes: int | None
         options.append(f"--signal=B:USR1@{slurm.warning}")
     if log_dir is not None:
         options.append(f"--output={log_dir}/{BATCH_LOG}")
-    return options + list(slurm.extra)
+    extra = list(slurm.extra)
+    if exclude:
+        own = [option for option in extra if option.startswith("--exclude=")]
+        nodes_out = [*(name for option in own for name in option.split("=", 1)[1].split(",")), *exclude]
+        extra = [option for option in extra if option not in own] + [f"--exclude={','.join(dict.fromkeys(nodes_out))}"]
+    return options + extra
 
 
 def _free_port(python: str) -> list[str]:
@@ -226,13 +234,14 @@ def _requeue_on_warning(most: int) -> list[str]:
     ]
 
 
-def controller_script(spec: JobSpec, source: str, run_path: Path, python: str) -> str:
+def controller_script(spec: JobSpec, source: str, run_path: Path, python: str, exclude: Sequence[str] = ()) -> str:
     """The batch script of `harness launch --target slurm`: its batch step runs the harness's controller
     (`python -m harness.cli batch-step`, with the user's python, which has the harness) on the
     allocation's first node; it drives nnodes of the allocation's nodes as srun steps and keeps the rest
     (slurm.spares) to replace a lost one. The script itself only checks that the run directory is there,
     passes Slurm's time-limit warning on (SIGUSR1 to every step's processes, then SIGTERM to the
-    controller, which requeues the job when a restart is left) and passes a stop on (SIGTERM)."""
+    controller, which requeues the job when a restart is left) and passes a stop on (SIGTERM). exclude: the
+    nodes kept out after they failed (record/hosts_out.py)."""
     run = _word(str(run_path))
     warning = spec.slurm.warning
     return "\n".join([
@@ -240,7 +249,8 @@ def controller_script(spec: JobSpec, source: str, run_path: Path, python: str) -
         f"# Submitted by `harness launch {source} --target slurm` (harness {__version__}): the harness's controller",
         "# runs in this batch step and drives every node as an srun step (stall detection, stacks, failure classes,",
         "# restarts and spares within the allocation). `harness render --target slurm` prints a script without it.",
-        *(f"#SBATCH {option}" for option in sbatch_options(spec, run_path, nodes=spec.nnodes + spec.slurm.spares)),
+        *(f"#SBATCH {option}" for option in sbatch_options(spec, run_path, nodes=spec.nnodes + spec.slurm.spares,
+                                                            exclude=exclude)),
         "set -u",
         f"run={run}",
         'if [ ! -r "$run/job.json" ]; then',

@@ -42,6 +42,7 @@ class SlurmJob:
     restarts: int  # requeues so far: the attempt the job is in
     nodelist: str  # compressed (n[1-2]); "(null)" before it has nodes
     exit_code: str  # the batch script's "code:signal"
+    excluded: str = "(null)"  # ExcNodeList: the nodes it may not run on, compressed
 
     @property
     def finished(self) -> bool:
@@ -59,7 +60,7 @@ def parse_job(text: str) -> SlurmJob:
     try:
         return SlurmJob(job_id=int(fields["JobId"]), state=fields["JobState"], reason=fields.get("Reason", "None"),
                         restarts=int(fields.get("Restarts", "0")), nodelist=fields.get("NodeList", "(null)"),
-                        exit_code=fields.get("ExitCode", "0:0"))
+                        exit_code=fields.get("ExitCode", "0:0"), excluded=fields.get("ExcNodeList", "(null)"))
     except (KeyError, ValueError) as exc:
         raise HarnessError(f"cannot read scontrol's answer ({exc}): {text.strip()[:300]}") from None
 
@@ -131,7 +132,16 @@ class SlurmClient:
         if result.returncode != 0:
             raise HarnessError(f"scancel --batch --signal={name} {job_id} failed: {self._said(result)}")
 
-    def requeue(self, job_id: int) -> None:
-        result = self._run(["scontrol", "requeue", str(job_id)])
-        if result.returncode != 0:
-            raise HarnessError(f"scontrol requeue {job_id} failed: {self._said(result)}")
+    def requeue(self, job_id: int, exclude: Sequence[str] = ()) -> None:
+        """The job runs again on a new allocation; without the nodes of exclude (added to its ExcNodeList while
+        the requeued job is held, so that it cannot be scheduled before)."""
+        if exclude:
+            excluded = self.job(job_id).excluded
+            exclude = sorted({*exclude, *(self.hostnames(excluded) if excluded != "(null)" else [])})
+        steps = [["scontrol", "requeuehold", str(job_id)],
+                 ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(exclude)}"],
+                 ["scontrol", "release", str(job_id)]] if exclude else [["scontrol", "requeue", str(job_id)]]
+        for argv in steps:
+            result = self._run(argv)
+            if result.returncode != 0:
+                raise HarnessError(f"{' '.join(argv)} failed: {self._said(result)}")

@@ -12,6 +12,7 @@ running on which nodes -> requeued -> ended); the batch step's own output goes t
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from harness.plan.planner import resolve_nproc
@@ -27,16 +28,19 @@ class SbatchScheduler:
 
     name = "slurm"
 
-    def __init__(self, client: SlurmClient | None = None) -> None:
+    def __init__(self, client: SlurmClient | None = None, kept_out: Mapping[str, str] | None = None) -> None:
+        """kept_out: the nodes that failed and are kept out (node -> what to say of it), which the job excludes."""
         self.client = client or SlurmClient()
+        self.kept_out = dict(kept_out or {})
         self._hosts: dict[str, tuple[str, ...]] = {}  # nodelist -> names: asked once per allocation
 
     def prepare(self, spec: JobSpec, source: str, run_id: str, run_path: Path) -> Submission:
         nproc = resolve_nproc(spec, [spec.resources.gpus] * spec.nnodes, ["each node (resources.gpus)"] * spec.nnodes)
-        script = controller_script(spec, source, run_path.resolve(), sys.executable)
+        script = controller_script(spec, source, run_path.resolve(), sys.executable, exclude=list(self.kept_out))
         self.client.check(script)
         return Submission(text=script, file_name="job.sbatch", nnodes=spec.nnodes, world_size=spec.nnodes * nproc,
-                          others={"job.json": job_json(spec)})
+                          others={"job.json": job_json(spec)},
+                          notes=tuple(f"{said} (sbatch --exclude)" for said in self.kept_out.values()))
 
     def submit(self, submission: Submission, path: Path) -> str:
         return str(self.client.submit(path))

@@ -26,6 +26,12 @@ from harness.targets.host_command import CommandResult, NoFreePort, free_port_on
 from harness.targets.slurm.client import SlurmClient
 
 
+def slurm_machine(node: str) -> str:
+    """A Slurm node as the hosts kept out name its machine (record/hosts_out.py): the node's name is the machine,
+    cluster-wide; a requeue and the next submission exclude it (sbatch --exclude)."""
+    return f"{node} (slurm)"
+
+
 def in_allocation(env: Mapping[str, str]) -> bool:
     """Whether this process runs inside a Slurm job (salloc, sbatch): then its nodes are ours to use."""
     return bool(env.get("SLURM_JOB_ID")) and bool(env.get("SLURM_JOB_NODELIST"))
@@ -113,7 +119,7 @@ class SrunBackend:
         self.allocation = allocation
 
     def machines(self) -> dict[str, str]:
-        return {}  # the allocation's nodes are Slurm's to keep out (scontrol update state=drain)
+        return {name: slurm_machine(name) for name in self.allocation.nodes}
 
     def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
              down: frozenset[str] = frozenset()) -> Plan:
