@@ -22,12 +22,14 @@ checkpoint is lost; 0 with a just-in-time checkpoint).
 
 Each failure is measured side by side with the harness before issue 48 (BASELINE, that commit's `harness`
 package, payload included), alternating, on the same machine: the row's before_* fields. The node is killed
-at step `kill_at`, seconds into the attempt, as a failure of a long run comes (the standbys are up by then).
+at step `kill_at`, once the standbys of the next attempt have done their imports and wait (_standbys_idle), as
+they do when a failure comes in a run of any length.
 Every run keeps its hosts kept out (record/hosts_out.py) in a state directory of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
+from harness.node.proctable import stat_fields
 from harness.record.schema import RESTART_PHASES
 from testbed.cluster import missing_support, namespace_cluster
 
@@ -57,7 +60,7 @@ backend: gloo
 master_port: {port}
 entrypoint:
   module: harness.payload.train
-  args: [--data, synthetic, --subset, "4096", --model, small, --epochs, "1", --batch-size, "16", --log-every, "1",
+  args: [--data, synthetic, --subset, "16384", --model, small, --epochs, "1", --batch-size, "16", --log-every, "1",
          --global-batch, "{global_batch}", --ckpt-dir, {ckpt}, --ckpt-every, "{every}", --resume, --device, cpu]
 env: {{OMP_NUM_THREADS: "1"}}
 restarts: {{max: 1, on: infra, backoff: 0, min_nnodes: {fewest}}}
@@ -65,6 +68,23 @@ restarts: {{max: 1, on: infra, backoff: 0, min_nnodes: {fewest}}}
 BASELINE = "47343ce"  # the last commit before issue 48 (just-in-time checkpoints, standbys, hosts kept out)
 PER_RANK = 16  # images per rank at the start: the global batch is PER_RANK x nnodes, kept when the job shrinks
 Kill = Callable[[str], None]  # run id -> kill the node
+
+
+def _standbys_idle(run_id: str, timeout: float = 120) -> None:
+    """Until the launch's standbys (and their warm workers) have done their imports and wait, as they do in a run
+    of any length: none of them used CPU for a second (none: at once)."""
+    deadline = time.monotonic() + timeout
+    last: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        used = {}
+        for pid in procs.with_env(f"HARNESS_RUN_ID={run_id}"):  # on SSH hosts too (sshd drops BENCH_TAG)
+            with contextlib.suppress(OSError):
+                if b"standby.py" in Path(f"/proc/{pid}/cmdline").read_bytes() and (fields := stat_fields(pid)):
+                    used[pid] = int(fields[11]) + int(fields[12])
+        if used == last:
+            return
+        last = used
+        time.sleep(1.0)
 
 
 def _worker_of_rank_1(run_id: str) -> None:
@@ -84,6 +104,7 @@ def _one(tmp: Path, root: Path, kill: Kill, kill_at: int, every: int, extra: lis
                     env, cwd=root) as p:
         _, header = p.wait_for(r"^harness: run (\S+): ", timeout=120)
         p.wait_for(rf"\[rank0\]: epoch 1/\d+ step {kill_at}/", timeout=300)
+        _standbys_idle(header.group(1))
         killed = time.monotonic()
         kill(header.group(1))
         marks = [killed]

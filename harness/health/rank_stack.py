@@ -1,5 +1,5 @@
 """One rank's stacks and last collectives as its node read them on a hang or for `harness stacks`
-(harness.node.pyspy, harness.node.collectives), typed, and the words every stack is said in: where a rank
+(harness.node.ranks, harness.node.collectives), typed, and the words every stack is said in: where a rank
 is in the user's code, the torch call it waits in, alike stacks grouped. Pure.
 
 stacks.json keeps them in the agents' JSON form (RankStack.to_answer; from_answer reads it back)."""

@@ -1,4 +1,4 @@
-"""A hang's verdict: who it is about and where every rank is, from each rank's stack (harness.node.pyspy)
+"""A hang's verdict: who it is about and where every rank is, from each rank's stack (harness.node.ranks)
 and its last collectives (Flight Recorder, harness.node.collectives.last_entries). Pure.
 
 By collective, where every running rank's could be read: in each process group with an unfinished

@@ -12,9 +12,10 @@ stdin and says its messages among the node's output on its stdout: harness.node.
 with what each means. Here: the node's command in a session of its own; the process tree it owns, by run id
 and as a child subreaper (the sweep that TERM, KILL and the end of the node share); what the agent does when
 the controller goes silent or away (TERM, GRACE seconds, then KILL: a lost controller never leaves a job
-running); a standby node (STANDBY "1": the next attempt's torchrun started early, its imports done while
-the attempt before runs) that waits on its stdin for the GO word's order, then is its attempt's node; and, in
-an srun step, SIGUSR1 ignored (Slurm's time-limit warning, which the training processes
+running); a standby node (STANDBY: the source of harness.node.standby, installed beside the rank hook and
+run by COMMAND: the next attempt's torchrun and workers started early, their imports done while the attempt
+before runs) that waits on its stdin for the GO word's order, then is its attempt's node; and, in an srun
+step, SIGUSR1 ignored (Slurm's time-limit warning, which the training processes
 catch). What it sees of the ranks is harness.node.observer's.
 
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does. It
@@ -53,7 +54,7 @@ class Agent:
     """One node's command in a session of its own, and the means to end all of it."""
 
     def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, watch: float,
-                 command: str, cleanup: str, hook: str, standby: bool = False) -> None:
+                 command: str, cleanup: str, hook: str, standby: str = "") -> None:
         self.run_id = run_id
         self.node_rank = node_rank
         self.attempt = attempt
@@ -66,7 +67,7 @@ class Agent:
         self.ended = threading.Event()
         self._cleaned = False
         self._kill_lock = threading.Lock()
-        self.directory, unhooked = _private_directory(hook)
+        self.directory, unhooked = _private_directory(hook, standby)
         self.observer = RankObserver(run_id, self.directory, unhooked, say)
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
         hooked = {"HARNESS_AGENT_DIR": self.directory} if self.directory else {}
@@ -170,16 +171,19 @@ class Agent:
 AGENT_DIRECTORY = re.compile(r"^harness-agent-(\d+)-(\d+)-")  # its agent's pid and start time
 
 
-def _private_directory(hook: str) -> tuple[str | None, str]:
+def _private_directory(hook: str, standby: str = "") -> tuple[str | None, str]:
     """(a directory of the agent's own, mode 0700 so that no other user can put code there, holding the
-    rank hook as sitecustomize.py, ""); or (None, why) where the node's temporary directory takes none:
-    the ranks then run without the hook, and their collectives are not read, for that reason. Its name
-    says whose it is, so that the next agent here removes it when its own agent was killed before it could."""
+    rank hook as sitecustomize.py (and a standby's program as standby.py), ""); or (None, why) where the node's
+    temporary directory takes none: the ranks then run without the hook, and their collectives are not read,
+    for that reason (a standby cannot run: its node starts afresh). Its name says whose it is, so that the next
+    agent here removes it when its own agent was killed before it could."""
     remove_orphaned(tempfile.gettempdir())
     try:
         directory = tempfile.mkdtemp(prefix=f"harness-agent-{os.getpid()}-{start_ticks(os.getpid())}-")
-        with open(os.path.join(directory, "sitecustomize.py"), "w", encoding="utf-8") as handle:
-            handle.write(hook)
+        for name, text in (("sitecustomize.py", hook), ("standby.py", standby)):
+            if text:
+                with open(os.path.join(directory, name), "w", encoding="utf-8") as handle:
+                    handle.write(text)
     except OSError as exc:
         return None, f"the agent could not install the rank hook in {tempfile.gettempdir()}: {exc.strerror or exc}"
     return directory, ""
@@ -215,7 +219,7 @@ def main(argv: list[str]) -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup, hook,
-                      standby == "1")
+                      standby)
     except OSError as exc:
         sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
         code = 127

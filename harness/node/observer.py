@@ -1,7 +1,7 @@
 """What the node agent sees of its node's ranks, for the controller's judges: every WATCH seconds (every
 second while the attempt is young) each rank's health sample (harness.node.ranks: CPU, busy time, I/O) with
 its progress and new arrivals by Flight Recorder (harness.node.collectives) and its GPU use where the driver
-reports one (harness.node.gpu), and on request every rank's stacks (harness.node.pyspy) with its DataLoader
+reports one (harness.node.gpu), and on request every rank's stacks (harness.node.ranks) with its DataLoader
 workers' and its last collectives. Standard library only: shipped to nodes with the agent."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from harness.node.collectives import READ_SECONDS, arrivals, last_entries, progr
 from harness.node.gpu import Nvml, open_nvml
 from harness.node.proctable import process_tree, stat_fields
 from harness.node.protocol import Kind, RankSample, arrivals_bodies, health_bodies, sample_interval, stacks_bodies
-from harness.node.pyspy import dump, py_spy_path
-from harness.node.ranks import as_seen, children_of, find_ranks, python_children, sample, source_line
+from harness.node.ranks import as_seen, children_of, dump, find_ranks, py_spy_path, python_children, sample, source_line
 
 Say = Callable[[Kind, str], None]
 
@@ -42,7 +41,7 @@ class RankObserver:
         started = time.monotonic()
         while not ended.wait(sample_interval(seconds, time.monotonic() - started)):
             below, _ = process_tree(os.getpid())
-            self.ranks = find_ranks(below, self.run_id) or self.ranks
+            self.ranks = find_ranks(below, self.run_id, self.directory) or self.ranks
             self.seen.update({pid: rank for rank, pid in self.ranks.items()})
             tree = children_of(below)
             samples = self._with_gpu_use(sample(self.ranks, tree), tree)
@@ -102,7 +101,7 @@ class RankObserver:
         """Every rank's stack, and its DataLoader workers', read in parallel; each frame with its source
         line as this node has it; then `stacks-done TAG`."""
         below, _ = process_tree(os.getpid())
-        ranks = find_ranks(below, self.run_id) or self.ranks
+        ranks = find_ranks(below, self.run_id, self.directory) or self.ranks
         tree = children_of(below)
         states = sample(ranks, tree)
         py_spy = py_spy_path()

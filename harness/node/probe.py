@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, final
 
 from harness.node.gpu import GpuHealth, XidEvent, device_health, xid_events
 from harness.node.proctable import environ
-from harness.node.pyspy import dump, py_spy_path
+from harness.node.ranks import dump, py_spy_path
 
 if TYPE_CHECKING:  # typing.NotRequired is Python 3.11's; a host's may be older, and annotations stay unevaluated
     from typing import NotRequired

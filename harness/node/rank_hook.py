@@ -8,7 +8,9 @@ and do nothing), once the script has initialized its process group, it serves to
 directory, `RANK.sock`, from torch's C++ worker server: it answers without the GIL, so a rank stuck in
 C code or in a collective is read as well as a running one. Until then it only looks, twice a second,
 whether torch.distributed is there and initialized; a script that never uses it costs one sleeping
-thread. Any sitecustomize the environment had before is imported after it. Standard library only:
+thread. Any sitecustomize the environment had before is imported after it. A standby's warm worker
+(harness.node.standby), a Python started before it was a rank, loads this file once it is one and calls serve().
+Standard library only:
 torch is only ever taken from sys.modules, never imported here.
 """
 
@@ -46,7 +48,8 @@ def _serve(directory: str, rank: str) -> None:
             pass
 
 
-def _start() -> None:
+def serve() -> None:
+    """In a rank, the worker server once its process group is made (a thread that looks for it until then)."""
     directory, rank = os.environ.get("HARNESS_AGENT_DIR"), os.environ.get("RANK", "")
     if not directory or not rank.isdigit() or os.environ.get(OWNER) not in (None, str(os.getpid())):
         return
@@ -69,5 +72,6 @@ def _chain() -> None:
         sys.path[:] = saved
 
 
-_start()
-_chain()
+if __name__ == "sitecustomize":  # as Python imports it at start-up; a warm worker calls serve() once it is a rank
+    serve()
+    _chain()

@@ -10,31 +10,63 @@ controller judges progress and slowness by (health/judge.py):
 - io: bytes it and its children read and wrote (/proc/PID/io): a rank that mostly sleeps between
   steps still sends its collectives' data (gloo writes to sockets), a rank blocked in one does not;
 - state: the main thread's scheduler state (R running, S sleeping, D disk, T stopped, Z zombie).
+
+A rank that a warm worker became (a standby's, harness.node.standby) carries its RANK only in its Python's
+os.environ, not in the environment the kernel shows: it announces it in the agent's directory instead
+(`rank-PID-TICKS`, its start time in clock ticks, so that a reused pid is never taken for it).
+
+Their Python stacks are read from outside by py-spy: every thread, without the rank's cooperation or a
+change to its script, even when it is stopped or stuck in C code; py-spy itself is a binary of the node's
+Python environment. It reads the process's memory (process_vm_readv, i.e. ptrace rights over it): root, or
+the same user with kernel.yama.ptrace_scope 0 (at 1 only a process's ancestors may, and py-spy is the
+ranks' sibling), or CAP_SYS_PTRACE. Preflight checks it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any
 
-from harness.node.proctable import environ, stat_fields
+from harness.node.proctable import environ, is_alive, stat_fields
 from harness.node.protocol import RankSample
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def find_ranks(below: list[int], run_id: str) -> dict[int, int]:
-    """{global rank: pid} among the processes below the agent."""
+def find_ranks(below: list[int], run_id: str, directory: str | None = None) -> dict[int, int]:
+    """{global rank: pid} among the processes below the agent (directory: the agent's, where warm workers
+    announce the rank they became)."""
+    found = announced(below, directory) if directory else {}
     run = run_id.encode()
     rank_of: dict[int, bytes] = {}
     for pid in below:
         env = environ(pid)
         if env.get(b"HARNESS_RUN_ID") == run and b"RANK" in env:
             rank_of[pid] = env[b"RANK"]
-    found = {}
     for pid, rank in rank_of.items():
         fields = stat_fields(pid)
         if fields and rank_of.get(int(fields[1])) != rank and rank.isdigit():
             found[int(rank)] = pid
+    return found
+
+
+ANNOUNCED = re.compile(r"^rank-(\d+)-(\d+)$")  # harness.node.standby.ANNOUNCED: rank-PID-TICKS, holding the rank
+
+
+def announced(below: list[int], directory: str) -> dict[int, int]:
+    """{rank: pid} of the warm workers below the agent that announced the rank they became."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if (match := ANNOUNCED.match(name)) and int(match[1]) in below and is_alive(int(match[1]), int(match[2])):
+                with contextlib.suppress(OSError, ValueError), open(os.path.join(directory, name), "rb") as handle:
+                    found[int(handle.read())] = int(match[1])
     return found
 
 
@@ -121,3 +153,40 @@ def source_line(pid: int, path: str, line: int) -> str:
     except OSError:
         pass
     return ""
+
+
+DUMP_SECONDS = 10.0  # a dump takes tens of milliseconds; a process py-spy cannot read must not hold us up
+
+
+def py_spy_path(python: str = sys.executable) -> str | None:
+    """py-spy beside the node's Python (its virtual environment's bin/), else on PATH."""
+    beside = os.path.join(os.path.dirname(python), "py-spy")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("py-spy")
+
+
+def dump(pid: int, py_spy: str, stopped: bool = False) -> list[dict[str, Any]] | str:
+    """Every thread of pid with its frames, innermost first (py-spy's JSON), or why it could not be read.
+    py-spy pauses the process for the few milliseconds the read takes, so the stack is consistent; a
+    stopped process (SIGSTOP) cannot move, and py-spy cannot pause it again: it is read as it is."""
+    argv = [py_spy, "dump", "--pid", str(pid), "--json", *(["--nonblocking"] if stopped else [])]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=DUMP_SECONDS, check=False,
+                              stdin=subprocess.DEVNULL, env={**os.environ, "RUST_BACKTRACE": "0"})
+    except subprocess.TimeoutExpired:
+        return f"py-spy did not answer within {DUMP_SECONDS:g} s"
+    except OSError as exc:
+        return f"py-spy could not run: {exc.strerror or exc}"
+    if done.returncode != 0:
+        said = [line.strip() for line in done.stderr.splitlines()  # not a backtrace's indented frames
+                if line.strip() and not line.startswith((" ", "\t", "stack backtrace"))]
+        return " ".join(said) or f"py-spy exited with {done.returncode}"
+    try:
+        threads = json.loads(done.stdout)
+    except ValueError:
+        return "py-spy's output was not JSON"
+    return [{"name": t.get("thread_name") or str(t.get("os_thread_id")), "tid": t.get("os_thread_id"),
+             "active": t.get("active"), "gil": t.get("owns_gil"),
+             "frames": [{"name": f["name"], "file": f["filename"], "line": f["line"]} for f in t.get("frames", [])]}
+            for t in threads]

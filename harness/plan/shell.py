@@ -35,36 +35,9 @@ def shell_command(node: NodePlan) -> str:
     return remote_command(with_setup(node.argv, node.setup), env=node.env, workdir=node.workdir)
 
 
-# A standby's Python: torchrun imported ahead of its attempt, then torchrun's own main with the order's arguments
-# and environment, read from stdin (the agent writes it there on GO; end of file: stood down unused). Its workers
-# get /dev/null as their stdin, as a node's started at once do. It ends as the interpreter would (the traceback of
-# what main raised, exit 1; the exit functions run), but without finalizing torch's modules: 0.4 s of a restart.
-STANDBY_CODE = """\
-import atexit, json, os, sys, traceback
-from torch.distributed import run
-order = sys.stdin.readline()
-if not order:
-    sys.exit(0)
-order = json.loads(order)
-for key in order["unset"]:
-    os.environ.pop(key, None)
-os.environ.update(order["env"])
-os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-try:
-    run.main(order["args"])
-    code = 0
-except SystemExit as stop:
-    code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-    if code == 1 and not isinstance(stop.code, int):
-        print(stop.code, file=sys.stderr)
-except BaseException:
-    traceback.print_exc()
-    code = 1
-atexit._run_exitfuncs()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
-"""
+# A standby's command: harness.node.standby, which its agent installs in its private directory (docs/recovery.md).
+STANDBY_CODE = ("import os,runpy;runpy.run_path(os.path.join(os.environ['HARNESS_AGENT_DIR'],'standby.py'),"
+                "run_name='__main__')")
 
 
 def can_stand_by(node: NodePlan) -> bool:

@@ -390,8 +390,8 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         except OSError as exc:  # e.g. an argument list too long for the OS: only the OS can refuse it
             raise HarnessError(f"could not start the nodes: {exc.strerror or exc}") from None
         if warm := [n.node.host for n in nodes if n.warm]:
-            sup.say(f"{', '.join(warm)} started warm: torchrun's imports were done while attempt {plan.attempt - 1} "
-                    f"ran (restarts.standby)")
+            sup.say(f"{', '.join(warm)} started warm: torchrun and its workers were started, their imports done, "
+                    f"while attempt {plan.attempt - 1} ran (restarts.standby)")
         sup.start(nodes)
         if standby is not None:
             warming.start()

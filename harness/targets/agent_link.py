@@ -29,6 +29,7 @@ PING_SECONDS = 2.0  # how often the controller tells each agent it is still ther
 # Linux's longest single argument to execve (32 pages of 4 KiB): the node's shell line is one (`sh -c LINE`).
 MAX_ARG_STRLEN = 32 * 4096
 RANK_HOOK = source("rank_hook")  # the agent installs it for the node's Pythons (harness.node.rank_hook)
+STANDBY = source("standby")  # ... and a standby's program (harness.node.standby)
 READ_BYTES = 1 << 16  # a pipe's default capacity: one read takes all a busy node wrote meanwhile
 
 
@@ -47,7 +48,7 @@ def agent_program(node: NodePlan, grace: float, silence: float, watch: float, st
     if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
-                             shlex.join(node.cleanup), RANK_HOOK, "1" if standby else "0"])
+                             shlex.join(node.cleanup), RANK_HOOK, STANDBY if standby else ""])
 
 
 def agent_silence(connect_timeout: float) -> float:

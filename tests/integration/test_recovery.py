@@ -35,7 +35,10 @@ def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted
     assert_resumed_just_in_time(run, first)
     assert re.search(rf"harness: run {run.run_id} attempt 1, 2 node\(s\)", run.output), run.output
     assert second["warm"] == ["sim0", "sim1"] and "harness: sim0, sim1 started warm" in run.output, run.output
+    assert "not warm" not in run.output, run.output  # every worker of attempt 1 was a warm one
     run_path = run.runs_dir / run.run_id
+    timeline = [json.loads(line) for line in (run_path / "timeline.jsonl").read_text().splitlines()]
+    assert any(t["attempt"] == 1 and set(t["ranks"]) == {"0", "1"} for t in timeline), "warm ranks are watched too"
     plan = json.loads((run_path / "plan.attempt1.json").read_text())
     assert plan["attempt"] == 1 and {n["env"]["HARNESS_ATTEMPT"] for n in plan["nodes"]} == {"1"}
     first_log = (run_path / "node0.log").read_text()  # the first attempt's log is kept
@@ -219,7 +222,7 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(uni
     assert first["failures"][0]["host"] == "h2" and "connection to h2" in first["failures"][0]["evidence"]
     assert first["started_at"] + first["failures"][0]["after_s"] - killed_at < 10, "the loss was noticed in seconds"
     assert second["hosts"] == ["h1", "h3"] and second["status"] == "succeeded"
-    assert second["warm"] == ["h1", "h3"], run.output  # the spare waited with torchrun's imports done
+    assert second["warm"] == ["h1", "h3"] and "not warm" not in run.output, run.output  # the spare waited, ready
     assert re.search(r"harness: attempt 0 failed at the infra level on h2 \(connection to h2 .*\); restart 1 of 2 "
                      r"in 1 s, without h2", run.output), run.output
     assert re.search(r"\[node1\] \[rank1\]: .*", run.output)

@@ -34,7 +34,9 @@ SEALED = [sys.executable, "-I", "-S"]  # no PYTHONPATH, no cwd, no site-packages
 # imports torch to measure it (inside a guard that turns a missing torch into a finding); the
 # collective's all_reduce runs under torchrun on hosts that have torch; the rank hook imports the
 # environment's own sitecustomize, where there is one, after itself.
-BEYOND_STDLIB = {"probe": {"torch"}, "allreduce": {"torch", "torch.distributed"}, "rank_hook": {"sitecustomize"}}
+BEYOND_STDLIB = {"probe": {"torch"}, "allreduce": {"torch", "torch.distributed"}, "rank_hook": {"sitecustomize"},
+                 "standby": {"torch", "torch._dynamo", "torch.distributed",
+                             "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"}}
 # Which packages each package of the harness may import (its own modules always): data flows one way. The
 # run record is below everything that runs or shows a run; the judges of health are pure (they read no record
 # and run nothing); the live run and the verbs that take a run id are siblings: neither imports the other.
@@ -176,9 +178,9 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ("protocol", "collectives", "gpu", "proctable", "pyspy", "ranks", "observer", "oom")
+    assert siblings("agent") == ("protocol", "collectives", "gpu", "proctable", "ranks", "observer", "oom")
     assert siblings("proctable") == ()
-    assert siblings("probe") == ("gpu", "proctable", "pyspy")
+    assert siblings("probe") == ("gpu", "proctable", "protocol", "ranks")
     assert siblings("netcheck") == ()
     assert shipped("agent", ["x"]).count(b"\n") == 1, "the program must be one line: BOOT reads one"
 

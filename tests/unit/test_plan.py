@@ -18,6 +18,7 @@ from harness.plan.render import render_json, render_text
 from harness.plan.shell import can_stand_by, shell_command, standby_command, standby_order
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job
+from harness.targets.agent_link import STANDBY
 from harness.targets.ssh.backend import SSHBackend
 
 from conftest import free_port, harness
@@ -178,28 +179,41 @@ def test_shell_form_delivers_hostile_arguments_intact(tmp_path):
 
 
 def test_a_standby_becomes_exactly_the_node_it_is_told(tmp_path):
-    """A standby's torchrun (its imports done, waiting) given the node's order runs that node's worker with the
-    node's arguments and environment byte for byte: keys only the standby had are gone, a changed value is the
-    node's. Real torchrun, in a real shell."""
+    """A standby (torchrun and a warm worker imported, waiting; harness.node.standby installed as its agent does)
+    given its node's order runs that node's worker with the node's arguments, environment and directory byte for
+    byte, the script as Python runs one; warm where only what torch reads late changed, afresh where more did
+    (a key only the standby had). Real torchrun, in a real shell."""
+    agent_dir = tmp_path / "agent"
+    agent_dir.mkdir()
+    (agent_dir / "standby.py").write_text(STANDBY)
     script = tmp_path / "show.py"
-    script.write_text("import json, os, sys\nprint(json.dumps([sys.argv[1:], os.environ.get('WEIRD'), "
-                      "os.environ.get('ONLY_STANDBY'), os.environ['NODE_RANK'], os.getcwd()]))\n")
-    base = NodePlan(host="h", address="127.0.0.1", node_rank=0, nproc=1, workdir=str(tmp_path), env={},
-                    argv=(sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
-                          "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0", str(script)))
-    standby = replace(base, env={"NODE_RANK": "7", "ONLY_STANDBY": "1", "WEIRD": "old"})
-    node = replace(base, argv=(*base.argv, *HOSTILE), env={"NODE_RANK": "0", "WEIRD": "v a l'$x"})
-    assert can_stand_by(node) and not can_stand_by(replace(node, cleanup=("docker", "rm", "x")))
-    waiting = subprocess.Popen(["/bin/sh", "-c", standby_command(standby)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
-    out, _ = waiting.communicate(standby_order(standby, node) + "\n", timeout=120)
-    assert waiting.returncode == 0
-    assert json.loads(out.splitlines()[-1]) == [HOSTILE, "v a l'$x", None, "0", str(tmp_path)]
-    failing = replace(node, env={**node.env, "WEIRD": "fail"})  # the script then exits 3: torchrun's error, exit 1
-    script.write_text("import os, sys\nsys.exit(3 if os.environ['WEIRD'] == 'fail' else 0)\n")
-    ended = subprocess.run(["/bin/sh", "-c", standby_command(standby)], input=standby_order(standby, failing) + "\n",
-                           capture_output=True, text=True, timeout=120)
-    assert ended.returncode == 1 and "ChildFailedError" in ended.stderr and "exitcode  : 3" in ended.stderr, ended
+    script.write_text("import json, os, sys\nprint(json.dumps([sys.argv, os.environ.get('WEIRD'), "
+                      "os.environ.get('ONLY_STANDBY'), os.environ['NODE_RANK'], os.getcwd(), sys.path[0], __name__, "
+                      "'torch._dynamo' in sys.modules]))\nsys.exit(3 if os.environ['WEIRD'] == 'fail' else 0)\n")
+
+    def node(env: dict[str, str]) -> NodePlan:
+        return NodePlan(host="h", address="127.0.0.1", node_rank=0, nproc=1, workdir=str(tmp_path), env=env,
+                        argv=(sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+                              "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+                              str(script), *HOSTILE))
+
+    def start(standby_env: dict[str, str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+        """A standby started with standby_env, told to be the node with env (three at once: two cores)."""
+        standby, told = (node({**e, "HARNESS_AGENT_DIR": str(agent_dir)}) for e in (standby_env, env))
+        return subprocess.Popen(["/bin/sh", "-c", standby_command(standby)], stdin=subprocess.PIPE, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE), standby_order(standby, told) + "\n"
+
+    told = {"NODE_RANK": "0", "WEIRD": "v a l'$x"}
+    assert can_stand_by(node(told)) and not can_stand_by(replace(node(told), cleanup=("docker", "rm", "x")))
+    started = [start({"NODE_RANK": "7", "WEIRD": "v a l'$x"}, told),
+               start({"NODE_RANK": "7", "WEIRD": "v a l'$x", "ONLY_STANDBY": "1"}, told),
+               start({"NODE_RANK": "7", "WEIRD": "fail"}, {**told, "WEIRD": "fail"})]
+    (warm, _), (cold, _), (_, failed) = [process.communicate(order, timeout=120) for process, order in started]
+    assert [process.returncode for process, _ in started] == [0, 0, 1], failed
+    assert json.loads(warm.splitlines()[-1]) == [[str(script), *HOSTILE], "v a l'$x", None, "0", str(tmp_path),
+                                                 str(tmp_path), "__main__", True]
+    assert json.loads(cold.splitlines()[-1])[2:] == [None, "0", str(tmp_path), str(tmp_path), "__main__", False]
+    assert "ChildFailedError" in failed and "exitcode  : 3" in failed, failed
 
 
 def test_render_cli_json_shape(write_yaml):

@@ -118,7 +118,7 @@ def test_py_spy_refused_by_ptrace_warns_with_the_rights_it_needs(tmp_path: Path,
                         f"cat >&2 <<'EOF'\n{REFUSED}\nEOF\nexit 1\n")
     stand_in.chmod(0o755)
     stacks = _stacks_facts(str(bare))
-    # the error is py-spy's refusal as harness.node.pyspy.dump reads it (the agent's own words for it)
+    # the error is py-spy's refusal as harness.node.ranks.dump reads it (the agent's own words for it)
     assert (stacks["py_spy"], stacks["readable"]) == (str(stand_in), False) and stacks["error"], stacks
     row = stacks_check("h1", {"stacks": stacks})
     assert row.status is Status.WARN
