@@ -300,8 +300,8 @@ class Restarts(StrictModel):
     ends instead. cooldown: seconds a host that failed at the machine's level stays out of every run
     (record/hosts_out.py; 0: only out of its own run); max_out: how many of the inventory's hosts may be
     out at once (unset: a quarter of them, at least 1). standby: while an attempt runs with a restart left, the
-    next one's torchrun waits on every usable host (spares too) with its imports done, so that a restart
-    starts warm (targets/agent_link.py Standbys; simulated nodes and SSH hosts, not in containers)."""
+    next one's torchrun and its workers wait on every usable host (spares too) with their imports done, so
+    that a restart starts warm (node/standby.py; simulated nodes and SSH hosts, not in containers)."""
 
     max: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
     on: Annotated[tuple[str, ...], PlainValidator(_failure_kinds)] = ("infra",)

@@ -43,7 +43,7 @@ def agent_argv(python: str, node: NodePlan) -> list[str]:
 def agent_program(node: NodePlan, grace: float, silence: float, watch: float, standby: bool = False) -> bytes:
     """The first line of the agent's stdin: the agent, and what it runs. silence: seconds without a
     word from the controller after which the agent stops its node; watch: seconds between its health
-    samples (0: none); standby: the node's torchrun started to wait for its order (Standbys)."""
+    samples (0: none); standby: the node's torchrun and workers started to wait for its order (Standbys)."""
     command = standby_command(node) if standby else shell_command(node)
     if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
@@ -99,10 +99,10 @@ def same_place(standby: NodePlan, node: NodePlan) -> bool:
 
 
 class Standbys:
-    """The next attempt's nodes started while an attempt runs, one per host: each an agent whose torchrun has
-    done its imports (seconds of a restart) and waits for its order. The next attempt takes the one on each
-    of its hosts (start_all) and starts the others afresh; a standby that died, or stands where its node
-    would not (another interpreter, directory, setup), is ended instead."""
+    """The next attempt's nodes started while an attempt runs, one per host: each an agent whose torchrun and
+    warm workers have done their imports (node/standby.py: seconds of a restart) and wait for its order. The
+    next attempt takes the one on each of its hosts (start_all) and starts the others afresh; a standby that
+    died, or stands where its node would not (another interpreter, directory, setup), is ended instead."""
 
     def __init__(self) -> None:
         self._on: dict[str, AgentNode] = {}

@@ -60,7 +60,7 @@ class NodeProcess(Protocol):
 
     node: NodePlan
     messages: queue.Queue[Message]  # the node agent's messages (harness.node.protocol)
-    warm: bool  # a standby's: its torchrun was started, its imports done, before its attempt (Backend.stand_by)
+    warm: bool  # a standby's: its torchrun and workers were started, imports done, before its attempt (stand_by)
 
     def output(self) -> Iterator[str]:
         """The node's combined stdout/stderr until its output ends, in blocks of whole lines (each ending
@@ -116,8 +116,8 @@ class Backend(Protocol):
 
     def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
         """While an attempt runs, start the next one's nodes as far as they can go without its plan: on each
-        host it may use (not down), torchrun with its imports done, waiting (agent_link.Standbys). start then
-        takes the one on each of its hosts. Nothing is raised: a host without a standby starts afresh."""
+        host it may use (not down), torchrun and its workers with their imports done, waiting (node/standby.py). start
+        then takes the one on each of its hosts. Nothing is raised: a host without a standby starts afresh."""
 
     def stand_down(self) -> None:
         """End every standby: the run is over."""
