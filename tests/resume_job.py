@@ -24,20 +24,21 @@ entrypoint:
   args: [--data, synthetic, --model, small, --subset, "{subset}", --batch-size, "16", --epochs, "2", --log-every, "1",
          --ckpt-every, "{every}", --ckpt-dir, {root}/ckpt, --resume, --save-final, {root}/final.pt]
 env: {{OMP_NUM_THREADS: "1"}}
-restarts: {{max: 2, on: infra, backoff: 1}}
+restarts: {{max: 2, on: infra, backoff: 1{standby}}}
 slurm: {{python: {python}, workdir: {repo}}}
 """
 KILL_AT = r"\[rank0\]: epoch 1/2 step 11/32 "
 
 
-def payload_job(root: Path, subset: int = 1024, ckpt_every: int = 4) -> Path:
+def payload_job(root: Path, subset: int = 1024, ckpt_every: int = 4, standby: float | None = None) -> Path:
     """The job writing into root; a larger subset makes it longer (subset / 32 steps per epoch); ckpt_every 0:
     regular checkpoints at epoch ends only (a failure mid-epoch then resumes from the just-in-time one). The
-    weights at the end do not depend on it."""
+    weights at the end do not depend on it. standby: restarts.standby (default: the spec's, which a run this
+    short never reaches)."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / "job.yaml"
     path.write_text(PAYLOAD_JOB.format(port=free_port(), root=root, python=sys.executable, repo=REPO, subset=subset,
-                                       every=ckpt_every))
+                                       every=ckpt_every, standby="" if standby is None else f", standby: {standby:g}"))
     return path
 
 

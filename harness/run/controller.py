@@ -198,7 +198,8 @@ class _BackendRun(_TargetRun):
             run.write_state(self.state)
             if plan.nnodes < spec.nnodes:
                 out.say(_fewer_nodes(spec, plan, down))
-            standby = frozenset(down) if spec.restarts.standby and len(attempts) < spec.restarts.max else None
+            standby = frozenset(down) if spec.restarts.standby is not None and len(attempts) < spec.restarts.max \
+                else None
             attempts.append(replace(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out, standby),
                                     kept_out={name: f"{entry.reason} (run {entry.run_id})"
                                               for name, entry in self.hosts_out.kept_out.items()}))
@@ -352,14 +353,17 @@ def _fewer_nodes(spec: JobSpec, plan: Plan, down: set[str]) -> str:
 
 def _stand_by(backend: Backend, spec: JobSpec, plan: Plan, down: frozenset[str], sup: Supervisor,
               ended: threading.Event) -> None:
-    """The next attempt's standbys, started once every rank of this one joined its process group (their own
-    imports are done then, and they no longer compete with it for the CPU) or after STANDBY_AFTER seconds."""
+    """The next attempt's standbys, started restarts.standby seconds after every rank of this one joined its
+    process group (their imports are done then, and its start-up no longer competes with theirs for the CPU;
+    ranks not seen joining: STANDBY_AFTER seconds into the attempt)."""
     began = time.monotonic()
-    while not ended.wait(0.2):
-        if sum(len(live.joined) for live in sup.nodes) >= plan.world_size or time.monotonic() - began > STANDBY_AFTER:
-            with contextlib.suppress(HarnessError):  # no plan for the next attempt now: it starts afresh
-                backend.stand_by(spec, plan.run_id, plan.attempt + 1, down)
+    while sum(len(live.joined) for live in sup.nodes) < plan.world_size and time.monotonic() - began < STANDBY_AFTER:
+        if ended.wait(0.2):
             return
+    assert spec.restarts.standby is not None
+    if not ended.wait(spec.restarts.standby):
+        with contextlib.suppress(HarnessError):  # no plan for the next attempt now: it starts afresh
+            backend.stand_by(spec, plan.run_id, plan.attempt + 1, down)
 
 
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,

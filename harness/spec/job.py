@@ -79,6 +79,19 @@ def _positive_int(value: Any) -> int:
     return _bounded_int(value, 1, MAX_NNODES, f"an integer from 1 to {MAX_NNODES}")
 
 
+def _standby(value: Any) -> float | None:
+    """restarts.standby: seconds, or false for none."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        raise ValueError("expected the seconds into an attempt at which its standbys start (30), or false for "
+                         "none, got true")
+    seconds = _seconds(value)
+    if not 0 <= seconds <= 86400:
+        raise ValueError(f"expected from 0 to 86400 seconds, or false for none, got {as_written(value)}")
+    return seconds
+
+
 def _nproc(value: Any) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
@@ -299,9 +312,11 @@ class Restarts(StrictModel):
     when hosts are down and no spare is left (torchrun's --nnodes MIN:MAX); unset, nnodes: the run
     ends instead. cooldown: seconds a host that failed at the machine's level stays out of every run
     (record/hosts_out.py; 0: only out of its own run); max_out: how many of the inventory's hosts may be
-    out at once (unset: a quarter of them, at least 1). standby: while an attempt runs with a restart left, the
-    next one's torchrun and its workers wait on every usable host (spares too) with their imports done, so
-    that a restart starts warm (node/standby.py; simulated nodes and SSH hosts, not in containers)."""
+    out at once (unset: a quarter of them, at least 1). standby: seconds into an attempt with a restart left
+    (from its last rank joining) after which the next attempt's torchrun and workers wait on every usable
+    host (spares too) with their imports done, so that a restart starts warm (node/standby.py; simulated nodes
+    and SSH hosts, not in containers); false: none. A failure before then restarts as before; a short run
+    never pays for them."""
 
     max: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
     on: Annotated[tuple[str, ...], PlainValidator(_failure_kinds)] = ("infra",)
@@ -309,7 +324,7 @@ class Restarts(StrictModel):
     min_nnodes: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=MAX_NNODES)] | None = None
     cooldown: Annotated[Seconds, Field(ge=0, le=30 * 86400)] = 3600
     max_out: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=MAX_NNODES)] | None = None
-    standby: bool = True
+    standby: Annotated[float | None, PlainValidator(_standby)] = 30.0
 
     def out_limit(self, hosts: int) -> int:
         """How many of an inventory's hosts may be kept out at once."""

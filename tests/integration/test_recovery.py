@@ -22,7 +22,8 @@ from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 # --- real restarts on simulated nodes ----------------------------------------------------------------
 
 def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted, launch, tmp_path):
-    run = launch(payload_job(tmp_path / "job", ckpt_every=0))  # no regular checkpoint before the epoch's end
+    # No regular checkpoint before the epoch's end; the next attempt's standbys as soon as the ranks joined.
+    run = launch(payload_job(tmp_path / "job", ckpt_every=0, standby=0))
     run.wait_for(KILL_AT, timeout=180)
     os.kill(worker_pid(run.run_id, 1), signal.SIGKILL)
     assert run.finish(timeout=300) == 0, run.output
@@ -211,7 +212,7 @@ def ssh_args(cluster: Cluster, tmp_path: Path) -> list[str]:
 def test_a_lost_host_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(uninterrupted, doomed_cluster3, launch,
                                                                               tmp_path):
     cluster = doomed_cluster3
-    run = launch(payload_job(tmp_path / "job", ckpt_every=0), *ssh_args(cluster, tmp_path))
+    run = launch(payload_job(tmp_path / "job", ckpt_every=0, standby=0), *ssh_args(cluster, tmp_path))
     run.wait_for(KILL_AT, timeout=180)
     killed_at = time.time()
     kill_host(cluster, "h2")
