@@ -84,7 +84,7 @@ def _standby(value: Any) -> float | None:
     if value is False or value is None:
         return None
     if value is True:
-        raise ValueError("expected the seconds into an attempt at which its standbys start (30), or false for "
+        raise ValueError("expected the seconds into an attempt at which its standbys start (60), or false for "
                          "none, got true")
     seconds = _seconds(value)
     if not 0 <= seconds <= 86400:
@@ -313,7 +313,7 @@ class Restarts(StrictModel):
     ends instead. cooldown: seconds a host that failed at the machine's level stays out of every run
     (record/hosts_out.py; 0: only out of its own run); max_out: how many of the inventory's hosts may be
     out at once (unset: a quarter of them, at least 1). standby: seconds into an attempt with a restart left
-    (from its last rank joining) after which the next attempt's torchrun and workers wait on every usable
+    (from its last rank joining; 60) after which the next attempt's torchrun and workers wait on every usable
     host (spares too) with their imports done, so that a restart starts warm (node/standby.py; simulated nodes
     and SSH hosts, not in containers); false: none. A failure before then restarts as before; a short run
     never pays for them."""
@@ -324,7 +324,7 @@ class Restarts(StrictModel):
     min_nnodes: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=MAX_NNODES)] | None = None
     cooldown: Annotated[Seconds, Field(ge=0, le=30 * 86400)] = 3600
     max_out: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=MAX_NNODES)] | None = None
-    standby: Annotated[float | None, PlainValidator(_standby)] = 30.0
+    standby: Annotated[float | None, PlainValidator(_standby)] = 60.0
 
     def out_limit(self, hosts: int) -> int:
         """How many of an inventory's hosts may be kept out at once."""

@@ -89,7 +89,7 @@ def test_shipped_jobs_are_valid():
          "timeouts.stop_grace: Input should be less than or equal to 4"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nrestarts: {max: -1}\n", "restarts.max: Input should be greater than or equal to 0"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nrestarts: {max: 1, standby: true}\n",
-         "job.yaml:4:20: restarts.standby: expected the seconds into an attempt at which its standbys start (30), or "
+         "job.yaml:4:20: restarts.standby: expected the seconds into an attempt at which its standbys start (60), or "
          "false for none, got true"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nrestarts: {max: 1, standby: -1}\n",
          "restarts.standby: expected from 0 to 86400 seconds, or false for none, got -1"),
