@@ -214,8 +214,12 @@ class _BackendRun(_TargetRun):
                 break
             if attempts[-1].status is not RunStatus.FAILED or stop.is_set():
                 break
-            # Kept out of later runs whether or not this one restarts.
-            self._keep_out({f.host: f.evidence for f in attempts[-1].failures if f.host_down})
+            # Kept out of later runs whether or not this one restarts: the host lost first, and any lost before the
+            # stop began (one whose agent ended after it may be the stop's own doing: an srun step it killed).
+            failed = attempts[-1]
+            stopping = failed.ended_at - (failed.teardown_s or 0.0)
+            self._keep_out({f.host: f.evidence for i, f in enumerate(failed.failures)
+                            if f.host_down and (i == 0 or failed.started_at + f.after_s < stopping)})
             reason = no_restart_reason(spec.restarts, attempts)
             if reason is not None:
                 break

@@ -74,9 +74,9 @@ def node_failure(live: LiveNode, stopping_since: float | None) -> NodeFailure | 
     if outcome is None or outcome.ok:
         return None
     rank, code = live.root_cause()
+    if outcome.error is not None:
+        return NodeFailure(live, rank, code, FailureKind.INFRA, outcome.error, host_down=True)
     stopped = stopping_since is not None and (live.ended or stopping_since) >= stopping_since
-    if outcome.error is not None:  # its agent gone: the host's failure, unless the stop ended it (an srun step)
-        return NodeFailure(live, rank, code, FailureKind.INFRA, outcome.error, host_down=not stopped)
     if stopped and (rank is None or code == -signal.SIGTERM):
         # torchrun reports a root cause only for a worker that failed by itself; on the supervisor's
         # TERM it ends with a SignalException instead, and on KILL with nothing at all. The TERM reaches
