@@ -22,7 +22,7 @@ checkpoint is lost; 0 with a just-in-time checkpoint).
 
 Each failure is measured side by side with the harness before issue 48 (BASELINE, that commit's `harness`
 package, payload included), alternating, on the same machine: the row's before_* fields. The node is killed
-at step `kill_at`, once the standbys of the next attempt have done their imports and wait (_standbys_idle), as
+at step `kill_at`, once the standbys of the next attempt have done their imports and wait (standbys_idle), as
 they do when a failure comes in a run of any length.
 Every run keeps its hosts kept out (record/hosts_out.py) in a state directory of its own.
 """
@@ -70,7 +70,7 @@ PER_RANK = 16  # images per rank at the start: the global batch is PER_RANK x nn
 Kill = Callable[[str], None]  # run id -> kill the node
 
 
-def _standbys_idle(run_id: str, timeout: float = 120) -> None:
+def standbys_idle(run_id: str, timeout: float = 120) -> None:
     """Until the launch's standbys (and their warm workers) have started, done their imports and wait, as they do
     in a run of any length: none of them used CPU for a second."""
     deadline = time.monotonic() + timeout
@@ -108,7 +108,7 @@ def _one(tmp: Path, root: Path, kill: Kill, kill_at: int, every: int, extra: lis
         _, header = p.wait_for(r"^harness: run (\S+): ", timeout=120)
         p.wait_for(rf"\[rank0\]: epoch 1/\d+ step {kill_at}/", timeout=300)
         if today:
-            _standbys_idle(header.group(1))
+            standbys_idle(header.group(1))
         killed = time.monotonic()
         kill(header.group(1))
         marks = [killed]

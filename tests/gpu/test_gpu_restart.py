@@ -3,18 +3,16 @@ harness.node.standby) becomes the CUDA rank, joins NCCL and trains on, found by 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from harness.node.proctable import stat_fields
+from bench.recovery import standbys_idle
 
-from conftest import assert_nothing_left, leftover, worker_pid
+from conftest import assert_nothing_left, worker_pid
 
 pytestmark = pytest.mark.usefixtures("cuda")
 
@@ -30,22 +28,6 @@ entrypoint:
          --ckpt-dir, {ckpt}, --ckpt-every, "10", --resume, --device, cuda]
 restarts: {{max: 1, on: infra, backoff: 0, standby: 0}}
 """
-
-
-def standbys_idle(run_id: str, timeout: float = 120) -> None:
-    """Until the run's standby and warm worker have done their imports: no CPU used for a second."""
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        used = {}
-        for pid in leftover(run_id):
-            with contextlib.suppress(OSError):
-                if b"standby.py" in Path(f"/proc/{pid}/cmdline").read_bytes() and (fields := stat_fields(pid)):
-                    used[pid] = int(fields[11]) + int(fields[12])
-        if used and used == last:
-            return
-        last = used
-        time.sleep(1.0)
-    raise AssertionError(f"the standby of {run_id} did not settle within {timeout:g} s")
 
 
 def test_a_killed_cuda_rank_restarts_warm_on_the_gpu(tmp_path: Path, launch) -> None:
