@@ -135,7 +135,7 @@ class HealthLoop:
         marks = [mark for live in self.nodes for activity in live.activity.values() for mark in activity.steps]
         if not marks:
             return self.progress
-        first = min(marks, key=lambda mark: mark.at)
+        first = min(marks, key=lambda mark: (mark.at, mark.step))  # a block's first step, where it has several
         if self.progress is not None:
             first = first._replace(step=self.progress.first_step, at=self.progress.first_at)
         last = max(marks, key=lambda mark: (mark.step, -mark.at))  # the furthest step, when it first came

@@ -125,6 +125,8 @@ class LiveNode:
         rules line by line, and the cascade's), each rank's last line and step noted. A block of plain rank
         lines, while nothing is held or being read, passes whole."""
         count = text.count("\n")
+        if progress is not None:
+            self._note_first_step(text, at, progress)
         if not (self.in_agent_cpp_log or self.torchrun_reporting or self.held_all or not self.cascade.idle) and \
                 _plain(text, count):
             last = text[:-1].rsplit("\n", TAIL_KEPT)[-TAIL_KEPT:]  # from the end: no str for each line of a big block
@@ -164,6 +166,16 @@ class LiveNode:
         """The node's output ended: what the cascade was still reading is shown."""
         shown = [] if self.held_all else self.cascade.release()
         return Block("", "", _text(shown), len(shown))
+
+    def _note_first_step(self, text: str, at: float, progress: re.Pattern[str]) -> None:
+        """The node's first step line, where the block with it brings several (a restart's steps come quickly):
+        the attempt's first step is the one after its resume, not the block's last, which _note keeps."""
+        if any(activity.steps for activity in self.activity.values()) or progress.search(text) is None:
+            return
+        for line in text.splitlines():
+            if (found := progress.search(line)) and (rank := worker_output.rank_of(line)) is not None:
+                self.activity.setdefault(rank, RankActivity(line, at)).steps.append(StepMark(at, global_step(found)))
+                return
 
     def _note(self, lines: list[str], at: float, progress: re.Pattern[str] | None) -> None:
         """Each rank's last line and, where progress finds one, its last step, from the block's last lines."""

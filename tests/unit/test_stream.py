@@ -51,13 +51,17 @@ def text(lines: list[str]) -> str:
 
 
 def test_a_block_of_plain_rank_lines_passes_whole_and_notes_each_ranks_last_line_and_step():
+    """...and the node's first step, which a restart's block of quick steps would otherwise hide: the attempt's
+    first step says which steps it redid."""
     node = live()
     lines = [f"[rank{i % 2}]: epoch 0 step {i}/90 loss 0.5" for i in range(1, 9)] + ["[rank1]: saving"]
     block = node.take_block(text(lines), at=100.0, progress=PROGRESS)
     assert block.logged == block.streamed == block.shown == text(lines) and block.shown_lines == 9
     assert (node.activity[0].line, node.activity[0].at, list(node.activity[0].steps)) == (lines[-2], 100.0, [(100.0, 8)])
-    assert (node.activity[1].line, list(node.activity[1].steps)) == ("[rank1]: saving", [(100.0, 7)])
+    assert (node.activity[1].line, list(node.activity[1].steps)) == ("[rank1]: saving", [(100.0, 1), (100.0, 7)])
     assert list(node.tail) == lines
+    node.take_block(text(["[rank1]: epoch 0 step 9/90", "[rank1]: epoch 0 step 11/90"]), at=101.0, progress=PROGRESS)
+    assert list(node.activity[1].steps) == [(100.0, 1), (100.0, 7), (101.0, 11)], "the first step only once"
 
 
 def test_the_payloads_step_counts_from_the_runs_start_across_epochs_and_a_still_rank_has_no_rate():
