@@ -227,6 +227,11 @@ def parser() -> argparse.ArgumentParser:
     batch_step = verbs.add_parser("batch-step")
     batch_step.add_argument("run_dir", metavar="RUN_DIR")
     batch_step.set_defaults(func=commands.batch_step)
+    # Not for users either: what the controller pod of a supervised Kubernetes job runs (k8s/).
+    k8s_controller = verbs.add_parser("k8s-controller")
+    k8s_controller.add_argument("job", metavar="JOB")
+    k8s_controller.add_argument("--runs-dir")
+    k8s_controller.set_defaults(func=commands.k8s_controller)
     return top
 
 
@@ -249,6 +254,9 @@ def _render_verb(verbs: Verbs, job: argparse.ArgumentParser, runs_dir: argparse.
     render.add_argument("--flavor", choices=("core", "jobset"),
                         help="with --target k8s: core (default): Service + Indexed Job, no CRDs; jobset: a JobSet "
                              "that restarts the whole job up to restarts.max times (needs the JobSet controller)")
+    render.add_argument("--unsupervised", action="store_true",
+                        help="with --target k8s: pods that run torchrun bare, without the harness's controller pod "
+                             "(for clusters that cannot run the project's image; see docs/kubernetes.md)")
     render.set_defaults(known_hosts=None, accept_new_host_keys=False, skip_preflight=True)  # nothing connects
     render.set_defaults(func=commands.render)
 

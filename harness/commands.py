@@ -17,6 +17,7 @@ from harness.errors import HarnessError, UsageError
 from harness.record.atomic import write_text_atomic
 from harness.record.index import find_run
 from harness.record.rundir import check_run_id, new_run_id, run_dir, runs_root
+from harness.record.schema import FailureKind
 from harness.spec.from_flags import ScriptFlags, spec_from_flags, spec_yaml, with_spec_file_flags
 from harness.spec.job import SLURM_OPTIONS, JobSpec, Slurm, load_job
 from harness.targets.base import Backend, Scheduler
@@ -110,11 +111,14 @@ def _save_job(path: Path, text: str) -> None:
 def render(args: argparse.Namespace) -> int:
     if args.flavor is not None and args.target != "k8s":
         raise UsageError("--flavor is for --target k8s")
+    if args.unsupervised and args.target != "k8s":
+        raise UsageError("--unsupervised is for --target k8s")
     job = job_of(args)
     spec = job.spec
     if args.target == "k8s":
         _write_manifests(args, job)
-        _note_fixed_size(spec, args.target, "render")
+        if args.unsupervised or not spec.k8s.supervised:  # supervised pods go on with fewer as any supervised nodes
+            _note_fixed_size(spec, args.target, "render")
         return 0
     if args.out is not None:
         raise UsageError("--out is for --target k8s; redirect stdout to save a torchrun plan or a batch script")
@@ -141,14 +145,15 @@ def render(args: argparse.Namespace) -> int:
 # Who restarts a rendered job, and on what: it never goes on with fewer nodes.
 SCHEDULER_RESTARTS = {"slurm": "this script's job Slurm requeues on nnodes nodes it allocates afresh (`harness "
                                "launch --target slurm` goes on with fewer)",
-                      "k8s": "Kubernetes (--flavor jobset) recreates all nnodes pods"}
+                      "k8s": "unsupervised, Kubernetes (--flavor jobset) recreates all nnodes pods"}
 
 
 def _note_fixed_size(spec: JobSpec, target: str, verb: str) -> None:
     """restarts.min_nnodes is for the nodes the harness supervises; say so where a scheduler restarts."""
     if spec.fewest_nnodes < spec.nnodes:
-        print(f"harness {verb}: restarts.min_nnodes ({spec.fewest_nnodes}) is for nodes the harness starts itself "
-              f"(simulated, --hosts, Slurm's nodes under `harness launch`); {SCHEDULER_RESTARTS[target]}",
+        print(f"harness {verb}: restarts.min_nnodes ({spec.fewest_nnodes}) is for nodes the harness supervises "
+              f"(simulated, --hosts, Slurm's nodes under `harness launch`, supervised pods); "
+              f"{SCHEDULER_RESTARTS[target]}",
               file=sys.stderr)
 
 
@@ -163,7 +168,8 @@ def _write_manifests(args: argparse.Namespace, job: Job) -> None:
 
     spec = job.spec
     code = code_files(spec, Path.cwd())
-    text = manifests_yaml(spec, job.text, job.source, args.flavor or "core", code=code, command=_rendered_by(args, job))
+    text = manifests_yaml(spec, job.text, job.source, args.flavor or "core", code=code, command=_rendered_by(args, job),
+                          supervised=False if args.unsupervised else None)
     if args.out is None:
         sys.stdout.write(text)
         return
@@ -261,6 +267,31 @@ def batch_step(args: argparse.Namespace) -> int:
 
 
 TIME_LIMIT = "Slurm's time-limit warning"
+
+
+def k8s_controller(args: argparse.Namespace) -> int:
+    """The controller pod of a supervised Kubernetes job (targets/k8s/manifests.py): the run on the job's worker
+    pods, which dial in (targets/k8s/pods.py); its exit code is what the Job's podFailurePolicy reads."""
+    from harness.run import controller
+    from harness.targets.k8s.pods import PodLink, PodsBackend, share_tools
+    from harness.targets.k8s.supervised import INFRA_EXIT
+    from harness.view.metrics import serving_metrics
+
+    spec = load_job(args.job)
+    root = runs_root(args.runs_dir)
+    run = run_dir(root, new_run_id(spec.name))
+    if tools := os.environ.get("HARNESS_K8S_TOOLS"):
+        share_tools(Path(tools))
+    backend = PodsBackend(PodLink(spec.k8s.port), os.environ.get("HARNESS_K8S_CODE") or None, spec.k8s.rejoin,
+                          stopped=run.stop_marker.exists)  # the pod's preStop hook: `harness stop`
+    try:
+        with serving_metrics(run, spec.health.metrics_port):
+            code = controller.launch(backend, spec, Path(args.job).read_text(), args.job, root, run.run_id)
+    finally:
+        backend.link.dismiss(0)  # the worker pods did their part; the controller's Job says how the run ended
+    summary = run.read_summary()
+    failed_by = summary.attempts[-1].kind if summary is not None and summary.attempts else None
+    return INFRA_EXIT if code == 1 and failed_by in (FailureKind.INFRA, FailureKind.HANG) else code
 
 
 def stop(args: argparse.Namespace) -> int:

@@ -4,10 +4,13 @@ tests/unit/test_k8s.py (the manifests) and tests/integration/test_k8s_pods.py (t
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
+import re
 import struct
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 from harness.spec.job import load_job
@@ -100,10 +103,12 @@ def write_files(directory: Path, files: dict[str, bytes]) -> None:
         (directory / name).write_bytes(content)
 
 
-def docs(spec_path: Path, flavor: str = "core") -> list[dict]:
-    """The manifests `harness render` makes in the spec's directory (its code read from there)."""
+def docs(spec_path: Path, flavor: str = "core", supervised: bool = False) -> list[dict]:
+    """The manifests `harness render` makes in the spec's directory (its code read from there); unsupervised
+    unless asked."""
     spec = load_job(spec_path)
-    return render_manifests(spec, spec_path.read_text(), flavor, code=code_files(spec, spec_path.parent))
+    return render_manifests(spec, spec_path.read_text(), flavor, code=code_files(spec, spec_path.parent),
+                            supervised=supervised)
 
 
 def render_in(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -218,3 +223,125 @@ def run_pods(objects: list[dict], fields: dict[str, str], root: Path, workspace:
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], outputs
     return outputs
+
+
+def jobs_by_name(objects: list[dict]) -> dict[str, dict]:
+    """Every Job's spec by its name, a JobSet's replicatedJobs' by theirs."""
+    found = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Job"}
+    for jobset in (o for o in objects if o["kind"] == "JobSet"):
+        found |= {r["name"]: r["template"]["spec"] for r in jobset["spec"]["replicatedJobs"]}
+    return found
+
+
+class SupervisedPods:
+    """A supervised job's pods as processes, each with exactly its container's command, args, env and working
+    directory, and only the kubelet's substitutions: the downward API's fields, the ConfigMap's files and the
+    volume (under root and workspace), the controller's DNS name resolving to loopback. The test plays the
+    Job controller: a deleted pod (SIGTERM, its grace period, SIGKILL) is recreated with its index under a new
+    name. python: the `python` (and `harness`) each image has, as a directory put first on PATH."""
+
+    def __init__(self, objects: list[dict], root: Path, workspace: Path, controller_path: Path,
+                 worker_path: Path) -> None:
+        jobs = jobs_by_name(objects)
+        self.controller_job = next(spec for name, spec in jobs.items() if not _is_workers(spec))
+        self.worker_job = next(spec for spec in jobs.values() if _is_workers(spec))
+        jobset = next((o["metadata"]["name"] for o in objects if o["kind"] == "JobSet"), None)
+        workers = next(name for name, spec in jobs.items() if _is_workers(spec))
+        self.worker_prefix = f"{jobset}-{workers}-0" if jobset else workers  # <jobset>-<replicatedJob>-<job index>
+        self.mounts = materialize(objects, root) | {"/workspace": str(workspace)}
+        self.workspace = workspace
+        self.paths = {"controller": controller_path, "worker": worker_path}
+        self.controller_dns = self.worker_job["template"]["spec"]["containers"][0]["args"][1]
+        self.processes: dict[str, subprocess.Popen[str]] = {}
+        self.containers: dict[str, tuple[dict, dict[str, str], Path]] = {}
+        self.logs: dict[str, Path] = {}
+        self._made = 0
+
+    def _exec(self, container: dict, fields: dict[str, str], path: Path,
+              command: list[str]) -> tuple[list[str], dict[str, str]]:
+        """A command as the kubelet runs it in the container: $(VAR) expanded, the container's env (downward API
+        fields filled in), mounts and the controller's name mapped to here."""
+        env: dict[str, str] = {}
+        for entry in container.get("env", []):
+            if "valueFrom" in entry:
+                env[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+            else:
+                env[entry["name"]] = in_pod(kubelet_expand(entry["value"], env), self.mounts)
+        argv = [kubelet_expand(a, env) for a in command]
+        argv = ["127.0.0.1" if a == self.controller_dns else in_pod(a, self.mounts) for a in argv]
+        assert container["workingDir"] == "/workspace"
+        return argv, {"PATH": f"{path}:{os.environ['PATH']}", "HOME": str(self.workspace.parent)} | env
+
+    def _start(self, name: str, container: dict, fields: dict[str, str], path: Path) -> subprocess.Popen[str]:
+        argv, env = self._exec(container, fields, path, container["command"] + container.get("args", []))
+        log = self.workspace.parent / f"{name}.log"
+        self.logs[name] = log
+        self.containers[name] = (container, fields, path)
+        with log.open("w") as out:
+            process = subprocess.Popen(argv, env=env, cwd=self.workspace, stdout=out, stderr=subprocess.STDOUT,
+                                       text=True, start_new_session=True)
+        self.processes[name] = process
+        return process
+
+    def pre_stop(self, name: str, timeout: float) -> subprocess.CompletedProcess[str] | None:
+        """The container's preStop hook, run as the kubelet runs it before the pod's SIGTERM (None: it has none)."""
+        container, fields, path = self.containers[name]
+        hook = container.get("lifecycle", {}).get("preStop", {}).get("exec")
+        if hook is None:
+            return None
+        argv, env = self._exec(container, fields, path, hook["command"])
+        return subprocess.run(argv, env=env, cwd=self.workspace, capture_output=True, text=True, timeout=timeout)
+
+    def controller(self) -> subprocess.Popen[str]:
+        container = self.controller_job["template"]["spec"]["containers"][0]
+        return self._start("controller", container, {}, self.paths["controller"])
+
+    def worker(self, index: int) -> str:
+        """A worker pod with completion index `index`, named as the Job controller names it; its name."""
+        self._made += 1
+        name = f"{self.worker_prefix}-{index}-p{self._made:04d}"
+        container = self.worker_job["template"]["spec"]["containers"][0]
+        self._start(name, container, {"metadata.name": name, COMPLETION_INDEX: str(index),
+                                      "spec.nodeName": f"kube-node-{index}"}, self.paths["worker"])
+        return name
+
+    def grace(self, name: str) -> float:
+        """The pod's terminationGracePeriodSeconds."""
+        job = self.worker_job if name in self.processes and name != "controller" else self.controller_job
+        return float(job["template"]["spec"]["terminationGracePeriodSeconds"])
+
+    def delete(self, name: str, grace: float) -> int:
+        """What `kubectl delete pod` does to it: SIGTERM, then SIGKILL after its grace period; its exit code."""
+        process = self.processes[name]
+        process.terminate()
+        try:
+            return process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            return process.wait()
+
+    def output(self, name: str) -> str:
+        return self.logs[name].read_text()
+
+    def end(self) -> None:
+        """Whatever still runs is killed, its process group with it (a test's failure leaves nothing)."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, 9)
+                process.wait()
+
+
+def _is_workers(job: dict) -> bool:
+    return job.get("completionMode") == "Indexed"
+
+
+def wait_for_line(pods: SupervisedPods, name: str, pattern: str, timeout: float) -> re.Match[str]:
+    """The first match of pattern (multi-line) in a pod's output so far, as soon as it is there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if found := re.search(pattern, pods.output(name), re.M):
+            return found
+        if pods.processes[name].poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{pattern!r} not in {name}'s output:\n{pods.output(name)}")
+        time.sleep(0.1)

@@ -70,7 +70,7 @@ class Agent:
         self.directory, unhooked = _private_directory(hook, standby)
         self.observer = RankObserver(run_id, self.directory, unhooked, say)
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
-        hooked = {"HARNESS_AGENT_DIR": self.directory} if self.directory else {}
+        hooked = {"HARNESS_AGENT_DIR": self.directory, "HARNESS_AGENT_PID": str(os.getpid())} if self.directory else {}
         self.standing_by = threading.Event()  # a standby: no samples until the GO word
         if standby:
             self.standing_by.set()

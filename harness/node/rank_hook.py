@@ -20,6 +20,7 @@ import threading
 import time
 
 LOOK_SECONDS = 0.5
+PR_SET_PTRACER = 0x59616D61  # prctl: which process (and its descendants) may ptrace this one under Yama
 OWNER = "HARNESS_RANK_HOOK_PID"  # the rank process that serves: its children inherit it and stay quiet
 _servers: list = []  # the worker server, kept alive for the process's lifetime
 
@@ -48,12 +49,28 @@ def _serve(directory: str, rank: str) -> None:
             pass
 
 
+def _readable_by_the_agent() -> None:
+    """Yama's ptrace_scope 1 (Ubuntu's default, and most containers' hosts) lets a process be read only by its
+    ancestors; py-spy, which reads this rank's stacks, is the node agent's child. The agent and its children
+    may read this process, then: as the agent's own user, nothing more than that user could do."""
+    agent = os.environ.get("HARNESS_AGENT_PID", "")
+    if not agent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(PR_SET_PTRACER, int(agent), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # no prctl here: the stacks need the rights docs/health.md names
+
+
 def serve() -> None:
     """In a rank, the worker server once its process group is made (a thread that looks for it until then)."""
     directory, rank = os.environ.get("HARNESS_AGENT_DIR"), os.environ.get("RANK", "")
     if not directory or not rank.isdigit() or os.environ.get(OWNER) not in (None, str(os.getpid())):
         return
     os.environ[OWNER] = str(os.getpid())
+    _readable_by_the_agent()
     threading.Thread(target=_serve, args=(directory, rank), name="harness-rank-hook", daemon=True).start()
 
 

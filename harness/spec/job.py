@@ -465,6 +465,32 @@ class Slurm(StrictModel):
     extra: list[Annotated[str, PlainValidator(_sbatch_line)]] = Field(default_factory=list)
 
 
+def _image_reference(value: str | None) -> str | None:
+    if value is not None and not IMAGE_REF.fullmatch(value):
+        raise ValueError(f"expected an image reference such as registry/name:tag, got {short_repr(value)}")
+    return value
+
+
+class Kubernetes(StrictModel):
+    """How `harness render --target k8s` runs the job. supervised: the harness's controller runs in a pod of
+    its own beside the worker pods and supervises them as it does SSH hosts (false: the pods run bare
+    torchrun, for clusters that cannot run the project's image); controller_image: that pod's image, the
+    project's (docker/; default: the job's `image`); spares: worker pods beyond nnodes, waiting to take a lost
+    one's place; rejoin: seconds a restart waits for pods Kubernetes recreates before it goes on without them;
+    port: where the controller listens for its pods."""
+
+    supervised: bool = True
+    controller_image: str | None = None
+    spares: Annotated[int, Field(ge=0, le=1024)] = 0
+    rejoin: Annotated[float, Field(ge=0, le=3600)] = 120
+    port: Annotated[int, Field(ge=1, le=65535)] = 29400
+
+    @field_validator("controller_image")
+    @classmethod
+    def _image_ref(cls, value: str | None) -> str | None:
+        return _image_reference(value)
+
+
 def interface_name(value: Any) -> str:
     if not isinstance(value, str) or not INTERFACE_NAME.fullmatch(value):
         raise ValueError(f"expected a network interface name such as eth1 or ib0 (at most 15 letters, digits, "
@@ -582,6 +608,7 @@ class JobSpec(StrictModel):
     resources: Resources = Field(default_factory=Resources)
     restarts: Restarts = Field(default_factory=Restarts)
     slurm: Slurm = Field(default_factory=Slurm)
+    k8s: Kubernetes = Field(default_factory=Kubernetes)
     # Kept only to point a spec that still uses it at `restarts` (see _removed_max_restarts).
     max_restarts: Annotated[None, PlainValidator(_removed_max_restarts)] = None
     timeouts: Timeouts = Field(default_factory=Timeouts)
@@ -660,9 +687,7 @@ class JobSpec(StrictModel):
     @field_validator("image")
     @classmethod
     def _image_ref(cls, value: str | None) -> str | None:
-        if value is not None and not IMAGE_REF.fullmatch(value):
-            raise ValueError(f"expected an image reference such as registry/name:tag, got {short_repr(value)}")
-        return value
+        return _image_reference(value)
 
 
 def load_job(path: str | Path) -> JobSpec:

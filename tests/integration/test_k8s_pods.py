@@ -3,20 +3,40 @@ kubelet's substitutions, the user's code from the ConfigMap alone (the manifests
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import sysconfig
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from harness.targets.k8s.manifests import COMPLETION_INDEX, RESTART_ATTEMPT
+from harness.targets.k8s.supervised import INFRA_EXIT, PROGRAM_EXIT
 
-from conftest import REPO, free_port
-from k8s_jobs import SMALL, USER_FILES, USER_JOB, docs, job_spec, pod_dns, pod_process, render_in, run_pods, write_files
+from conftest import REPO, assert_nothing_left, free_port, harness, worker_pid
+from k8s_jobs import (
+    SMALL,
+    USER_FILES,
+    USER_JOB,
+    SupervisedPods,
+    docs,
+    job_spec,
+    jobs_by_name,
+    pod_dns,
+    pod_process,
+    render_in,
+    run_pods,
+    wait_for_line,
+    write_files,
+)
+from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 
 
 @pytest.mark.parametrize("flavor", ["core", "jobset"])
@@ -54,7 +74,7 @@ def test_a_user_script_shipped_by_the_renderer_runs_in_an_image_without_the_harn
     project, workspace = tmp_path / "project", tmp_path / "workspace"
     write_files(project, USER_FILES | {"job.yaml": USER_JOB.format(port=free_port()).encode()})
     workspace.mkdir()
-    rendered = render_in(project, "job.yaml", "--target", "k8s", "--out", "k8s")
+    rendered = render_in(project, "job.yaml", "--target", "k8s", "--out", "k8s", "--unsupervised")
     assert rendered.returncode == 0, rendered.stderr
     objects = list(yaml.safe_load_all((project / "k8s/own.yaml").read_text()))
     image = plain_python(tmp_path / "image")
@@ -70,3 +90,169 @@ def test_a_user_script_shipped_by_the_renderer_runs_in_an_image_without_the_harn
     finals = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", master + worker)
     assert sorted(r for r, _ in finals) == ["0", "1"] and len({w for _, w in finals}) == 1
     assert list(workspace.iterdir()) == []  # the volume got no code: it came from the ConfigMap
+
+
+# Supervised (the default render): the controller pod runs `harness k8s-controller` in the project's image, the
+# worker pods node/pod.py from the ConfigMap; every pod a process here, as SupervisedPods runs them.
+PROJECT_IMAGE = Path(sys.executable).parent  # `python` and `harness` of the project's image
+
+
+def supervised_job(root: Path, flavor: str, **k8s: object) -> tuple[list[dict], Path]:
+    """The payload job (resume_job.py) as a supervised Kubernetes job: its manifests, and the workspace."""
+    spec = yaml.safe_load(payload_job(root).read_text())
+    spec |= {"image": "registry.example/harness:0.1.0", "k8s": {"port": free_port(), **k8s}}
+    spec["restarts"] = {"max": 3, "on": "any", "backoff": 0}
+    path = root / "job.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    workspace = root / "workspace"
+    workspace.mkdir()
+    return docs(path, flavor, supervised=True), workspace
+
+
+def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place(uninterrupted, tmp_path):
+    """Rank 1's process killed: the ranks restart in the same pods (none replaced); then pod 1 deleted: the
+    Job recreates it under a new name, and the spare pod (index 2) takes its place at once. The run ends
+    bitwise equal to the unbroken one; `kubectl exec` into the controller answers status, logs and stacks."""
+    objects, workspace = supervised_job(tmp_path, "core", spares=1)
+    pods = SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE)
+    try:
+        controller = pods.controller()
+        workers = [pods.worker(index) for index in range(3)]
+        run_id = wait_for_line(pods, "controller", r"^harness: run (\S+): 2 node\(s\)", 240).group(1)
+        wait_for_line(pods, "controller", KILL_AT, 240)
+        os.kill(worker_pid(run_id, 1), signal.SIGKILL)
+        wait_for_line(pods, "controller", rf"^harness: run {run_id} attempt 1, 2 node\(s\) x 1 process\(es\) on "
+                                          rf"{workers[0]}, {workers[1]},", 120)
+        wait_for_line(pods, "controller", r"\[rank0\]: epoch 1/2 step 20/32 ", 240)
+        assert pods.delete(workers[1], grace=30) == 143
+        wait_for_line(pods, "controller", rf"^harness: run {run_id} attempt 2, 2 node\(s\) x 1 process\(es\) on "
+                                          rf"{workers[0]}, {workers[2]},", 120)
+        replaced = pods.worker(1)  # the Job controller's replacement, a new pod: scheduled, started, a spare now
+        assert controller.wait(timeout=300) == 0, pods.output("controller")
+        assert [pods.processes[name].wait(timeout=60) for name in (workers[0], workers[2], replaced)] == [0, 0, 0]
+    finally:
+        pods.end()
+    assert_same_weights(uninterrupted, final_weights(tmp_path))
+    runs = workspace / ".harness/runs"
+    summary = json.loads((runs / run_id / "summary.json").read_text())
+    assert [a["hosts"] for a in summary["attempts"]] == [workers[:2], workers[:2], [workers[0], workers[2]]]
+    assert [a["kind"] for a in summary["attempts"]] == ["infra", "infra", None], summary["attempts"]
+    assert summary["attempts"][1]["failures"][0]["host"] == workers[1]
+    assert_nothing_left(run_id)
+    exec_env = {"HARNESS_RUNS_DIR": str(runs), "PATH": os.environ["PATH"]}  # the controller container's own
+    status = harness("status", "latest", env=exec_env, cwd=workspace)
+    assert status.returncode == 0 and f"run {run_id}" in status.stdout and "succeeded" in status.stdout, status
+    logs = harness("logs", "latest", "--rank", "0", env=exec_env, cwd=workspace)
+    assert logs.returncode == 0 and "[rank0]: done: test_acc=" in logs.stdout, logs
+
+
+STALL = 10
+DETECT_WITHIN = STALL + 15  # seconds from the fault to the verdict, on a busy 2-core machine
+HEALTH_STEPS = REPO / "tests/scripts/health_steps.py"
+
+
+def user_job(project: Path, flavor: str, script: Path, restarts: str, **env: str) -> list[dict]:
+    """The user's script (shipped from project, the directory `harness render` runs in) as a supervised job."""
+    project.mkdir(parents=True)
+    (project / "train.py").write_bytes(script.read_bytes())
+    lines = "".join(f"  {key}: '{value}'\n" for key, value in env.items()) or "  {}\n"
+    (project / "job.yaml").write_text(
+        f"name: mine\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\nimage: registry.example/torch:2\n"
+        f"entrypoint: {{script: train.py}}\nenv:\n{lines}restarts: {restarts}\nhealth: {{stall: {STALL}}}\n"
+        f"k8s: {{port: {free_port()}}}\n")
+    return docs(project / "job.yaml", flavor, supervised=True)
+
+
+def test_supervised_a_rank_asleep_is_named_and_the_hang_fails_the_job_as_the_infrastructures(tmp_path):
+    """The workers in an image without the harness (torch only), the JobSet flavor: rank 1 asleep in its data
+    loading is found within stall + 15 s and named at its line (py-spy comes from the controller's image, by
+    the volume); the stacks are kept on the volume; no restart left, the controller ends with INFRA_EXIT (the
+    rule that fails the Job as the infrastructure's); every worker pod is dismissed, nothing is left."""
+    objects = user_job(tmp_path / "project", "jobset", HEALTH_STEPS, "{max: 0}", SLEEP_RANK="1", SLEEP_AT_STEP="25")
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    pods = SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, plain_python(tmp_path / "image"))
+    try:
+        controller = pods.controller()
+        workers = [pods.worker(index) for index in range(2)]
+        wait_for_line(pods, "controller", r"\[rank1\]: rank 1 sleeping in its step 25", 180)
+        asleep = time.monotonic()
+        verdict = wait_for_line(pods, "controller", r"^harness: hang: (no progress for .*?) \(stacks in (\S+)/\)$",
+                                DETECT_WITHIN + 30)
+        assert time.monotonic() - asleep < DETECT_WITHIN
+        assert controller.wait(timeout=120) == INFRA_EXIT, pods.output("controller")
+        assert [pods.processes[name].wait(timeout=60) for name in workers] == [0, 0]
+    finally:
+        pods.end()
+    script = tmp_path / "root/etc/harness/code/train.py"  # where the ConfigMap put it in the pods
+    sleep = next(n for n, line in enumerate(script.read_text().splitlines(), 1) if "time.sleep(3600)" in line)
+    assert re.fullmatch(rf"no progress for {STALL} s: rank 0 waits in all_reduce #\d+ at \S+ in train_step; rank 1 "
+                        rf"\(node1 on {workers[1]}\) has not reached #\d+, at {script}:{sleep} in fetch_batch: "
+                        rf"time.sleep\(3600\)", verdict.group(1)), verdict.group(1)
+    runs = workspace / ".harness/runs"
+    run_id = re.search(r"^harness: run (\S+):", pods.output("controller"), re.M).group(1)
+    assert verdict.group(2) == str(runs / run_id / "stacks/attempt-0")
+    asleep_stack = (runs / run_id / "stacks/attempt-0/rank1.txt").read_text()
+    assert f"fetch_batch ({script}:{sleep})\n        time.sleep(3600)" in asleep_stack, asleep_stack
+    assert_nothing_left(run_id, within=15)
+
+
+def test_supervised_a_program_failure_fails_the_job_at_once(tmp_path):
+    """A rank's own exit 1, not covered by restarts.on: the controller exits 1, the rule that fails the Job
+    (Kubernetes never retries a bug); the worker pods are dismissed."""
+    objects = user_job(tmp_path / "project", "core", REPO / "tests/scripts/ddp_sum.py", "{max: 2, on: infra}",
+                       FAIL_RANK="1", FAIL_AT_STEP="3")
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    pods = SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE)
+    try:
+        controller = pods.controller()
+        workers = [pods.worker(index) for index in range(2)]
+        assert controller.wait(timeout=180) == PROGRAM_EXIT, pods.output("controller")
+        assert [pods.processes[name].wait(timeout=60) for name in workers] == [0, 0]
+    finally:
+        pods.end()
+    assert re.search(r"^harness: run \S+ FAILED: first failure on node 1 \(\S+, global rank 1\): exit code 1 after "
+                     r"\S+ s \(program\)", pods.output("controller"), re.M), pods.output("controller")
+    rule = next(r for r in jobs_by_name(objects)["mine"]["podFailurePolicy"]["rules"]
+                if r.get("onExitCodes", {}).get("values") == [PROGRAM_EXIT])
+    assert rule["action"] == "FailJob"
+
+
+def test_supervised_deleting_every_pod_is_a_stop(tmp_path):
+    """`kubectl exec <controller> -- harness status|stacks latest` answer while it runs; `kubectl delete -f k8s/`:
+    SIGTERM to every pod at once, SIGKILL after its grace period: the controller stops every rank and records
+    the run as stopped; nothing is left running."""
+    objects = user_job(tmp_path / "project", "jobset", REPO / "tests/scripts/ddp_sum.py", "{max: 2, on: any}",
+                       STEPS="100000", STEP_SECONDS="0.05")
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    pods = SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE)
+    try:
+        pods.controller()
+        workers = [pods.worker(index) for index in range(2)]
+        run_id = wait_for_line(pods, "controller", r"^harness: run (\S+): 2 node\(s\)", 180).group(1)
+        wait_for_line(pods, "controller", r"\[rank0\]: step 10 ", 180)
+        exec_env = {"HARNESS_RUNS_DIR": str(workspace / ".harness/runs"), "PATH": os.environ["PATH"]}
+        status = harness("status", "latest", env=exec_env, cwd=workspace)  # kubectl exec <controller> -- harness ...
+        assert status.returncode == 0 and f"run {run_id}" in status.stdout and "running" in status.stdout, status
+        stacks = harness("stacks", "latest", env=exec_env, cwd=workspace)
+        assert stacks.returncode == 0 and f"1 (node1 on {workers[1]}, pid " in stacks.stdout, stacks
+        assert re.search(r"main \(\S+/etc/harness/code/train.py:\d+\)", stacks.stdout), stacks.stdout
+        stop = threading.Thread(target=lambda: hooks.append(pods.pre_stop("controller", pods.grace("controller"))))
+        hooks: list[subprocess.CompletedProcess[str] | None] = []
+        stop.start()  # the kubelets at once: the controller's preStop hook, then SIGTERM to each pod
+        for name in workers:
+            pods.processes[name].terminate()
+        stop.join()
+        pods.processes["controller"].terminate()
+        for name, process in pods.processes.items():
+            process.wait(timeout=pods.grace(name))
+        assert hooks[0] is not None and hooks[0].returncode == 0 and f"run {run_id} stopped" in hooks[0].stdout, hooks
+    finally:
+        pods.end()
+    summary = json.loads((workspace / ".harness/runs" / run_id / "summary.json").read_text())
+    # The workers' pods may go first: then attempt 0 failed (its pods lost), and no other started.
+    assert summary["status"] == "stopped" and [a["status"] for a in summary["attempts"]] in (["stopped"], ["failed"])
+    assert "attempt 1," not in pods.output("controller"), pods.output("controller")
+    assert_nothing_left(run_id)

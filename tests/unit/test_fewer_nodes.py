@@ -144,16 +144,21 @@ def test_a_record_without_attempt_sizes_still_reads(tmp_path: Path):
     assert read is not None and read.attempts[0].world_size is None and read.world_sizes == []
 
 
-@pytest.mark.parametrize("target,restarter", [("slurm", "this script's job Slurm requeues on nnodes nodes it allocates "
-                                                        "afresh (`harness launch --target slurm` goes on with fewer)"),
-                                              ("k8s", "Kubernetes (--flavor jobset) recreates all nnodes pods")])
-def test_a_scheduler_target_says_min_nnodes_does_not_apply_there(write_yaml, target, restarter):
+@pytest.mark.parametrize("flags,restarter", [(["--target", "slurm"], "this script's job Slurm requeues on nnodes "
+                                                                    "nodes it allocates afresh (`harness launch "
+                                                                    "--target slurm` goes on with fewer)"),
+                                             (["--target", "k8s", "--unsupervised"], "unsupervised, Kubernetes "
+                                                                                     "(--flavor jobset) recreates all "
+                                                                                     "nnodes pods")])
+def test_a_scheduler_target_says_min_nnodes_does_not_apply_there(write_yaml, flags, restarter):
     path = write_yaml("name: a\nnnodes: 3\nbackend: gloo\nentrypoint: {module: m}\nimage: registry/x:1\n"
                       "restarts: {max: 1, min_nnodes: 2}\n")
-    rendered = harness("render", str(path), "--target", target)
+    rendered = harness("render", str(path), *flags)
     assert rendered.returncode == 0, rendered.stderr
-    assert f"harness render: restarts.min_nnodes (2) is for nodes the harness starts itself (simulated, --hosts, " \
-           f"Slurm's nodes under `harness launch`); {restarter}\n" in rendered.stderr
+    assert f"harness render: restarts.min_nnodes (2) is for nodes the harness supervises (simulated, --hosts, " \
+           f"Slurm's nodes under `harness launch`, supervised pods); {restarter}\n" in rendered.stderr
+    supervised = harness("render", str(path), "--target", "k8s")
+    assert supervised.returncode == 0 and "min_nnodes" not in supervised.stderr, supervised.stderr
     plain = harness("render", str(write_yaml("name: a\nnnodes: 3\nentrypoint: {module: m}\nimage: registry/x:1\n")),
-                    "--target", target)
+                    *flags)
     assert plain.returncode == 0 and "min_nnodes" not in plain.stderr, plain.stderr

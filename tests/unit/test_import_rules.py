@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness.node import allreduce, netcheck, probe, waitport
+from harness.node import allreduce, netcheck, pod, probe
 from harness.node.boot import BOOT, shipped, siblings
 from harness.node.protocol import Kind, message_line
 from harness.plan.planner import NodePlan
@@ -243,14 +243,17 @@ def test_the_tree_kill_runs_sealed(tmp_path: Path) -> None:
         sleeper.kill()
 
 
-def test_waitport_runs_sealed(tmp_path: Path) -> None:
-    """As Kubernetes workers run it, from the ConfigMap: `python -I /etc/harness/waitport.py HOST PORT`."""
+def test_the_pods_program_runs_sealed(tmp_path: Path) -> None:
+    """As Kubernetes workers run it, from the ConfigMap: `python -I /etc/harness/pod.py wait|serve HOST PORT`."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = str(server.getsockname()[1])
-        up = sealed([str(waitport.__file__), "127.0.0.1", port, "--timeout", "5"], tmp_path)
+        up = sealed([str(pod.__file__), "wait", "127.0.0.1", port, "--timeout", "5"], tmp_path)
     assert up.returncode == 0 and "master reachable after" in up.stdout, up.stderr
-    down = sealed([str(waitport.__file__), "127.0.0.1", port, "--timeout", "1"], tmp_path)
-    assert down.returncode == 1 and f"127.0.0.1:{port} not reachable after 1 s" in down.stderr, down.stderr
+    down = sealed([str(pod.__file__), "wait", "127.0.0.1", port, "--timeout", "1"], tmp_path)
+    assert down.returncode == pod.CONTROLLER_LOST and f"127.0.0.1:{port} not reachable after 1 s" in down.stderr, \
+        down.stderr
+    alone = sealed([str(pod.__file__), "serve", "127.0.0.1", port, "--timeout", "1"], tmp_path)
+    assert alone.returncode == pod.CONTROLLER_LOST and f"no controller at 127.0.0.1:{port} for 1 s" in alone.stdout
 
 
 def test_allreduce_is_a_torchrun_module_of_the_harness() -> None:

@@ -97,7 +97,7 @@ def test_the_pin_is_in_the_env_and_in_the_rendered_plan():
 
 def test_the_job_interface_reaches_kubernetes_pods_and_slurm_nodes():
     spec = _job(network={"interface": "eth1"}, image="registry/harness:1")
-    manifests = "\n".join(str(doc) for doc in render_manifests(spec, "", "core", code={}))
+    manifests = "\n".join(str(doc) for doc in render_manifests(spec, "", "core", code={}, supervised=False))
     assert "{'name': 'GLOO_SOCKET_IFNAME', 'value': 'eth1'}" in manifests
     assert "{'name': 'NCCL_SOCKET_IFNAME', 'value': '=eth1'}" in manifests
     script = batch_script(spec, "job.yaml")

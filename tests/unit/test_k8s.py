@@ -39,6 +39,7 @@ from harness.targets.k8s.manifests import (
     object_names,
     render_manifests,
 )
+from harness.targets.k8s.supervised import CONTROLLER, INFRA_EXIT, PROGRAM_EXIT, RUNS_DIR, WORKER
 
 from conftest import REPO, free_port, harness
 from k8s_jobs import (
@@ -49,6 +50,7 @@ from k8s_jobs import (
     docs,
     in_pod,
     job_spec,
+    jobs_by_name,
     materialize,
     pod_dns,
     render_in,
@@ -72,11 +74,9 @@ def small(write_yaml, extra: str = "", script: str = "train.py", name: str = "sm
     return path
 
 
-def cifar(flavor: str) -> list[dict]:
-    """jobs/cifar.yaml as committed under k8s/ (core), or rendered fresh (jobset)."""
-    if flavor == "core":
-        return list(yaml.safe_load_all((REPO / "k8s/cifar.yaml").read_text()))
-    return docs(REPO / "jobs/cifar.yaml", flavor)
+def cifar(flavor: str, supervised: bool = False) -> list[dict]:
+    """jobs/cifar.yaml rendered (k8s/ holds the supervised core flavor: test_committed_manifests_...)."""
+    return docs(REPO / "jobs/cifar.yaml", flavor, supervised=supervised)
 
 
 def template_as_job(jobset: dict) -> dict:
@@ -114,7 +114,7 @@ def test_strict_schema_validation(source, flavor, write_yaml, tmp_path):
 
 def test_strict_validation_rejects_an_unknown_field():
     """The validator is real: a typo'd field fails, so the test above can fail too."""
-    job = by_kind(list(yaml.safe_load_all((REPO / "k8s/cifar.yaml").read_text())))["Job"]
+    job = by_kind(cifar("core"))["Job"]
     job["spec"]["template"]["spec"]["subDomain"] = job["spec"]["template"]["spec"].pop("subdomain")
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
@@ -196,7 +196,7 @@ def test_api_check_rejects_what_the_api_does_not_have(edit, problem):
 
 
 def test_objects_agree_with_each_other():
-    objects = list(yaml.safe_load_all((REPO / "k8s/cifar.yaml").read_text()))
+    objects = cifar("core")
     kinds = by_kind(objects)
     service, job = kinds["Service"], kinds["Job"]
     pod = job["spec"]["template"]
@@ -383,11 +383,18 @@ def test_cli_renders_the_jobset_flavor(write_yaml, tmp_path):
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "small.yaml").read_text()
     assert text.startswith(f"# Rendered by `harness render {path} --target k8s --flavor jobset`")
-    assert [o["kind"] for o in yaml.safe_load_all(text)] == ["ConfigMap", "PersistentVolumeClaim", "JobSet"]
+    assert [o["kind"] for o in yaml.safe_load_all(text)] == ["ConfigMap", "PersistentVolumeClaim", "JobSet",
+                                                             "NetworkPolicy"]
     default = render_in(tmp_path, str(path), "--target", "k8s")
     assert default.returncode == 0 and default.stdout == render_in(tmp_path, str(path), "--target", "k8s",
                                                                    "--flavor", "core").stdout
-    assert [o["kind"] for o in yaml.safe_load_all(default.stdout)][-1] == "Job"
+    assert [o["kind"] for o in yaml.safe_load_all(default.stdout)] == ["ConfigMap", "PersistentVolumeClaim", "Service",
+                                                                       "Job", "Job", "NetworkPolicy"]
+    bare = render_in(tmp_path, str(path), "--target", "k8s", "--flavor", "jobset", "--unsupervised")
+    assert bare.stdout.startswith(f"# Rendered by `harness render {path} --target k8s --flavor jobset --unsupervised`")
+    assert [o["kind"] for o in yaml.safe_load_all(bare.stdout)] == ["ConfigMap", "PersistentVolumeClaim", "JobSet"]
+    refused = harness("render", str(path), "--unsupervised")
+    assert refused.returncode == 2 and "--unsupervised is for --target k8s" in refused.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -415,7 +422,7 @@ def test_a_relative_script_is_shipped_and_run_from_the_code_directory(write_yaml
     args = pod["spec"]["containers"][0]["args"]
     assert args[-6] == (f"{CODE_DIR}/{shipped[0]}" if shipped else script)  # SMALL's 5 arguments follow it
     volume = next(v["configMap"] for v in pod["spec"]["volumes"] if v["name"] == "spec")
-    assert [item["path"] for item in volume["items"]] == ["job.yaml", "waitport.py", *(f"code/{p}" for p in shipped)]
+    assert [item["path"] for item in volume["items"]] == ["job.yaml", "pod.py", *(f"code/{p}" for p in shipped)]
     assert (CODE_DIGEST in pod["metadata"].get("annotations", {})) == bool(shipped)
 
 
@@ -434,7 +441,7 @@ def test_files_and_binary_files_land_in_the_configmap_laid_out_by_the_volume_ite
     assert {p.relative_to(etc / "code").as_posix(): p.read_bytes() for p in (etc / "code").rglob("*")
             if p.is_file()} == USER_FILES
     assert (etc / "job.yaml").read_bytes() == spec_path.read_bytes()
-    assert (etc / "waitport.py").read_bytes() == (REPO / "harness/node/waitport.py").read_bytes()
+    assert (etc / "pod.py").read_bytes() == (REPO / "harness/node/pod.py").read_bytes()
     template = job_spec(objects)["template"]
     assert {"name": "spec", "mountPath": "/etc/harness", "readOnly": True} in template["spec"]["containers"][0]["volumeMounts"]
     edited = render_manifests(spec, spec_path.read_text(), code=code | {"model.py": b"# edited\n"})
@@ -471,7 +478,67 @@ def test_cli_refuses_missing_or_oversized_code_and_writes_nothing(write_yaml, tm
     write_files(tmp_path, USER_FILES | {"configs/big.bin": bytes(MAX_CONFIGMAP)})
     big = render_in(tmp_path, "job.yaml", "--target", "k8s", "--out", "k8s")
     size = MAX_CONFIGMAP + sum(map(len, USER_FILES.values())) + len(spec_path.read_bytes()) + \
-        len((REPO / "harness/node/waitport.py").read_bytes())
+        len((REPO / "harness/node/pod.py").read_bytes())
     assert big.returncode == 2 and f"job.yaml:9:1: files: the ConfigMap own-spec would hold {size} bytes (the spec " \
         f"and 5 shipped file(s)), over Kubernetes' limit of 1048576 (1 MiB); bake the code into the image" in big.stderr
     assert not (tmp_path / "k8s").exists()
+
+
+@pytest.mark.parametrize("flavor", ["core", "jobset"])
+def test_supervised_objects_pass_the_api_schemas_and_agree_with_each_other(flavor, write_yaml):
+    """The controller's Job (the run: named after the job; its exit codes the failure policy's), the workers'
+    Indexed Job (nnodes + spares pods dialing the controller's Service), the NetworkPolicy that lets only the
+    job's pods reach the controller; every Job against Kubernetes' schema, the JobSet against its API."""
+    spec_text = (REPO / "jobs/cifar.yaml").read_text() + "k8s: {spares: 1, port: 29444}\n"
+    spec = load_job(write_yaml(spec_text))
+    objects = render_manifests(spec, spec_text, flavor, code={})
+    kinds = {"core": ["Service", "Job", "Job", "NetworkPolicy"], "jobset": ["JobSet", "NetworkPolicy"]}[flavor]
+    assert [o["kind"] for o in objects] == ["ConfigMap", "PersistentVolumeClaim", *kinds]
+    jobs = jobs_by_name(objects)
+    controller, workers = (jobs["cifar"], jobs["cifar-node"]) if flavor == "core" else \
+        (jobs[CONTROLLER], jobs[WORKER])
+    for name, job in jobs.items():
+        kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+                                      "spec": job}, K8S_VERSION, strict=True)
+    for obj in objects:
+        if obj["kind"] == "JobSet":
+            assert api_problems(obj) == []
+            assert obj["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": [CONTROLLER]}
+            assert obj["spec"]["failurePolicy"] == {"maxRestarts": 0}
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+    lead = controller["template"]["spec"]["containers"][0]
+    assert lead["command"] == ["harness", "k8s-controller", "/etc/harness/job.yaml"] and lead["image"] == spec.image
+    assert {"name": "HARNESS_RUNS_DIR", "value": RUNS_DIR} in lead["env"]  # `kubectl exec` finds the run there
+    assert lead["lifecycle"]["preStop"]["exec"]["command"][:3] == ["harness", "stop", "latest"]
+    assert int(lead["lifecycle"]["preStop"]["exec"]["command"][-1]) < \
+        controller["template"]["spec"]["terminationGracePeriodSeconds"]
+    rules = controller["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert [(r["action"], r["onExitCodes"]["values"], r["onExitCodes"]["containerName"]) for r in rules[1:]] == \
+        [("FailJob", [PROGRAM_EXIT], lead["name"]), ("FailJob", [INFRA_EXIT], lead["name"])]
+    assert controller["backoffLimit"] == 0 and "completionMode" not in controller
+
+    assert workers["completionMode"] == "Indexed" and workers["completions"] == workers["parallelism"] == 3
+    worker = workers["template"]["spec"]["containers"][0]
+    assert worker["command"] == ["python", "-I", "/etc/harness/pod.py"] and worker["image"] == spec.image
+    dialed, port = worker["args"][1], int(worker["args"][2])
+    assert worker["args"][0] == "serve" and port == 29444 == lead["ports"][0]["containerPort"]
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in worker["env"]} == \
+        {"POD_NAME": "metadata.name", "POD_INDEX": COMPLETION_INDEX, "NODE_NAME": "spec.nodeName"}
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    controller_labels = controller["template"]["metadata"]["labels"]
+    if flavor == "core":
+        service = by_kind(objects)["Service"]
+        assert dialed == service["metadata"]["name"] and service["spec"]["ports"][0]["port"] == port
+        assert service["spec"]["selector"].items() <= controller_labels.items()
+        assert not service["spec"]["selector"].items() <= workers["template"]["metadata"]["labels"].items()
+    else:
+        jobset = by_kind(objects)["JobSet"]
+        assert dialed == f"cifar-{CONTROLLER}-0-0.{jobset['spec']['network']['subdomain']}"
+    policy = by_kind(objects)["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= controller_labels.items()
+    allowed = policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert allowed.items() <= workers["template"]["metadata"]["labels"].items()
+    assert policy["ingress"][0]["ports"] == [{"port": port, "protocol": "TCP"}]

@@ -53,7 +53,7 @@ def test_local_rank_arg_reaches_slurm_and_kubernetes_as_torchruns_macro(write_ya
                                "  script: /opt/code/train.py\n  local_rank_arg: --local_rank\n  args: [--lr, $x]\n"))
     script = batch_script(spec, "job.yaml")
     assert "  /opt/code/train.py '--local_rank=${local_rank}' --lr '$$x'\n" in script, script
-    container = render_manifests(spec, "", code={})[-1]["spec"]["template"]["spec"]["containers"][0]
+    container = render_manifests(spec, "", code={}, supervised=False)[-1]["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][-4:] == ["/opt/code/train.py", "--local_rank=$${local_rank}", "--lr", "$$$$x"]
 
 

@@ -172,7 +172,7 @@ def test_sbatch_picks_the_auto_port_on_the_master_node() -> None:
 
 
 def test_pods_rendezvous_on_torchruns_port_when_auto() -> None:
-    docs = render_manifests(_auto_spec(image="registry/h:1"), "", "core", code={})
+    docs = render_manifests(_auto_spec(image="registry/h:1"), "", "core", code={}, supervised=False)
     text = str(docs)
     assert f"'containerPort': {TORCHRUN_PORT}" in text and f"--master-port={TORCHRUN_PORT}" in text
 

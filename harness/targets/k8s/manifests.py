@@ -1,15 +1,16 @@
-"""Spec -> Kubernetes manifests, in one of two flavors around the same Indexed Job of nnodes pods.
+"""Spec -> Kubernetes manifests: the ConfigMap (the spec, node/pod.py, the job's code) and the volume every
+pod shares, then the pods. Supervised (the default, k8s.supervised): the harness's controller pod and its worker
+pods (supervised.py). Unsupervised: pods that run torchrun bare, in one of two flavors around the same Indexed
+Job of nnodes pods: core, a headless Service and the Indexed Job, core objects only; jobset, the same Job as
+the one replicatedJob of a JobSet (jobset.x-k8s.io/v1alpha2), which restarts the whole group up to
+restarts.max times (it needs the JobSet controller installed in the cluster).
 
-core: a headless Service and the Indexed Job, core objects only. jobset: the same Job as the one
-replicatedJob of a JobSet (jobset.x-k8s.io/v1alpha2), which restarts the whole group up to
-restarts.max times; it needs the JobSet controller installed in the cluster.
+Bare pods run the same torchrun arguments and env contract as every other backend (plan.torchrun_args and
+plan.node_env); values known only in the pod (node rank, restart attempt) come from the downward API.
 
-The pods run the same torchrun arguments and env contract as every other backend (plan.torchrun_args
-and plan.node_env); values known only in the pod (node rank, restart attempt) come from the downward API.
-
-The pods need nothing of the harness: the wait for the master is waitport.py's source, and the job's own
-code (a relative entrypoint.script, `files:`) travels in the job's ConfigMap with the spec, read from disk
-by code_files alone, so that the rendering itself stays pure.
+The pods need nothing of the harness: the wait for the master (or, supervised, the link to the controller) is
+node/pod.py's source, and the job's own code (a relative entrypoint.script, `files:`) travels in the job's
+ConfigMap with the spec, read from disk by code_files alone, so that the rendering itself stays pure.
 """
 
 from __future__ import annotations
@@ -19,32 +20,37 @@ import copy
 import hashlib
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import yaml
 
-from harness import __version__
 from harness.plan.planner import TORCHRUN_MODULE, node_env, planned_port, resolve_nproc, torchrun_args
 from harness.plan.setup_script import setup_script, with_setup
 from harness.spec.job import JobSpec
 from harness.spec.yamlsource import KeyPath, located
+from harness.targets.k8s.objects import (
+    CODE_DIR,
+    CODE_SUBDIR,
+    COMPLETION_INDEX,
+    CONTAINER,
+    IMAGE_UID,
+    JOBSET_API,
+    MAX_NAME,
+    POD_SCRIPT,
+    SPEC_DIR,
+    WORKDIR,
+    Shipped,
+    labels,
+    pod_resources,
+    short,
+)
+from harness.targets.k8s.supervised import supervised_core, supervised_jobset
 
 Flavor = Literal["core", "jobset"]
-MAX_NAME = 63
-WORKDIR = "/workspace"
-SPEC_DIR = "/etc/harness"  # the ConfigMap, read-only: job.yaml, waitport.py and code/
-CODE_SUBDIR = "code"
-CODE_DIR = f"{SPEC_DIR}/{CODE_SUBDIR}"  # the shipped code: not under WORKDIR, which the volume hides
-WAITPORT = f"{SPEC_DIR}/waitport.py"
-WAITPORT_SOURCE = (Path(__file__).parents[2] / "node" / "waitport.py").read_text(encoding="utf-8")
+POD_SOURCE = (Path(__file__).parents[2] / "node" / "pod.py").read_text(encoding="utf-8")
 MAX_CONFIGMAP = 1 << 20  # Kubernetes' limit on a ConfigMap's data and binaryData together, in bytes
 CODE_DIGEST = "harness/code-sha256"  # pod template annotation: which code the pods were given
-CONTAINER = "torchrun"
-IMAGE_UID = 1000  # docker/Dockerfile's user; fsGroup makes the shared volume writable for it
-COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "node"  # pods are <jobset>-node-0-<index>: node <index> of the one Job
 # The JobSet controller labels and annotates every pod with how often it restarted the whole set
 # (jobset.status.restarts: 0, 1, ...), i.e. the 0-based attempt. Annotation, as for the completion index.
@@ -60,7 +66,7 @@ _RANK_SENTINEL = "\0node-rank\0"
 # (the kubelet's $(PYTHONPATH) would only see the job's env).
 START_SCRIPT = (
     'if [ "$NODE_RANK" != "0" ]; then '
-    f'python -I {WAITPORT} "$MASTER_ADDR" "$MASTER_PORT" --timeout "$HARNESS_RDZV_TIMEOUT" '
+    f'python -I {POD_SCRIPT} wait "$MASTER_ADDR" "$MASTER_PORT" --timeout "$HARNESS_RDZV_TIMEOUT" '
     f'|| exit {RDZV_WAIT_EXIT}; '
     'fi; '
     f'[ ! -d {CODE_DIR} ] || export PYTHONPATH="{CODE_DIR}${{PYTHONPATH:+:$PYTHONPATH}}"; '
@@ -79,30 +85,14 @@ POD_FAILURE_POLICY: dict[str, Any] = {"rules": [
 ]}
 
 
-@dataclass(frozen=True)
-class _Shipped:
-    """What every pod gets from the ConfigMap: the volume's items, and annotations that name the code."""
-
-    items: list[dict[str, str]]
-    annotations: dict[str, str]
-
-
-def _short(name: str, limit: int) -> str:
-    """Deterministic, still-unique shortening: a prefix plus a hash of the whole name."""
-    if len(name) <= limit:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[: limit - 9].rstrip('-')}-{digest}"
-
-
 def object_names(spec: JobSpec) -> dict[str, str]:
     """Pod hostnames must stay DNS labels: `<job>-<index>` (core) and `<jobset>-node-0-<index>` (JobSet,
     whose pod names add a 5-character suffix). Service names, and so JobSet names (the JobSet names
     its Service, Jobs and pods after itself), must start with a letter."""
     last = str(spec.nnodes - 1)
-    job = _short(spec.name, MAX_NAME - 1 - len(last))
-    service = job if job[0].isalpha() else _short(f"svc-{job}", MAX_NAME)
-    jobset = _short(spec.name if spec.name[0].isalpha() else f"js-{spec.name}",
+    job = short(spec.name, MAX_NAME - 1 - len(last))
+    service = job if job[0].isalpha() else short(f"svc-{job}", MAX_NAME)
+    jobset = short(spec.name if spec.name[0].isalpha() else f"js-{spec.name}",
                     MAX_NAME - len(f"-{REPLICATED_JOB}-0-{last}-xxxxx"))
     # One claim name for both flavors: switching flavor keeps the data and checkpoints.
     return {"job": job, "service": service, "jobset": jobset, "configmap": f"{job}-spec", "pvc": f"{job}-work"}
@@ -111,17 +101,6 @@ def object_names(spec: JobSpec) -> dict[str, str]:
 def _escape(value: str) -> str:
     """The kubelet expands $(VAR) in command, args and env; `$$` is its escape for a literal `$`."""
     return value.replace("$", "$$").replace(_RANK_SENTINEL, "$(NODE_RANK)")
-
-
-def _labels(names: dict[str, str]) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": names["job"],
-        "app.kubernetes.io/instance": names["job"],
-        "app.kubernetes.io/component": CONTAINER,
-        "app.kubernetes.io/part-of": "harness",
-        "app.kubernetes.io/managed-by": "harness",
-        "app.kubernetes.io/version": __version__,
-    }
 
 
 def _selector(names: dict[str, str]) -> dict[str, str]:
@@ -141,13 +120,6 @@ def _container(spec: JobSpec, run_id: str, master: str, nproc: int, downward: di
     env_list: list[dict[str, Any]] = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}}
                                       for k, path in downward.items()]
     env_list += [{"name": k, "value": _escape(v)} for k, v in env.items() if k not in downward]
-    limits: dict[str, str] = {}
-    requests: dict[str, str] = {}
-    for key, value in (("cpu", spec.resources.cpu), ("memory", spec.resources.memory)):
-        if value is not None:
-            limits[key] = requests[key] = value
-    if spec.resources.gpus:
-        limits["nvidia.com/gpu"] = str(spec.resources.gpus)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image,
@@ -163,18 +135,18 @@ def _container(spec: JobSpec, run_id: str, master: str, nproc: int, downward: di
             {"name": "work", "mountPath": WORKDIR},
         ],
     }
-    if limits:
-        container["resources"] = {"limits": limits} | ({"requests": requests} if requests else {})
+    if resources := pod_resources(spec):
+        container["resources"] = resources
     return container
 
 
-def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped, *, master: str,
+def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, shipped: Shipped, *, master: str,
                       subdomain: str, downward: dict[str, str]) -> dict[str, Any]:
     """The Job of both flavors: nnodes pods at once, node rank = completion index, none ever retried alone."""
     shm: dict[str, Any] = {"medium": "Memory"}
     if spec.resources.shm_size:
         shm["sizeLimit"] = spec.resources.shm_size
-    metadata: dict[str, Any] = {"labels": _labels(names)}
+    metadata: dict[str, Any] = {"labels": labels(names)}
     if shipped.annotations:
         metadata["annotations"] = shipped.annotations
     return {
@@ -202,12 +174,12 @@ def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, shipped:
     }
 
 
-def _core(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped) -> list[dict[str, Any]]:
+def _core(spec: JobSpec, names: dict[str, str], nproc: int, shipped: Shipped) -> list[dict[str, Any]]:
     """A headless Service for the pods' DNS names and the bare Job (no restarts: HARNESS_ATTEMPT is 0)."""
-    labels = _labels(names)
+    common = labels(names)
     service = {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": names["service"], "labels": labels},
+        "metadata": {"name": names["service"], "labels": common},
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -219,7 +191,7 @@ def _core(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped) -
     master = f"{names['job']}-0.{names['service']}"
     job = {
         "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": names["job"], "labels": labels},
+        "metadata": {"name": names["job"], "labels": common},
         "spec": _indexed_job_spec(spec, names, nproc, shipped, master=master, subdomain=names["service"],
                                   downward={"NODE_RANK": COMPLETION_INDEX}),
     }
@@ -240,7 +212,7 @@ def _failure_rules(spec: JobSpec) -> list[dict[str, Any]]:
             restart | {"name": "restartOnInfraFailure"}]
 
 
-def _jobset(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped) -> dict[str, Any]:
+def _jobset(spec: JobSpec, names: dict[str, str], nproc: int, shipped: Shipped) -> dict[str, Any]:
     """The core Job as the one replicatedJob of a JobSet that recreates it whole on failure.
 
     No Service of ours: network.enableDNSHostnames makes the JobSet controller create the headless
@@ -253,7 +225,7 @@ def _jobset(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped)
                                  downward={"NODE_RANK": COMPLETION_INDEX, "HARNESS_ATTEMPT": RESTART_ATTEMPT})
     return {
         "apiVersion": JOBSET_API, "kind": "JobSet",
-        "metadata": {"name": names["jobset"], "labels": _labels(names)},
+        "metadata": {"name": names["jobset"], "labels": labels(names)},
         "spec": {
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": subdomain},
             # Recreate (JobSet's default, explicit here): a restart deletes every Job with its pods and
@@ -265,7 +237,7 @@ def _jobset(spec: JobSpec, names: dict[str, str], nproc: int, shipped: _Shipped)
             "replicatedJobs": [{
                 "name": REPLICATED_JOB,
                 "replicas": 1,
-                "template": {"metadata": {"labels": _labels(names)}, "spec": job_spec},
+                "template": {"metadata": {"labels": labels(names)}, "spec": job_spec},
             }],
         },
     }
@@ -321,9 +293,9 @@ def _code_key(index: int, path: str) -> str:
 
 def _configmap(spec: JobSpec, spec_text: str, names: dict[str, str], code: Mapping[str, bytes]
                ) -> tuple[dict[str, Any], list[dict[str, str]]]:
-    """The ConfigMap (spec, waitport, code: text as data, anything else as binaryData) and the volume
+    """The ConfigMap (spec, pod.py, code: text as data, anything else as binaryData) and the volume
     items that lay it out under SPEC_DIR."""
-    data = {"job.yaml": spec_text, "waitport.py": WAITPORT_SOURCE}
+    data = {"job.yaml": spec_text, "pod.py": POD_SOURCE}
     binary: dict[str, str] = {}
     items = [{"key": key, "path": key} for key in data]
     for index, (path, content) in enumerate(sorted(code.items())):
@@ -333,7 +305,7 @@ def _configmap(spec: JobSpec, spec_text: str, names: dict[str, str], code: Mappi
         except UnicodeDecodeError:
             binary[key] = base64.b64encode(content).decode("ascii")
         items.append({"key": key, "path": f"{CODE_SUBDIR}/{path}"})
-    size = len(spec_text.encode()) + len(WAITPORT_SOURCE.encode()) + sum(len(content) for content in code.values())
+    size = len(spec_text.encode()) + len(POD_SOURCE.encode()) + sum(len(content) for content in code.values())
     if size > MAX_CONFIGMAP:
         raise located(spec.source, ("files",) if spec.files else ("entrypoint", "script"),
                       f"the ConfigMap {names['configmap']} would hold {size} bytes (the spec and {len(code)} "
@@ -341,7 +313,7 @@ def _configmap(spec: JobSpec, spec_text: str, names: dict[str, str], code: Mappi
                       f"image and give entrypoint.script as an absolute path there")
     configmap = {
         "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": names["configmap"], "labels": _labels(names)},
+        "metadata": {"name": names["configmap"], "labels": labels(names)},
         "data": data,
     }
     if binary:
@@ -356,10 +328,12 @@ def _code_digest(code: Mapping[str, bytes]) -> str:
     return digest.hexdigest()
 
 
-def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core", *,
-                     code: Mapping[str, bytes]) -> list[dict[str, Any]]:
-    """ConfigMap (the spec, waitport.py and code: what code_files collected), PVC (data + checkpoints, so a
-    re-applied job resumes), then the flavor's objects: Service + Job (core) or JobSet (jobset)."""
+def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core", *, code: Mapping[str, bytes],
+                     supervised: bool | None = None) -> list[dict[str, Any]]:
+    """ConfigMap (the spec, pod.py and code: what code_files collected), PVC (data + checkpoints, so a
+    re-applied job resumes), then the flavor's objects. supervised (default: k8s.supervised): the controller
+    and worker pods of targets/k8s/supervised.py; else pods that run torchrun bare: Service + Job (core) or
+    JobSet (jobset)."""
     if spec.image is None:
         raise located(spec.source, ("image",), "required to render for Kubernetes: the container image every pod "
                                                "runs (e.g. registry/harness:0.1.0)")
@@ -371,10 +345,13 @@ def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core", *,
     configmap, items = _configmap(spec, spec_text, names, code)
     pvc = {
         "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": names["pvc"], "labels": _labels(names)},
+        "metadata": {"name": names["pvc"], "labels": labels(names)},
         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": spec.resources.storage}}},
     }
-    shipped = _Shipped(items, {CODE_DIGEST: _code_digest(code)} if code else {})
+    shipped = Shipped(items, {CODE_DIGEST: _code_digest(code)} if code else {})
+    if spec.k8s.supervised if supervised is None else supervised:
+        render = supervised_jobset if flavor == "jobset" else supervised_core
+        return [configmap, pvc, *render(spec, names, shipped, CODE_DIR if code else None)]
     if flavor == "jobset":
         return [configmap, pvc, _jobset(spec.script_under(CODE_DIR), names, nproc, shipped)]
     return [configmap, pvc, *_core(spec.script_under(CODE_DIR), names, nproc, shipped)]
@@ -404,11 +381,12 @@ _PlainDumper.add_representer(str, _str)
 
 
 def manifests_yaml(spec: JobSpec, spec_text: str, source: str, flavor: Flavor = "core", *,
-                   code: Mapping[str, bytes], command: str | None = None) -> str:
+                   code: Mapping[str, bytes], command: str | None = None, supervised: bool | None = None) -> str:
     """source: the spec file; command: the command that renders them, where the spec came from flags instead."""
     command = command or \
-        f"harness render {source} --target k8s" + (f" --flavor {flavor}" if flavor != "core" else "")
+        f"harness render {source} --target k8s" + (f" --flavor {flavor}" if flavor != "core" else "") + \
+        (" --unsupervised" if supervised is False else "")
     header = f"# Rendered by `{command}`; do not edit, re-render.\n"
     docs = [yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120)
-            for doc in render_manifests(spec, spec_text, flavor, code=code)]
+            for doc in render_manifests(spec, spec_text, flavor, code=code, supervised=supervised)]
     return header + "---\n".join(docs)

@@ -1,0 +1,235 @@
+"""What a worker pod of a rendered Kubernetes job runs, from the job's ConfigMap, with the standard library
+only: the pod's image needs Python and torch, never the harness.
+
+    python -I pod.py wait HOST PORT [--timeout S]    unsupervised: wait for the master's rendezvous port
+    python -I pod.py serve HOST PORT [--timeout S]   supervised: serve the run's controller
+
+wait: pods start in any order and pod 0's DNS record appears only once it is scheduled; torchrun alone
+would retry silently until its own timeout. This says what it waits for and fails clearly.
+
+serve: the pod dials the run's controller (its Service) and says who it is (HELLO: the pod, its completion
+index, its Kubernetes node, its Python and directory). Each connection is one session: the controller sends
+one line, a node agent's command and environment to run (then the connection is that agent's stdin and
+stdout, as an SSH channel is: targets/k8s/pods.py), or the exit code to end the pod with when the run is over.
+The pod always keeps one connection waiting, so the next attempt's agent (or a standby, beside a running
+one) starts without a new pod: restarts happen in place. A controller out of reach for --timeout seconds is
+the end (exit CONTROLLER_LOST). SIGTERM (the pod deleted, a stop) ends each agent's stdin: the agent stops
+its node in its grace period, then the pod exits 143.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+HELLO = "HARNESS-POD "  # the first line a pod sends, then its facts as JSON
+CONTROLLER_LOST = 75  # EX_TEMPFAIL: the controller (or, unsupervised, the master) never answered
+READ_BYTES = 1 << 16
+
+
+def wait_for_port(host: str, port: int, timeout: float, interval: float = 1.0) -> float:
+    """Seconds waited until a connection succeeded; TimeoutError names the last failure."""
+    start = time.monotonic()
+    last = "no attempt"
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(interval * 2, 5)):
+                return time.monotonic() - start
+        except socket.gaierror as exc:
+            last = f"name does not resolve yet ({exc.strerror})"
+        except OSError as exc:
+            last = exc.strerror or str(exc)
+        if time.monotonic() - start + interval > timeout:
+            raise TimeoutError(f"{host}:{port} not reachable after {timeout:.0f} s (last error: {last})")
+        time.sleep(interval)
+
+
+def wait(host: str, port: int, timeout: float) -> int:
+    print(f"harness: waiting for the master's rendezvous port {host}:{port}", flush=True)
+    try:
+        waited = wait_for_port(host, port, timeout)
+    except TimeoutError as exc:
+        print(f"harness: {exc}; is node 0 running and is the port open between pods?", file=sys.stderr)
+        return CONTROLLER_LOST
+    print(f"harness: master reachable after {waited:.1f} s", flush=True)
+    return 0
+
+
+def hello() -> dict[str, Any]:
+    """Who this pod is, from the downward API's variables (the manifests set them) and the process itself."""
+    env = os.environ
+    return {"pod": env.get("POD_NAME") or socket.gethostname(), "index": int(env.get("POD_INDEX") or 0),
+            "machine": env.get("NODE_NAME") or "", "python": sys.executable, "workdir": os.getcwd()}
+
+
+class Pod:
+    """The pod's sessions: one connection waiting for the controller's word, any number running agents."""
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+        self.agents: set[subprocess.Popen[bytes]] = set()
+        self.sessions: set[socket.socket] = set()  # the running agents' connections
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.waiting: socket.socket | None = None  # the connection waiting for the controller's word
+
+    def connect(self) -> socket.socket | None:
+        """A connection to the controller that has said HELLO; None when none came for the timeout."""
+        started, said = time.monotonic(), False
+        while not self.stopping.is_set():
+            try:
+                link = socket.create_connection((self.host, self.port), timeout=10)
+                link.settimeout(None)
+                link.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                link.sendall((HELLO + json.dumps(hello()) + "\n").encode())
+                return link
+            except OSError as exc:
+                if not said:
+                    print(f"harness pod: waiting for the controller at {self.host}:{self.port} ({exc.strerror or exc})",
+                          flush=True)
+                    said = True
+            if time.monotonic() - started > self.timeout:
+                return None
+            self.stopping.wait(1.0)
+        return None
+
+    def serve(self) -> int:
+        while True:
+            link = self.connect()
+            if link is None:
+                if self.stopping.is_set():
+                    return 128 + signal.SIGTERM
+                print(f"harness pod: no controller at {self.host}:{self.port} for {self.timeout:g} s: ending",
+                      flush=True)
+                return CONTROLLER_LOST
+            self.waiting = link
+            order, rest = _line(link)
+            self.waiting = None
+            if order is None:  # the controller went away (or restarts): dial again
+                link.close()
+                continue
+            if "exit" in order:
+                link.close()
+                self.end_agents()
+                return int(order["exit"])
+            threading.Thread(target=self.run, args=(link, order, rest), daemon=True).start()
+
+    def run(self, link: socket.socket, order: dict[str, Any], rest: bytes) -> None:
+        """One agent, its stdin and stdout on the link, until it ends."""
+        try:
+            agent = subprocess.Popen(order["run"], env=os.environ | order.get("env", {}), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            link.sendall(f"harness pod: cannot start the node agent: {exc}\n".encode())
+            link.close()
+            return
+        with self.lock:
+            self.agents.add(agent)
+            self.sessions.add(link)
+        threading.Thread(target=_feed, args=(link, agent, rest), daemon=True).start()
+        assert agent.stdout is not None
+        forward = True
+        while chunk := os.read(agent.stdout.fileno(), READ_BYTES):
+            try:
+                if forward:
+                    link.sendall(chunk)
+            except OSError:  # the controller is gone, or the pod is: the agent sees its stdin end
+                forward = False  # and stops its node; what it says meanwhile is read, so that it never blocks
+        agent.wait()
+        with self.lock:
+            self.agents.discard(agent)
+            self.sessions.discard(link)
+        link.close()
+
+    def stop(self) -> None:
+        """SIGTERM (the pod deleted or evicted, its node drained): no more sessions, and each running one ends
+        at once, without its node's end: to the controller this pod is lost (its nodes' failures are the
+        infrastructure's, the pod a host down), whatever the agents make of their stop. They stop their nodes."""
+        self.stopping.set()
+        with self.lock:
+            links = [*self.sessions, *([self.waiting] if self.waiting is not None else [])]
+        for link in links:
+            try:
+                if link is not self.waiting:
+                    link.sendall(b"harness pod: SIGTERM: this pod is being deleted; its node stops\n")
+                link.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.end_agents()
+
+    def end_agents(self) -> None:
+        """End every agent's stdin: each stops its node in its grace period; wait for them."""
+        with self.lock:
+            agents = list(self.agents)
+        for agent in agents:
+            if agent.stdin is not None:
+                agent.stdin.close()
+        for agent in agents:
+            agent.wait()
+
+
+def _line(link: socket.socket) -> tuple[dict[str, Any] | None, bytes]:
+    """The controller's one line on a session, and what came after it (the agent's first input)."""
+    data = b""
+    while b"\n" not in data:
+        try:
+            chunk = link.recv(READ_BYTES)
+        except OSError:
+            return None, b""
+        if not chunk:
+            return None, b""
+        data += chunk
+    line, _, rest = data.partition(b"\n")
+    return json.loads(line), rest
+
+
+def _feed(link: socket.socket, agent: subprocess.Popen[bytes], rest: bytes) -> None:
+    """The controller's bytes to the agent's stdin, until the link ends (then the agent's stdin ends too)."""
+    assert agent.stdin is not None
+    try:
+        chunk = rest
+        while True:
+            if chunk:
+                agent.stdin.write(chunk)
+                agent.stdin.flush()
+            chunk = link.recv(READ_BYTES)
+            if not chunk:
+                break
+    except (OSError, ValueError):
+        pass  # the agent ended, or its stdin was closed by a stop
+    with contextlib.suppress(OSError):
+        agent.stdin.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["wait", "serve"])
+    parser.add_argument("host")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--code", help="serve: the job's shipped code, first on every node's PYTHONPATH")
+    parser.add_argument("--tools", help="serve: the controller's tools for the node agents (py-spy), first on PATH")
+    args = parser.parse_args(argv)
+    if args.what == "wait":
+        return wait(args.host, args.port, args.timeout)
+    for variable, first in (("PYTHONPATH", args.code), ("PATH", args.tools)):
+        if first:
+            os.environ[variable] = first + (f":{os.environ[variable]}" if os.environ.get(variable) else "")
+    pod = Pod(args.host, args.port, args.timeout)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=pod.stop, daemon=True).start())
+    code = pod.serve()
+    pod.end_agents()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""What both kinds of Kubernetes render share (manifests.py: pods that run torchrun bare; supervised.py: the
+harness's controller pod and its worker pods): where things are in a pod, names, labels, resources."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from harness import __version__
+from harness.spec.job import JobSpec
+
+MAX_NAME = 63
+WORKDIR = "/workspace"
+SPEC_DIR = "/etc/harness"  # the ConfigMap, read-only: job.yaml, pod.py and code/
+CODE_SUBDIR = "code"
+CODE_DIR = f"{SPEC_DIR}/{CODE_SUBDIR}"  # the shipped code: not under WORKDIR, which the volume hides
+POD_SCRIPT = f"{SPEC_DIR}/pod.py"  # what a worker pod runs: node/pod.py, standard library only
+CONTAINER = "torchrun"
+IMAGE_UID = 1000  # docker/Dockerfile's user; fsGroup makes the shared volume writable for it
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """What every pod gets from the ConfigMap: the volume's items, and annotations that name the code."""
+
+    items: list[dict[str, str]]
+    annotations: dict[str, str]
+
+
+def short(name: str, limit: int) -> str:
+    """Deterministic, still-unique shortening: a prefix plus a hash of the whole name."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[: limit - 9].rstrip('-')}-{digest}"
+
+
+def labels(names: dict[str, str], component: str = CONTAINER) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": names["job"],
+        "app.kubernetes.io/instance": names["job"],
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "harness",
+        "app.kubernetes.io/managed-by": "harness",
+        "app.kubernetes.io/version": __version__,
+    }
+
+
+def pod_resources(spec: JobSpec) -> dict[str, Any]:
+    """A node pod's resources: resources.cpu and memory as limits and requests, GPUs as limits."""
+    limits: dict[str, str] = {}
+    requests: dict[str, str] = {}
+    for key, value in (("cpu", spec.resources.cpu), ("memory", spec.resources.memory)):
+        if value is not None:
+            limits[key] = requests[key] = value
+    if spec.resources.gpus:
+        limits["nvidia.com/gpu"] = str(spec.resources.gpus)
+    return ({"limits": limits} | ({"requests": requests} if requests else {})) if limits else {}

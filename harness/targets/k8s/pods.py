@@ -1,0 +1,280 @@
+"""Inside a Kubernetes cluster: the run's controller in a pod of its own, the job's worker pods its nodes.
+
+The worker pods dial the controller (node/pod.py `serve`, from the job's ConfigMap: the pods' image needs no
+harness) and each keeps one connection waiting; a node of an attempt is a node agent the controller starts
+on such a connection, which then carries the agent's stdin and stdout as an SSH channel does. The pods are
+the inventory: those connected, in completion-index order, the first nnodes the job's and the rest spares; a
+pod Kubernetes recreated (deleted, evicted, its node lost) dials in under its new name and is a new host. The
+pods stay up between attempts, so a restart starts its ranks in place, warm where a standby waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import HarnessError
+from harness.node.pod import HELLO
+from harness.node.ranks import py_spy_path
+from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
+from harness.spec.inventory import Host
+from harness.spec.job import JobSpec
+from harness.targets.agent_link import READ_BYTES, AgentNode, Standbys, agent_argv, agent_env, start_all
+from harness.targets.base import NodeProcess
+
+HELLO_SECONDS = 10.0  # a connection that has not said who it is by then is not one of our pods
+SAY_EVERY = 30.0  # how often the controller says which pods it still waits for
+
+
+@dataclass(frozen=True)
+class PodHello:
+    """A worker pod as it introduced itself: its name (the host), completion index, Kubernetes node, Python
+    and directory, and the address its connection came from (its pod IP)."""
+
+    pod: str
+    index: int
+    machine: str
+    python: str
+    workdir: str
+    address: str
+
+
+class PodsLost(HarnessError):
+    """Too few worker pods connected in time."""
+
+
+class PodLink:
+    """The controller's end of the pods' connections: a listening socket, and each pod's waiting one."""
+
+    def __init__(self, port: int, host: str = "0.0.0.0") -> None:
+        self._server = socket.create_server((host, port), backlog=1024, reuse_port=False)
+        self._waiting: dict[str, tuple[PodHello, socket.socket]] = {}
+        self._changed = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                link, (address, *_) = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._greet, args=(link, address), daemon=True).start()
+
+    def _greet(self, link: socket.socket, address: str) -> None:
+        link.settimeout(HELLO_SECONDS)
+        data = b""
+        try:
+            while b"\n" not in data and len(data) < READ_BYTES:
+                chunk = link.recv(READ_BYTES)
+                if not chunk:
+                    raise ConnectionError("closed before its hello")
+                data += chunk
+            line = data.partition(b"\n")[0].decode()
+            if not line.startswith(HELLO):
+                raise ValueError("not a pod's hello")
+            facts = json.loads(line[len(HELLO):])
+            pod = PodHello(str(facts["pod"]), int(facts["index"]), str(facts["machine"]), str(facts["python"]),
+                           str(facts["workdir"]), address)
+        except (OSError, ValueError, KeyError, TypeError):
+            link.close()
+            return
+        link.settimeout(None)
+        link.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        with self._changed:
+            if self._closed:
+                link.close()
+                return
+            old = self._waiting.pop(pod.pod, None)
+            self._waiting[pod.pod] = (pod, link)
+            self._changed.notify_all()
+        if old is not None:
+            old[1].close()
+        self._watch(pod.pod, link)
+
+    def _watch(self, pod: str, link: socket.socket) -> None:
+        """A waiting connection that closes (its pod ended: deleted, evicted) is no longer offered. The pod
+        says nothing on it until it is a session: any byte means it is one now, no longer ours to watch."""
+        try:
+            closed = not link.recv(1, socket.MSG_PEEK)
+        except OSError:
+            closed = True
+        if closed:
+            with self._changed:
+                if self._waiting.get(pod, (None, None))[1] is link:
+                    del self._waiting[pod]
+                    self._changed.notify_all()
+
+    def pods(self) -> list[PodHello]:
+        """The pods with a connection waiting now, in completion-index order."""
+        with self._changed:
+            return sorted((hello for hello, _ in self._waiting.values()), key=lambda p: (p.index, p.pod))
+
+    def await_pods(self, count: int, down: frozenset[str], timeout: float, first: float = 0.0,
+                   stopped: Callable[[], bool] = lambda: False) -> list[PodHello]:
+        """The pods waiting (not down) once count of them are, or when timeout has passed (fewer then). For the
+        first `first` seconds, the pods with the first count completion indexes are waited for (the job's own,
+        not its spares), whichever of the others dialed in first."""
+        started = time.monotonic()
+        deadline, said = started + timeout, started
+        with self._changed:
+            while True:
+                ready = [p for p in self.pods() if p.pod not in down]
+                left = deadline - time.monotonic()
+                own = {p.index for p in ready} >= set(range(count)) or time.monotonic() - started >= first
+                if (len(ready) >= count and own) or left <= 0 or stopped():
+                    return ready
+                if time.monotonic() - said >= SAY_EVERY:
+                    print(f"harness: {len(ready)} of {count} worker pod(s) connected; waiting up to {left:.0f} s "
+                          f"more", file=sys.stderr, flush=True)
+                    said = time.monotonic()
+                self._changed.wait(min(left, SAY_EVERY, 1.0))
+
+    def take(self, pod: str) -> socket.socket:
+        """The pod's waiting connection, now a session (the pod dials the next one)."""
+        with self._changed:
+            found = self._waiting.pop(pod, None)
+        if found is None:
+            raise ConnectionError(f"pod {pod} has no connection waiting: it ended, or its link broke")
+        return found[1]
+
+    def dismiss(self, code: int) -> None:
+        """The run is over: every pod ends with code, and no new connection is taken."""
+        with self._changed:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting.values()), {}
+        self._server.close()
+        for _, link in waiting:
+            with contextlib.suppress(OSError):
+                link.sendall(json.dumps({"exit": code}).encode() + b"\n")
+            link.close()
+
+
+class PodAgentNode(AgentNode):
+    """A node agent in a worker pod, on one of its connections."""
+
+    def __init__(self, node: NodePlan, link: socket.socket, argv: list[str], env: Mapping[str, str]) -> None:
+        super().__init__(node)
+        self._link = link
+        self._ended = threading.Event()
+        link.sendall(json.dumps({"run": argv, "env": dict(env)}).encode() + b"\n")
+
+    def _chunks(self) -> Iterator[bytes]:
+        try:
+            while chunk := self._link.recv(READ_BYTES):
+                yield chunk
+        finally:
+            self._ended.set()
+
+    def _send(self, data: bytes) -> None:
+        self._link.sendall(data)
+
+    def running(self) -> bool:
+        return not self._ended.is_set()
+
+    def _wait_agent(self) -> str:
+        self._ended.wait()
+        return f"the link to pod {self.node.host} closed without the node's end: the pod or its Kubernetes node is gone"
+
+    def _agent_lost(self) -> None:
+        """Nothing to sweep from here: an agent whose link broke sees its stdin end and stops its node."""
+        self._link.close()
+
+    def end(self) -> None:
+        super().end()
+        self._link.close()
+
+
+def share_tools(directory: Path) -> None:
+    """py-spy (a static binary: it runs in any image), from the controller's image onto the job's volume, where
+    every worker pod finds it on its PATH (node/pod.py --tools): the ranks' stacks without it in the job's image."""
+    found = py_spy_path()
+    target = directory / "py-spy"
+    if found is None or (target.exists() and target.stat().st_size == Path(found).stat().st_size):
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".py-spy.{os.getpid()}"
+    shutil.copyfile(found, partial)
+    partial.chmod(0o755)
+    partial.replace(target)
+
+
+class PodsBackend:
+    """The job's worker pods as hosts: nnodes of those connected, the others spares."""
+
+    name = "k8s"
+
+    def __init__(self, link: PodLink, code_dir: str | None, rejoin: float,
+                 stopped: Callable[[], bool] = lambda: False) -> None:
+        self.link = link
+        self.stopped = stopped  # whether the run is being stopped: no more waiting for pods
+        self.code_dir = code_dir  # the job's shipped code in every pod (None: none shipped)
+        self.rejoin = rejoin  # seconds a restart waits for recreated pods to dial in
+        self._first = True
+        self._standbys = Standbys()
+
+    def machines(self) -> dict[str, str]:
+        return {}  # a recreated pod is a new host; Kubernetes, not the run, chooses its machine
+
+    def in_pods(self, spec: JobSpec) -> JobSpec:
+        """The spec as the pods run it: a shipped script from the code directory, which also comes first on
+        the job's PYTHONPATH (the pods' own environment has it first already)."""
+        if self.code_dir is None:
+            return spec
+        spec = spec.script_under(self.code_dir)
+        if (path := spec.env.get("PYTHONPATH")) is not None:
+            spec = spec.model_copy(update={"env": spec.env | {"PYTHONPATH": f"{self.code_dir}:{path}"}})
+        return spec
+
+    def _hosts(self, spec: JobSpec, pods: list[PodHello]) -> list[Host]:
+        return [Host(name=p.pod, address=p.address, python=p.python, workdir=p.workdir, gpus=spec.resources.gpus)
+                for p in pods]
+
+    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
+             down: frozenset[str] = frozenset()) -> Plan:
+        """The first attempt waits for the job's pods as long as a rendezvous may take (scheduling, image
+        pulls); a later one for recreated pods up to k8s.rejoin seconds, then goes on with those there."""
+        wait = spec.timeouts.rendezvous if self._first else self.rejoin
+        pods = self.link.await_pods(spec.nnodes, down, wait, first=self.rejoin if self._first else 0.0,
+                                    stopped=self.stopped)
+        self._first = False
+        by_name = {p.pod: p for p in pods}
+        names = take_healthy(spec, list(by_name), down, what="pod", pool="the connected",
+                             fix="see `kubectl get pods` for the job's pods that are not running")
+        hosts = self._hosts(spec, [by_name[name] for name in names])
+        return plan_hosts(self.in_pods(spec), hosts, run_id=run_id, master_ip=hosts[0].address, attempt=attempt)
+
+    def check(self, plan: Plan, spec: JobSpec) -> Plan:
+        """Nothing more to prove cheaply: each pod proved it runs by dialing in."""
+        return plan
+
+    def _agent(self, node: NodePlan) -> PodAgentNode:
+        return PodAgentNode(node, self.link.take(node.host), agent_argv(node.argv[0], node), agent_env(node))
+
+    def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        return start_all(plan.nodes, self._agent, spec, self._standbys)
+
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
+        """A standby on every connected pod that is not down, spares included."""
+        pods = [p for p in self.link.pods() if p.pod not in down]
+        if not pods:
+            return
+        hosts = self._hosts(spec, pods)
+        plan = plan_hosts(self.in_pods(spec).at_nnodes(len(hosts)), hosts, run_id=run_id,
+                          master_ip=hosts[0].address, attempt=attempt)
+        self._standbys.stand_by(plan.nodes, self._agent, spec)
+
+    def stand_down(self) -> None:
+        self._standbys.stand_down()
+
+    def close(self) -> None:
+        """Nothing to release: each session's connection closes with its agent."""
