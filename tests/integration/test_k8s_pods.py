@@ -19,23 +19,18 @@ import yaml
 
 from harness.targets.k8s.manifests import COMPLETION_INDEX, RESTART_ATTEMPT
 from harness.targets.k8s.supervised import INFRA_EXIT, PROGRAM_EXIT
-
-from conftest import REPO, assert_nothing_left, free_port, harness, worker_pid
-from k8s_jobs import (
-    SMALL,
-    USER_FILES,
-    USER_JOB,
+from testbed.kubelet import (
     SupervisedPods,
-    docs,
     job_spec,
     jobs_by_name,
     pod_dns,
     pod_process,
-    render_in,
     run_pods,
     wait_for_line,
-    write_files,
 )
+
+from conftest import REPO, assert_nothing_left, free_port, harness, worker_pid
+from k8s_jobs import SMALL, USER_FILES, USER_JOB, docs, render_in, write_files
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 
 
@@ -109,29 +104,29 @@ def supervised_job(root: Path, flavor: str, **k8s: object) -> tuple[list[dict], 
     return docs(path, flavor, supervised=True), workspace
 
 
-def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place(uninterrupted, tmp_path):
+def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place(uninterrupted, cluster3,
+                                                                                   tmp_path):
     """Rank 1's process killed: the ranks restart in the same pods (none replaced); then pod 1 deleted: the
-    Job recreates it under a new name, and the spare pod (index 2) takes its place at once. The run ends
-    bitwise equal to the unbroken one; `kubectl exec` into the controller answers status, logs and stacks."""
+    Job recreates it under a new name (a spare then), and the spare pod (index 2) takes its place at once. The
+    run ends bitwise equal to the unbroken one; `kubectl exec` into the controller answers status and logs."""
     objects, workspace = supervised_job(tmp_path, "core", spares=1)
-    pods = SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE)
-    try:
+    with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster3) as pods:
         controller = pods.controller()
         workers = [pods.worker(index) for index in range(3)]
-        run_id = wait_for_line(pods, "controller", r"^harness: run (\S+): 2 node\(s\)", 240).group(1)
+        started = wait_for_line(pods, "controller", r"^harness: run (\S+): 2 node\(s\) .* master (\S+):", 240)
+        run_id = started.group(1)
+        assert started.group(2) == cluster3.hosts[0].address  # pod 0's own address: each pod is a host of its own
         wait_for_line(pods, "controller", KILL_AT, 240)
         os.kill(worker_pid(run_id, 1), signal.SIGKILL)
         wait_for_line(pods, "controller", rf"^harness: run {run_id} attempt 1, 2 node\(s\) x 1 process\(es\) on "
                                           rf"{workers[0]}, {workers[1]},", 120)
         wait_for_line(pods, "controller", r"\[rank0\]: epoch 1/2 step 20/32 ", 240)
-        assert pods.delete(workers[1], grace=30) == 143
+        assert pods.delete(workers[1]) == 143
         wait_for_line(pods, "controller", rf"^harness: run {run_id} attempt 2, 2 node\(s\) x 1 process\(es\) on "
                                           rf"{workers[0]}, {workers[2]},", 120)
         replaced = pods.worker(1)  # the Job controller's replacement, a new pod: scheduled, started, a spare now
         assert controller.wait(timeout=300) == 0, pods.output("controller")
         assert [pods.processes[name].wait(timeout=60) for name in (workers[0], workers[2], replaced)] == [0, 0, 0]
-    finally:
-        pods.end()
     assert_same_weights(uninterrupted, final_weights(tmp_path))
     runs = workspace / ".harness/runs"
     summary = json.loads((runs / run_id / "summary.json").read_text())
@@ -139,6 +134,7 @@ def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place
     assert [a["kind"] for a in summary["attempts"]] == ["infra", "infra", None], summary["attempts"]
     assert summary["attempts"][1]["failures"][0]["host"] == workers[1]
     assert_nothing_left(run_id)
+    cluster3.assert_only_sshd_left(within=15)
     exec_env = {"HARNESS_RUNS_DIR": str(runs), "PATH": os.environ["PATH"]}  # the controller container's own
     status = harness("status", "latest", env=exec_env, cwd=workspace)
     assert status.returncode == 0 and f"run {run_id}" in status.stdout and "succeeded" in status.stdout, status
@@ -163,7 +159,7 @@ def user_job(project: Path, flavor: str, script: Path, restarts: str, **env: str
     return docs(project / "job.yaml", flavor, supervised=True)
 
 
-def test_supervised_a_rank_asleep_is_named_and_the_hang_fails_the_job_as_the_infrastructures(tmp_path):
+def test_supervised_a_rank_asleep_is_named_and_the_hang_fails_the_job_as_the_infrastructures(cluster2, tmp_path):
     """The workers in an image without the harness (torch only), the JobSet flavor: rank 1 asleep in its data
     loading is found within stall + 15 s and named at its line (py-spy comes from the controller's image, by
     the volume); the stacks are kept on the volume; no restart left, the controller ends with INFRA_EXIT (the
@@ -171,8 +167,8 @@ def test_supervised_a_rank_asleep_is_named_and_the_hang_fails_the_job_as_the_inf
     objects = user_job(tmp_path / "project", "jobset", HEALTH_STEPS, "{max: 0}", SLEEP_RANK="1", SLEEP_AT_STEP="25")
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    pods = SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, plain_python(tmp_path / "image"))
-    try:
+    image = plain_python(tmp_path / "image")
+    with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, image, cluster2) as pods:
         controller = pods.controller()
         workers = [pods.worker(index) for index in range(2)]
         wait_for_line(pods, "controller", r"\[rank1\]: rank 1 sleeping in its step 25", 180)
@@ -182,8 +178,6 @@ def test_supervised_a_rank_asleep_is_named_and_the_hang_fails_the_job_as_the_inf
         assert time.monotonic() - asleep < DETECT_WITHIN
         assert controller.wait(timeout=120) == INFRA_EXIT, pods.output("controller")
         assert [pods.processes[name].wait(timeout=60) for name in workers] == [0, 0]
-    finally:
-        pods.end()
     script = tmp_path / "root/etc/harness/code/train.py"  # where the ConfigMap put it in the pods
     sleep = next(n for n, line in enumerate(script.read_text().splitlines(), 1) if "time.sleep(3600)" in line)
     assert re.fullmatch(rf"no progress for {STALL} s: rank 0 waits in all_reduce #\d+ at \S+ in train_step; rank 1 "
@@ -195,23 +189,21 @@ def test_supervised_a_rank_asleep_is_named_and_the_hang_fails_the_job_as_the_inf
     asleep_stack = (runs / run_id / "stacks/attempt-0/rank1.txt").read_text()
     assert f"fetch_batch ({script}:{sleep})\n        time.sleep(3600)" in asleep_stack, asleep_stack
     assert_nothing_left(run_id, within=15)
+    cluster2.assert_only_sshd_left(within=15)
 
 
-def test_supervised_a_program_failure_fails_the_job_at_once(tmp_path):
+def test_supervised_a_program_failure_fails_the_job_at_once(cluster2, tmp_path):
     """A rank's own exit 1, not covered by restarts.on: the controller exits 1, the rule that fails the Job
     (Kubernetes never retries a bug); the worker pods are dismissed."""
     objects = user_job(tmp_path / "project", "core", REPO / "tests/scripts/ddp_sum.py", "{max: 2, on: infra}",
                        FAIL_RANK="1", FAIL_AT_STEP="3")
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    pods = SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE)
-    try:
+    with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster2) as pods:
         controller = pods.controller()
         workers = [pods.worker(index) for index in range(2)]
         assert controller.wait(timeout=180) == PROGRAM_EXIT, pods.output("controller")
         assert [pods.processes[name].wait(timeout=60) for name in workers] == [0, 0]
-    finally:
-        pods.end()
     assert re.search(r"^harness: run \S+ FAILED: first failure on node 1 \(\S+, global rank 1\): exit code 1 after "
                      r"\S+ s \(program\)", pods.output("controller"), re.M), pods.output("controller")
     rule = next(r for r in jobs_by_name(objects)["mine"]["podFailurePolicy"]["rules"]
@@ -219,7 +211,7 @@ def test_supervised_a_program_failure_fails_the_job_at_once(tmp_path):
     assert rule["action"] == "FailJob"
 
 
-def test_supervised_deleting_every_pod_is_a_stop(tmp_path):
+def test_supervised_deleting_every_pod_is_a_stop(cluster2, tmp_path):
     """`kubectl exec <controller> -- harness status|stacks latest` answer while it runs; `kubectl delete -f k8s/`:
     SIGTERM to every pod at once, SIGKILL after its grace period: the controller stops every rank and records
     the run as stopped; nothing is left running."""
@@ -227,8 +219,7 @@ def test_supervised_deleting_every_pod_is_a_stop(tmp_path):
                        STEPS="100000", STEP_SECONDS="0.05")
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    pods = SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE)
-    try:
+    with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster2) as pods:
         pods.controller()
         workers = [pods.worker(index) for index in range(2)]
         run_id = wait_for_line(pods, "controller", r"^harness: run (\S+): 2 node\(s\)", 180).group(1)
@@ -239,20 +230,18 @@ def test_supervised_deleting_every_pod_is_a_stop(tmp_path):
         stacks = harness("stacks", "latest", env=exec_env, cwd=workspace)
         assert stacks.returncode == 0 and f"1 (node1 on {workers[1]}, pid " in stacks.stdout, stacks
         assert re.search(r"main \(\S+/etc/harness/code/train.py:\d+\)", stacks.stdout), stacks.stdout
-        stop = threading.Thread(target=lambda: hooks.append(pods.pre_stop("controller", pods.grace("controller"))))
-        hooks: list[subprocess.CompletedProcess[str] | None] = []
-        stop.start()  # the kubelets at once: the controller's preStop hook, then SIGTERM to each pod
-        for name in workers:
-            pods.processes[name].terminate()
-        stop.join()
-        pods.processes["controller"].terminate()
-        for name, process in pods.processes.items():
-            process.wait(timeout=pods.grace(name))
-        assert hooks[0] is not None and hooks[0].returncode == 0 and f"run {run_id} stopped" in hooks[0].stdout, hooks
-    finally:
-        pods.end()
+        # `kubectl delete -f k8s/`: every pod deleted at once, each by its kubelet (the controller's preStop first)
+        deleting = [threading.Thread(target=lambda name=name: ended.__setitem__(name, pods.delete(name)))
+                    for name in ["controller", *workers]]
+        ended: dict[str, int] = {}
+        for thread in deleting:
+            thread.start()
+        for thread in deleting:
+            thread.join()
+        assert ended[workers[0]] == ended[workers[1]] == 143 and ended["controller"] == 130, ended
     summary = json.loads((workspace / ".harness/runs" / run_id / "summary.json").read_text())
     # The workers' pods may go first: then attempt 0 failed (its pods lost), and no other started.
     assert summary["status"] == "stopped" and [a["status"] for a in summary["attempts"]] in (["stopped"], ["failed"])
     assert "attempt 1," not in pods.output("controller"), pods.output("controller")
     assert_nothing_left(run_id)
+    cluster2.assert_only_sshd_left(within=15)

@@ -40,19 +40,14 @@ from harness.targets.k8s.manifests import (
     render_manifests,
 )
 from harness.targets.k8s.supervised import CONTROLLER, INFRA_EXIT, PROGRAM_EXIT, RUNS_DIR, WORKER
+from testbed.kubelet import by_kind, in_pod, job_spec, jobs_by_name, materialize, pod_dns
 
 from conftest import REPO, free_port, harness
 from k8s_jobs import (
     SMALL,
     USER_FILES,
     USER_JOB,
-    by_kind,
     docs,
-    in_pod,
-    job_spec,
-    jobs_by_name,
-    materialize,
-    pod_dns,
     render_in,
     write_files,
 )
