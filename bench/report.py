@@ -454,6 +454,19 @@ def _stream(s: dict[str, Any]) -> list[str]:
                     [[r["name"], r["seconds"], ", ".join(str(a) for a in r["attempts_s"])] for r in s["rows"]]), ""]
 
 
+def _k8s(k: dict[str, Any]) -> list[str]:
+    lines = [f"{k['job']}. The rendered pods run as processes here, exactly as their containers say (bench/k8s.py); "
+             f"seconds, median of {k['repeats']}. Bare: the failure as a JobSet's Recreate restarts it, played at "
+             "once (no API calls, scheduling or container start counted: its floor).", ""]
+
+    def cell(row: dict[str, Any], way: str) -> str:
+        return f"{_num(row[f'{way}_s'], 2)} ({', '.join(_num(a, 2) for a in row[f'{way}_attempts_s'])})"
+
+    return lines + _table(["", "supervised", "bare torchrun pods", "supervised / bare"],
+                          [[r["what"], cell(r, "supervised"), cell(r, "bare"), f"{r['ratio']:.2f}x"]
+                           for r in k["rows"]]) + [""]
+
+
 SECTIONS = (
     ("throughput", "1. Payload throughput vs the seed recipe", _throughput),
     ("tuning", "1b. Batch size and compile mode on the GPU", _tuning),
@@ -469,6 +482,7 @@ SECTIONS = (
     ("watch_cost", "10. The health watch's cost: img/s and time to first step", _watch_cost),
     ("stream", "11. The stream: a chatty job's lines, against torchrun --tee", _stream),
     ("metrics_cost", "12. Serving metrics to Prometheus: the controller's CPU", _metrics_cost),
+    ("k8s", "13. Kubernetes: supervised pods against bare torchrun pods", _k8s),
 )
 
 
@@ -519,7 +533,7 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
             "CPU workers, `--compile` and its modes on the GPU, and DDP and FSDP over NCCL (2 ranks need 2 GPUs).",
             "",
         ]
-    for name in ("gpu", "full", "quick", "health"):
+    for name in ("gpu", "full", "quick", "health", "k8s"):
         if name in latest:
             lines += _run(name, latest[name])
     return "\n".join(lines).rstrip("\n") + "\n"

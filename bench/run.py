@@ -25,12 +25,13 @@ from bench import machine, procs, report
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
 NAMES = ("throughput", "tuning", "ddp", "strategies", "first_step", "preflight", "failure", "recovery", "slurm",
-         "containers", "hangs", "watch_cost", "stream", "metrics_cost")
+         "containers", "hangs", "watch_cost", "stream", "metrics_cost", "k8s")
 HEALTH = ("hangs", "watch_cost", "metrics_cost")
 # What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed);
 # health is the health watch's alone (benchmarks 9, 10 and 12: 60 hung launches, ~22 min on 2 cores).
 PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp", "strategies"),
-                 "full": tuple(n for n in NAMES if n != "tuning" and n not in HEALTH), "health": HEALTH}
+                 "full": tuple(n for n in NAMES if n not in ("tuning", "k8s") and n not in HEALTH), "health": HEALTH,
+                 "k8s": ("k8s",)}
 PROFILE_NAMES["quick"] = PROFILE_NAMES["full"]
 HEALTH_FAULTS = 20  # per fault kind, the least
 
@@ -83,6 +84,7 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
         "stream": {"lines": 1_000_000, "repeats": 1 if quick else 3},
         "metrics_cost": {"model": "small", "batch_size": 32, "steps": 3000, "window": 15, "scrapes": 100, "every": 5,
                          "synthetic_repeats": 20},
+        "k8s": {"repeats": 3, "kill_at": 40},
     }
 
 
@@ -91,6 +93,7 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         containers,
         ddp,
         health,
+        k8s,
         launch,
         preflight,
         recovery,
@@ -105,7 +108,7 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
             "first_step": launch.time_to_first_step, "preflight": preflight.run,
             "failure": launch.failure_propagation, "recovery": recovery.run, "slurm": slurm.run,
             "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost,
-            "stream": stream.run, "metrics_cost": health.metrics_cost}
+            "stream": stream.run, "metrics_cost": health.metrics_cost, "k8s": k8s.run}
 
 
 def resolve_device(device: str) -> str:
@@ -178,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--health", dest="profile", action="store_const", const="health",
                        help=f"benchmarks 9 and 10 alone: {HEALTH_FAULTS} hung launches per fault kind against torchrun "
                             "alone, and the watch's cost (~21 min on 2 cores; no root)")
+    which.add_argument("--k8s", dest="profile", action="store_const", const="k8s",
+                       help="benchmark 13 alone: supervised Kubernetes pods against bare torchrun pods, played here "
+                            "as processes (~4 min on 2 cores)")
     which.add_argument("--docs-only", dest="profile", action="store_const", const="docs",
                        help="only regenerate docs/benchmarks.md from bench/results/latest-*.json")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(NAMES)} (result marked partial)")

@@ -114,8 +114,8 @@ base_ca_bundle_intact() {
     [ "$(in_image sha256sum "$bundle")" = "$(bah run --isolation chroot "$base_ctr" -- sha256sum "$bundle")" ]
 }
 
-cli_and_waitport() {
-    in_image harness --version && in_image python -m harness.node.waitport --help >/dev/null
+cli_and_pod() {
+    in_image harness --version && in_image python -m harness.node.pod --help >/dev/null
 }
 
 # py-spy, pinned like every dependency, beside the image's python (where the node agent looks for it first).
@@ -143,7 +143,7 @@ check "labels equal the pins in requirements.lock; user 1000:1000, entrypoint ha
 check "runs as uid 1000 in a writable /workspace; python and harness from /opt/venv" user_and_path
 check "no pip config, secret, pip cache, local index or build tree left in the image" nothing_of_the_build_left
 check "the base's own CA bundle is untouched by the build's cacert secret" base_ca_bundle_intact
-check "harness --version and python -m harness.node.waitport run" cli_and_waitport
+check "harness --version and python -m harness.node.pod run" cli_and_pod
 check "py-spy --version: the locked py-spy in /opt/venv/bin, beside python" py_spy_beside_python
 check "harness launch jobs/smoke.yaml (2 nodes, gloo) succeeds inside the image" smoke_job
 
