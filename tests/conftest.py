@@ -170,10 +170,9 @@ AREAS = {
 
 
 # Under pytest-xdist (make test: -n, --dist loadgroup), the tests that share what is costly to build run on
-# one worker, which builds it once: Slurm's cluster (slurmctld, slurmd per node, munged); the payload's
-# uninterrupted reference run (resume_job.py), which the Slurm tests that compare with it build once more
-# on theirs (25 s, against minutes of restart tests off the Slurm worker, the suite's longest); the podman
-# hosts. A module whose own fixture is costly groups its tests itself (pytestmark = pytest.mark.xdist_group(...)).
+# one worker, which builds it once: Slurm's cluster (slurmctld, slurmd per node, munged); the restart tests that
+# compare with the payload's uninterrupted reference run (resume_job.py: made once per session, shared with
+# the Slurm tests that compare with it too), off the Slurm worker, the suite's longest; the podman hosts. A module whose own fixture is costly groups its tests itself (pytestmark = pytest.mark.xdist_group(...)).
 SHARED = {"slurm": AREAS["slurm"], "uninterrupted": {"uninterrupted"}, "podman": AREAS["podman"]}
 
 

@@ -3,6 +3,8 @@ a run that was killed, restarted or requeued must end with exactly these weights
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
 from pathlib import Path
 
@@ -54,9 +56,17 @@ def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, tor
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The final weights of the payload job run once without a failure (shared with the SSH tests)."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    result = harness("launch", str(payload_job(root)), "--runs-dir", str(root / "runs"), timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "resume: no checkpoint in" in result.stdout
+    """The final weights of the payload job run once without a failure, once per session: under pytest-xdist
+    the workers that need it share one run (the first to take the lock makes it, in the session's directory
+    above the workers' own; tests/conftest.py's groups put its users on two workers)."""
+    session = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        session = session.parent
+    root = session / "uninterrupted"
+    with (session / "uninterrupted.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, by any end of this worker
+        if not (root / "final.pt").exists():
+            result = harness("launch", str(payload_job(root)), "--runs-dir", str(root / "runs"), timeout=300)
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert "resume: no checkpoint in" in result.stdout
     return final_weights(root)

@@ -46,7 +46,9 @@ SIOCGIFCONF, SIOCGIFFLAGS, SIOCGIFMTU = 0x8912, 0x8913, 0x8921
 IFF_UP, IFF_LOOPBACK = 0x1, 0x8
 IFREQ = 40
 # The stack check's test process: says it is up (a dump while the interpreter starts fails), then idles.
-STACKS_CHILD = "import sys, time; sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(30)"
+# As a rank does (node/rank_hook.py): it names its reader's parent, here this probe, as its ptracer (Yama scope 1).
+STACKS_CHILD = ("import ctypes, os, sys, time; ctypes.CDLL(None).prctl(0x59616D61, os.getppid(), 0, 0, 0); "
+                "sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(30)")
 STACKS_START_SECONDS = 5.0
 CAP_SYS_PTRACE = 19  # <linux/capability.h>
 
@@ -484,7 +486,8 @@ def _py_spy_version(py_spy: str) -> str:
 
 def _read_a_stack(py_spy: str) -> str | None:
     """Dump a test Python started here, as the agent dumps its ranks: py-spy is then that process's
-    sibling, not its parent (which is what kernel.yama.ptrace_scope=1 refuses). None: read, with frames."""
+    sibling, not its parent, which kernel.yama.ptrace_scope=1 allows only because the process named this
+    one its ptracer, as every rank names its agent. None: read, with frames."""
     child = subprocess.Popen([sys.executable, "-I", "-S", "-c", STACKS_CHILD], stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
