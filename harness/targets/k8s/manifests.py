@@ -34,7 +34,6 @@ from harness.targets.k8s.objects import (
     CODE_SUBDIR,
     COMPLETION_INDEX,
     CONTAINER,
-    IMAGE_UID,
     JOBSET_API,
     MAX_NAME,
     POD_SCRIPT,
@@ -43,6 +42,7 @@ from harness.targets.k8s.objects import (
     Shipped,
     labels,
     pod_resources,
+    pod_security,
     short,
 )
 from harness.targets.k8s.supervised import supervised_core, supervised_jobset
@@ -161,8 +161,7 @@ def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, shipped:
                 "subdomain": subdomain,
                 # Explicit: a JobSet would default it to OnFailure, restarting one node's container alone.
                 "restartPolicy": "Never",
-                "securityContext": {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID,
-                                    "fsGroup": IMAGE_UID},
+                "securityContext": pod_security(),
                 "containers": [_container(spec, names["job"], master, nproc, downward)],
                 "volumes": [
                     {"name": "dshm", "emptyDir": shm},

@@ -59,3 +59,8 @@ def pod_resources(spec: JobSpec) -> dict[str, Any]:
     if spec.resources.gpus:
         limits["nvidia.com/gpu"] = str(spec.resources.gpus)
     return ({"limits": limits} | ({"requests": requests} if requests else {})) if limits else {}
+
+
+def pod_security() -> dict[str, Any]:
+    """Every pod runs as the image's user; fsGroup makes the shared volume writable for it."""
+    return {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID}

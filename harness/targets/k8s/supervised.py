@@ -25,7 +25,6 @@ from harness.plan.planner import planned_port
 from harness.spec.job import JobSpec
 from harness.targets.k8s.objects import (
     COMPLETION_INDEX,
-    IMAGE_UID,
     JOBSET_API,
     MAX_NAME,
     POD_SCRIPT,
@@ -34,6 +33,7 @@ from harness.targets.k8s.objects import (
     Shipped,
     labels,
     pod_resources,
+    pod_security,
     short,
 )
 
@@ -51,10 +51,6 @@ def worker_names(spec: JobSpec, job: str) -> str:
     last = str(spec.nnodes + spec.k8s.spares - 1)
     name = f"{job}-{WORKER}"
     return name if len(name) + 1 + len(last) <= MAX_NAME else short(name, MAX_NAME - 1 - len(last))
-
-
-def _pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID}
 
 
 def _volumes(names: dict[str, str], shipped: Shipped, shm: bool) -> list[dict[str, Any]]:
@@ -106,7 +102,7 @@ def _controller_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, code
             "spec": {
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": stop_s + GRACE_MARGIN,
-                "securityContext": _pod_security(),
+                "securityContext": pod_security(),
                 "containers": [container],
                 "volumes": _volumes(names, shipped, shm=False),
             },
@@ -154,7 +150,7 @@ def _worker_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, controll
             "spec": {
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": int(spec.timeouts.stop_grace) + GRACE_MARGIN,
-                "securityContext": _pod_security(),
+                "securityContext": pod_security(),
                 "containers": [container],
                 "volumes": volumes,
             },
