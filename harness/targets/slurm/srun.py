@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, st
 from harness.targets.base import CheckFailed, NodeProcess
 from harness.targets.host_command import CommandResult, NoFreePort, free_port_on
 from harness.targets.slurm.client import SlurmClient
+
+SRUN_KILL_SECONDS = 5.0  # after the KILL word, how long srun may take to end with its step before it is killed
 
 
 def slurm_machine(node: str) -> str:
@@ -69,10 +72,17 @@ class SrunAgentNode(ChildAgentNode):
         """srun has ended already; Slurm ends what is left of its step."""
 
     def kill(self) -> None:
-        """Also end srun: when its node is lost (slurmstepd gone), srun may wait for it forever. A live agent
-        then sees its stdin close and stops its node."""
+        """Also end srun, unless it ends by itself first: when its node is lost (slurmstepd gone), srun may wait
+        for it forever. A live agent kills its node on the KILL word and says so before its step ends: killing
+        srun at once would lose that word, and a node our own stop ended would read as a host lost."""
         super().kill()
-        self._proc.kill()
+        threading.Thread(target=self._end_srun, daemon=True).start()
+
+    def _end_srun(self) -> None:
+        try:
+            self._proc.wait(timeout=SRUN_KILL_SECONDS)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()  # a live agent then sees its stdin close and stops its node
 
 
 @dataclass(frozen=True)
