@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import HarnessError
 from harness.node.pod import HELLO
 from harness.node.ranks import py_spy_path
 from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
@@ -46,10 +45,6 @@ class PodHello:
     python: str
     workdir: str
     address: str
-
-
-class PodsLost(HarnessError):
-    """Too few worker pods connected in time."""
 
 
 class PodLink:
