@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from harness.node.protocol import Arrival
 from harness.plan.planner import Node
 
+PEERS_ALONE = 4  # up to this many ranks, a rank's peers' median leaves it out; beyond, one median of all serves each
+
 
 @dataclass
 class Arrivals:
@@ -19,14 +21,23 @@ class Arrivals:
     horizon: float
     offsets: dict[int, float] = field(default_factory=dict)  # node rank -> controller clock - node clock
     seen: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)  # (group, seq) -> rank -> when
+    newest: dict[tuple[str, int], float] = field(default_factory=dict)  # (group, seq) -> its latest arrival
 
     def add(self, node: Node, received: float, sent: float, rank: int, arrived: list[Arrival]) -> None:
+        """One rank's new arrivals; collectives whose latest arrival is older than the horizon are let go, oldest
+        first, so that each message costs what it brings, not what is kept (every rank's agent sends one per
+        sample: a cost per message that grew with the job made the whole grow with its square)."""
         offset = self.offsets[node.node_rank] = min(self.offsets.get(node.node_rank, received - sent), received - sent)
         for group, seq, created_ns in arrived:
-            self.seen.setdefault((group, seq), {})[rank] = created_ns / 1e9 + offset
+            key, when = (group, seq), created_ns / 1e9 + offset
+            self.seen.setdefault(key, {})[rank] = when
+            self.newest[key] = max(self.newest.get(key, when), when)
         oldest = received - self.horizon
-        for key in [key for key, ranks in self.seen.items() if max(ranks.values()) < oldest]:
-            del self.seen[key]
+        while self.newest:
+            key = next(iter(self.newest))  # the first collective seen: the oldest, but for a straggler's late word
+            if self.newest[key] >= oldest:
+                break
+            del self.newest[key], self.seen[key]
 
     def waited(self, live: list[int], window: float) -> dict[int, float]:
         """Each rank's percentage of the last `window` seconds in which its peers had arrived at a collective
@@ -51,8 +62,8 @@ class Arrivals:
             return {}
         late = dict.fromkeys(live, 0.0)
         for start, stop, ranks in stretches:
-            everyone = statistics.median(ranks[r] for r in live)  # of many ranks, as good as the peers' own
+            everyone = statistics.median(ranks[r] for r in live)
             for rank in live:
-                peers = everyone if len(live) > 4 else statistics.median(ranks[r] for r in live if r != rank)
+                peers = everyone if len(live) > PEERS_ALONE else statistics.median(ranks[r] for r in live if r != rank)
                 late[rank] += max(0.0, min(ranks[rank], stop) - max(peers, start))
         return {rank: 100 * value / covered for rank, value in late.items()}

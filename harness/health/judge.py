@@ -16,16 +16,18 @@ intervals only make progress easier to see, never a hang.
 
 from __future__ import annotations
 
+import functools
 import statistics
+import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import NamedTuple
+from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
-from harness.health.arrivals import Arrivals
+from harness.health.arrivals import PEERS_ALONE, Arrivals
 from harness.health.rank_stack import state_words
-from harness.node.protocol import RankSample
+from harness.node.protocol import Arrival, RankSample
 from harness.plan.planner import Node
 
 IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU between two samples made no progress
@@ -97,6 +99,19 @@ class _Rank:
     named_slow: float | None = None  # the percentage it was named with
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(method: Callable[Concatenate[HealthJudge, P], R]) -> Callable[Concatenate[HealthJudge, P], R]:
+    """Each node's messages reach the judge on a thread of their own while the health loop reads it: one at a time."""
+    @functools.wraps(method)
+    def locked(self: HealthJudge, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 @dataclass
 class HealthJudge:
     """Every rank's recent samples and arrivals. stall: seconds without progress that make a hang (0: off);
@@ -107,7 +122,9 @@ class HealthJudge:
     ranks: dict[int, _Rank] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)  # node ranks that have ended
     arrivals: Arrivals = field(default_factory=lambda: Arrivals(horizon=2 * SLOW_WINDOW))
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
+    @_locked
     def observe(self, node: Node, t: float, samples: Mapping[int, RankSample]) -> None:
         """One health message of node's agent: its ranks' samples taken at t."""
         for number, taken in samples.items():
@@ -119,12 +136,19 @@ class HealthJudge:
             while rank.samples and rank.samples[0].t < t - keep:
                 rank.samples.popleft()
 
+    @_locked
+    def arrived(self, node: Node, received: float, sent: float, rank: int, arrived: list[Arrival]) -> None:
+        """One arrivals message of node's agent (Arrivals.add)."""
+        self.arrivals.add(node, received, sent, rank, arrived)
+
+    @_locked
     def node_ended(self, node_rank: int) -> None:
         self.ended.add(node_rank)
 
     def _live(self) -> dict[int, _Rank]:
         return {r: v for r, v in self.ranks.items() if v.node.node_rank not in self.ended}
 
+    @_locked
     def stalled(self) -> list[int]:
         """Ranks of running nodes that made no progress in any sample interval of the last `stall` seconds
         (each used less than IDLE_SHARE of a CPU and read or wrote nothing), so that "no progress for
@@ -145,6 +169,7 @@ class HealthJudge:
                 found.append(number)
         return found
 
+    @_locked
     def views(self) -> dict[int, RankView]:
         """Each live rank as `harness status` shows it, from its last two samples and its idle time."""
         views = {}
@@ -183,9 +208,14 @@ class HealthJudge:
         """Each live rank's percentage of the time its peers wait for it, by main-thread busy time: how much
         more the median peer's main thread sleeps than its own does."""
         shares = self.busy_shares()
-        return {number: 100 * (statistics.median(1 - s for r, s in shares.items() if r != number) - (1 - share))
-                for number, share in shares.items() if len(shares) > 1}
+        if len(shares) < 2:
+            return {}
+        everyone = statistics.median(1 - s for s in shares.values())  # of many ranks, as good as the peers' own
+        return {number: 100 * ((everyone if len(shares) > PEERS_ALONE else
+                                statistics.median(1 - s for r, s in shares.items() if r != number)) - (1 - share))
+                for number, share in shares.items()}
 
+    @_locked
     def measures(self) -> dict[int, list[SlowMeasure]]:
         """Each live rank's percentage of the time its peers wait for it, by each measure that has one, the
         larger first: "arrival" (when it arrives at its collectives, where every live rank's arrivals are
@@ -204,6 +234,7 @@ class HealthJudge:
         host whose CPU quota freezes it), which arrival times cannot."""
         return {number: values[0] for number, values in self.measures().items()}
 
+    @_locked
     def slow_changes(self, now: float) -> list[SlowChange]:
         """Ranks newly named slow, or cleared."""
         if self.slow <= 0:
@@ -225,6 +256,7 @@ class HealthJudge:
                     changes.append(SlowChange(number, None))
         return changes
 
+    @_locked
     def slow_ranks(self) -> dict[int, float]:
         return {r: v.named_slow for r, v in self.ranks.items() if v.named_slow is not None}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 
 from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView
 from harness.health.rank_stack import ranks_text
@@ -50,24 +51,36 @@ class HealthLoop:
         self._sampled = 0.0
 
     def loop(self) -> None:
-        """Until every node has ended."""
+        """Until every node has ended. A tick that fails is said once (the watch goes on at the next one):
+        a bug in judging must not leave the run unwatched without a word."""
+        failed: set[str] = set()
         while not self.ended.wait(TICK_SECONDS):
-            if self.run is not None:
-                self.stacks.answer_requests(self.run)
-            judging = self.judge is not None and self.stopper.since is None
-            if self.judge is not None and judging:
-                for live in self.nodes:
-                    if live.outcome is not None:
-                        self.judge.node_ended(live.node.node_rank)
-                for rank, waited in self.judge.slow_changes(time.time()):
-                    words = self._slow_words(rank, waited)
-                    self.output.say(words)
-                    kind = HealthEventKind.SLOW if waited is not None else HealthEventKind.RECOVERED
-                    self.events.append(HealthEvent(time.time(), kind, words, rank, waited and round(waited, 1)))
-            if self.run is not None:
-                self._write_health()
-            if self.judge is not None and judging and (stalled := self.judge.stalled()):
-                self._hung(stalled)
+            try:
+                self._tick()
+            except Exception as exc:  # noqa: BLE001 - said, and the next tick tries again
+                if (why := f"{type(exc).__name__}: {exc}") not in failed:
+                    failed.add(why)
+                    frame = traceback.extract_tb(exc.__traceback__)[-1]
+                    self.output.say(f"the health watch failed a tick ({why}, at {frame.filename}:{frame.lineno}); "
+                                    "it goes on")
+
+    def _tick(self) -> None:
+        if self.run is not None:
+            self.stacks.answer_requests(self.run)
+        judging = self.judge is not None and self.stopper.since is None
+        if self.judge is not None and judging:
+            for live in self.nodes:
+                if live.outcome is not None:
+                    self.judge.node_ended(live.node.node_rank)
+            for rank, waited in self.judge.slow_changes(time.time()):
+                words = self._slow_words(rank, waited)
+                self.output.say(words)
+                kind = HealthEventKind.SLOW if waited is not None else HealthEventKind.RECOVERED
+                self.events.append(HealthEvent(time.time(), kind, words, rank, waited and round(waited, 1)))
+        if self.run is not None:
+            self._write_health()
+        if self.judge is not None and judging and (stalled := self.judge.stalled()):
+            self._hung(stalled)
 
     def _slow_words(self, rank: int, waited: float | None) -> str:
         node = self._node_of(rank)

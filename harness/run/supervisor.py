@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.health.judge import HealthJudge
-from harness.health.rank_stack import ranks_text
+from harness.health.rank_stack import number_ranges, ranks_text
 from harness.health.verdict import Verdict
 from harness.node.protocol import Kind, parse_arrivals, parse_health, parse_oom
 from harness.plan.planner import Node
@@ -101,7 +101,7 @@ class Supervisor:
                     judge.observe(live.node, health.t, health.samples)
                 elif message.kind is Kind.ARRIVALS and judge is not None:
                     said = parse_arrivals(message.body)
-                    judge.arrivals.add(live.node, time.time(), said.t, said.rank, said.arrived)
+                    judge.arrived(live.node, time.time(), said.t, said.rank, said.arrived)
                 elif message.kind in (Kind.STACKS, Kind.STACKS_DONE):
                     self.stacks.take(live, message)
                 elif message.kind is Kind.OOM:
@@ -161,7 +161,7 @@ class Supervisor:
             whose = f"of {ranks_text(ranks)} " if ranks else ""
             self.say(f"{held} line(s) {whose}held back from this terminal: they follow from the first failure (a "
                      f"peer that went away); see them with `{self.output.terminal.logs_command}"
-                     + (f" --rank {','.join(map(str, ranks))}`" if ranks else "`"))
+                     + (f" --rank {number_ranges(ranks)}`" if ranks else "`"))
         alike = {rank: first for live in self.nodes for rank, first in live.cascade.alike.items()}
         for rank, first in sorted(alike.items()):
             self.say(f"rank {rank} failed with the same traceback as rank {first}, held back from this terminal: "
