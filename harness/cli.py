@@ -15,6 +15,7 @@ from typing import NamedTuple, TypeAlias
 
 from harness import __version__, commands
 from harness.errors import HarnessError
+from harness.run.terminal import COLLAPSE_ABOVE, COLLAPSE_WINDOW
 from harness.spec.job import SLURM_OPTIONS
 
 # What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir,
@@ -140,13 +141,19 @@ def _nnodes(text: str) -> NodeCount:
 
 
 def _ranks(text: str) -> frozenset[int]:
+    """`3`, `0,2,5` or ranges as the harness writes them, `0-67,72-951`."""
     try:
-        ranks = frozenset(int(part) for part in text.split(","))
+        ranks: set[int] = set()
+        for part in text.split(","):
+            first, dash, last = part.partition("-")
+            ranks.update(range(int(first), int(last) + 1) if dash else [int(first)])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ranks such as 3 or 0,2,5, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected ranks such as 3, 0,2,5 or 0-7,12, got {text!r}") from None
+    if not ranks:
+        raise argparse.ArgumentTypeError(f"expected ranks such as 3, 0,2,5 or 0-7,12, got {text!r}")
     if min(ranks) < 0:
         raise argparse.ArgumentTypeError(f"expected ranks of 0 or more, got {text!r}")
-    return ranks
+    return frozenset(ranks)
 
 
 def _node(text: str) -> int:
@@ -269,6 +276,10 @@ def _launch_verb(verbs: Verbs, job: argparse.ArgumentParser, runs_dir: argparse.
     launch.add_argument("--detach", action="store_true",
                         help="run in the background: the run outlives this terminal; see status/stop")
     launch.add_argument("--run-id", help=argparse.SUPPRESS)
+    launch.add_argument("--no-collapse", action="store_true",
+                        help=f"show every rank's line on the terminal as it is; without it, a job of more than "
+                             f"{COLLAPSE_ABOVE} ranks has identical lines from several ranks within "
+                             f"{COLLAPSE_WINDOW:g} s shown as one, `[ranks 0-7]: ...` (the logs keep every line)")
     launch.add_argument("--skip-preflight", action="store_true", help="with --hosts: start without the fast checks")
     launch.add_argument("--known-hosts", help="known_hosts file for host keys (default ~/.ssh/known_hosts)")
     launch.add_argument("--accept-new-host-keys", action="store_true",
@@ -328,7 +339,8 @@ def _logs_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
                                    "  harness logs RUN_ID --since 5m --follow",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     logs.add_argument("run_id", metavar="RUN_ID", help=RUN_HELP)
-    logs.add_argument("--rank", type=_ranks, metavar="R[,R...]", help="only these global ranks' lines")
+    logs.add_argument("--rank", type=_ranks, metavar="R[,R...]",
+                      help="only these global ranks' lines (ranges too: 0-7,12)")
     logs.add_argument("--node", type=_node, metavar="N", help="only node N's lines (its ranks' and torchrun's own; "
                                                              "N or nodeN, as the lines name it)")
     logs.add_argument("--attempt", type=_attempt, default=None, metavar="N|all",

@@ -233,9 +233,21 @@ def state_words(state: str) -> str:
     return STATES.get(state, state)
 
 
-def ranks_text(numbers: Iterable[int]) -> str:
-    numbers = sorted(numbers)
-    return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {','.join(map(str, numbers))}"
+def ranks_text(numbers: Iterable[int], noun: str = "rank") -> str:
+    """`rank 5`, or `ranks 0-3,8,10,11`: one line however many there are."""
+    numbers = sorted(set(numbers))
+    return f"{noun} {numbers[0]}" if len(numbers) == 1 else f"{noun}s {number_ranges(numbers)}"
+
+
+def number_ranges(numbers: Iterable[int]) -> str:
+    """Sorted numbers with runs of three or more as ranges: `0-3,8,10,11`."""
+    runs: list[list[int]] = []
+    for number in sorted(set(numbers)):
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ",".join(f"{a}-{b}" if b - a > 1 else ",".join(map(str, range(a, b + 1))) for a, b in runs)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ Else by stack alone, with the reason Flight Recorder could not be read.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -64,8 +65,12 @@ def hang_verdict(stall: float, stacks: Mapping[int, RankStack], ended: Mapping[i
         parts, culprits = found
         return Verdict(head + "; ".join(first + parts), sorted(set(odd) | set(culprits)))
     verdict = _stack_verdict(stacks, odd)
-    why = [f"rank {r}: {why}" for r, why in sorted(unread.items()) if isinstance(why, str)]
-    note = f" (Flight Recorder not read: {'; '.join(why)})" if why else ""
+    reasons: dict[str, list[int]] = {}
+    for rank, why in sorted(unread.items()):
+        if isinstance(why, str):
+            reasons.setdefault(why, []).append(rank)
+    said = [f"{ranks_text(ranks)}: {why}" for why, ranks in reasons.items()]
+    note = f" (Flight Recorder not read: {'; '.join(said)})" if said else ""
     return Verdict(head + verdict.text + note, verdict.odd)
 
 
@@ -86,7 +91,7 @@ def _stack_verdict(stacks: Mapping[int, RankStack], odd: dict[int, str]) -> Verd
     groups: dict[str, list[int]] = {}
     for rank, stack in sorted(waiters.items()):
         groups.setdefault(stack.where(), []).append(rank)
-    parts = [f"rank {rank}{'' if what.startswith(chr(39)) else ' '}{what}" for rank, what in sorted(odd.items())]
+    parts = _said_once(odd)
     ahead = None
     if not odd and len(groups) > 1:
         biggest = max(len(g) for g in groups.values())
@@ -109,6 +114,29 @@ def _stack_verdict(stacks: Mapping[int, RankStack], odd: dict[int, str]) -> Verd
         parts.append("the ranks wait in different collectives: the program calls them in a different order on "
                      "different ranks")
     return Verdict("; ".join(parts), sorted(odd))
+
+
+NODE_PART = re.compile(r"^\((\S+?)(\d+) on \S+\) ")  # `(node29 on h29) `: a rank's words start with its node
+
+
+def _said_once(odd: dict[int, str]) -> list[str]:
+    """Each odd rank's words, ranks whose words differ only in their node said together (`ranks 116-123
+    (nodes 29,30) at ...`): at hundreds of ranks the verdict stays one readable line."""
+    alike: dict[str, list[int]] = {}
+    for rank, what in sorted(odd.items()):
+        match = NODE_PART.match(what)
+        alike.setdefault(what[match.end():] if match else what, []).append(rank)
+    parts = []
+    for rest, ranks in alike.items():
+        if len(ranks) == 1:
+            what = odd[ranks[0]]
+            parts.append(f"rank {ranks[0]}{'' if what.startswith(chr(39)) else ' '}{what}")
+            continue
+        nodes = [match[2] for r in ranks if (match := NODE_PART.match(odd[r]))]
+        label = NODE_PART.match(odd[ranks[0]])
+        where = f" ({ranks_text(map(int, nodes), label[1])})" if label and len(nodes) == len(ranks) else ""
+        parts.append(f"{ranks_text(ranks)}{where} {rest}")
+    return parts
 
 
 def _ahead(groups: list[list[RankStack]]) -> tuple[list[int], str] | None:

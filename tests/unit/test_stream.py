@@ -277,6 +277,9 @@ def test_harness_logs_filters_that_match_nothing_say_so_and_a_rank_or_node_the_r
     assert harness("logs", "job-two", "--node", "3", *runs).stderr.endswith("has no node3: its nodes are node0-1\n")
     named = harness("logs", "job-two", "--node", "node1", *runs)
     assert (named.returncode, named.stdout) == (0, "[node1] [rank1]: step 1\n"), named.stderr
+    both = harness("logs", "job-two", "--rank", "0-1", *runs)  # ranges, as the harness itself names ranks
+    assert both.stdout.count("step 1\n") == 2, both.stderr
+    assert "expected ranks such as 3, 0,2,5 or 0-7,12, got '1-'" in harness("logs", "job-two", "--rank", "1-", *runs).stderr
     recent = harness("logs", "job-two", "--since", "30s", "--rank", "0", *runs)
     assert (recent.returncode, recent.stdout) == (0, "")
     assert re.fullmatch(r"harness: no line of run job-two matches --rank 0 --since \(after \S+Z\)\n", recent.stderr)
