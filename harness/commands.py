@@ -214,11 +214,12 @@ def launch(args: argparse.Namespace) -> int:
         return start_detached(argv, run)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
     if isinstance(target, Scheduler):  # the controller in the job's batch step serves them
-        return controller.launch(target, spec, job.text, job.source, root, run_id, detach=args.detach)
+        return controller.launch(target, spec, job.text, job.source, root, run_id, detach=args.detach,
+                                 collapse=not args.no_collapse)
     from harness.view.metrics import serving_metrics
 
     with serving_metrics(run_dir(root, run_id), spec.health.metrics_port):
-        return controller.launch(target, spec, job.text, job.source, root, run_id)
+        return controller.launch(target, spec, job.text, job.source, root, run_id, collapse=not args.no_collapse)
 
 
 def _target(args: argparse.Namespace, spec: JobSpec) -> Backend | Scheduler:

@@ -45,7 +45,7 @@ from harness.run.results import failure_of, hang_failure, recorded_node, stopped
 from harness.run.stopper import stop_on_signals
 from harness.run.summary_text import report
 from harness.run.supervisor import Supervisor
-from harness.run.terminal import Terminal
+from harness.run.terminal import COLLAPSE_ABOVE, Terminal
 from harness.spec.job import JobSpec
 from harness.targets.base import Backend, CheckFailed, Scheduler
 
@@ -54,14 +54,16 @@ STANDBY_AFTER = 10.0  # seconds into an attempt whose ranks were not seen joinin
 
 
 def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: str, runs_root: Path, run_id: str,
-           out: IO[str] = sys.stdout, detach: bool = False) -> int:
+           out: IO[str] = sys.stdout, detach: bool = False, collapse: bool = True) -> int:
     """Run the job on target to its end (restarting it as spec.restarts allows); the harness's exit
     status. Nothing exists yet when the first check fails. A backend is closed at the end. spec_text:
     the spec as its file holds it (kept as the run's spec.yaml); source: that file, or the command that
-    made the spec. detach: a scheduler's job is submitted, not followed."""
+    made the spec. detach: a scheduler's job is submitted, not followed. collapse: identical lines of
+    many ranks are shown as one on the terminal (run/terminal.py; False: --no-collapse)."""
     terminal = Terminal(out)
     target_run: _TargetRun = _SchedulerRun(target, spec, terminal, detach) if isinstance(target, Scheduler) else \
         _BackendRun(target, spec, terminal)
+    target_run.collapse = collapse
     with _closing(target_run, terminal):
         began = time.time()
         target_run.prepare(source, runs_root, run_id)
@@ -131,6 +133,7 @@ class _TargetRun:
     hosts: list[str]
     record_file = HARNESS_FILE  # where the stream record keeps the harness's own words
     exit_code = EXIT_OK
+    collapse = True  # identical lines of many ranks shown as one on the terminal (False: --no-collapse)
 
     def ended_elsewhere(self) -> bool:
         """The run's summary is not this controller's to write (another one wrote it or will): exit_code."""
@@ -146,6 +149,10 @@ class _TargetRun:
 
     def failed(self) -> None:
         """The controller itself failed: what the user must know about what is left."""
+
+    def collapse_for(self, out: Terminal, world_size: int) -> None:
+        """Few ranks' lines are shown each as it is; an attempt of more collapses identical ones."""
+        out.collapse = self.collapse and world_size > COLLAPSE_ABOVE
 
     def close(self) -> None:
         """Release the target's resources."""
@@ -196,6 +203,7 @@ class _BackendRun(_TargetRun):
             self.state = replace(self.state, attempt=plan.attempt, hosts=[n.host for n in plan.nodes],
                                  nnodes=plan.nnodes, world_size=plan.world_size)
             run.write_state(self.state)
+            self.collapse_for(out, plan.world_size)
             if plan.nnodes < spec.nnodes:
                 out.say(_fewer_nodes(spec, plan, down))
             standby = frozenset(down) if spec.restarts.standby is not None and len(attempts) < spec.restarts.max \
@@ -304,6 +312,7 @@ class _SchedulerRun(_TargetRun):
             self.out.say(f"follow: harness logs {run.run_id} --follow; status: harness status {run.run_id}; stop: "
                          f"harness stop {run.run_id}")
             return [], None
+        self.collapse_for(self.out, self.world_size)
         self.follower = Follower(self.scheduler, run, self.job_id, self.out, self.record_file)
         job = self.follower.follow(stop)
         self.summary = run.read_summary()
