@@ -16,6 +16,7 @@ leave it running.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -49,7 +50,40 @@ def kill_run_processes(run_id: str, node_rank: str | None = None, attempt: str |
 
 
 def process_tree(pid: int) -> tuple[list[int], list[int]]:
-    """(every living process below pid, pid's dead children), from one reading of the process table."""
+    """(every living process below pid, pid's dead children). Walked down from pid through the kernel's lists of
+    each thread's children, so that it costs what the tree holds, not what the machine runs (a node agent samples
+    every second, and simulated nodes share one machine); from the whole process table where the kernel keeps no
+    such list (CONFIG_PROC_CHILDREN)."""
+    if not os.path.exists(f"/proc/{pid}/task/{pid}/children"):
+        return _process_tree_by_table(pid)
+    found, zombies, stack = [], [], [pid]
+    while stack:
+        parent = stack.pop()
+        for child in _children(parent):
+            fields = stat_fields(child)
+            if fields is None:
+                continue
+            if fields[0] == b"Z":
+                if parent == pid:
+                    zombies.append(child)
+                continue
+            found.append(child)
+            stack.append(child)
+    return found, zombies
+
+
+def _children(pid: int) -> list[int]:
+    """pid's children: those of each of its threads."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children", "rb") as handle:
+                found += [int(child) for child in handle.read().split()]
+    return found
+
+
+def _process_tree_by_table(pid: int) -> tuple[list[int], list[int]]:
+    """process_tree from one reading of the whole process table."""
     children: dict[int, list[int]] = {}
     zombies = []
     for entry in os.listdir("/proc"):
