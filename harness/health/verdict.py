@@ -259,11 +259,13 @@ def _sizes(entry: Collective, at: dict[int, Collective]) -> str:
 
 
 def _places(stacks: dict[int, RankStack], ranks: list[int]) -> str:
-    """Where these ranks are in the code: once when they are at the same line, else rank by rank."""
-    places = {rank: stacks[rank].place() for rank in ranks}
-    if len(set(places.values())) == 1:
-        return next(iter(places.values()))
-    return "(" + ", ".join(f"rank {rank} {place}" for rank, place in sorted(places.items())) + ")"
+    """Where these ranks are in the code: once when they are at the same line, else each place once with its ranks."""
+    by_place: dict[str, list[int]] = {}
+    for rank in sorted(ranks):
+        by_place.setdefault(stacks[rank].place(), []).append(rank)
+    if len(by_place) == 1:
+        return next(iter(by_place))
+    return "(" + ", ".join(f"{ranks_text(alike)} {place}" for place, alike in by_place.items()) + ")"
 
 
 def _where(stack: RankStack) -> str:

@@ -98,8 +98,9 @@ class RankObserver:
         return {rank: found.get(rank, "its worker server did not answer in time") for rank in states}
 
     def send_stacks(self, tag: str) -> None:
-        """Every rank's stack, and its DataLoader workers', read in parallel; each frame with its source
-        line as this node has it; then `stacks-done TAG`."""
+        """Every rank's last collectives at once, then its stack and its DataLoader workers', read in parallel, each
+        frame with its source line as this node has it; then `stacks-done TAG`. A controller that cannot wait for
+        every stack (hundreds of ranks on a few cores) still judges by the collectives of every rank."""
         below, _ = process_tree(os.getpid())
         ranks = find_ranks(below, self.run_id, self.directory) or self.ranks
         tree = children_of(below)
@@ -125,16 +126,21 @@ class RankObserver:
                 workers.append({"pid": child, "state": child_state, "threads": threads_of(child, child_state)})
             answers[rank] = {"pid": pid, "state": state, "threads": threads_of(pid, state), "workers": workers}
 
+        traces = self.traces({rank: states[rank].state for rank in ranks if rank in states})
+        collectives = {rank: last_entries(trace) if isinstance(trace, list) else trace
+                       for rank, trace in traces.items()}
+        for rank, pid in sorted(ranks.items()):  # first what the verdict needs most, in milliseconds: the collectives
+            early = {"pid": pid, "state": states[rank].state if rank in states else "gone", "workers": [],
+                     "threads": "py-spy had not read it when the verdict was made", "collectives": collectives[rank]}
+            for body in stacks_bodies(tag, rank, early):
+                self.say(Kind.STACKS, body)
         readers = [threading.Thread(target=read, args=item, daemon=True) for item in ranks.items()]
         for reader in readers:
             reader.start()
-        traces = self.traces({rank: states[rank].state for rank in ranks if rank in states})
         for reader in readers:
             reader.join()
-        for rank, answer in answers.items():
-            trace = traces.get(rank, "the rank is gone")
-            answer["collectives"] = last_entries(trace) if isinstance(trace, list) else trace
-        for rank, answer in sorted(answers.items()):
+        for rank, answer in sorted(answers.items()):  # then the stacks, which take py-spy a while per rank
+            answer["collectives"] = collectives.get(rank, "the rank is gone")
             for body in stacks_bodies(tag, rank, answer):
                 self.say(Kind.STACKS, body)
         self.say(Kind.STACKS_DONE, tag)

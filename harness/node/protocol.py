@@ -38,7 +38,8 @@ class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate
     KILL = "KILL"
     PING = "PING"  # nothing: the controller is still there (every agent_link.PING_SECONDS)
     # `STACKS TAG`: every rank's stack and its DataLoader workers' (py-spy) and its last collectives (Flight
-    # Recorder), answered as STACKS messages, then STACKS_DONE
+    # Recorder), answered as STACKS messages, then STACKS_DONE: first each rank's collectives alone (milliseconds),
+    # then each rank's whole answer, which replaces it (py-spy takes a while per rank)
     STACKS = "STACKS"
     # `GO ORDER`: a standby node (agent started with STANDBY) becomes its attempt's node: ORDER, one JSON line
     # ({"env": the node's env, "args": torchrun's arguments}), goes to the waiting torchrun's stdin
