@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shlex
 import sys
 from dataclasses import dataclass
@@ -194,10 +195,20 @@ def with_slurm_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:
         raise UsageError(f"--{first['loc'][0]}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
+def open_files_as_allowed() -> None:
+    """The soft limit on open files raised to the hard one, as srun does: a controller holds a few per node (its
+    pipes or SSH socket, the node's log and record), and the usual soft limit of 1,024 ends a run of some 300 nodes
+    (docs/architecture.md, "Scale")."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def launch(args: argparse.Namespace) -> int:
     """args.rerun: these arguments as a command line without --detach, which a detached run re-runs."""
     from harness.run import controller
 
+    open_files_as_allowed()
     job = job_of(args)
     spec = with_slurm_flags(job.spec, args)
     root = runs_root(args.runs_dir)
@@ -278,6 +289,7 @@ def k8s_controller(args: argparse.Namespace) -> int:
     from harness.targets.k8s.supervised import INFRA_EXIT
     from harness.view.metrics import serving_metrics
 
+    open_files_as_allowed()
     spec = load_job(args.job)
     root = runs_root(args.runs_dir)
     run = run_dir(root, new_run_id(spec.name))
@@ -357,6 +369,7 @@ def report(args: argparse.Namespace) -> int:
 def preflight(args: argparse.Namespace) -> int:
     from harness.preflight.verb import preflight_command
 
+    open_files_as_allowed()
     return preflight_command(args.hosts, args.job, json_out=args.json, collective=args.collective,
                              accept_new_host_keys=args.accept_new_host_keys, known_hosts=args.known_hosts,
                              timeout=args.timeout, slurm=args.target == "slurm", runs_dir=args.runs_dir)

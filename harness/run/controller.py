@@ -50,6 +50,7 @@ from harness.spec.job import JobSpec
 from harness.targets.base import Backend, CheckFailed, Scheduler
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+HOSTS_NAMED = 16  # hosts a run's first line names; beyond, the first few and the last (status lists them all)
 STANDBY_AFTER = 10.0  # seconds into an attempt whose ranks were not seen joining, when its standbys start anyway
 
 
@@ -394,7 +395,8 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
                      furthest=furthest,
                      checkpoint=spec.health.checkpoint_pattern)
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
-    hosts = ", ".join(n.host for n in plan.nodes)
+    named = [n.host for n in plan.nodes]
+    hosts = ", ".join(named) if len(named) <= HOSTS_NAMED else f"{', '.join(named[:3])}, ..., {named[-1]}"
     sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "
             f"master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
     started = time.time()

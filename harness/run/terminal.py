@@ -21,7 +21,9 @@ from harness.health.rank_stack import number_ranges
 from harness.record.stream import StreamRecord
 
 BACKLOG_BYTES = 8 << 20  # the job's text waiting for the terminal beyond which its lines are left out here
-COLLAPSE_WINDOW = 0.5  # seconds after a line's first copy within which its copies from other ranks join it
+COLLAPSE_WINDOW = 0.5  # seconds after a line's latest copy within which further copies from other ranks join it
+COLLAPSE_LONGEST = 4  # windows after its first copy that a line is held at most, however its copies keep coming
+RANGES_SHOWN = 48  # characters of a collapsed line's rank ranges shown; beyond, how many there are
 COLLAPSE_ABOVE = 4  # ranks in an attempt beyond which identical lines collapse (harness launch --no-collapse: never)
 # A shown job line: its node, torchrun's rank prefix (none on torchrun's own lines), and a glog-style header
 # (torch's `W1127 09:12:33.123000 12345 ` or C++ `[W1127 09:12:33.123456 `), which differs between copies.
@@ -37,14 +39,23 @@ class _Group:
     first: str
     header: str
     due: float
+    latest: float  # the most it may be held to
     members: list[int] = field(default_factory=list)
 
     def shown(self) -> str:
         if len(self.members) < 2 or self.key is None:
             return self.first
         kind, text = self.key
-        return f"[ranks {number_ranges(self.members)}]: {self.header}{text}\n" if kind == "rank" else \
-            f"[nodes {number_ranges(self.members)}] {self.header}{text}\n"
+        return f"[ranks {_named(self.members)}]: {self.header}{text}\n" if kind == "rank" else \
+            f"[nodes {_named(self.members)}] {self.header}{text}\n"
+
+
+def _named(members: list[int]) -> str:
+    """The members as ranges, or the first of them and how many there are (a terminal line stays one line)."""
+    ranges = number_ranges(members)
+    if len(ranges) <= RANGES_SHOWN:
+        return ranges
+    return f"{ranges[:ranges.rfind(',', 0, RANGES_SHOWN)]},... {len(set(members))} in all"
 
 
 @dataclass
@@ -155,7 +166,8 @@ class Terminal:
     def _hold(self, text: str) -> None:
         """Each line into the group of its identical copies from other ranks, or a new group (a rank's
         second copy too, so that no line is lost)."""
-        due = time.monotonic() + self._window
+        now = time.monotonic()
+        due = now + self._window
         was_empty = not self._held
         for line in _lines(text):
             key, member, header = _identity(line)
@@ -165,7 +177,7 @@ class Terminal:
                 if self._queued + self._held_bytes + len(line) > self._backlog_bytes:
                     self._left_out += 1
                     continue
-                group = _Group(key, line, header, due)
+                group = _Group(key, line, header, due, now + COLLAPSE_LONGEST * self._window)
                 self._held.append(group)
                 self._held_bytes += len(line)
                 if key is not None:
@@ -174,6 +186,7 @@ class Terminal:
             if copies is not None:
                 copies.joined(member)
             group.members.append(member)
+            group.due = min(due, group.latest)  # copies still coming: a step's lines from 1,024 ranks take a while
         if was_empty and self._held:
             self._ready.notify()
 

@@ -110,7 +110,7 @@ def test_a_ranks_next_copy_goes_to_the_oldest_group_without_one_after_older_grou
     def join(member: int) -> _Group:
         group = copies.group_of(member)
         if group is None:
-            group = _Group(("rank", "x"), _line(member, "x"), "", 0.0)
+            group = _Group(("rank", "x"), _line(member, "x"), "", 0.0, 0.0)
             copies.groups.append(group)
         copies.joined(member)
         group.members.append(member)
@@ -245,3 +245,19 @@ def test_no_collapse_reaches_the_controller_from_a_spec_file_or_a_script(words: 
         assert rest == []
         commands.launch(argparse.Namespace(**vars(args), script_args=[], rerun=["launch", *words]))
     assert given == [True, False]
+
+
+def test_copies_that_keep_coming_keep_their_line_held_up_to_a_limit_and_many_ranges_stay_one_line():
+    """A step's line from 1,024 ranks on a busy machine comes over a second or more: each copy holds the line a
+    window longer, never past COLLAPSE_LONGEST windows from the first; scattered ranks are named in part."""
+    out = _Watched()
+    terminal = Terminal(out, window=0.3, collapse=True)
+    for rank in range(0, 5):
+        terminal.job_lines(_line(rank, "step 1"), 1)
+        assert not out.written.wait(0.1), out.getvalue()  # 0.5 s in all, past the first copy's window
+    assert out.written.wait(5)
+    terminal.job_lines("".join(_line(rank, "step 2") for rank in range(0, 1024, 3)), 342)
+    terminal.close()
+    first, second = out.getvalue().splitlines()
+    assert first == "[ranks 0-4]: step 1"
+    assert re.fullmatch(r"\[ranks 0,3,6,9,(\d+,)+\.\.\. 342 in all\]: step 2", second) and len(second) < 80, second

@@ -301,7 +301,9 @@ class RemoteProcess:
         if self.channel.eof_received or self.channel.closed:
             self.channel.status_event.wait(wait)
         else:
-            select.select([self.channel], [], [], wait)
+            waiting = select.poll()  # not select(): a controller of hundreds of nodes has descriptors past 1,024
+            waiting.register(self.channel, select.POLLIN)
+            waiting.poll(wait * 1000)
         self._drain()
 
     def poll(self) -> int | None:
