@@ -11,6 +11,8 @@ LINEAR_GOAL = 0.25  # preflight over the most hosts: t(k) / (k * t(1)) at most t
 HANG_MARGIN = 15.0  # a hang found within health.stall + this many seconds (issue 28)
 STREAM_GOAL = 1.2  # a chatty job's stream against torchrun --tee 3 (issue 38)
 WATCH_GOAL = 0.99  # the payload's img/s with the health watch on / off, at least this
+SCALE_GROWTH = 1.5  # the controller's CPU per node at the most nodes, against the fewest (issue 49)
+SCALE_CORES, SCALE_GIB, ANSWER_S = 1.0, 1.0, 1.0  # the controller at the most nodes; status and top
 RECOVERY_GOALS = (3.0, 4.0)  # kill to the next first step: a lost rank on simulated nodes, a lost SSH host (issue 48)
 
 
@@ -94,7 +96,30 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
         found.append({"goal": "no step redone after a lost rank or host (payload, DDP)",
                       "value": "; ".join(f"{row['steps_redone']}" for row in rc["rows"]),
                       "met": all(not any(row["steps_redone"]) for row in rc["rows"])})
+    sc = b.get("scale")
+    if _ok(sc):
+        found += _scale_goals(sc)
     return found
+
+
+def _scale_goals(sc: dict[str, Any]) -> list[dict[str, Any]]:
+    rows, last = sc["rows"], sc["rows"][-1]
+    at = f"{last['nodes']} x {last['ranks'] // last['nodes']}"
+    growth = last["cost_per_node_vs_smallest"]
+    slowest = max(max(r["answer_s"].get("status", 0), r["answer_s"].get("top", 0)) for r in rows)
+    return [
+        {"goal": f"the controller's CPU per node at {last['nodes']} nodes within {SCALE_GROWTH:g}x of at "
+                 f"{rows[0]['nodes']}", "value": f"{growth}x", "met": growth <= SCALE_GROWTH},
+        {"goal": f"the controller at most {SCALE_CORES:g} core and {SCALE_GIB:g} GiB at {at} ranks",
+         "value": f"{last['controller_cores']} cores, {last['controller_peak_rss_mib']:.0f} MiB at its peak",
+         "met": last["controller_cores"] <= SCALE_CORES and last["controller_peak_rss_mib"] <= SCALE_GIB * 1024},
+        {"goal": f"a hang found within stall + {HANG_MARGIN:g} s and its rank named, at every size",
+         "value": "; ".join(f"{r['nodes']} nodes: {r['verdict_s']} s, {'named' if r['culprit_named'] else 'NOT named'}"
+                            for r in rows),
+         "met": all(r["verdict_s"] <= r["verdict_goal_s"] and r["culprit_named"] for r in rows)},
+        {"goal": f"`harness status` and `top` answer within {ANSWER_S:g} s, at every size",
+         "value": f"slowest median {slowest} s", "met": slowest <= ANSWER_S},
+    ]
 
 
 def _floor_ratio(row: dict[str, Any], mode: str, cores: int) -> float:
@@ -467,6 +492,37 @@ def _k8s(k: dict[str, Any]) -> list[str]:
                            for r in k["rows"]]) + [""]
 
 
+def _scale(s: dict[str, Any]) -> list[str]:
+    lines = [f"{s['job']}; {s['cores']} cores. CPU per node per second: the controller's CPU seconds over the window, "
+             "divided by nodes and seconds; answers: the whole command as typed, median.", ""]
+    return lines + _table(
+        ["nodes x ranks", "launch to all running (s)", "controller CPU per node per s (vs fewest)", "controller cores",
+         "controller MiB (peak)", "threads, fds", "agent CPU per s, MiB", "record lines per s (terminal)",
+         "status / top / logs --rank (s)", "hang to verdict (s, goal)", "culprit named"],
+        [[f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["launch_to_running_s"],
+          f"{r['controller_cpu_per_node_per_s']:.4f} ({r['cost_per_node_vs_smallest']}x)", r["controller_cores"],
+          f"{r['controller_rss_mib']:.0f} ({r['controller_peak_rss_mib']:.0f})",
+          f"{r['controller_threads']}, {r['controller_fds']}",
+          f"{r['agent_cpu_per_s']:.4f}, {r['agent_rss_mib']:.0f}",
+          f"{r['record_lines_per_s']:.0f} ({r['terminal_lines_per_s']:.0f})",
+          " / ".join(_num(r["answer_s"].get(k), 2) for k in ("status", "top", "logs_rank")),
+          f"{r['verdict_s']} ({r['verdict_goal_s']:g})", "yes" if r["culprit_named"] else "no"]
+         for r in s["rows"]]) + [""] + _scale_ssh(s.get("ssh", {}))
+
+
+def _scale_ssh(ssh: dict[str, Any]) -> list[str]:
+    if "skipped" in ssh or not ssh:
+        return [f"Over SSH: not measured ({ssh.get('skipped', 'not in this result')}).", ""]
+    return [f"Over SSH: {ssh['hosts']} sshd hosts in network namespaces (built in {ssh['cluster_build_s']} s), "
+            f"{ssh['ranks'] // ssh['hosts']} stand-in ranks each: the fast checks before a launch "
+            f"{ssh['fast_checks_s']} s; launch to every rank running {ssh['launch_to_running_s']} s, to the end "
+            f"{ssh['launch_to_end_s']} s; the controller with {ssh['controller_threads']} threads and "
+            f"{ssh['controller_sockets']} sockets, {ssh['controller_cores']} cores "
+            f"({ssh['controller_cpu_per_node_per_s']:.4f} per node per second), "
+            f"{ssh['controller_peak_rss_mib']:.0f} MiB at its peak. (`harness preflight` itself imports torch on "
+            "every host at once, about 0.55 GiB each: benchmark 4 measures it up to 16 hosts.)", ""]
+
+
 SECTIONS = (
     ("throughput", "1. Payload throughput vs the seed recipe", _throughput),
     ("tuning", "1b. Batch size and compile mode on the GPU", _tuning),
@@ -483,6 +539,7 @@ SECTIONS = (
     ("stream", "11. The stream: a chatty job's lines, against torchrun --tee", _stream),
     ("metrics_cost", "12. Serving metrics to Prometheus: the controller's CPU", _metrics_cost),
     ("k8s", "13. Kubernetes: supervised pods against bare torchrun pods", _k8s),
+    ("scale", "14. Scale: one controller, 16 to 256 nodes of stand-in ranks", _scale),
 )
 
 
@@ -533,7 +590,7 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
             "CPU workers, `--compile` and its modes on the GPU, and DDP and FSDP over NCCL (2 ranks need 2 GPUs).",
             "",
         ]
-    for name in ("gpu", "full", "quick", "health", "k8s"):
+    for name in ("gpu", "full", "quick", "health", "k8s", "scale"):
         if name in latest:
             lines += _run(name, latest[name])
     return "\n".join(lines).rstrip("\n") + "\n"

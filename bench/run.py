@@ -25,13 +25,15 @@ from bench import machine, procs, report
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
 NAMES = ("throughput", "tuning", "ddp", "strategies", "first_step", "preflight", "failure", "recovery", "slurm",
-         "containers", "hangs", "watch_cost", "stream", "metrics_cost", "k8s")
+         "containers", "hangs", "watch_cost", "stream", "metrics_cost", "k8s",
+         "scale")
 HEALTH = ("hangs", "watch_cost", "metrics_cost")
 # What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed);
 # health is the health watch's alone (benchmarks 9, 10 and 12: 60 hung launches, ~22 min on 2 cores).
 PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp", "strategies"),
-                 "full": tuple(n for n in NAMES if n not in ("tuning", "k8s") and n not in HEALTH), "health": HEALTH,
-                 "k8s": ("k8s",)}
+                 "full": tuple(n for n in NAMES if n not in ("tuning", "k8s", "scale") and n not in HEALTH),
+                 "health": HEALTH,
+                 "k8s": ("k8s",), "scale": ("scale",)}
 PROFILE_NAMES["quick"] = PROFILE_NAMES["full"]
 HEALTH_FAULTS = 20  # per fault kind, the least
 
@@ -85,6 +87,10 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
         "metrics_cost": {"model": "small", "batch_size": 32, "steps": 3000, "window": 15, "scrapes": 100, "every": 5,
                          "synthetic_repeats": 20},
         "k8s": {"repeats": 3, "kill_at": 40},
+        # 256 x 4 stand-in ranks is about 1,300 processes on this machine: a step a second keeps them light
+        "scale": {"nodes": [16, 64, 256], "nproc": 4, "step_seconds": 1.0, "stall": 30, "warmup": 10, "window": 30,
+                  "queries": 3, "queries_margin": 20, "start_timeout": 600,
+                  "ssh_hosts": 64, "ssh_nproc": 2, "ssh_steps": 40, "ssh_window": 15},
     }
 
 
@@ -97,6 +103,7 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         launch,
         preflight,
         recovery,
+        scale,
         slurm,
         strategies,
         stream,
@@ -108,7 +115,8 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
             "first_step": launch.time_to_first_step, "preflight": preflight.run,
             "failure": launch.failure_propagation, "recovery": recovery.run, "slurm": slurm.run,
             "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost,
-            "stream": stream.run, "metrics_cost": health.metrics_cost, "k8s": k8s.run}
+            "stream": stream.run, "metrics_cost": health.metrics_cost, "k8s": k8s.run,
+            "scale": scale.run}
 
 
 def resolve_device(device: str) -> str:
@@ -184,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--k8s", dest="profile", action="store_const", const="k8s",
                        help="benchmark 13 alone: supervised Kubernetes pods against bare torchrun pods, played here "
                             "as processes (~4 min on 2 cores)")
+    which.add_argument("--scale", dest="profile", action="store_const", const="scale",
+                       help="benchmark 14 alone: the controller with 16, 64 and 256 simulated nodes of 4 stand-in "
+                            "ranks (~10 min on 2 cores; the same as --only scale)")
     which.add_argument("--docs-only", dest="profile", action="store_const", const="docs",
                        help="only regenerate docs/benchmarks.md from bench/results/latest-*.json")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(NAMES)} (result marked partial)")
@@ -199,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         write_docs()
         print(f"wrote {DOCS}")
         return 0
-    name = args.profile or "full"
+    alone = [profile for profile, names in PROFILE_NAMES.items() if args.only and [args.only] == list(names)]
+    name = args.profile or (alone[0] if alone else "full")  # `--only k8s`: that benchmark's own profile, whole
     only = args.only.split(",") if args.only else list(PROFILE_NAMES[name])
     unknown = set(only) - set(PROFILE_NAMES[name])
     if unknown:

@@ -1,0 +1,253 @@
+"""Benchmark 14: the harness at scale. N simulated nodes x R ranks, the controller and one real node agent per
+node exactly as in a run, the ranks stand-ins that cost no torch import (testbed/standin: the stand-in torchrun
+forks each rank with torchrun's environment; each step sleeps, computes a millisecond and
+all-reduces through node 0's coordinator; every rank prints its progress line; the harness's rank hook serves
+their Flight Recorder entries as torch's worker server does), so that what grows with N is the harness's own cost.
+
+Per N: launch to every rank running (the first `step 1` line: step 1's all_reduce needs every rank); then over a
+steady window, the controller's CPU (per node per second) and memory, its threads and file descriptors, the
+agents' CPU and memory, the stream's lines per second (the run's record), and `harness status`, `top --once` and
+`logs --rank` answer times (whole commands, as a user types them, on the loaded machine); then the last rank
+hangs in its data loading: the time from its last step to the verdict (goal: stall + 15 s) and whether the
+verdict names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import preflight, procs
+from harness.node.proctable import stat_fields
+from harness.record.stream import STAMP_WIDTH, stamp, unstamp
+from testbed import cluster
+
+STANDIN = procs.REPO / "testbed" / "standin"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+JOB = """\
+name: scale
+nnodes: {nnodes}
+nproc_per_node: {nproc}
+backend: gloo
+entrypoint:
+  script: {script}
+  args: [--steps, "100000", --step-seconds, "{step_seconds}", --warning, --hang-rank, "{hang_rank}",
+         --hang-step, "{hang_step}"]
+env:
+  PYTHONPATH: {shim}:{repo}
+health:
+  stall: {stall}
+timeouts:
+  stop_grace: 3
+  rendezvous: 900
+"""
+STEP_ONE = re.compile(r"\]: epoch 1/1 step 1/")
+HANG = re.compile(r"^harness: hang: (.*)")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS if fields else 0.0
+
+
+def _rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+    except (OSError, IndexError):
+        return 0
+
+
+def _agents(controller: int) -> list[int]:
+    """The node agents: the controller's children that run `harness-agent` (simulated nodes are its children)."""
+    found = []
+    for pid in Path(f"/proc/{controller}/task/{controller}/children").read_text().split():
+        try:
+            if b"harness-agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _status_field(pid: int, name: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(name + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _timed(argv: list[str], cwd: Path, env: dict[str, str]) -> float:
+    begun = time.monotonic()
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}")
+    return time.monotonic() - begun
+
+
+def _record_lines(run_dir: Path, start: float, end: float) -> int:
+    """The job's lines the run's record got between two wall-clock times."""
+    first, last = stamp(start), stamp(end)
+    count = 0
+    for log in (run_dir / "logs" / "attempt0").glob("node*.log"):
+        with open(log, encoding="utf-8", errors="replace") as handle:
+            count += sum(1 for line in handle if first <= line[:STAMP_WIDTH] < last)
+    return count
+
+
+def _last_stamp(folder: Path, pattern: str) -> float:
+    """When the record got the last line matching pattern among the files in folder (UTC seconds)."""
+    regex, found = re.compile(pattern), ""
+    for log in folder.glob("*.log"):
+        with open(log, encoding="utf-8", errors="replace") as handle:
+            found = max([found, *(line[:STAMP_WIDTH] for line in handle if regex.search(unstamp(line)))])
+    if not found:
+        raise RuntimeError(f"no line {pattern!r} in {folder}")
+    return datetime.datetime.strptime(found, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
+def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    nproc, step_seconds, stall = cfg["nproc"], cfg["step_seconds"], cfg["stall"]
+    world = nnodes * nproc
+    # the hang comes after the warm-up and the window, counted in steps from the first one (steps need every rank)
+    hang_step = math.ceil((cfg["warmup"] + cfg["window"] + cfg["queries_margin"]) / step_seconds)
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        work = Path(tmp)
+        job = work / "job.yaml"
+        job.write_text(JOB.format(nnodes=nnodes, nproc=nproc, script=STANDIN / "rank.py", step_seconds=step_seconds,
+                                  hang_rank=world - 1, hang_step=hang_step, shim=STANDIN / "shim", repo=procs.REPO,
+                                  stall=stall))
+        env = procs.clean_env(XDG_STATE_HOME=str(work / "state"))
+        harness = [procs.PY, "-m", "harness.cli"]
+        with procs.Proc([*harness, "launch", str(job)], env=env, cwd=work) as launch:
+            _, ran = launch.wait_for(r"^harness: run (\S+): ", timeout=120)
+            run_id = ran[1]
+            running, _ = launch.wait_for(STEP_ONE.pattern, timeout=cfg["start_timeout"])
+            controller = launch.proc.pid
+            time.sleep(cfg["warmup"])
+            agents = _agents(controller)
+            begun, wall_begun = time.monotonic(), time.time()
+            cpu0 = _cpu_seconds(controller)
+            agents0 = {pid: _cpu_seconds(pid) for pid in agents}
+            rss, agent_rss = [], []
+            answers: dict[str, list[float]] = {"status": [], "top": [], "logs_rank": []}
+            queries = [("status", [*harness, "status", run_id]), ("top", [*harness, "top", run_id, "--once"]),
+                       ("logs_rank", [*harness, "logs", run_id, "--rank", str(world // 2)])]
+            asked = 0
+            while time.monotonic() - begun < cfg["window"]:
+                rss.append(_rss(controller))
+                agent_rss.append(statistics.mean(_rss(pid) for pid in agents))
+                if asked < cfg["queries"] * len(queries):
+                    name, argv = queries[asked % len(queries)]
+                    answers[name].append(_timed(argv, work, env))
+                    asked += 1
+                else:
+                    time.sleep(1.0)
+            seconds = time.monotonic() - begun
+            wall_ended = time.time()
+            controller_cpu = _cpu_seconds(controller) - cpu0
+            agents_cpu = sum(_cpu_seconds(pid) - cpu for pid, cpu in agents0.items())
+            threads, fds = _status_field(controller, "Threads"), len(os.listdir(f"/proc/{controller}/fd"))
+            peak = _status_field(controller, "VmHWM") * 1024
+            _, verdict = launch.wait_for(HANG.pattern, timeout=hang_step * step_seconds + stall + 600)
+            launch.wait(timeout=300)
+            record = work / "runs" / run_id
+            last_step = _last_stamp(record / "logs" / "attempt0",
+                                    rf"\[rank{world - 1}\]: epoch 1/1 step {hang_step - 1}/")
+            hung_at = _last_stamp(record / "logs", r"^harness: hang: ")
+            lines = _record_lines(record, wall_begun, wall_ended)
+            shown = sum(1 for when, line in launch.lines if begun <= when < begun + seconds)
+    culprit = f"rank {world - 1} (node{nnodes - 1} on sim{nnodes - 1}) has not reached #{hang_step}"
+    return {
+        "nodes": nnodes, "ranks": world, "window_s": round(seconds, 1),
+        "launch_to_running_s": round(running - launch.started, 2),
+        "controller_cpu_per_node_per_s": round(controller_cpu / nnodes / seconds, 5),
+        "controller_cores": round(controller_cpu / seconds, 3),
+        "controller_rss_mib": round(max(rss) / 2**20, 1), "controller_peak_rss_mib": round(peak / 2**20, 1),
+        "controller_threads": threads, "controller_fds": fds,
+        "agent_cpu_per_s": round(agents_cpu / len(agents) / seconds, 5),
+        "agent_rss_mib": round(statistics.mean(agent_rss) / 2**20, 1),
+        "answer_s": {name: round(statistics.median(times), 2) for name, times in answers.items() if times},
+        "answer_attempts_s": {name: [round(t, 2) for t in times] for name, times in answers.items()},
+        "record_lines_per_s": round(lines / seconds, 1), "terminal_lines_per_s": round(shown / seconds, 1),
+        "verdict_s": round(hung_at - last_step, 1), "verdict_goal_s": stall + 15 + step_seconds,
+        "culprit_named": culprit in verdict[1], "verdict": verdict[1][:600],
+    }
+
+
+def _sockets(pid: int) -> int:
+    """The process's open sockets (its SSH connections, pipes excluded)."""
+    found = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            found += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return found
+
+
+def ssh(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The same stand-in job over SSH: cfg["ssh_hosts"] sshd hosts in network namespaces (testbed/cluster.py),
+    each a node of cfg["ssh_nproc"] ranks that runs a few steps and ends: the fast checks `harness launch --hosts`
+    runs first, timed alone as benchmark 4 does; launch to every rank running; the controller's threads, sockets
+    and CPU while it runs; launch to its end."""
+    hosts, nproc = cfg["ssh_hosts"], cfg["ssh_nproc"]
+    world = hosts * nproc
+    begun = time.monotonic()
+    with cluster.namespace_cluster(hosts) as hosts_up, tempfile.TemporaryDirectory(prefix="bench-scale-ssh-") as tmp:
+        built = time.monotonic() - begun
+        work = Path(tmp)
+        inventory = hosts_up.write_inventory(work / "hosts.yaml")
+        job = work / "job.yaml"
+        job.write_text(JOB.format(nnodes=hosts, nproc=nproc, script=STANDIN / "rank.py", step_seconds=1.0,
+                                  hang_rank=-1, hang_step=-1, shim=STANDIN / "shim", repo=procs.REPO,
+                                  stall=cfg["stall"]).replace('"100000"', f'"{cfg["ssh_steps"]}"'))
+        checks, report = preflight.fast(procs.REPO, inventory, job, hosts_up.known_hosts)
+        if not report.get("ok"):
+            raise RuntimeError(f"the fast checks over {hosts} hosts failed: {report}")
+        env = procs.clean_env(XDG_STATE_HOME=str(work / "state"))
+        argv = [procs.PY, "-m", "harness.cli", "launch", str(job), "--hosts", str(inventory), "--known-hosts",
+                str(hosts_up.known_hosts)]
+        with procs.Proc(argv, env=env, cwd=work) as launch:
+            running, _ = launch.wait_for(STEP_ONE.pattern, timeout=cfg["start_timeout"])
+            controller = launch.proc.pid
+            cpu0, window_begun = _cpu_seconds(controller), time.monotonic()
+            time.sleep(cfg["ssh_window"])
+            seconds = time.monotonic() - window_begun
+            cpu = _cpu_seconds(controller) - cpu0
+            threads, sockets = _status_field(controller, "Threads"), _sockets(controller)
+            peak = _status_field(controller, "VmHWM") * 1024
+            code = launch.wait(timeout=cfg["ssh_steps"] * 3 + 300)
+            if code != 0:
+                raise RuntimeError(f"the {hosts}-host launch exited {code}:\n{launch.output[-3000:]}")
+        hosts_up.assert_only_sshd_left()
+    return {"hosts": hosts, "ranks": world, "cluster_build_s": round(built, 1), "fast_checks_s": round(checks, 2),
+            "launch_to_running_s": round(running - launch.started, 2),
+            "launch_to_end_s": round((launch.ended or time.monotonic()) - launch.started, 2),
+            "controller_threads": threads, "controller_sockets": sockets,
+            "controller_cpu_per_node_per_s": round(cpu / hosts / seconds, 5),
+            "controller_cores": round(cpu / seconds, 3),
+            "controller_peak_rss_mib": round(peak / 2**20, 1)}
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    for nnodes in cfg["nodes"]:
+        print(f"bench: scale: {nnodes} nodes x {cfg['nproc']} ranks ...", flush=True)
+        rows.append(one(nnodes, cfg))
+    smallest = rows[0]["controller_cpu_per_node_per_s"] or 1e-9
+    for row in rows:
+        row["cost_per_node_vs_smallest"] = round(row["controller_cpu_per_node_per_s"] / smallest, 2)
+    reason = cluster.missing_support()
+    over_ssh = {"skipped": reason} if reason else ssh(cfg)
+    return {"ssh": over_ssh, "job": f"stand-in ranks (testbed/standin), {cfg['nproc']} per node, a step every "
+                   f"{cfg['step_seconds']:g} s with every rank printing, stall {cfg['stall']:g} s; window "
+                   f"{cfg['window']:g} s after {cfg['warmup']:g} s of warm-up",
+            "cores": procs.cpu_count(), "rows": rows}
