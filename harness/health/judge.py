@@ -93,6 +93,7 @@ class _Rank:
     node: Node
     pid: int
     state: str
+    seen: float  # its first sample's time
     samples: deque[Sample] = field(default_factory=deque)
     slow_since: float | None = None
     well_since: float | None = None
@@ -119,6 +120,8 @@ class HealthJudge:
 
     stall: float
     slow: float
+    world_size: int = 0  # the attempt's ranks (0: not known)
+    startup: float = 0.0  # the most seconds a rank may wait in its first collective for the others to start
     ranks: dict[int, _Rank] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)  # node ranks that have ended
     arrivals: Arrivals = field(default_factory=lambda: Arrivals(horizon=2 * SLOW_WINDOW))
@@ -128,7 +131,7 @@ class HealthJudge:
     def observe(self, node: Node, t: float, samples: Mapping[int, RankSample]) -> None:
         """One health message of node's agent: its ranks' samples taken at t."""
         for number, taken in samples.items():
-            rank = self.ranks.setdefault(number, _Rank(node, taken.pid, taken.state))
+            rank = self.ranks.setdefault(number, _Rank(node, taken.pid, taken.state, t))
             rank.pid, rank.state = taken.pid, taken.state
             rank.samples.append(Sample(t, taken.cpu, taken.busy, taken.io, taken.completed, taken.pending,
                                        taken.gpu_util, taken.gpu_memory))
@@ -157,7 +160,11 @@ class HealthJudge:
         if self.stall <= 0:
             return []
         found = []
+        starting = self._starting()
         for number, rank in sorted(self._live().items()):
+            if starting and rank.samples and rank.samples[-1].completed == 0 and \
+                    rank.samples[-1].t - rank.seen < self.startup:
+                continue  # waits in its first collective for ranks still starting: the rendezvous, not a hang
             if rank.samples and _collective_stuck(rank.samples, self.stall):
                 found.append(number)
                 continue
@@ -168,6 +175,13 @@ class HealthJudge:
             if not any(progressed(a, b) for a, b in pairwise(list(rank.samples)[since:])):
                 found.append(number)
         return found
+
+    def _starting(self) -> bool:
+        """Some rank of the attempt has not made its process group yet (unseen, or its recorder not read): at
+        hundreds of nodes start-up is spread over more than a short stall, and the first ranks' wait in their
+        first collective is the job starting. Once every rank has, a rank stuck before that collective is a hang."""
+        return self.startup > 0 and (len(self.ranks) < self.world_size or any(
+            not rank.samples or rank.samples[-1].completed < 0 for rank in self.ranks.values()))
 
     @_locked
     def views(self) -> dict[int, RankView]:

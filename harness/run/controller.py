@@ -390,7 +390,8 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     sup = Supervisor(grace=spec.timeouts.stop_grace, terminal=out,
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
                      quiet_cpp_info=watched and not STORE_WATCH_ENV.keys() & spec.env.keys(),
-                     judge=HealthJudge(spec.health.stall, spec.health.slow) if spec.health.watched else None, run=run,
+                     judge=HealthJudge(spec.health.stall, spec.health.slow, plan.world_size, spec.timeouts.rendezvous)
+                     if spec.health.watched else None, run=run,
                      attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern,
                      furthest=furthest,
                      checkpoint=spec.health.checkpoint_pattern)

@@ -292,3 +292,30 @@ def test_a_rank_is_said_once_where_it_waits_in_a_subgroup_and_the_one_it_waits_f
     assert verdict.text == ("no progress for 10 s: ranks 0,1 wait in all_reduce #11 at train.py:55 in step; rank 2 "
                             "waits in all_reduce #11 of process group 2 at f.py:35 in sync_metrics; rank 3 (node3 on h4) "
                             "has not reached #11 of process group 2, at train.py:42 in load_batch: time.sleep(60)")
+
+
+def test_ranks_waiting_in_their_first_collective_for_ranks_still_starting_are_not_hung_until_the_rendezvous_ends():
+    """At hundreds of nodes the start is spread over more than a short stall: ranks 0 and 1 wait in collective #1
+    while rank 2 has not made its process group (unseen, then its recorder unread). Once it has, a rank stuck
+    before #1 is a hang again after `stall`; and past `startup` seconds the wait is one anyway."""
+    def waiting(t: int, completed: int = 0) -> RankSample:
+        return RankSample(100, "S", 0.0, 0.0, 0, completed=completed, pending=float(t))
+
+    watch = HealthJudge(stall=10, slow=0, world_size=3, startup=60)
+    for t in range(13):
+        watch.observe(NODES[0], t, {0: waiting(t)})
+        watch.observe(NODES[1], t, {1: waiting(t)})
+    assert watch.stalled() == [], "rank 2 unseen: the job is starting"
+    for t in range(13, 25):
+        for rank in (0, 1):
+            watch.observe(NODES[rank], t, {rank: waiting(t)})
+        watch.observe(NODES[2], t, {2: RankSample(102, "R", float(t), float(t), 0)})  # importing, say
+    assert watch.stalled() == [], "rank 2 seen, its process group not made yet"
+    for t in range(25, 27):
+        for rank in (0, 1, 2):
+            watch.observe(NODES[rank], t, {rank: waiting(t, completed=0)})
+    assert watch.stalled() == [0, 1], "every rank made its process group: 0 and 1 waited past the stall"
+    late = HealthJudge(stall=10, slow=0, world_size=3, startup=20)
+    for t in range(22):
+        late.observe(NODES[0], t, {0: waiting(t)})
+    assert late.stalled() == [0], "past the rendezvous's time the wait is a hang whoever is missing"
