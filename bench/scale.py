@@ -144,6 +144,9 @@ def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
                        ("logs_rank", [*harness, "logs", run_id, "--rank", str(world // 2)])]
             asked = 0
             while time.monotonic() - begun < cfg["window"]:
+                if launch.proc.poll() is not None:
+                    raise RuntimeError(f"the launch ended in the window, exit {launch.proc.returncode}:\n"
+                                       + "\n".join(line[:300] for _, line in launch.lines[-30:]))
                 rss.append(_rss(controller))
                 agent_rss.append(statistics.mean(_rss(pid) for pid in agents))
                 if asked < cfg["queries"] * len(queries):

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.health.rank_stack import ranks_text
 from harness.node.proctable import run_processes
 from harness.record.goodput import goodput_of
 from harness.record.index import RunsLookup, runs_lookup
@@ -27,6 +28,7 @@ from harness.record.schema import (
 )
 
 UNCUT = 1 << 16  # the width of lines that are not cut to a terminal's
+NODES_LISTED = 16  # nodes status lists one by one; beyond, by state
 STALE_SECONDS = 10.0  # health.json older than this, while the run runs, is said to be so
 
 
@@ -76,8 +78,8 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
         if state.attempt:
             lines.append(f"  attempt {state.attempt} (restarted {state.attempt} time(s); `harness status` shows the "
                          f"earlier attempts once the run has ended)")
-        lines += [f"  node{rank} on {host}: {unrecorded_end(state, status, rank)}; log "
-                  f"{run.log_file(rank, state.attempt)}" for rank, host in enumerate(state.hosts)]
+        lines += node_lines({rank: (host, unrecorded_end(state, status, rank), run.log_file(rank, state.attempt), "")
+                             for rank, host in enumerate(state.hosts)})
         if status is RunStatus.RUNNING and (health := run.read_health(state.attempt)) is not None:
             now = time.time()
             if health.progress is not None:
@@ -89,8 +91,8 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
     if len(summary.attempts) > 1:
         lines += [_attempt_line(attempt, len(summary.world_sizes) > 1) for attempt in summary.attempts]
     failed = node_failures(summary.attempts[-1].failures if summary.attempts else [])
-    lines += [f"  node{n.node_rank} on {n.host}: {recorded_end(n, failed.get(n.node_rank), summary.status)} after "
-              f"{n.duration_s} s; log {node_log(run, n)}" for n in summary.nodes]
+    lines += node_lines({n.node_rank: (n.host, recorded_end(n, failed.get(n.node_rank), summary.status),
+                                       node_log(run, n), f" after {n.duration_s} s") for n in summary.nodes})
     failure = summary.first_failure
     if failure:
         lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), rank {failure.rank}, "
@@ -153,6 +155,26 @@ def node_failures(failures: list[Failure]) -> dict[int, Failure]:
 def node_log(run: RunDir, node: RecordedNode) -> Path:
     """The node's log as found from here: the record keeps it as the launch saw it (relative to its directory)."""
     return run.path / Path(node.log).name
+
+
+def node_lines(nodes: dict[int, tuple[str, str, Path, str]]) -> list[str]:
+    """Per node (its host, how it is, its log, how long it ran), one line each; of more than NODES_LISTED, one
+    line per state naming its nodes as ranges, the first host and the logs' place (hundreds of nodes stay a few
+    lines)."""
+    if len(nodes) <= NODES_LISTED:
+        return [f"  node{rank} on {host}: {how}{ran}; log {log}" for rank, (host, how, log, ran) in nodes.items()]
+    alike: dict[str, list[int]] = {}
+    for rank, (_, how, _, _) in nodes.items():
+        alike.setdefault(how, []).append(rank)
+    lines = []
+    for how, ranks in alike.items():
+        host, _, log, ran = nodes[ranks[0]]
+        if len(ranks) == 1:
+            lines.append(f"  node{ranks[0]} on {host}: {how}{ran}; log {log}")
+            continue
+        lines.append(f"  {ranks_text(ranks, 'node')} ({len(ranks)}, on {host}...): {how}; logs "
+                     f"{log.parent}/node<N>.log")
+    return lines
 
 
 def health_lines(health: LiveHealth | None) -> list[str]:

@@ -28,7 +28,7 @@ from harness.record.schema import (
     RunStatus,
     RunSummary,
 )
-from harness.view.status import run_details
+from harness.view.status import node_lines, run_details
 
 from conftest import harness
 
@@ -199,3 +199,15 @@ def test_health_json_is_written_and_read_through_its_schema_and_an_older_file_st
     assert old is not None and old.slow == {1: 72.5} and old.ranks[0].step == 3 and old.ranks[0].state == "waiting"
     run.health_file.write_text('{"attempt": 0, "ranks": {"0": {"no": "node"}}}')
     assert run.read_health(0) is None, "a damaged file is no health, not an error"
+
+
+def test_status_names_many_nodes_by_state_and_the_odd_ones_each():
+    """Of 256 nodes, status says a line per state, its nodes as ranges; a node alone in its state as always."""
+    logs = Path("runs/job")
+    nodes = {rank: (f"sim{rank}", "running", logs / f"node{rank}.log", "") for rank in range(256)}
+    nodes[8] = ("sim8", "lost", logs / "node8.log", " after 3.5 s")
+    assert node_lines(nodes) == ["  nodes 0-7,9-255 (255, on sim0...): running; logs runs/job/node<N>.log",
+                                 "  node8 on sim8: lost after 3.5 s; log runs/job/node8.log"]
+    few = {rank: nodes[rank] for rank in range(2)}
+    assert node_lines(few) == ["  node0 on sim0: running; log runs/job/node0.log",
+                               "  node1 on sim1: running; log runs/job/node1.log"]
