@@ -14,7 +14,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from harness.targets.k8s.manifests import COMPLETION_INDEX, RESTART_ATTEMPT
@@ -34,18 +33,21 @@ from k8s_jobs import SMALL, USER_FILES, USER_JOB, docs, render_in, write_files
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 
 
-@pytest.mark.parametrize("flavor", ["core", "jobset"])
-def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, flavor, tmp_path):
+def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, tmp_path):
     """Both pods' command, args and env exactly as written; only the kubelet's substitutions applied. The
-    job's setup runs once on the volume they share (here: one directory)."""
+    job's setup runs once on the volume they share (here: one directory). The JobSet's pods differ only in
+    what their env reads from the restart attempt, checked without running them."""
     script = REPO / "tests/scripts/ddp_sum.py"
     setup = f"setup:\n  - python -c \"import sys; print('set up by', sys.executable, '{tmp_path}')\"\n"
-    objects = docs(write_yaml(SMALL.format(name="sim", port=free_port(), script=script) + setup), flavor)
+    job = write_yaml(SMALL.format(name="sim", port=free_port(), script=script) + setup)
+    for flavor, attempt in (("core", "0"), ("jobset", "1")):
+        rendered = docs(job, flavor)
+        container = job_spec(rendered)["template"]["spec"]["containers"][0]
+        _, env = pod_process(container, {COMPLETION_INDEX: "1", RESTART_ATTEMPT: "1"}, pod_dns(rendered, 0), {})
+        assert env["HARNESS_ATTEMPT"] == attempt, flavor
+    objects = docs(job, "core")
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `python` is the image's interpreter
     worker, master = run_pods(objects, {RESTART_ATTEMPT: "1"}, tmp_path / "root", tmp_path, path)
-    container = job_spec(objects)["template"]["spec"]["containers"][0]
-    _, env = pod_process(container, {COMPLETION_INDEX: "1", RESTART_ATTEMPT: "1"}, pod_dns(objects, 0), {})
-    assert env["HARNESS_ATTEMPT"] == {"core": "0", "jobset": "1"}[flavor]
     assert "waiting for the master's rendezvous port" in worker
     assert f"set up by {sys.executable} {tmp_path}\n" in master and "harness setup: done before" in worker
     assert "; args=['--tag', 'two words', '$(not-a-var)', '$$', '${local_rank}']" in master

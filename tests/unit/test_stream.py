@@ -187,6 +187,21 @@ class _Blocking(io.StringIO):
         return super().write(text)
 
 
+def test_a_stuck_terminal_still_leaves_out_what_it_cannot_take_and_says_so():
+    out = _Blocking()
+    terminal = Terminal(out, backlog_bytes=1000, window=0.01, collapse=True)
+    terminal.say("started")
+    for i in range(1000):
+        terminal.job_lines(f"[node0] [rank0]: line {i}\n[node0] [rank1]: line {i}\n", 2)
+    out.release.set()
+    terminal.close()
+    shown = out.getvalue().splitlines()
+    missed = sum(int(re.search(r"(\d+) of its lines", line)[1]) for line in shown if "fell behind" in line)
+    collapsed = [line for line in shown if line.startswith("[ranks 0,1]: line ")]
+    assert collapsed and len(collapsed) == sum("line " in line for line in shown)
+    assert missed + 2 * len(collapsed) == 2000  # a busy machine's writer may say so more than once
+
+
 def test_a_stuck_terminal_never_holds_up_the_job_and_is_told_what_it_missed():
     out = _Blocking()
     terminal = Terminal(out, backlog_bytes=1000)
