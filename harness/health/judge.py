@@ -52,9 +52,10 @@ class Sample(NamedTuple):
 
 
 def progressed(before: Sample, after: Sample) -> bool:
-    """Whether the rank made progress between two samples: it used more than IDLE_SHARE of a CPU, or read or
-    wrote something."""
-    return after.cpu - before.cpu > IDLE_SHARE * (after.t - before.t) or after.io != before.io
+    """Whether the rank made progress between two samples: it used more than IDLE_SHARE of a CPU, read or wrote
+    something, or completed a collective (an NCCL rank's complete with no I/O of its process)."""
+    return after.cpu - before.cpu > IDLE_SHARE * (after.t - before.t) or after.io != before.io or \
+        after.completed > before.completed
 
 
 class SlowMeasure(NamedTuple):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 from harness.health.judge import SLOW_CONFIRM, HealthJudge
 from harness.health.rank_stack import Collective, Frame, RankStack, StackThread, grouped
 from harness.health.verdict import hang_verdict
 from harness.node.protocol import Arrival, RankSample
 from harness.plan.planner import Node
+from harness.run.health_loop import HealthLoop
 
 NODES = [Node(host=f"h{i + 1}", address=f"10.0.0.{i + 1}", node_rank=i, nproc=1) for i in range(4)]
 SITE = "/venv/lib/python3.11/site-packages"
@@ -319,3 +321,27 @@ def test_ranks_waiting_in_their_first_collective_for_ranks_still_starting_are_no
     for t in range(22):
         late.observe(NODES[0], t, {0: waiting(t)})
     assert late.stalled() == [0], "past the rendezvous's time the wait is a hang whoever is missing"
+
+
+def test_ranks_that_made_progress_while_their_stacks_were_read_are_not_hung():
+    """The capture takes seconds (a minute for 1,024 ranks on 2 cores); the agents' samples come in meanwhile. A
+    rank judged stalled whose collectives completed in that time was starting slowly: said, and nothing stopped."""
+    watch = HealthJudge(stall=10, slow=0)
+    feed(watch, 12, {0: 0.0, 1: 0.0})
+    said: list[str] = []
+
+    class Capture:
+        def capture(self, tag: str) -> dict:
+            for t in (12, 13):  # the supervisor's threads go on feeding the judge meanwhile
+                for rank in (0, 1):
+                    watch.observe(NODES[rank], t, {rank: RankSample(100, "S", 0.0, 0.0, 0, completed=t)})
+            return {}
+
+    class Stopper:
+        def stop_all(self) -> None:
+            raise AssertionError("a job that made progress was stopped")
+
+    loop = HealthLoop(watch, None, 0, [], Capture(), SimpleNamespace(say=said.append), Stopper())
+    loop._hung(watch.stalled())
+    assert said[-1] == "ranks 0,1 made progress while their stacks were read: not hung", said
+    assert loop.hang is None and loop.hang_at is None
