@@ -511,8 +511,9 @@ def _scale(s: dict[str, Any]) -> list[str]:
 
 
 def _scale_ssh(ssh: dict[str, Any]) -> list[str]:
-    if "skipped" in ssh or not ssh:
-        return [f"Over SSH: not measured ({ssh.get('skipped', 'not in this result')}).", ""]
+    if "skipped" in ssh or "error" in ssh or not ssh:
+        why = ssh.get("skipped") or ssh.get("error") or "not in this result"
+        return [f"Over SSH: not measured ({why[:500]}).", ""]
     return [f"Over SSH: {ssh['hosts']} sshd hosts in network namespaces (built in {ssh['cluster_build_s']} s), "
             f"{ssh['ranks'] // ssh['hosts']} stand-in ranks each: the fast checks before a launch "
             f"{ssh['fast_checks_s']} s; launch to every rank running {ssh['launch_to_running_s']} s, to the end "

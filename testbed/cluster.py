@@ -187,6 +187,7 @@ class Cluster:
             if self.multi_nic:
                 self.data_prefix = self._add_bridge(self.data_bridge, gateway=False)
         self._stack.callback(self._forget_kept_out)
+        self._room_in_the_neighbour_table()
         for index in range(1, self.size + 1):
             self.hosts.append(self._add_host(f"h{index}", f"{self.prefix}.{10 + index}", f"{self.tag}v{index}"))
         hosts_lines = "".join(f"{h.address} {h.name}\n" for h in self.hosts)
@@ -319,6 +320,22 @@ class Cluster:
 
     def close(self) -> None:
         self._stack.close()
+
+    def _room_in_the_neighbour_table(self) -> None:
+        """The kernel's ARP table is one for every network namespace, full at gc_thresh3 entries (1,024 by
+        default: "neighbor table overflow", and some hosts' packets go nowhere). Every host may learn every
+        other's address, on each network: raised for the cluster's life when it needs more, put back after."""
+        needed = 4 * (self.size + 1) ** 2
+        keys = [f"/proc/sys/net/ipv4/neigh/default/gc_thresh{level}" for level in (1, 2, 3)]
+        before = [Path(key).read_text().strip() for key in keys]
+        if int(before[2]) >= needed:
+            return
+        def put(values: list[str]) -> None:
+            for key, value in zip(keys, values, strict=True):
+                Path(key).write_text(f"{value}\n")
+
+        put([str(needed // 4), str(needed // 2), str(needed)])
+        self._stack.callback(put, before)
 
     def __enter__(self) -> Cluster:
         return self.start()
