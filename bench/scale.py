@@ -170,6 +170,7 @@ def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
             last_step = _last_stamp(record / "logs" / "attempt0",
                                     rf"\[rank{world - 1}\]: epoch 1/1 step {hang_step - 1}/")
             hung_at = _last_stamp(record / "logs", r"^harness: hang: ")
+            found_at = _last_stamp(record / "logs", r"^harness: no progress for \S+ s on ")
             lines = _record_lines(record, wall_begun, wall_ended)
             shown = sum(1 for when, line in launch.lines if begun <= when < begun + seconds)
     culprit = f"rank {world - 1} (node{nnodes - 1} on sim{nnodes - 1}) has not reached #{hang_step}"
@@ -185,6 +186,7 @@ def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "answer_s": {name: round(statistics.median(times), 2) for name, times in answers.items() if times},
         "answer_attempts_s": {name: [round(t, 2) for t in times] for name, times in answers.items()},
         "record_lines_per_s": round(lines / seconds, 1), "terminal_lines_per_s": round(shown / seconds, 1),
+        "found_s": round(found_at - last_step, 1), "capture_s": round(hung_at - found_at, 1),
         "verdict_s": round(hung_at - last_step, 1), "verdict_goal_s": stall + 15 + step_seconds,
         "culprit_named": culprit in verdict[1], "verdict": verdict[1][:600],
     }

@@ -49,6 +49,7 @@ class HealthLoop:
         self.ended = threading.Event()  # every node has ended: the loop ends at once, not at its next tick
         self.events: list[HealthEvent] = []  # the verdicts, for the attempt's record
         self._sampled = 0.0
+        self._captures = 0  # hang captures made (one may prove no hang: its ranks made progress meanwhile)
 
     def loop(self) -> None:
         """Until every node has ended. A tick that fails is said once (the watch goes on at the next one):
@@ -103,7 +104,8 @@ class HealthLoop:
         self.hang_at = time.time()
         self.output.say(f"no progress for {self.judge.stall:g} s on {ranks_text(stalled)}: reading every rank's "
                         f"stack")
-        stacks = self.stacks.capture(f"hang-{self.attempt}")
+        self._captures += 1  # a tag of its own: answers to an earlier capture may still be coming
+        stacks = self.stacks.capture(f"hang-{self.attempt}-{self._captures}")
         if not set(stalled) & set(self.judge.stalled()):  # a slow start on a loaded machine, not a hang
             self.hang_at = None
             self.output.say(f"{ranks_text(stalled)} made progress while their stacks were read: not hung")

@@ -330,8 +330,11 @@ def test_ranks_that_made_progress_while_their_stacks_were_read_are_not_hung():
     feed(watch, 12, {0: 0.0, 1: 0.0})
     said: list[str] = []
 
+    tags: list[str] = []
+
     class Capture:
         def capture(self, tag: str) -> dict:
+            tags.append(tag)
             for t in (12, 13):  # the supervisor's threads go on feeding the judge meanwhile
                 for rank in (0, 1):
                     watch.observe(NODES[rank], t, {rank: RankSample(100, "S", 0.0, 0.0, 0, completed=t)})
@@ -345,3 +348,5 @@ def test_ranks_that_made_progress_while_their_stacks_were_read_are_not_hung():
     loop._hung(watch.stalled())
     assert said[-1] == "ranks 0,1 made progress while their stacks were read: not hung", said
     assert loop.hang is None and loop.hang_at is None
+    loop._hung([0, 1])
+    assert tags == ["hang-0-1", "hang-0-2"], "late answers to the first capture must not count for the next"
