@@ -47,7 +47,7 @@ from typing import Any
 from bench import procs
 from bench.launch import died_at, torchrun_by_hand
 from harness.node.collectives import read_trace
-from harness.node.proctable import process_tree, run_processes, stat_fields
+from harness.node.proctable import process_tree, run_processes
 from harness.node.ranks import children_of, find_ranks, sample
 from harness.spec.job import Health
 
@@ -303,14 +303,6 @@ def sampling_cost(root: int, run_id: str, repeats: int = 50) -> float:
     return (time.thread_time() - began) / repeats
 
 
-def _process_cpu(pid: int) -> float:
-    """CPU seconds a process has used (user and system, all its threads)."""
-    fields = stat_fields(pid)
-    if fields is None:
-        raise RuntimeError(f"pid {pid} is gone")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def flight_recorder_cost(root: int, run_id: str, repeats: int = 50) -> dict[str, float]:
     """CPU seconds one read of a rank's Flight Recorder costs, as the agent reads it with each health sample:
     in the rank (torch's worker server builds the JSON) and in the agent (the request and its parsing),
@@ -323,11 +315,11 @@ def flight_recorder_cost(root: int, run_id: str, repeats: int = 50) -> dict[str,
     entries = read_trace(directory, rank)
     if isinstance(entries, str):
         raise RuntimeError(f"rank {rank}'s Flight Recorder: {entries}")
-    before, began = _process_cpu(pid), time.thread_time()
+    before, began = procs.process_cpu_s(pid), time.thread_time()
     for _ in range(repeats):
         read_trace(directory, rank)
     agent = (time.thread_time() - began) / repeats
-    return {"rank_cpu_s": (_process_cpu(pid) - before) / repeats, "agent_cpu_s": agent, "entries": len(entries)}
+    return {"rank_cpu_s": (procs.process_cpu_s(pid) - before) / repeats, "agent_cpu_s": agent, "entries": len(entries)}
 
 
 def payload_run(tmp: Path, arm: str, cfg: dict[str, Any], measure: bool = False) -> dict[str, Any]:
@@ -447,13 +439,13 @@ def metrics_cost(cfg: dict[str, Any]) -> dict[str, Any]:
         with procs.Proc(launch) as p:
             p.wait_for(r"\[rank0\]: epoch 1/1 step 50/", timeout=300)
             controller = p.proc.pid
-            began, cpu = time.monotonic(), _process_cpu(controller)
+            began, cpu = time.monotonic(), procs.process_cpu_s(controller)
             time.sleep(cfg["window"])
-            quiet_rate = (_process_cpu(controller) - cpu) / (time.monotonic() - began)
-            began, cpu = time.monotonic(), _process_cpu(controller)
+            quiet_rate = (procs.process_cpu_s(controller) - cpu) / (time.monotonic() - began)
+            began, cpu = time.monotonic(), procs.process_cpu_s(controller)
             size = sum(_scrape(port) for _ in range(cfg["scrapes"])) // cfg["scrapes"]
             elapsed = time.monotonic() - began
-            per_scrape = max(0.0, (_process_cpu(controller) - cpu) - quiet_rate * elapsed) / cfg["scrapes"]
+            per_scrape = max(0.0, (procs.process_cpu_s(controller) - cpu) - quiet_rate * elapsed) / cfg["scrapes"]
             code = p.wait(timeout=600)
             if code != 0:
                 raise RuntimeError(f"the payload with metrics served exited {code}:\n{p.output[-3000:]}")

@@ -24,6 +24,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from harness.node.proctable import stat_fields
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -59,6 +61,14 @@ def harness_at(commit: str, into: Path) -> Path:
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0))
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds a process has used (user and system, all its threads)."""
+    fields = stat_fields(pid)
+    if fields is None:
+        raise RuntimeError(f"pid {pid} is gone")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:

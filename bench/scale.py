@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
-from harness.node.proctable import stat_fields
+from harness.node.proctable import children
 from harness.preflight.runner import run_preflight
 from harness.record.stream import STAMP_WIDTH, stamp, unstamp
 from harness.spec.inventory import load_inventory
@@ -35,7 +35,6 @@ from harness.spec.job import load_job
 from testbed import cluster
 
 STANDIN = procs.REPO / "testbed" / "standin"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 JOB = """\
 name: scale
@@ -58,11 +57,6 @@ STEP_ONE = re.compile(r"\]: epoch 1/1 step 1/")
 HANG = re.compile(r"^harness: hang: (.*)")
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = stat_fields(pid)
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS if fields else 0.0
-
-
 def _rss(pid: int) -> int:
     try:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
@@ -73,12 +67,10 @@ def _rss(pid: int) -> int:
 def _agents(controller: int) -> list[int]:
     """The node agents: the controller's children that run `harness-agent` (simulated nodes are its children)."""
     found = []
-    for pid in Path(f"/proc/{controller}/task/{controller}/children").read_text().split():
-        try:
+    for pid in children(controller):
+        with contextlib.suppress(OSError):
             if b"harness-agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(int(pid))
-        except OSError:
-            continue
+                found.append(pid)
     return found
 
 
@@ -139,8 +131,8 @@ def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
             time.sleep(cfg["warmup"])
             agents = _agents(controller)
             begun, wall_begun = time.monotonic(), time.time()
-            cpu0 = _cpu_seconds(controller)
-            agents0 = {pid: _cpu_seconds(pid) for pid in agents}
+            cpu0 = procs.process_cpu_s(controller)
+            agents0 = {pid: procs.process_cpu_s(pid) for pid in agents}
             rss, agent_rss = [], []
             answers: dict[str, list[float]] = {"status": [], "top": [], "logs_rank": []}
             queries = [("status", [*harness, "status", run_id]), ("top", [*harness, "top", run_id, "--once"]),
@@ -160,8 +152,8 @@ def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     time.sleep(1.0)
             seconds = time.monotonic() - begun
             wall_ended = time.time()
-            controller_cpu = _cpu_seconds(controller) - cpu0
-            agents_cpu = sum(_cpu_seconds(pid) - cpu for pid, cpu in agents0.items())
+            controller_cpu = procs.process_cpu_s(controller) - cpu0
+            agents_cpu = sum(procs.process_cpu_s(pid) - cpu for pid, cpu in agents0.items())
             threads, fds = _status_field(controller, "Threads"), len(os.listdir(f"/proc/{controller}/fd"))
             peak = _status_field(controller, "VmHWM") * 1024
             _, verdict = launch.wait_for(HANG.pattern, timeout=hang_step * step_seconds + stall + 600)
@@ -231,10 +223,10 @@ def ssh(cfg: dict[str, Any]) -> dict[str, Any]:
         with procs.Proc(argv, env=env, cwd=work) as launch:
             running, _ = launch.wait_for(STEP_ONE.pattern, timeout=cfg["start_timeout"])
             controller = launch.proc.pid
-            cpu0, window_begun = _cpu_seconds(controller), time.monotonic()
+            cpu0, window_begun = procs.process_cpu_s(controller), time.monotonic()
             time.sleep(cfg["ssh_window"])
             seconds = time.monotonic() - window_begun
-            cpu = _cpu_seconds(controller) - cpu0
+            cpu = procs.process_cpu_s(controller) - cpu0
             threads, sockets = _status_field(controller, "Threads"), _sockets(controller)
             peak = _status_field(controller, "VmHWM") * 1024
             code = launch.wait(timeout=cfg["ssh_steps"] * 3 + 300)

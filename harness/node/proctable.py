@@ -59,7 +59,7 @@ def process_tree(pid: int) -> tuple[list[int], list[int]]:
     found, zombies, stack = [], [], [pid]
     while stack:
         parent = stack.pop()
-        for child in _children(parent):
+        for child in children(parent):
             fields = stat_fields(child)
             if fields is None:
                 continue
@@ -72,7 +72,7 @@ def process_tree(pid: int) -> tuple[list[int], list[int]]:
     return found, zombies
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     """pid's children: those of each of its threads."""
     found: list[int] = []
     with contextlib.suppress(OSError):

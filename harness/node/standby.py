@@ -170,11 +170,11 @@ def warm_worker(fd: int) -> None:
     os.chdir(order["cwd"])
     if (threads := os.environ.get(THREADS, "")).isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    _announce()
-    _run_as_python(order["argv"][1:])
+    announce()
+    run_as_python(order["argv"][1:])
 
 
-def _announce() -> None:
+def announce() -> None:
     """The rank this process now is, where the agent finds its ranks; and the rank hook started in it."""
     directory, rank = os.environ.get("HARNESS_AGENT_DIR"), os.environ.get("RANK", "")
     if not directory or not rank.isdigit():
@@ -190,7 +190,7 @@ def _announce() -> None:
         hook.serve()
 
 
-def _run_as_python(args: list[str]) -> None:
+def run_as_python(args: list[str]) -> None:
     """args after the interpreter, as torchrun writes them: -u, then `-m MODULE` or SCRIPT, then the arguments."""
     if args[:1] == ["-u"]:
         args = args[1:]

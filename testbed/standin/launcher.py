@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
-import io
 import os
-import runpy
 import selectors
 import signal
 import socket
@@ -24,6 +21,8 @@ import traceback
 from typing import IO
 
 import torch.distributed  # noqa: F401 - imported once here, so that each forked rank has it already
+
+from harness.node.standby import announce, run_as_python
 
 TERM_SECONDS = 5.0  # ranks left to end after SIGTERM before SIGKILL, as torchrun's default
 
@@ -154,7 +153,7 @@ def _fork(env: dict[str, str], module: bool, script: str, args: list[str]) -> tu
     """A rank forked from this launcher, its imports done (torchrun execs a fresh Python: at hundreds of ranks on a
     few cores that start-up is most of the machine's work, not the harness's). Its environment holds its RANK only
     in Python's os.environ, so it announces the rank in the agent's directory and starts the rank hook, as the
-    harness's warm workers do (harness.node.standby)."""
+    harness's warm workers do: with harness.node.standby's own announce and run_as_python."""
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     pid = os.fork()
@@ -169,17 +168,10 @@ def _fork(env: dict[str, str], module: bool, script: str, args: list[str]) -> tu
         os.dup2(err_write, 2)
         for fd in (out_read, out_write, err_read, err_write):
             os.close(fd)
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
         os.environ.clear()
         os.environ.update(env)
-        _announce()
-        sys.argv = [script, *args]
-        if module:
-            runpy.run_module(script, run_name="__main__", alter_sys=True)
-        else:
-            sys.path[0] = os.path.dirname(os.path.abspath(script))
-            runpy.run_path(script, run_name="__main__")
+        announce()
+        run_as_python(["-u", *(["-m", script] if module else [script]), *args])
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
@@ -190,23 +182,6 @@ def _fork(env: dict[str, str], module: bool, script: str, args: list[str]) -> tu
         sys.stderr.flush()
         os._exit(code)
     return 0, 0, 0
-
-
-def _announce() -> None:
-    """The file by which the harness's agent knows this process is RANK (rank-PID-TICKS), and its rank hook."""
-    directory = os.environ.get("HARNESS_AGENT_DIR")
-    if not directory:
-        return
-    with open(f"/proc/{os.getpid()}/stat", "rb") as handle:
-        ticks = handle.read().rsplit(b")", 1)[1].split()[19].decode()
-    with open(os.path.join(directory, f"rank-{os.getpid()}-{ticks}"), "w", encoding="utf-8") as handle:
-        handle.write(os.environ["RANK"])
-    hook = os.path.join(directory, "sitecustomize.py")
-    spec = importlib.util.spec_from_file_location("harness_rank_hook", hook)
-    if spec is not None and spec.loader is not None and os.path.exists(hook):
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.serve()
 
 
 def _supervise(ranks: list[_Rank]) -> int:
