@@ -183,15 +183,16 @@ def device_health() -> list[GpuHealth] | str:
         nvml.close()
 
 
-def xid_events(path: str = KERNEL_LOG) -> list[XidEvent] | str:
+def xid_events(path: str = KERNEL_LOG, now_s: float | None = None) -> list[XidEvent] | str:
     """The newest Xid events in the kernel's log since boot (oldest first), or why it cannot be read (reading
-    /dev/kmsg takes root or CAP_SYSLOG where kernel.dmesg_restrict is 1)."""
+    /dev/kmsg takes root or CAP_SYSLOG where kernel.dmesg_restrict is 1). now_s: the log's clock now (seconds
+    since boot, CLOCK_MONOTONIC's by default), which each event's age is counted back from."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         return f"the kernel log cannot be read ({path}: {exc.strerror})"
     found: list[XidEvent] = []
-    now_us = time.monotonic() * 1e6  # the log's clock: microseconds since boot, as CLOCK_MONOTONIC counts
+    now_us = (time.monotonic() if now_s is None else now_s) * 1e6  # the log counts microseconds since boot
     try:
         while True:
             try:
