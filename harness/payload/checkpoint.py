@@ -8,7 +8,9 @@
   run's small state, from rank 0. All of it goes into a hidden `.ckpt-<step>.tmp/` first, and rank 0
   renames that folder into place once every shard and the state are fsynced.
 
-Either way a kill at any moment leaves the complete new checkpoint or none, never a truncated one.
+Either way a kill at any moment leaves the complete new checkpoint or none, never a truncated one. A save that
+fails because its folder's file system is full or read-only says so (DiskError: the folder, the space left, what
+the checkpoint takes), whatever words torch's writer used (`unexpected pos 1664 vs 1568`), and leaves nothing.
 
 - `ckpt-<step>.jit.pt` (DDP): a just-in-time checkpoint, the same file as the first layout, written when a peer
   was lost mid-step by the first surviving rank to claim it (a hidden `.ckpt-<step>.jit-claim` made with
@@ -24,12 +26,14 @@ and waits to be killed (the payload tests kill a run mid-write).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,11 @@ JUST_IN_TIME = ".jit"  # before SUFFIX: the checkpoint a surviving rank wrote wh
 STALL_ENV = "HARNESS_PAYLOAD_STALL_SAVE"
 SHARDED_STATE = "state.pt"  # a sharded checkpoint's own small state, beside the shards
 SHARDS_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards, written last
+LOW_SPACE = 1 << 20  # free bytes below which a sharded save's failure is the disk's (its size is not known here)
+
+
+class DiskError(OSError):
+    """A checkpoint that could not be saved because its folder's file system is full or read-only."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +131,58 @@ def is_sharded(path: Path) -> bool:
 def save(saved: Checkpoint, ckpt_dir: Path, global_step: int, keep: int) -> Path:
     """Write the checkpoint for global_step atomically, then drop all but the newest `keep`."""
     path = path_for(ckpt_dir, global_step)
-    atomic_write(path, serialize(saved.encode()))
+    data = serialize(saved.encode())
+    with disk_named(ckpt_dir, global_step, len(data)):
+        atomic_write(path, data)
     prune(ckpt_dir, keep)
     return path
+
+
+@contextlib.contextmanager
+def disk_named(ckpt_dir: Path, global_step: int, needed: int | None = None) -> Iterator[None]:
+    """A save's failure as DiskError where ckpt_dir's file system is the cause (_disk_trouble)."""
+    try:
+        yield
+    except Exception as exc:
+        trouble = _disk_trouble(ckpt_dir, exc, needed)
+        if trouble is None:
+            raise
+        code, why = trouble
+        raise DiskError(code, f"checkpoint: cannot save step {global_step} in {ckpt_dir}: {why}") from exc
+
+
+def _disk_trouble(ckpt_dir: Path, exc: BaseException, needed: int | None) -> tuple[int, str] | None:
+    """(errno, words) where ckpt_dir's file system is read-only, or full: an errno that says so anywhere in the
+    failure's chain, or less free than the checkpoint takes (needed bytes; LOW_SPACE where not known)."""
+    try:
+        disk = os.statvfs(ckpt_dir)
+    except OSError:
+        return None
+    said = _errnos(exc)
+    free = disk.f_bavail * disk.f_frsize
+    space = f"{_size(free)} free of {_size(disk.f_blocks * disk.f_frsize)}"
+    if disk.f_flag & os.ST_RDONLY or errno.EROFS in said:
+        return errno.EROFS, f"its file system is read-only ({space})"
+    if said & {errno.ENOSPC, errno.EDQUOT} or free < (needed or LOW_SPACE):
+        return errno.ENOSPC, f"its file system is full ({space}" + (f"; the checkpoint takes {_size(needed)})"
+                                                                    if needed else ")")
+    return None
+
+
+def _errnos(exc: BaseException) -> set[int | None]:
+    """The errno of exc and of every exception it came from (torch wraps the OSError of a sharded write)."""
+    said: set[int | None] = set()
+    seen: BaseException | None = exc
+    for _ in range(16):  # a chain that loops back on itself ends too
+        if seen is None:
+            break
+        said.add(getattr(seen, "errno", None))
+        seen = seen.__cause__ or seen.__context__
+    return said
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
 
 
 def save_just_in_time(saved: Checkpoint, ckpt_dir: Path, global_step: int) -> Path | None:
@@ -140,7 +198,9 @@ def save_just_in_time(saved: Checkpoint, ckpt_dir: Path, global_step: int) -> Pa
                          os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return None
-    atomic_write(path, serialize(saved.encode()))
+    data = serialize(saved.encode())
+    with disk_named(ckpt_dir, global_step, len(data)):
+        atomic_write(path, data)
     return path
 
 
@@ -160,11 +220,14 @@ def save_sharded(
     barrier()
     # Returns on every rank once the coordinator has written the metadata, after every rank's shards
     # (each written file fsynced).
-    save_shards(shards, checkpoint_id=tmp)
+    with disk_named(ckpt_dir, global_step):
+        save_shards(shards, checkpoint_id=tmp)
     if is_main:
         if os.environ.get(STALL_ENV) == final.name:
             _stall(str(tmp))
-        atomic_write(tmp / SHARDED_STATE, serialize(saved.encode()))
+        data = serialize(saved.encode())
+        with disk_named(ckpt_dir, global_step, len(data)):
+            atomic_write(tmp / SHARDED_STATE, data)
         if final.exists():  # the same step saved again: a run started over in the same folder
             aside = final.with_name(f".{final.name}.old")
             os.replace(final, aside)
@@ -194,15 +257,19 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        if os.environ.get(STALL_ENV) == path.name:
-            f.write(data[: len(data) // 2])
+    try:
+        with open(tmp, "wb") as f:
+            if os.environ.get(STALL_ENV) == path.name:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+                _stall(f.name)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-            _stall(f.name)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind to fill the disk further
+        raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 

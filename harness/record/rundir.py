@@ -6,11 +6,22 @@ import os
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError, short_repr
-from harness.record.schema import Attempt, LiveHealth, RecordError, RunState, RunSummary, read_record, write_record
+from harness.record.atomic import write_text_atomic
+from harness.record.disk import RecordDisk
+from harness.record.schema import (
+    Attempt,
+    LiveHealth,
+    RecordError,
+    RunState,
+    RunSummary,
+    read_record,
+    record_text,
+)
+from harness.record.timeline import Sample, append_sample, sample_line
 
 DEFAULT_RUNS_DIR = "runs"
 # What new_run_id makes (a job name, a time, a random suffix) and nothing that could leave the runs
@@ -41,9 +52,11 @@ def new_run_id(name: str) -> str:
 
 @dataclass(frozen=True)
 class RunDir:
-    """Every path of one run."""
+    """Every path of one run. disk: where the controller writes the run, the disk that takes a write's failure
+    (record/disk.py: said, the record marked incomplete, the run goes on); None: a failure is raised."""
 
     path: Path
+    disk: RecordDisk | None = field(default=None, compare=False, repr=False)
 
     @property
     def run_id(self) -> str:
@@ -150,10 +163,10 @@ class RunDir:
         return read_record(self.summary_file, RunSummary) if self.summary_file.exists() else None
 
     def write_state(self, state: RunState) -> None:
-        write_record(self.state_file, state)
+        self.write_text(self.state_file, record_text(state), "the run's state")
 
     def write_summary(self, summary: RunSummary) -> None:
-        write_record(self.summary_file, summary)
+        self.write_text(self.summary_file, record_text(summary), "the run's summary")
 
     def read_health(self, attempt: int) -> LiveHealth | None:
         """health.json of the given attempt, as the controller's health loop last wrote it (None: none yet, or
@@ -165,13 +178,29 @@ class RunDir:
         return health if health.attempt == attempt else None
 
     def write_health(self, health: LiveHealth) -> None:
-        write_record(self.health_file, health)
+        self.write_text(self.health_file, record_text(health), "health.json")
+
+    def append_timeline(self, sample: Sample) -> None:
+        if self.disk is None:
+            append_sample(self.timeline, sample)
+            return
+        timeline = self.disk.appended(self.timeline, "timeline.jsonl")
+        timeline.write(sample_line(sample))
+        timeline.close()
 
     def read_attempts(self) -> list[Attempt]:
         return read_record(self.attempts_file, list[Attempt]) if self.attempts_file.exists() else []
 
     def write_attempts(self, attempts: list[Attempt]) -> None:
-        write_record(self.attempts_file, attempts)
+        self.write_text(self.attempts_file, record_text(attempts), "the run's attempts")
+
+    def write_text(self, path: Path, text: str, what: str) -> None:
+        """A file of the run, whole or not at all; through its disk where there is one."""
+        if self.disk is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(path, text)
+        else:
+            self.disk.write(path, text, what)
 
 
 def _attempt_suffix(attempt: int) -> str:

@@ -310,8 +310,13 @@ class RecordError(UsageError):
 
 def write_record(path: Path, record: Any) -> None:
     """A record (or a list of them) as JSON, whole or not at all."""
+    write_text_atomic(path, record_text(record))
+
+
+def record_text(record: Any) -> str:
+    """A record (or a list of them) as its file holds it."""
     data = [dataclasses.asdict(item) for item in record] if isinstance(record, list) else dataclasses.asdict(record)
-    write_text_atomic(path, json.dumps(data, indent=2, default=_enum_value) + "\n")
+    return json.dumps(data, indent=2, default=_enum_value) + "\n"
 
 
 def _enum_value(value: object) -> object:

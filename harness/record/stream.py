@@ -15,7 +15,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+
+from harness.record.disk import AppendedFile, RecordDisk
 
 STAMP_WIDTH = len("2026-01-01T00:00:00.000000Z")
 HARNESS_FILE = "harness.log"
@@ -52,25 +53,24 @@ def record_files(folder: Path) -> list[Path]:
 
 
 class StreamRecord:
-    """The run's logs/ folder, opened for appending."""
+    """The run's logs/ folder, opened for appending, on the run's disk (a write that fails there is the disk's to
+    say, never the writer's)."""
 
-    def __init__(self, folder: Path, harness_file: str = HARNESS_FILE) -> None:
+    def __init__(self, folder: Path, harness_file: str = HARNESS_FILE, disk: RecordDisk | None = None) -> None:
         self.folder = folder
+        self.disk = disk or RecordDisk(folder.parent)
         folder.mkdir(exist_ok=True)
-        self._harness = open(folder / harness_file, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._harness = self.disk.appended(folder / harness_file, "the harness's log")
         self._lock = threading.Lock()
 
     def harness(self, text: str) -> None:
         """The harness's own whole lines."""
         with self._lock:
             self._harness.write(stamped(text, f"{stamp(time.time())} "))
-            self._harness.flush()
 
-    def open_node(self, attempt: int, node_rank: int) -> IO[str]:
+    def open_node(self, attempt: int, node_rank: int) -> AppendedFile:
         """The node's file of this attempt: its pump is its only writer."""
-        path = node_file(self.folder, attempt, node_rank)
-        path.parent.mkdir(exist_ok=True)
-        return open(path, "a", encoding="utf-8")
+        return self.disk.appended(node_file(self.folder, attempt, node_rank), f"node{node_rank}'s log")
 
     def close(self) -> None:
         with self._lock:

@@ -37,13 +37,18 @@ class Sample:
 
 def append_sample(path: Path, sample: Sample) -> None:
     """One line, in one write: a reader sees whole lines, or a last one cut short by a crash."""
+    with open(path, "a", encoding="utf-8") as file:
+        file.write(sample_line(sample))
+
+
+def sample_line(sample: Sample) -> str:
+    """A sample as its line of timeline.jsonl."""
     ranks = {str(rank): {"cpu": _rounded(p.cpu), "busy": _rounded(p.busy), "step": p.step,
                          **{key: value for key, value in (("gpu", p.gpu), ("loss", p.loss),
                                                            ("throughput", p.throughput)) if value is not None}}
              for rank, p in sorted(sample.ranks.items())}
-    line = json.dumps({"t": round(sample.t, 3), "attempt": sample.attempt, "ranks": ranks}, separators=(",", ":"))
-    with open(path, "a", encoding="utf-8") as file:
-        file.write(line + "\n")
+    return json.dumps({"t": round(sample.t, 3), "attempt": sample.attempt, "ranks": ranks}, separators=(",", ":")) \
+        + "\n"
 
 
 def _rounded(value: float | None) -> float | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -31,6 +32,7 @@ from harness.node.proctable import start_ticks
 from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.plan.render import render_json, render_text
 from harness.record.atomic import write_text_atomic
+from harness.record.disk import RESERVE_BYTES, RecordDisk, size_text, space_text
 from harness.record.entrypoint import write_entrypoint_record
 from harness.record.goodput import restart_of, run_goodput
 from harness.record.hosts_out import RunsHosts, hosts_file
@@ -68,26 +70,51 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
     with _closing(target_run, terminal):
         began = time.time()
         target_run.prepare(source, runs_root, run_id)
-        run = create_run_dir(runs_root, run_id)
-        terminal.record = StreamRecord(run.stream, target_run.record_file)
-        terminal.logs_command = f"harness logs {run_id}"
-        write_text_atomic(run.spec_copy, spec_text)
-        write_entrypoint_record(run.path, spec, target.name)
+        run = _new_record(runs_root, run_id, terminal, target_run.record_file, spec, spec_text, target.name)
         target_run.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
                                 started_at=began, nnodes=target_run.nnodes, world_size=target_run.world_size,
                                 controller=_this_controller(), hosts=target_run.hosts)
         return _run(target_run, run, terminal)
 
 
+def _new_record(runs_root: Path, run_id: str, terminal: Terminal, record_file: str, spec: JobSpec, spec_text: str,
+                mode: str) -> RunDir:
+    """The run's directory with its first files and its disk's reserve (record/disk.py), the terminal's record
+    in it; or, where the disk cannot take them, an error before anything starts, and nothing of it left."""
+    made = not run_dir(runs_root, run_id).path.exists()  # a detached launch made it already (for its log)
+    try:
+        run = create_run_dir(runs_root, run_id)
+        disk = RecordDisk(run.path)
+        disk.keep_reserve()
+        terminal.record = StreamRecord(run.stream, record_file, disk)
+        write_text_atomic(run.spec_copy, spec_text)
+        write_entrypoint_record(run.path, spec, mode)
+    except OSError as exc:
+        if terminal.record is not None:
+            terminal.record.close()
+            terminal.record = None
+        if made:
+            shutil.rmtree(run_dir(runs_root, run_id).path, ignore_errors=True)
+        raise HarnessError(f"cannot create the run's record in {runs_root}/: {exc.strerror or exc} "
+                           f"({space_text(runs_root)}; a run needs {size_text(RESERVE_BYTES)} there to start)") \
+            from None
+    disk.notice = lambda line: terminal.say(line, kept=False)
+    terminal.logs_command = f"harness logs {run_id}"
+    return replace(run, disk=disk)
+
+
 def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[str] = sys.stdout) -> int:
     """launch, for a run whose directory exists: its next attempt on backend, and on to the run's end,
     unless the allocation's time is up first (then the job is requeued, and the run goes on there)."""
-    run = continued.run
     terminal = Terminal(out)
+    disk = RecordDisk(continued.run.path, lambda line: terminal.say(line, kept=False))
+    run = replace(continued.run, disk=disk)
     target_run = _BackendRun(backend, spec, terminal, continued)
     with _closing(target_run, terminal):
         target_run.prepare(str(run.spec_copy), run.path.parent, run.run_id)
-        terminal.record = StreamRecord(run.stream)
+        with disk.writing("the run's reserve"):
+            disk.keep_reserve()
+        terminal.record = StreamRecord(run.stream, disk=disk)
         terminal.logs_command = f"harness logs {run.run_id}"
         target_run.state = replace(run.read_state(), status=RunStatus.RUNNING, controller=_this_controller(),
                                nnodes=target_run.nnodes, world_size=target_run.world_size, hosts=target_run.hosts)
@@ -104,6 +131,7 @@ def _closing(target_run: _TargetRun, terminal: Terminal) -> Iterator[None]:
         terminal.close()
         if terminal.record is not None:
             terminal.record.close()
+            terminal.record.disk.close()
 
 
 def _this_controller() -> ControllerId:
@@ -199,8 +227,8 @@ class _BackendRun(_TargetRun):
             return attempts, reason  # the job's earlier runs used up every restart
         preflight_s = time.time() - self.state.started_at
         while True:
-            write_text_atomic(run.plan_json(plan.attempt), render_json(plan))
-            write_text_atomic(run.plan_text(plan.attempt), render_text(plan))
+            run.write_text(run.plan_json(plan.attempt), render_json(plan), "the attempt's plan")
+            run.write_text(run.plan_text(plan.attempt), render_text(plan), "the attempt's plan")
             self.state = replace(self.state, attempt=plan.attempt, hosts=[n.host for n in plan.nodes],
                                  nnodes=plan.nnodes, world_size=plan.world_size)
             run.write_state(self.state)
@@ -296,7 +324,7 @@ class _SchedulerRun(_TargetRun):
 
     def run(self, run: RunDir, stop: threading.Event) -> tuple[list[Attempt], str | None]:
         for name, text in self.submission.files.items():
-            write_text_atomic(run.path / name, text)
+            run.write_text(run.path / name, text, name)
         for note in self.submission.notes:
             self.out.say(note)
         self.job_id = self.scheduler.submit(self.submission, run.path / self.submission.file_name)
@@ -471,6 +499,8 @@ def _finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threadi
     ended = time.time()
     warnings = [not_distributed] if status is RunStatus.SUCCEEDED and last is not None and \
         (not_distributed := _not_distributed(last)) else []
+    if run.disk is not None and run.disk.incomplete:
+        warnings.append(run.disk.incomplete)
     first_failure = last.failures[0] if last and last.failures and status is RunStatus.FAILED else None
     summary = RunSummary(
         run_id=state.run_id, name=state.name, status=status, exit_code=code, started_at=state.started_at,

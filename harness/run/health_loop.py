@@ -18,7 +18,7 @@ from harness.node.protocol import sample_interval
 from harness.plan.planner import Node
 from harness.record.rundir import RunDir
 from harness.record.schema import HealthEvent, HealthEventKind, LiveHealth, Progress, RankRow
-from harness.record.timeline import RankPoint, Sample, append_sample
+from harness.record.timeline import RankPoint, Sample
 from harness.run.live import LiveNode, RankActivity
 from harness.run.output import Output
 from harness.run.stack_capture import StackCapture, keep
@@ -113,7 +113,7 @@ class HealthLoop:
         ended = {rank: Ended(live.node, live.outcome.describe()) for live in self.nodes if live.outcome is not None
                  for rank in live.node.ranks}
         if self.run is not None:
-            keep(self.run.hang_stacks(self.attempt), stacks)
+            keep(self.run, self.run.hang_stacks(self.attempt), stacks)
         self.hang = hang_verdict(self.judge.stall, stacks, ended)
         self.events.append(HealthEvent(self.hang_at, HealthEventKind.HANG, f"hang: {self.hang.text}",
                                        self.hang.odd[0] if len(self.hang.odd) == 1 else None))
@@ -141,7 +141,7 @@ class HealthLoop:
         if now - self._sampled >= sample_interval(TIMELINE_SECONDS, age) and \
                 (views or any(r.step is not None for r in ranks.values())):
             self._sampled = now
-            append_sample(self.run.timeline, Sample(now, self.attempt, {
+            self.run.append_timeline(Sample(now, self.attempt, {
                 rank: RankPoint(views[rank].cpu if rank in views else None,
                                 views[rank].busy if rank in views else None, row.step, row.gpu_util, row.loss,
                                 row.throughput)

@@ -39,12 +39,14 @@ class Output:
         self.terminal.say(message)
 
     def pump(self, process: NodeProcess, live: LiveNode) -> None:
-        """Until the node's output ends: each block to the node's log, the record and the terminal."""
+        """Until the node's output ends: each block to the node's log, the record and the terminal. A log that
+        cannot be written is the record's trouble (record/disk.py): the node's output is read on whatever."""
         prefix = f"[{live.node.label}] "
         with contextlib.ExitStack() as stack:
             log = timed = None
-            if self.log_file is not None:
-                log = stack.enter_context(open(self.log_file(live.node), "a", encoding="utf-8"))
+            if self.log_file is not None and self.record is not None:
+                log = stack.enter_context(self.record.disk.appended(self.log_file(live.node),
+                                                                    f"{live.node.label}'s log"))
             if self.record is not None:
                 timed = stack.enter_context(self.record.open_node(self.attempt, live.node.node_rank))
             for text in process.output():
@@ -54,10 +56,8 @@ class Output:
                     live.note_saves(block.streamed, at, self.checkpoint)
                 if log is not None:
                     log.write(block.logged)
-                    log.flush()
                 if timed is not None and block.streamed:
                     timed.write(stamped(block.streamed, f"{stamp(at)} {prefix}"))
-                    timed.flush()
                 self._show(block, prefix)
             self._show(live.release(), prefix)
 

@@ -40,6 +40,12 @@ COLLECTIVE_MISMATCH = re.compile(
     r"Received data size doesn't match expected size",
     re.IGNORECASE,
 )
+# A disk the rank writes to is full or read-only, in the words of the OS, of torch's stream writer (a short write:
+# `unexpected pos 1664 vs 1568`) or of the payload's checkpoints (`its file system is full`).
+DISK_TROUBLE = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|unexpected pos \d+ vs "
+                          r"\d+|file system is (?:full|read-only)")
+DISK_HINT = ("free space on that disk (or point the job's checkpoints and output at one with room); a restart resumes "
+             "from the newest checkpoint written whole")
 # A place in source code: `train.py:42`, `pair.cc:464`.
 SOURCE_PLACE = re.compile(r"\w\.(py|c|cc|cpp|cu|h|hpp):\d+")
 OOM_HINT = ("the kernel ran out of memory for this rank: lower the batch size (or the data loader's workers and "
@@ -98,6 +104,9 @@ def node_failure(live: LiveNode, stopping_since: float | None) -> NodeFailure | 
     if mismatch := next((line for line in reversed(own) if COLLECTIVE_MISMATCH.search(line)), None):
         return NodeFailure(live, rank, code, FailureKind.PROGRAM, f"{who} {exit_text}: a collective mismatch: "
                            f"{_message(mismatch)}")
+    if disk := next((line for line in reversed(own) if DISK_TROUBLE.search(line)), None):
+        return NodeFailure(live, rank, code, FailureKind.INFRA, f"{who} {exit_text}: a disk it writes to is full or "
+                           f"read-only: {_message(disk)}", hint=DISK_HINT)
     if rank is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL) and (oom := live.oom.get(rank)):
         return NodeFailure(live, rank, code, FailureKind.INFRA, f"{who} killed by the kernel's OOM killer: "
                            f"{oom.strip()[:300]}", hint=OOM_HINT)

@@ -12,7 +12,6 @@ from typing import Any
 
 from harness.health.rank_stack import RankStack
 from harness.node.protocol import Kind, Message, StackChunks
-from harness.record.atomic import write_text_atomic
 from harness.record.rundir import RunDir
 from harness.run.live import LiveNode
 from harness.targets.base import NodeProcess
@@ -70,15 +69,14 @@ class StackCapture:
         """`harness stacks` leaves request-TAG in the stacks directory; the answer is TAG/stacks.json."""
         for request in sorted(run.stacks.glob("request-*")) if run.stacks.is_dir() else []:
             tag = request.name.removeprefix("request-")
-            keep(run.stacks / tag, self.capture(tag))
+            keep(run, run.stacks / tag, self.capture(tag))
             request.unlink(missing_ok=True)
 
 
-def keep(where: Path, stacks: dict[int, RankStack]) -> None:
+def keep(run: RunDir, where: Path, stacks: dict[int, RankStack]) -> None:
     """Each rank's stacks as py-spy shows them, its DataLoader workers' after them, then its last collectives
-    (rankN.txt), and all of them as stacks.json."""
-    where.mkdir(parents=True, exist_ok=True)
+    (rankN.txt), and all of them as stacks.json, in where, a folder of run's."""
     for rank, stack in stacks.items():
-        write_text_atomic(where / f"rank{rank}.txt", stack.text() + stack.collectives_text())
+        run.write_text(where / f"rank{rank}.txt", stack.text() + stack.collectives_text(), f"rank {rank}'s stacks")
     answers = {str(rank): stack.to_answer() for rank, stack in sorted(stacks.items())}
-    write_text_atomic(where / "stacks.json", json.dumps(answers))
+    run.write_text(where / "stacks.json", json.dumps(answers), "the ranks' stacks")

@@ -123,15 +123,16 @@ class Terminal:
         self._writer = threading.Thread(target=self._write_out, name="terminal", daemon=True)
         self._writer.start()
 
-    def say(self, message: str) -> None:
-        """A line of the harness's own: `harness: MESSAGE`."""
-        self.write(f"harness: {message}\n")
+    def say(self, message: str, kept: bool = True) -> None:
+        """A line of the harness's own: `harness: MESSAGE`. kept: in the record too (not where the record's disk
+        says it cannot write it)."""
+        self.write(f"harness: {message}\n", kept)
 
-    def write(self, text: str) -> None:
-        """The harness's own text, whole lines: never held or left out, kept in the record. The job's lines
-        held for collapsing are shown first, as they came before it. (The run's end report writes through
-        this, as to a file.)"""
-        if self.record is not None:
+    def write(self, text: str, kept: bool = True) -> None:
+        """The harness's own text, whole lines: never held or left out, kept in the record (kept). The job's
+        lines held for collapsing are shown first, as they came before it. (The run's end report writes
+        through this, as to a file.)"""
+        if self.record is not None and kept:
             self.record.harness(text)
         with self._ready:
             self._release(everything=True)

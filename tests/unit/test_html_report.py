@@ -324,7 +324,7 @@ def _hung(tmp_path: Path) -> RunDir:
     stacks = {rank: RankStack(rank, nodes[rank // 2], 100 + rank, "S",
                               (StackThread("MainThread", 100 + rank, IN_SLEEP if rank == 1 else IN_ALL_REDUCE),),
                               collectives=waiting[:1] if rank == 1 else waiting) for rank in range(4)}
-    keep(run.hang_stacks(0), stacks)
+    keep(run, run.hang_stacks(0), stacks)
     return run
 
 

@@ -13,6 +13,7 @@ from harness.plan.planner import NodePlan, NoSpareHosts, job_hosts
 from harness.record.schema import Attempt, Failure, FailureKind, RunStatus
 from harness.run.live import LiveNode
 from harness.run.recovery import (
+    DISK_HINT,
     OOM_HINT,
     attempt_failures,
     attempt_kind,
@@ -181,6 +182,21 @@ def test_a_rank_the_oom_killer_ended_is_named_with_the_kernels_line_and_a_hint()
     assert failure.hint == OOM_HINT and "lower the batch size" in failure.hint
     node.oom.clear()  # no record of the kernel's: an ordinary kill
     assert attempt_failures([node], stopping_since=None)[0].evidence == "rank 1 killed by SIGKILL"
+
+
+@pytest.mark.parametrize("said", [
+    "[rank1]: RuntimeError: [enforce fail at inline_container.cc:671] . unexpected pos 1664 vs 1568",
+    "[rank1]: OSError: [Errno 28] No space left on device: '/ckpt/step-3.pt'",
+    "[rank1]: OSError: [Errno 30] Read-only file system: '/ckpt/step-3.pt'",
+    "[rank1]: harness.payload.checkpoint.DiskError: [Errno 28] checkpoint: cannot save step 2 in /ckpt: its file "
+    "system is full (0 B free of 1.0 MiB; the checkpoint takes 206 KiB)",
+])
+def test_a_rank_whose_disk_is_full_or_read_only_is_infra_with_a_hint_whatever_the_words(said: str) -> None:
+    node = record(1, Outcome(1), ended=1.0, lines=["[rank1]: Traceback (most recent call last):", said], rank=1,
+                  code=1)
+    [found] = attempt_failures([node], stopping_since=None)
+    assert (found.kind, found.evidence, found.hint) == (
+        FailureKind.INFRA, f"rank 1 exit code 1: a disk it writes to is full or read-only: {said[9:]}", DISK_HINT)
 
 
 def test_a_failed_runs_summary_error_is_never_empty():
