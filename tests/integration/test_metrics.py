@@ -144,6 +144,7 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
         run.wait_for(r"^\[node0\] \[rank0\]: epoch 1/2 step 20/")
         asked = time.time()
         status = harness("status", run_id, "--runs-dir", str(tmp_path / "runs")).stdout
+        answered = time.time()
         assert run.finish(timeout=240) == 0, run.output
     finally:
         run.cleanup()
@@ -163,11 +164,12 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
     assert [series["metric"]["status"] for series in running] == ["running"], running
     assert len(losses) == 4 and all(0 < float(series["value"][1]) < 0.5 for series in losses), losses
 
-    # status, 20 of 80 steps in: step/total, the rate, the time left -- within 20% of what was left.
+    # status, 20 of 80 steps in: step/total, the rate, the time left -- within 20% of what was left when it looked,
+    # some moment between asked and answered (a busy machine takes seconds to start the command).
     shown = re.search(r"^  progress: step (\d+)/80 \(\d+%\), ([\d.]+) steps/s, about (\d+) s left$", status, re.M)
     assert shown, status
-    left = progress["last_at"] - asked
-    assert abs(int(shown.group(3)) - left) <= 0.2 * left, (shown.group(0), f"{left:.1f} s were left")
+    most, least = progress["last_at"] - asked, progress["last_at"] - answered
+    assert 0.8 * least <= int(shown.group(3)) <= 1.2 * most, (shown.group(0), f"{least:.1f} to {most:.1f} s were left")
 
     spent = summary["goodput"]["seconds"]
     assert sum(spent.values()) == pytest.approx(summary["duration_s"], rel=0.01), spent

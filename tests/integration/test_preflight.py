@@ -97,7 +97,6 @@ def test_healthy_three_hosts_fast(cluster3: Cluster, tmp_path: Path) -> None:
         f"eth0 {cluster3.host('h2').address}, mtu 1500, same on all hosts (the kernel routes to h1, h3 through it); "
         f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME pinned to it")
     assert _row(report, "h3", "defaults").reason == "unpinned, gloo and NCCL would also reach the peers (eth0)"
-    assert report.seconds < 15
 
 
 def test_dropped_master_port_names_source_destination_and_port(cluster3: Cluster, tmp_path: Path) -> None:
