@@ -141,7 +141,7 @@ def test_a_rank_failure_stops_the_other_hosts_container(podman_cluster, launch, 
     summary = run.summary()
     failure = summary["first_failure"]
     assert (failure["host"], failure["node_rank"], failure["rank"], failure["rank_exit_code"]) == ("h2", 1, 1, -9)
-    assert stragglers_s(summary) < 10.0, summary
+    assert stragglers_s(summary) < 10.0, summary  # guard: "within seconds", with the container's stop; not left to run
     assert_all_gone(podman_cluster, run.run_id)
 
 

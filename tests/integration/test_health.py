@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, assert_nothing_left, free_port, harness, worker_pid
 
 STALL = 8
-MARGIN = 15  # the bound: detection within stall + 15 s
+MARGIN = 15  # the bound: detection within stall + 15 s (bench 9: ~1.5 s past the stall at most, quiet)
 SCRIPT = REPO / "tests" / "scripts" / "ddp_hang.py"
 
 
@@ -74,7 +74,7 @@ def test_a_rank_stuck_before_its_collective_is_found_named_behind_and_its_stacks
     run.wait_for(r"\[rank0\]: step 10")
     began = time.time()
     text, seen = verdict(run)
-    assert seen - began < STALL + MARGIN, f"found after {seen - began:.1f} s"
+    assert seen - began < STALL + MARGIN, f"found after {seen - began:.1f} s"  # guard: not gloo's 30 min timeout
     assert re.match(rf"no progress for 8 s: rank 0 waits in all_reduce #(\d+) at .*ddp_hang.py:\d+ in train_step; "
                     rf"rank 1 \(node1 on sim1\) has not reached #\1, {STUCK[fault]} \(stacks in ", text), text
     assert_hang_recorded(run, tmp_path / "runs", culprit=1)
@@ -100,7 +100,7 @@ def test_a_sigstopped_rank_is_named_stopped(write_yaml, launch, tmp_path):
     os.kill(pid, signal.SIGSTOP)
     began = time.time()
     text, seen = verdict(run)
-    assert seen - began < STALL + MARGIN, f"found after {seen - began:.1f} s"
+    assert seen - began < STALL + MARGIN, f"found after {seen - began:.1f} s"  # guard: not gloo's 30 min timeout
     assert re.match(r"no progress for 8 s: rank 0 \(node0 on sim0\) is stopped \(SIGSTOP\) .*; rank 1 waits in "
                     r"all_reduce #\d+ at .*ddp_hang.py:\d+ in train_step \(stacks in ", text), text
     assert_hang_recorded(run, tmp_path / "runs", culprit=0)
@@ -117,7 +117,7 @@ def test_a_collective_mismatch_names_both_sides_in_either_branch_order(swap, wri
     run.wait_for(r"\[rank0\]: step 10")
     began = time.time()
     text, seen = verdict(run)
-    assert seen - began < STALL + MARGIN, f"found after {seen - began:.1f} s"
+    assert seen - began < STALL + MARGIN, f"found after {seen - began:.1f} s"  # guard: not gloo's 30 min timeout
     first, second = ("all_reduce", "broadcast") if swap == "0" else ("broadcast", "all_reduce")
     assert re.match(rf"no progress for 8 s: collective mismatch at #\d+: rank 0 in {first} at \S*ddp_hang.py:\d+ in "
                     rf"sync_metrics, rank 1 in {second} at \S*ddp_hang.py:\d+ in sync_metrics: the program calls "
@@ -140,7 +140,8 @@ def test_harness_stacks_shows_every_rank_of_a_running_job_grouped(write_yaml, la
     began = time.monotonic()
     shown = harness("stacks", run.run_id, "--runs-dir", str(tmp_path / "runs"), timeout=60)
     assert shown.returncode == 0, shown.stderr
-    assert time.monotonic() - began < 5 * 4, "harness stacks took too long"  # the 5 s, with CI's margin
+    # guard: no node waited out its 20 s to answer (STACKS_SECONDS); the 5 s with CI's margin
+    assert time.monotonic() - began < 5 * 4, "harness stacks took too long"
     ranks = set(map(int, re.findall(r"\b(\d+) \(node\d on sim\d, pid \d+", shown.stdout)))
     assert ranks == {0, 1, 2, 3}, shown.stdout
     assert "ddp_hang.py" in shown.stdout
@@ -186,6 +187,7 @@ def test_a_slow_rank_of_four_is_named_from_its_arrivals_within_a_minute(write_ya
     named = run.wait_for(r"harness: slow: rank (\d) \(node\d on sim\d\): its peers wait for it (\d+)% of the time "
                          r"\(over the last 20 s, by when it arrives at its collectives; -?\d+% by CPU time\)",
                          timeout=120)
+    # guard: named after its 20 s window of arrivals and seconds more (quiet); CPU time alone never names it
     assert time.monotonic() - began < 60, f"named after {time.monotonic() - began:.0f} s"
     assert named.group(1) == "1" and int(named.group(2)) >= 20, named.group(0)
     status = harness("status", run.run_id, "--runs-dir", str(tmp_path / "runs"))
@@ -232,7 +234,8 @@ def test_a_healthy_four_rank_job_runs_five_minutes_with_no_slow_rank_named(write
     for _ in range(3):
         began = time.monotonic()
         shown = harness("stacks", run.run_id, "--runs-dir", str(tmp_path / "runs"), timeout=60)
-        assert shown.returncode == 0 and time.monotonic() - began < 5 * 4, shown  # the 5 s, CI's margin
+        # guard: no node waited out its 20 s to answer (STACKS_SECONDS); the 5 s with CI's margin
+        assert shown.returncode == 0 and time.monotonic() - began < 5 * 4, shown
         assert set(map(int, re.findall(r"\b(\d) \(node\d on sim\d, pid", shown.stdout))) == {0, 1, 2, 3}
         run.wait_for(r"\[rank0\]: step \d+", timeout=60)
     assert run.finish(timeout=600) == 0, run.output

@@ -18,7 +18,9 @@ from testbed.cluster import Cluster
 from conftest import REPO, assert_nothing_left, free_port, worker_pid
 
 STALL = 10  # health.stall of these jobs
-DETECT_WITHIN = STALL + 15  # seconds from the fault to the verdict, on a busy 2-core machine
+# Seconds from the fault to the verdict, on a busy 2-core machine: a guard, not a speed (bench 9, simulated nodes:
+# ~1.5 s past the stall at most, quiet), that tells the watch's verdict from gloo's 30 min timeout.
+DETECT_WITHIN = STALL + 15
 SCRIPT = REPO / "tests" / "scripts" / "health_steps.py"
 SHOWN = "tests/scripts/health_steps.py"  # the script as the verdict names it: relative to the ranks' workdir
 VERDICT = r"^harness: hang: (no progress for .*?)(?: \(stacks in (\S+)/\))?$"
@@ -72,7 +74,7 @@ def test_a_data_plane_partition_is_a_hang_blamed_on_the_network(cluster2, write_
     with _partition(cluster2, "h1", "h2"):
         cut, cut_wall = time.monotonic(), time.time()
         verdict, after = _detected(run, cut)
-        assert after < DETECT_WITHIN, f"hang seen {after:.1f} s after the partition"
+        assert after < DETECT_WITHIN, f"hang seen {after:.1f} s after the partition"  # guard: see DETECT_WITHIN
         assert run.finish(timeout=60) == 1, run.output
         assert_nothing_left(run.run_id, within=15)  # stopped over SSH while the partition still holds
         cluster2.assert_only_sshd_left(within=15)
@@ -96,7 +98,7 @@ def test_a_data_plane_partition_is_a_hang_blamed_on_the_network(cluster2, write_
     failure = summary["first_failure"]
     assert summary["status"] == "failed" and [a["kind"] for a in summary["attempts"]] == ["hang"], summary
     assert failure["kind"] == "hang" and failure["evidence"] == verdict.group(1), failure
-    assert _first_failure_after(summary, cut_wall) < DETECT_WITHIN
+    assert _first_failure_after(summary, cut_wall) < DETECT_WITHIN  # guard: see DETECT_WITHIN
     stacks = run.runs_dir / run.run_id / "stacks" / "attempt-0"
     assert verdict.group(2) == str(stacks.parent) + "/attempt-0"
     for rank, host in ((0, "h1"), (1, "h2")):
@@ -114,7 +116,7 @@ def test_a_rank_asleep_in_its_step_is_named_with_its_line(cluster2, write_yaml, 
     run.wait_for(r"\[node1\] \[rank1\]: rank 1 sleeping in its step 25", timeout=180)
     asleep, asleep_wall = time.monotonic(), time.time()
     verdict, after = _detected(run, asleep)
-    assert after < DETECT_WITHIN, f"hang seen {after:.1f} s after rank 1 fell asleep"
+    assert after < DETECT_WITHIN, f"hang seen {after:.1f} s after rank 1 fell asleep"  # guard: see DETECT_WITHIN
     assert run.finish(timeout=60) == 1, run.output
     sleep, all_reduce = _line_of("time.sleep(3600)"), _line_of("dist.all_reduce(batch)")
     seq = re.search(r"all_reduce #(\d+)", verdict.group(1)).group(1)
@@ -126,7 +128,7 @@ def test_a_rank_asleep_in_its_step_is_named_with_its_line(cluster2, write_yaml, 
     failure = summary["first_failure"]
     assert (failure["kind"], failure["host"], failure["node_rank"], failure["rank"]) == ("hang", "h2", 1, 1), failure
     assert failure["evidence"] == verdict.group(1)
-    assert _first_failure_after(summary, asleep_wall) < DETECT_WITHIN
+    assert _first_failure_after(summary, asleep_wall) < DETECT_WITHIN  # guard: see DETECT_WITHIN
     assert re.search(rf"harness: run {run.run_id} FAILED: first failure on node 1 \(h2, global rank 1\): hung after "
                      rf"\S+ s \(hang: the verdict above\)", run.output), run.output
     assert run.output.count(verdict.group(1)) == 1, "the verdict is said once"
@@ -146,7 +148,7 @@ def test_a_stopped_rank_s_stack_is_read(cluster2, write_yaml, launch, tmp_path):
     os.kill(pid, signal.SIGSTOP)
     verdict, after = _detected(run, time.monotonic())
     assert run.finish(timeout=60) == 1, run.output
-    assert after < DETECT_WITHIN
+    assert after < DETECT_WITHIN  # guard: see DETECT_WITHIN
     assert verdict.group(1).startswith(f"no progress for {STALL} s: rank 1 (node1 on h2) is stopped (SIGSTOP) "), \
         verdict.group(1)
     stopped = (run.runs_dir / run.run_id / "stacks" / "attempt-0" / "rank1.txt").read_text()

@@ -134,7 +134,7 @@ def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
     assert (summary["status"], failure["node_rank"], failure["rank"], failure["exit_code"], failure["rank_exit_code"]) \
         == ("failed", 1, 1, 1, 3)
     assert any("failing on purpose" in line for line in failure["last_lines"])
-    assert stragglers_s(summary) < 5.0, summary
+    assert stragglers_s(summary) < 5.0, summary  # guard: ~0.5 s on a loaded 2-core machine, not rank 0's hour
     assert "harness: node1 on sim1 failed (rank 1 exit code 3); stopping the other nodes" in run.output
     assert "FAILED: first failure on node 1 (sim1, global rank 1): exit code 3" in run.output
     status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout

@@ -49,7 +49,7 @@ def test_sigkill_of_a_worker_stops_the_other_host_within_5_s(cluster2, write_yam
     summary = run.summary()
     failure = summary["first_failure"]
     assert (failure["host"], failure["node_rank"], failure["rank"], failure["rank_exit_code"]) == ("h2", 1, 1, -9)
-    assert stragglers_s(summary) < 5.0, summary
+    assert stragglers_s(summary) < 5.0, summary  # guard: "within seconds": ~1 s quiet (bench 5), not left to run
     assert_nothing_left(run.run_id)
 
 
@@ -68,7 +68,7 @@ def test_unreachable_host_fails_before_anything_starts(cluster2, write_yaml, lau
     run = launch(ddp_job(write_yaml), "--hosts", str(hosts), "--known-hosts", str(cluster2.known_hosts),
                  "--skip-preflight")
     assert run.finish(timeout=60) == 1, run.output
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 30  # guard: fails at the connection (10 s at most), not the rendezvous (900 s)
     assert "ghost" in run.output
     assert_nothing_left(run.run_id)
 

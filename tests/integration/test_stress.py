@@ -76,6 +76,7 @@ def test_sigkilled_controller_leaves_nothing_ten_times_under_load(write_yaml, tm
                            for run_id, alive, took in results)
         print(report)  # shown with `pytest -rP`: the figures behind the claim
         assert all(alive >= 2 for _, alive, _ in results), report
+        # guard: the agents end their nodes within stop_grace (+2 s), not never; this soak test's load is the point
         assert all(took is not None for _, _, took in results), report
         assert [run_id for run_id, _, _ in results if leftover(run_id)] == [], report
     finally:

@@ -25,6 +25,7 @@ def test_a_failed_host_is_kept_out_for_its_cool_down_with_the_reason(tmp_path: P
     made, left = take_out(path, {"h2": "connection to h2 lost"}, MACHINES, "run-1", 60, 2)
     assert left == [] and [(e.name, e.machine, e.reason, e.run_id) for e in made] == [
         ("h2", "10.0.0.2:22", "connection to h2 lost", "run-1")]
+    # guard: its cool-down starts now (take_out's clock, not another); the call takes milliseconds
     assert made[0].until - made[0].since == 60 and abs(made[0].since - time.time()) < 5
     assert hosts_out(path) == made
     assert hosts_out(path, now=made[0].until + 1) == [], "its cool-down over, it is offered again"

@@ -209,6 +209,7 @@ def test_a_stuck_terminal_never_holds_up_the_job_and_is_told_what_it_missed():
     began = time.monotonic()
     for i in range(1000):
         terminal.job_lines(f"[node0] [rank0]: line {i}\n", 1)
+    # guard: the writer is held until after the loop, so a wait for it would hang; 1,000 lines take milliseconds
     assert time.monotonic() - began < 5, "the job's lines waited for the terminal"
     terminal.say("ended")
     out.release.set()
