@@ -113,6 +113,7 @@ class RankStack:
     # Its last collectives by Flight Recorder, or why they could not be read; None where nobody asked (a
     # DataLoader worker, an older record).
     collectives: tuple[Collective, ...] | str | None = None
+    command: str | None = None  # its command line, where the agent said it (a node's launcher's)
 
     @classmethod
     def from_answer(cls, rank: int, node: Node, answer: Mapping[str, Any]) -> RankStack:
@@ -123,7 +124,7 @@ class RankStack:
                    threads if isinstance(threads, str) else None,
                    tuple(cls.from_answer(rank, node, worker) for worker in answer.get("workers", [])),
                    collectives if collectives is None or isinstance(collectives, str) else
-                   tuple(Collective.from_json(entry) for entry in collectives))
+                   tuple(Collective.from_json(entry) for entry in collectives), answer.get("command"))
 
     def to_answer(self) -> dict[str, Any]:
         """As stacks.json keeps it (from_answer reads it back)."""

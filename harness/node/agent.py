@@ -48,6 +48,7 @@ from harness.node.protocol import Kind, Word, message_line, oom_body, parse_word
 
 PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
+STARTED_POLL = 0.5  # seconds between looks for the node's ranks, until they exist (Kind.STARTED)
 
 
 class Agent:
@@ -77,6 +78,7 @@ class Agent:
         self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True,
                                       stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
                                       env={**os.environ, **hooked})
+        self.observer.launcher = self.child.pid
         # A command the OS refuses to run (too long, no /bin/sh) raises here: main() reports it.
 
     def signal_group(self, sig: int) -> None:
@@ -150,6 +152,7 @@ class Agent:
         self._sample()
 
     def _sample(self) -> None:
+        threading.Thread(target=self.observer.watch_start, args=(STARTED_POLL, self.ended), daemon=True).start()
         if self.watch > 0:
             threading.Thread(target=self.observer.sample_every, args=(self.watch, self.ended), daemon=True).start()
 

@@ -13,8 +13,16 @@ from collections.abc import Callable
 
 from harness.node.collectives import READ_SECONDS, arrivals, last_entries, progress, read_trace
 from harness.node.gpu import Nvml, open_nvml
-from harness.node.proctable import process_tree, stat_fields
-from harness.node.protocol import Kind, RankSample, arrivals_bodies, health_bodies, sample_interval, stacks_bodies
+from harness.node.proctable import command_line, process_tree, stat_fields
+from harness.node.protocol import (
+    LAUNCHER_RANK,
+    Kind,
+    RankSample,
+    arrivals_bodies,
+    health_bodies,
+    sample_interval,
+    stacks_bodies,
+)
 from harness.node.ranks import as_seen, children_of, dump, find_ranks, py_spy_path, python_children, sample, source_line
 
 Say = Callable[[Kind, str], None]
@@ -34,6 +42,16 @@ class RankObserver:
         self.seen: dict[int, int] = {}  # pid -> rank, of every rank found (for the OOM killer's record)
         self.arrived: dict[int, int] = {}  # rank -> when it enqueued the newest collective sent (ns)
         self.nvml: Nvml | str | None = None  # opened at the first sample; a string: why there is none
+        self.launcher: int | None = None  # the node's command's process (its torchrun, once the shell exec'd it)
+
+    def watch_start(self, every: float, ended: threading.Event) -> None:
+        """Say once that the node's ranks exist (Kind.STARTED), looking every `every` seconds until they do or the
+        node ended: its torchrun's rendezvous is done then, which the controller's rendezvous deadline waits for."""
+        while not ended.wait(every):
+            below, _ = process_tree(os.getpid())
+            if ranks := find_ranks(below, self.run_id, self.directory):
+                self.say(Kind.STARTED, ",".join(str(rank) for rank in sorted(ranks)))
+                return
 
     def sample_every(self, seconds: float, ended: threading.Event) -> None:
         """Every `seconds` (every second while the attempt is young: sample_interval) until ended, how far each
@@ -126,6 +144,12 @@ class RankObserver:
                 workers.append({"pid": child, "state": child_state, "threads": threads_of(child, child_state)})
             answers[rank] = {"pid": pid, "state": state, "threads": threads_of(pid, state), "workers": workers}
 
+        if not ranks and self.launcher is not None:  # none yet: where its torchrun is, in or before its rendezvous
+            state = (stat_fields(self.launcher) or [b"gone"])[0].decode()
+            answer = {"pid": self.launcher, "state": state, "command": command_line(self.launcher)[:300],
+                      "threads": threads_of(self.launcher, state)}
+            for body in stacks_bodies(tag, LAUNCHER_RANK, answer):
+                self.say(Kind.STACKS, body)
         traces = self.traces({rank: states[rank].state for rank in ranks if rank in states})
         collectives = {rank: last_entries(trace) if isinstance(trace, list) else trace
                        for rank, trace in traces.items()}

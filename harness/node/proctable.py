@@ -112,6 +112,15 @@ def signal_all(pids: list[int], sig: int) -> list[int]:
     return signalled
 
 
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces ("" when gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def stat_fields(pid: int) -> list[bytes] | None:
     """Fields of /proc/PID/stat after the command name (state [0], ppid [1], utime [11], stime [12],
     start time [19])."""

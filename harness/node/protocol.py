@@ -39,7 +39,8 @@ class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate
     PING = "PING"  # nothing: the controller is still there (every agent_link.PING_SECONDS)
     # `STACKS TAG`: every rank's stack and its DataLoader workers' (py-spy) and its last collectives (Flight
     # Recorder), answered as STACKS messages, then STACKS_DONE: first each rank's collectives alone (milliseconds),
-    # then each rank's whole answer, which replaces it (py-spy takes a while per rank)
+    # then each rank's whole answer, which replaces it (py-spy takes a while per rank); a node with no ranks yet
+    # answers with its launcher's stack instead (LAUNCHER_RANK)
     STACKS = "STACKS"
     # `GO ORDER`: a standby node (agent started with STANDBY) becomes its attempt's node: ORDER, one JSON line
     # ({"env": the node's env, "args": torchrun's arguments}), goes to the waiting torchrun's stdin
@@ -55,6 +56,14 @@ class Kind(str, Enum):  # noqa: UP042 - as Word
     ARRIVALS = "arrivals"  # with each health sample: the Arrivals of one rank since its last
     OOM = "oom"  # before the exit: {rank: the kernel's line} of ranks the OOM killer ended (harness.node.oom)
     NODE_EXIT = "node-exit"  # `CODE`: the node ended (negative: killed by that signal); the agent's last word
+    # `RANKS`: the node's ranks exist (comma-separated), said once: its torchrun's rendezvous completed and it started
+    # its workers (the controller's rendezvous deadline, run/health_loop.py)
+    STARTED = "started"
+
+
+# A STACKS answer under this rank is the node's launcher's, sent where the node has no ranks yet: its torchrun (or
+# the shell still running the job's setup), {"pid", "state", "command", "threads"}, as a rank's answer has them.
+LAUNCHER_RANK = -1
 
 
 class RankSample(NamedTuple):

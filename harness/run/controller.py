@@ -43,7 +43,14 @@ from harness.record.stream import FOLLOWER_FILE, HARNESS_FILE, StreamRecord
 from harness.run.continued import Continued
 from harness.run.follow import Follower
 from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
-from harness.run.results import failure_of, hang_failure, recorded_node, stopped_status, summary_error
+from harness.run.results import (
+    failure_of,
+    hang_failure,
+    recorded_node,
+    stopped_status,
+    summary_error,
+    unjoined_failures,
+)
 from harness.run.stopper import stop_on_signals
 from harness.run.summary_text import report
 from harness.run.supervisor import Supervisor
@@ -422,7 +429,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
                      if spec.health.watched else None, run=run,
                      attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern,
                      furthest=furthest,
-                     checkpoint=spec.health.checkpoint_pattern)
+                     checkpoint=spec.health.checkpoint_pattern, rendezvous=spec.timeouts.rendezvous)
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     named = [n.host for n in plan.nodes]
     hosts = ", ".join(named) if len(named) <= HOSTS_NAMED else f"{', '.join(named[:3])}, ..., {named[-1]}"
@@ -455,17 +462,21 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     failures = [failure_of(f, started, ended) for f in found]
     if sup.hang is not None:
         failures.insert(0, hang_failure(sup.hang, sup.hang_at or started, sup.nodes, started))
+    if sup.unjoined is not None:
+        failures[:0] = unjoined_failures(sup.unjoined, sup.nodes, started, sup.stopping_since or ended)
     if stop.is_set():
         status = stopped_status(run)
     else:
-        status = RunStatus.FAILED if sup.first_failure is not None or sup.hang else RunStatus.SUCCEEDED
+        status = RunStatus.FAILED if sup.first_failure is not None or sup.hang or sup.unjoined else \
+            RunStatus.SUCCEEDED
     previous_failure = before[-1].failures[0] if before and before[-1].failures else None
     progress = sup.health_loop.track_progress([])
     joined = [at for live in sup.nodes for at in live.joined.values()]
     return Attempt(
         attempt=plan.attempt, hosts=[n.host for n in plan.nodes], status=status, started_at=started, ended_at=ended,
         nodes=[recorded_node(r, run, plan.attempt) for r in sup.nodes], failures=failures,
-        kind=(FailureKind.HANG if sup.hang else attempt_kind(found)) if status is RunStatus.FAILED else None,
+        kind=(FailureKind.HANG if sup.hang else FailureKind.INFRA if sup.unjoined else attempt_kind(found))
+        if status is RunStatus.FAILED else None,
         down=sorted({f.host for f in failures if f.host_down}), preflight_s=round(preflight_s, 3),
         teardown_s=round(ended - sup.stopping_since, 3) if sup.stopping_since else None,
         recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)

@@ -12,7 +12,8 @@ import time
 import traceback
 
 from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView
-from harness.health.rank_stack import ranks_text
+from harness.health.rank_stack import RankStack, ranks_text
+from harness.health.rendezvous import RendezvousVerdict, rendezvous_verdict
 from harness.health.verdict import Ended, Verdict, hang_verdict
 from harness.node.protocol import sample_interval
 from harness.plan.planner import Node
@@ -29,6 +30,7 @@ TIMELINE_SECONDS = 5.0  # how often each rank's course is added to timeline.json
 RATE_WINDOW = 60.0  # seconds of reported steps the step rate is measured over
 STEP_QUIET_SECONDS = 10.0  # no new step for this long (and three of the rank's usual intervals): its rate is 0
 LINE_KEPT = 240  # characters of a rank's last line in health.json
+LAUNCHERS_LEAD = 5.0  # seconds before the rendezvous deadline that the late nodes' launchers are read
 MEASURE_WORDS = {"arrival": "when it arrives at its collectives", "busy": "CPU time"}
 
 
@@ -39,9 +41,13 @@ class HealthLoop:
     furthest: the furthest step the run's earlier attempts reached (None: none), which this one redoes first."""
 
     def __init__(self, judge: HealthJudge | None, run: RunDir | None, attempt: int, nodes: list[LiveNode],
-                 stacks: StackCapture, output: Output, stopper: Stopper, furthest: int | None = None) -> None:
+                 stacks: StackCapture, output: Output, stopper: Stopper, furthest: int | None = None,
+                 rendezvous: float | None = None) -> None:
         self.judge, self.run, self.attempt, self.nodes = judge, run, attempt, nodes
         self.stacks, self.output, self.stopper, self.furthest = stacks, output, stopper, furthest
+        self.rendezvous = rendezvous  # seconds every node has to start its ranks (None: no deadline)
+        self.unjoined: RendezvousVerdict | None = None  # the rendezvous did not complete in time: who never joined
+        self._launchers: dict[int, RankStack] | None = None  # where the late nodes' torchrun was, near the deadline
         self.started_at = time.time()
         self.progress: Progress | None = None  # the attempt's steps so far
         self.hang: Verdict | None = None  # the job hung: who it is about
@@ -80,8 +86,30 @@ class HealthLoop:
                 self.events.append(HealthEvent(time.time(), kind, words, rank, waited and round(waited, 1)))
         if self.run is not None:
             self._write_health()
+        if self.rendezvous is not None and self.unjoined is None and self.stopper.since is None:
+            self._watch_rendezvous(self.rendezvous)
         if self.judge is not None and judging and (stalled := self.judge.stalled()):
             self._hung(stalled)
+
+    def _watch_rendezvous(self, deadline: float) -> None:
+        """Every running node starts its ranks within deadline seconds of the attempt's start (torchrun's rendezvous
+        done), whatever the rendezvous kind, or the attempt ends: the late nodes' launchers are read LAUNCHERS_LEAD
+        seconds before the deadline, so that they are named at it, and every node is stopped."""
+        age = time.time() - self.started_at
+        late = [live for live in self.nodes if live.ranks_at is None and live.outcome is None]
+        lead = min(LAUNCHERS_LEAD, deadline / 2)
+        if not late or age < deadline - lead:
+            return
+        if self._launchers is None:
+            asked = {live.node.node_rank for live in late}
+            self._launchers = self.stacks.launchers(f"rendezvous-{self.attempt}", asked, lead)
+            return
+        if age < deadline:
+            return
+        joined = sum(live.ranks_at is not None for live in self.nodes)
+        self.unjoined = rendezvous_verdict(deadline, [live.node for live in late], self._launchers, joined)
+        self.output.say(f"rendezvous: {self.unjoined.text}")
+        self.stopper.stop_all()
 
     def _slow_words(self, rank: int, waited: float | None) -> str:
         node = self._node_of(rank)
@@ -180,7 +208,7 @@ def rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | Non
     if live.outcome is not None:
         state = f"ended ({live.outcome.describe()})"
     else:
-        state = view.state if view is not None else "running"
+        state = view.state if view is not None else "running" if live.ranks_at is not None else "starting"
     step = rate = step_at = None
     if activity is not None and activity.steps:
         step, step_at = activity.steps[-1].step, activity.steps[-1].at

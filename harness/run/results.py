@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import time
 
+from harness.health.rendezvous import RendezvousVerdict
 from harness.health.verdict import Verdict
 from harness.record.rundir import RunDir
 from harness.record.schema import Failure, FailureKind, RecordedNode, RunStatus
@@ -57,6 +58,17 @@ def summary_error(first_failure: Failure | None, reason: str | None) -> str | No
 def stopped_status(run: RunDir) -> RunStatus:
     """A stop asked for by `harness stop` (its marker) or by Ctrl-C/SIGTERM."""
     return RunStatus.STOPPED if run.stop_marker.exists() else RunStatus.INTERRUPTED
+
+
+def unjoined_failures(unjoined: RendezvousVerdict, nodes: list[LiveNode], started_at: float, at: float) -> \
+        list[Failure]:
+    """A rendezvous that did not complete in time, as the attempt's first failures: each node at fault (its host
+    down: a spare takes its place), the verdict as evidence."""
+    return [Failure(node_rank=live.node.node_rank, host=live.node.host, ranks=list(live.node.ranks), rank=None,
+                    rank_exit_code=None, exit_code=None, description="did not join the rendezvous",
+                    after_s=round(at - started_at, 3), last_lines=live.last_lines(None), kind=FailureKind.INFRA,
+                    evidence=unjoined.text, host_down=True)
+            for live in nodes if live.node.node_rank in unjoined.culprits]
 
 
 def hang_failure(hang: Verdict, hang_at: float, nodes: list[LiveNode], started_at: float) -> Failure:

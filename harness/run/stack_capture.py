@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.health.rank_stack import RankStack
-from harness.node.protocol import Kind, Message, StackChunks
+from harness.node.protocol import LAUNCHER_RANK, Kind, Message, StackChunks
+from harness.plan.planner import Node
 from harness.record.rundir import RunDir
 from harness.run.live import LiveNode
 from harness.targets.base import NodeProcess
@@ -27,6 +28,7 @@ class StackCapture:
         self._nodes = nodes
         self._chunks: dict[int, StackChunks] = {}  # node rank -> its answers' chunks so far
         self._answers: dict[str, dict[int, dict[str, Any]]] = {}  # tag -> rank -> answer
+        self._launchers: dict[str, dict[int, dict[str, Any]]] = {}  # tag -> node rank -> its launcher's answer
         self._answered: dict[str, set[int]] = {}  # tag -> node ranks done
         self._changed = threading.Condition()
 
@@ -36,7 +38,9 @@ class StackCapture:
             if message.kind is Kind.STACKS:
                 chunks = self._chunks.setdefault(live.node.node_rank, StackChunks())
                 if (whole := chunks.take(message.body)) is not None and isinstance(whole.answer, dict):
-                    self._answers.setdefault(whole.tag, {})[whole.rank] = whole.answer
+                    answers = self._launchers if whole.rank == LAUNCHER_RANK else self._answers
+                    answers.setdefault(whole.tag, {})[live.node.node_rank if whole.rank == LAUNCHER_RANK
+                                                      else whole.rank] = whole.answer
             elif message.kind is Kind.STACKS_DONE:
                 self._answered.setdefault(message.body, set()).add(live.node.node_rank)
                 self._changed.notify_all()
@@ -48,7 +52,30 @@ class StackCapture:
 
     def capture(self, tag: str, timeout: float = STACKS_SECONDS) -> dict[int, RankStack]:
         """Every running node's ranks' stacks, asked for at once; whatever arrived within timeout."""
-        running = [(process, live) for process, live in self._nodes if live.outcome is None]
+        nodes = self._ask(tag, None, timeout)
+        with self._changed:
+            answers = self._answers.pop(tag, {})
+            self._launchers.pop(tag, None)
+        by_rank = {rank: node for node in nodes.values() for rank in node.ranks}
+        return {rank: RankStack.from_answer(rank, by_rank[rank], answer) for rank, answer in answers.items()
+                if rank in by_rank}
+
+    def launchers(self, tag: str, asked: set[int], timeout: float) -> dict[int, RankStack]:
+        """Where the launchers of the asked nodes (by node rank) are, of those still running with no ranks yet:
+        their torchrun before its workers exist (harness.node.protocol.LAUNCHER_RANK), by node rank; a node that
+        answered with ranks, or not within timeout, has none."""
+        nodes = self._ask(tag, asked, timeout)
+        with self._changed:
+            self._answers.pop(tag, None)
+            answers = self._launchers.pop(tag, {})
+        return {number: RankStack.from_answer(LAUNCHER_RANK, nodes[number], answer)
+                for number, answer in answers.items() if number in nodes}
+
+    def _ask(self, tag: str, asked: set[int] | None, timeout: float) -> dict[int, Node]:
+        """The asked running nodes (None: all) asked for their stacks at once, their answers awaited until each has
+        answered or ended, at most timeout seconds; those nodes by node rank."""
+        running = [(process, live) for process, live in self._nodes
+                   if live.outcome is None and (asked is None or live.node.node_rank in asked)]
         for process, _ in running:
             process.request_stacks(tag)
         deadline = time.monotonic() + timeout
@@ -57,10 +84,7 @@ class StackCapture:
             while not set(nodes) <= self._answered.get(tag, set()) | self._ended():
                 if not self._changed.wait(max(0.0, deadline - time.monotonic())):
                     break
-            answers = self._answers.pop(tag, {})
-        by_rank = {rank: node for node in nodes.values() for rank in node.ranks}
-        return {rank: RankStack.from_answer(rank, by_rank[rank], answer) for rank, answer in answers.items()
-                if rank in by_rank}
+        return nodes
 
     def _ended(self) -> set[int]:
         return {live.node.node_rank for _, live in self._nodes if live.outcome is not None}

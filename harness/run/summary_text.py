@@ -35,7 +35,7 @@ def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
             out.say(f"hint: {failure.hint}")
         if summary.reason:
             out.say(f"not restarted: {summary.reason}")
-        if failure.error is None:  # else its traceback is above, and the exception and its place just said
+        if failure.error is None and failure.last_lines:  # else its traceback is above, its exception just said
             out.say(f"last lines of node{failure.node_rank}" + (f", rank {failure.rank}:" if failure.rank is not None
                                                                  else ":"))
             for line in failure.last_lines[-10:]:

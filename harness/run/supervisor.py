@@ -15,6 +15,7 @@ from typing import Any
 
 from harness.health.judge import HealthJudge
 from harness.health.rank_stack import number_ranges, ranks_text
+from harness.health.rendezvous import RendezvousVerdict
 from harness.health.verdict import Verdict
 from harness.node.protocol import Kind, parse_arrivals, parse_health, parse_oom
 from harness.plan.planner import Node
@@ -41,19 +42,21 @@ class Supervisor:
     lines are the harness's own watch, so they go to the log only; progress: the job's step lines.
     judge: what judges hangs and slow ranks (None: off); run: where stacks, the health file and
     `harness stacks` requests live; attempt: this attempt's number; furthest: the furthest step of the run's
-    earlier attempts (None: none); checkpoint: the job's lines that say a checkpoint was saved."""
+    earlier attempts (None: none); checkpoint: the job's lines that say a checkpoint was saved; rendezvous: the
+    seconds every node has to start its ranks (timeouts.rendezvous; None: no deadline)."""
 
     def __init__(self, grace: float, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
                  quiet_cpp_info: bool = False, judge: HealthJudge | None = None, run: RunDir | None = None,
                  attempt: int = 0, record: StreamRecord | None = None, progress: re.Pattern[str] | None = None,
-                 furthest: int | None = None, checkpoint: re.Pattern[str] | None = None) -> None:
+                 furthest: int | None = None, checkpoint: re.Pattern[str] | None = None,
+                 rendezvous: float | None = None) -> None:
         self.output = Output(terminal, log_file, record, attempt, quiet_cpp_info, progress, checkpoint)
         self._started: list[tuple[NodeProcess, LiveNode]] = []  # every started node, what stops and asks it
         self.stopper = Stopper(grace, self._started)
         self.stacks = StackCapture(self._started)
         self.nodes: list[LiveNode] = []
         self.health_loop = HealthLoop(judge, run, attempt, self.nodes, self.stacks, self.output, self.stopper,
-                                      furthest)
+                                      furthest, rendezvous)
         self.first_failure: LiveNode | None = None
         self._ended: queue.Queue[LiveNode] = queue.Queue()
         self._threads: list[threading.Thread] = []
@@ -65,6 +68,11 @@ class Supervisor:
     @property
     def hang_at(self) -> float | None:
         return self.health_loop.hang_at
+
+    @property
+    def unjoined(self) -> RendezvousVerdict | None:
+        """The rendezvous did not complete in time: the nodes that never started their ranks."""
+        return self.health_loop.unjoined
 
     @property
     def stopping_since(self) -> float | None:
@@ -106,6 +114,8 @@ class Supervisor:
                     self.stacks.take(live, message)
                 elif message.kind is Kind.OOM:
                     live.oom.update(parse_oom(message.body))
+                elif message.kind is Kind.STARTED and live.ranks_at is None:
+                    live.ranks_at = time.time()
             except (ValueError, KeyError, TypeError):  # a damaged message is one lost sample, not a crash
                 continue
 

@@ -95,7 +95,8 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
                                        node_log(run, n), f" after {n.duration_s} s") for n in summary.nodes})
     failure = summary.first_failure
     if failure:
-        lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), rank {failure.rank}, "
+        lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), "
+                     + (f"rank {failure.rank}, " if failure.rank is not None else "") +
                      f"{failure.description} ({failure.kind.value}: {failure.evidence})")
         if failure.error:
             lines.append(f"  error: {failure.error}" + (f" at {failure.error_at}" if failure.error_at else ""))

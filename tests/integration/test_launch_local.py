@@ -12,6 +12,7 @@ import time
 import zlib
 from pathlib import Path
 
+from harness.node.proctable import command_line, run_processes
 from harness.record.timeline import read_timeline
 from harness.view.charts import LEFT, RIGHT, WIDTH, TimeAxis, color
 
@@ -203,6 +204,37 @@ def test_a_killed_node_agent_fails_the_run_and_leaves_nothing(write_yaml, launch
     assert failure["node_rank"] == 1
     assert failure["description"] == (f"node agent (pid {agent}) ended with killed by SIGKILL without reporting "
                                       f"the node's end")
+    assert_nothing_left(run.run_id)
+
+
+def test_a_node_frozen_before_a_static_rendezvous_is_named_at_the_deadline_and_fails_the_attempt(write_yaml, launch):
+    """node1's torchrun stopped while it imports (an agent stuck on a hung file system): torch's static rendezvous
+    would wait its own 600 s. The harness's deadline is timeouts.rendezvous, whatever the rendezvous kind: the node
+    is named with what its torchrun is doing, the attempt fails as infra, nothing is left."""
+    deadline = 30
+    text = job(write_yaml).read_text() + f"rdzv: static\ntimeouts: {{rendezvous: {deadline}}}\n"
+    run = launch(write_yaml(text, "frozen.yaml"))
+    torchrun = None
+    while torchrun is None and run.proc.poll() is None:  # in its imports: torch's library mapped, its modules to come
+        torchrun = next((pid for pid in run_processes(run.run_id, "1") if "torch.distributed.run" in command_line(pid)
+                         and "libtorch" in Path(f"/proc/{pid}/maps").read_text()), None)
+        time.sleep(0.01)
+    assert torchrun is not None, run.output
+    os.kill(torchrun, signal.SIGSTOP)
+    status, guard = "", time.monotonic() + deadline  # guard: the row is there from the first health.json on
+    while time.monotonic() < guard and not re.search(r"\n +1 node1 +sim1 +starting ", status):
+        status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout
+    assert re.search(r"\n +1 node1 +sim1 +starting ", status), status
+    assert run.finish(timeout=deadline + 60) == 1, run.output
+    said = run.wait_for(r"^harness: rendezvous: the rendezvous did not complete within 30 s \(timeouts.rendezvous\): "
+                        r"node1 on sim1 never joined: its torchrun \(pid (\d+)\) is stopped \(SIGSTOP\), in an import at "
+                        r"\S+:\d+(; node0 waiting for it in the rendezvous)?$")
+    assert int(said.group(1)) == torchrun
+    failure = run.summary()["first_failure"]
+    assert (failure["node_rank"], failure["kind"], failure["host_down"], failure["description"]) == (
+        1, "infra", True, "did not join the rendezvous"), failure
+    # guard: torch's static rendezvous waits 600 s; the deadline is 30 s, then the stop's grace and a capture
+    assert failure["after_s"] < deadline + 20, failure
     assert_nothing_left(run.run_id)
 
 

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 from harness.health.judge import SLOW_CONFIRM, HealthJudge
 from harness.health.rank_stack import Collective, Frame, RankStack, StackThread, grouped
+from harness.health.rendezvous import rendezvous_verdict
 from harness.health.verdict import hang_verdict
-from harness.node.protocol import Arrival, RankSample
+from harness.node.protocol import LAUNCHER_RANK, Arrival, RankSample
 from harness.plan.planner import Node
 from harness.run.health_loop import HealthLoop
 
@@ -350,3 +351,30 @@ def test_ranks_that_made_progress_while_their_stacks_were_read_are_not_hung():
     assert loop.hang is None and loop.hang_at is None
     loop._hung([0, 1])
     assert tags == ["hang-0-1", "hang-0-2"], "late answers to the first capture must not count for the next"
+
+
+def test_a_rendezvous_past_its_deadline_names_the_nodes_not_waiting_in_it_and_where_their_torchrun_is():
+    """node1's torchrun stopped in an import, node2's agent silent: they are the ones the others wait for; node0's
+    torchrun waits in the rendezvous and is not named at fault. Where every late node waits in it, none can be told
+    apart: all are named."""
+    def launcher(node: int, state: str, *frames: Frame) -> RankStack:
+        thread = StackThread("MainThread", 50 + node, frames)
+        return RankStack(LAUNCHER_RANK, NODES[node], 50 + node, state, (thread,),
+                         command="/venv/bin/python -m torch.distributed.run --nnodes=3 train.py")
+
+    waiting = launcher(0, "S", Frame("_barrier", f"{SITE}/torch/distributed/elastic/utils/store.py", 170),
+                       Frame("next_rendezvous", f"{SITE}/torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py",
+                             60))
+    importing = launcher(1, "T", Frame("_find_and_load", "<frozen importlib._bootstrap>", 1176),
+                         Frame("<module>", f"{SITE}/torch/nn/__init__.py", 3),
+                         Frame("_call_with_frames_removed", "<frozen importlib._bootstrap>", 241),
+                         Frame("<module>", f"{SITE}/torch/__init__.py", 2100))
+    verdict = rendezvous_verdict(30, NODES[:3], {0: waiting, 1: importing}, joined=1)
+    assert verdict.text == (
+        "the rendezvous did not complete within 30 s (timeouts.rendezvous): node1 on h2 never joined: its torchrun "
+        "(pid 51) is stopped (SIGSTOP), in an import at torch/nn/__init__.py:3; node2 on h3 never joined, and its node "
+        "agent did not say where its torchrun is; node0 waiting for it in the rendezvous; 1 node(s) started their ranks")
+    assert (verdict.late, verdict.culprits) == ([0, 1, 2], [1, 2])
+    everyone = rendezvous_verdict(30, NODES[:1], {0: waiting}, joined=0)
+    assert everyone.culprits == [0] and "node0 on h1 never joined: its torchrun (pid 50) is sleeping, waiting in the " \
+        "rendezvous at torch/distributed/elastic/utils/store.py:170 in _barrier" in everyone.text
