@@ -99,6 +99,7 @@ NOT_RUN: dict[str, str] = {
     "make test": "the whole suite, this test included: root, namespace clusters, the image; CI runs it",
     "make test-soak": "the soak tier: a 5-minute job and a loop that saturates every core (docs/testing.md)",
     "make test-fast": "runs the test suite this test is part of",
+    "make test-busy": "the whole suite again, with two CPU hogs beside it (run before an issue of load is resolved)",
     "make test-gpu": "needs a CUDA GPU",
     "make launch JOB=jobs/cifar.yaml HOSTS=hosts.yaml": "needs GPU hosts over SSH, listed in hosts.yaml",
     "harness preflight hosts.yaml --job jobs/cifar.yaml": SSH_HOSTS,
