@@ -17,7 +17,7 @@ from pathlib import Path
 from harness.record.atomic import write_text_atomic
 
 RESERVE_BYTES = 4 << 20  # kept aside for the record's own files: a summary of 1,024 ranks is a few hundred KiB
-RESERVE_FILE = ".reserve"
+RESERVE_FILE = ".reserve-{pid}"  # each controller's own (a batch step's and the launch following it share a folder)
 ROOM_CHECK_SECONDS = 5.0  # while writes wait, how often the disk is looked at again
 
 
@@ -65,6 +65,7 @@ class RecordDisk:
         self._looked_at = 0.0
         self._said: set[str] = set()
         self._reserved = False
+        self._reserve = folder / RESERVE_FILE.format(pid=os.getpid())
 
     @property
     def incomplete(self) -> str | None:
@@ -78,11 +79,11 @@ class RecordDisk:
     def keep_reserve(self) -> None:
         """RESERVE_BYTES set aside in the run's directory; an OSError when the disk has not that much room (a
         launch then fails before anything starts)."""
-        fd = os.open(self.folder / RESERVE_FILE, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(self._reserve, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             os.posix_fallocate(fd, 0, RESERVE_BYTES)
         except OSError:
-            (self.folder / RESERVE_FILE).unlink(missing_ok=True)
+            self._reserve.unlink(missing_ok=True)
             raise
         finally:
             os.close(fd)
@@ -145,7 +146,7 @@ class RecordDisk:
             reserved, self._reserved = self._reserved, False
         if reserved:
             with contextlib.suppress(OSError):
-                (self.folder / RESERVE_FILE).unlink()
+                self._reserve.unlink()
 
     def _failed(self, what: str, exc: OSError) -> None:
         """Writes wait from now (the reserve given back for the record's own files); said once per cause."""

@@ -162,7 +162,9 @@ def old_torch_python() -> Iterator[str]:
     venv = Path(tempfile.mkdtemp(prefix="harness-oldtorch-"))
     try:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"torch=={OLD_TORCH}"],
+        # --no-compile: half the install's time goes to byte-compiling torch, which the probe's import does for the
+        # few modules it needs
+        pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-compile", f"torch=={OLD_TORCH}"],
                              capture_output=True, text=True, timeout=600)
         if pip.returncode:
             pytest.fail(f"could not install torch=={OLD_TORCH} in a second venv: {pip.stderr[-2000:]}")
