@@ -111,8 +111,11 @@ def _job_arguments() -> argparse.ArgumentParser:
                         help="name a rank its peers wait for at least this percentage of the time, 0 to 100; 0: off "
                              "(health.slow, default 20)")
     health.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="serve the run's metrics to Prometheus on this port while it runs, every interface "
-                             "(health.metrics_port; default: off; docs/metrics.md)")
+                        help="serve the run's metrics to Prometheus on this port while it runs (health.metrics_port; "
+                             "default: off; docs/metrics.md)")
+    health.add_argument("--metrics-address", metavar="IP",
+                        help="the address the metrics are served on: 0.0.0.0 for every interface "
+                             "(health.metrics_address; default: 127.0.0.1, a Kubernetes controller pod's own)")
     return job
 
 

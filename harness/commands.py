@@ -68,7 +68,7 @@ def job_of(args: argparse.Namespace) -> Job:
                         nnodes=args.nnodes.nodes if args.nnodes else None, nproc_per_node=args.nproc_per_node,
                         master_port=args.master_port, rdzv=args.rdzv, backend=args.backend,
                         max_restarts=args.max_restarts, env=args.env, stall=args.stall, slow=args.slow,
-                        metrics_port=args.metrics_port)
+                        metrics_port=args.metrics_port, metrics_address=args.metrics_address)
     command = shlex.join(["harness", *args.rerun])
     if args.module is None and args.job is not None and args.job.endswith((".yaml", ".yml")):
         refused = flags.given(script_only=True) + (["--save-job"] if args.save_job else [])
@@ -227,9 +227,9 @@ def launch(args: argparse.Namespace) -> int:
     if isinstance(target, Scheduler):  # the controller in the job's batch step serves them
         return controller.launch(target, spec, job.text, job.source, root, run_id, detach=args.detach,
                                  collapse=not args.no_collapse)
-    from harness.view.metrics import serving_metrics
+    from harness.view.metrics import LOOPBACK, serving_metrics
 
-    with serving_metrics(run_dir(root, run_id), spec.health.metrics_port):
+    with serving_metrics(run_dir(root, run_id), spec.health.metrics_port, spec.health.metrics_address or LOOPBACK):
         return controller.launch(target, spec, job.text, job.source, root, run_id, collapse=not args.no_collapse)
 
 
@@ -272,9 +272,9 @@ def batch_step(args: argparse.Namespace) -> int:
     before = earlier_attempts(run, requeued=int(os.environ.get("SLURM_RESTART_COUNT") or 0))
     continued = Continued(run, before, lambda: TIME_LIMIT if run.time_limit_marker.exists() else None,
                           lambda: client.requeue(job_id, exclude=list(slurm_nodes_out())))
-    from harness.view.metrics import serving_metrics
+    from harness.view.metrics import LOOPBACK, serving_metrics
 
-    with serving_metrics(run, spec.health.metrics_port):
+    with serving_metrics(run, spec.health.metrics_port, spec.health.metrics_address or LOOPBACK):
         return controller.continue_run(SrunBackend(Allocation.from_env(os.environ, client)), spec, continued)
 
 
@@ -287,7 +287,7 @@ def k8s_controller(args: argparse.Namespace) -> int:
     from harness.run import controller
     from harness.targets.k8s.pods import PodLink, PodsBackend, share_tools
     from harness.targets.k8s.supervised import INFRA_EXIT
-    from harness.view.metrics import serving_metrics
+    from harness.view.metrics import EVERY_INTERFACE, serving_metrics
 
     open_files_as_allowed()
     spec = load_job(args.job)
@@ -298,7 +298,7 @@ def k8s_controller(args: argparse.Namespace) -> int:
     backend = PodsBackend(PodLink(spec.k8s.port), os.environ.get("HARNESS_K8S_CODE") or None, spec.k8s.rejoin,
                           stopped=run.stop_marker.exists)  # the pod's preStop hook: `harness stop`
     try:
-        with serving_metrics(run, spec.health.metrics_port):
+        with serving_metrics(run, spec.health.metrics_port, spec.health.metrics_address or EVERY_INTERFACE):
             code = controller.launch(backend, spec, Path(args.job).read_text(), args.job, root, run.run_id)
     finally:
         backend.link.dismiss(0)  # the worker pods did their part; the controller's Job says how the run ended

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ipaddress
 import itertools
 import json
 import os
@@ -136,19 +137,27 @@ def worker_pid(run_id: str, rank: int) -> int:
 
 
 def listening_ports(pid: int) -> set[int]:
-    """The TCP ports a process listens on: its sockets that /proc/net/tcp and tcp6 list in state LISTEN."""
+    """The TCP ports a process listens on."""
+    return {port for _, port in listening_sockets(pid)}
+
+
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of each TCP socket a process listens on: its sockets that /proc/net/tcp and tcp6 list in
+    state LISTEN (the kernel writes each 32-bit word of an address in the machine's byte order)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         with contextlib.suppress(OSError):
             if (link := os.readlink(fd)).startswith("socket:["):
                 inodes.add(link.removeprefix("socket:[").removesuffix("]"))
-    ports = set()
+    found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+                address, port = fields[1].rsplit(":", 1)
+                raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+                found.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found
 
 
 def agent_pid(run_id: str, node_rank: int) -> int:
@@ -308,8 +317,9 @@ class Launch(Streamed):
 def launch(tmp_path):
     started: list[Launch] = []
 
-    def start(job_path: Path, *extra: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> Launch:
-        started.append(Launch(job_path, tmp_path / "runs", *extra, env=env, cwd=cwd))
+    def start(job_path: Path, *extra: str, env: dict[str, str] | None = None, cwd: Path = REPO,
+              runs_dir: Path | None = None) -> Launch:
+        started.append(Launch(job_path, runs_dir or tmp_path / "runs", *extra, env=env, cwd=cwd))
         return started[-1]
 
     yield start

@@ -118,6 +118,10 @@ class StackAnswer(NamedTuple):
 
 
 def word_line(word: Word, argument: str = "") -> bytes:
+    """ValueError for an argument with a control character: a newline in it would make a second word (`STACKS
+    x\nKILL`), which the agent would obey."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in argument):
+        raise ValueError(f"a word's argument may hold no control character: {argument!r}")
     return f"{word.value} {argument}\n".encode() if argument else f"{word.value}\n".encode()
 
 

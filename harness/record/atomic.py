@@ -11,11 +11,12 @@ _UMASK = os.umask(0o022)  # read once (os.umask can only be read by setting it),
 os.umask(_UMASK)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Readers (another terminal, kubectl) never see a half-written file, and a failure loses nothing."""
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """Readers (another terminal, kubectl) never see a half-written file, and a failure loses nothing. mode: the
+    file's permissions (None: what the umask gives a new file: a manifest, a saved spec, for others to read too)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep others from reading manifests and records
+        os.fchmod(fd, 0o666 & ~_UMASK if mode is None else mode)
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()

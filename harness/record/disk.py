@@ -66,6 +66,7 @@ class RecordDisk:
         self._said: set[str] = set()
         self._reserved = False
         self._reserve = folder / RESERVE_FILE.format(pid=os.getpid())
+        self.mode = folder.stat().st_mode & 0o666  # its files' permissions: its folder's, without execute
 
     @property
     def incomplete(self) -> str | None:
@@ -99,11 +100,11 @@ class RecordDisk:
         with self.writing(what):
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                write_text_atomic(path, text)
+                write_text_atomic(path, text, self.mode)
             except OSError as exc:
                 self._failed(what, exc)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                write_text_atomic(path, text)
+                write_text_atomic(path, text, self.mode)
 
     def appended(self, path: Path, what: str) -> AppendedFile:
         """path, for appending to: what (words for the user) names it where a write fails."""
@@ -179,7 +180,7 @@ class AppendedFile:
         with self.disk.writing(self.what):
             if self._fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, self.disk.mode)
             data, size, written = text.encode(), os.fstat(self._fd).st_size, 0
             try:
                 while written < len(data):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 
-from harness.record.schema import write_record
+from harness.record.rundir import RunDir
+from harness.record.schema import record_text
 from harness.spec.job import Entrypoint, JobSpec
 
 ENTRYPOINT_FILE = "entrypoint.json"
@@ -41,10 +42,11 @@ class EntrypointRecord:
     nodes: str
 
 
-def write_entrypoint_record(run_path: Path, spec: JobSpec, mode: str) -> None:
+def write_entrypoint_record(run: RunDir, spec: JobSpec, mode: str) -> None:
     """Write the record of spec's entrypoint into the run directory, atomically. mode: the run's mode
     (`local`: simulated nodes on this machine, which run the launch directory's file)."""
-    write_record(run_path / ENTRYPOINT_FILE, entrypoint_record(spec.entrypoint, os.getcwd(), mode))
+    run.write_text(run.path / ENTRYPOINT_FILE, record_text(entrypoint_record(spec.entrypoint, os.getcwd(), mode)),
+                   ENTRYPOINT_FILE)
 
 
 def entrypoint_record(entry: Entrypoint, cwd: str, mode: str) -> EntrypointRecord:

@@ -4,6 +4,7 @@ and the one place a run named on the command line is found (by its id, a unique 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import sys
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.record.rundir import RUN_ID, RUN_ID_PREFIX, RunDir, check_run_id, run_dir, runs_root
+from harness.record.rundir import RUN_ID, RUN_ID_PREFIX, RunDir, check_run_id, make_run_folder, run_dir, runs_root
 from harness.record.schema import RecordError, RunState
 
 LATEST = "latest"  # names the newest run: `harness status latest`
@@ -32,7 +33,8 @@ def create_run_dir(root: Path, run_id: str) -> RunDir:
     """The run's directory, registered in the user's index of runs; a detached launch made it already
     (for the controller's log), never a run."""
     run = run_dir(root, run_id)
-    run.path.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # a detached launch made it (make_run_folder)
+        make_run_folder(run.path)
     if run.state_file.exists():
         raise UsageError(f"run id {run_id} is already taken in {root}/")
     register_run(run, index_dir())
@@ -53,7 +55,9 @@ def register_run(run: RunDir, index: Path) -> None:
     a read-only home it warns and the run is found only through its runs directory."""
     temp = index / f".{run.run_id}.{secrets.token_hex(4)}"
     try:
-        index.mkdir(parents=True, exist_ok=True)
+        index.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if index.stat().st_mode & 0o077:  # which runs a user has, and where, are theirs (an older index was not)
+            index.chmod(0o700)
         prune_index(index)
         temp.symlink_to(os.path.abspath(run.path))
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,15 @@ def runs_root(explicit: str | None = None) -> Path:
     if root.exists() and not root.is_dir():
         raise UsageError(f"runs directory {root} is not a directory; give --runs-dir a directory")
     return root
+
+
+# A `harness stacks` request's tag, as new_stacks_tag makes it: the controller answers no other request (a file
+# name is the user's to choose, and a tag becomes an argument of the agents' STACKS word).
+STACKS_TAG = re.compile(r"\d{8}-\d{6}-[0-9a-f]{4}")
+
+
+def new_stacks_tag() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def new_run_id(name: str) -> str:
@@ -195,12 +205,38 @@ class RunDir:
         self.write_text(self.attempts_file, record_text(attempts), "the run's attempts")
 
     def write_text(self, path: Path, text: str, what: str) -> None:
-        """A file of the run, whole or not at all; through its disk where there is one."""
+        """A file of the run, whole or not at all, as private as the run's folder (file_mode); through its disk
+        where there is one."""
         if self.disk is None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, text)
+            write_text_atomic(path, text, file_mode(self.path))
         else:
             self.disk.write(path, text, what)
+
+
+def make_run_folder(path: Path) -> None:
+    """A run's folder, its owner's alone (0700: its spec, env, logs and stacks are nobody else's), unless the runs
+    directory is shared with a group on purpose (group-writable or setgid: HARNESS_RUNS_DIR on a group volume):
+    then the group's too, as far as the umask allows. FileExistsError where it exists."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shared = path.parent.stat().st_mode & (stat.S_IWGRP | stat.S_ISGID)
+    mode = 0o770 & ~_umask() if shared else 0o700
+    path.mkdir(mode=mode)
+    os.chmod(path, mode)  # mkdir's mode is the umask's to cut: the group's bits of a shared one are chosen here
+
+
+def file_mode(folder: Path) -> int:
+    """The permissions of a record's files: its folder's, without execute (0600 in a private one)."""
+    try:
+        return folder.stat().st_mode & 0o666
+    except OSError:
+        return 0o600
+
+
+def _umask() -> int:
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def _attempt_suffix(attempt: int) -> str:

@@ -31,7 +31,6 @@ from harness.health.judge import HealthJudge
 from harness.node.proctable import start_ticks
 from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
 from harness.plan.render import render_json, render_text
-from harness.record.atomic import write_text_atomic
 from harness.record.disk import RESERVE_BYTES, RecordDisk, size_text, space_text
 from harness.record.entrypoint import write_entrypoint_record
 from harness.record.goodput import restart_of, run_goodput
@@ -94,8 +93,8 @@ def _new_record(runs_root: Path, run_id: str, terminal: Terminal, record_file: s
         disk = RecordDisk(run.path)
         disk.keep_reserve()
         terminal.record = StreamRecord(run.stream, record_file, disk)
-        write_text_atomic(run.spec_copy, spec_text)
-        write_entrypoint_record(run.path, spec, mode)
+        run.write_text(run.spec_copy, spec_text, "the job's spec")  # no disk yet: its failure fails the launch
+        write_entrypoint_record(run, spec, mode)
     except OSError as exc:
         if terminal.record is not None:
             terminal.record.close()

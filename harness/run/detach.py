@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from harness.record.index import index_dir, prune_index, register_run
-from harness.record.rundir import RunDir
+from harness.record.rundir import RunDir, file_mode, make_run_folder
 
 DETACH_STARTUP_TIMEOUT = 300.0
 
@@ -18,9 +19,9 @@ DETACH_STARTUP_TIMEOUT = 300.0
 def start_detached(argv: Sequence[str], run: RunDir, timeout: float = DETACH_STARTUP_TIMEOUT) -> int:
     """Start `harness launch` (argv) in a session of its own, so the run outlives this terminal, and
     return once its run record exists; if it fails before that, show its output and its exit status."""
-    run.path.mkdir(parents=True)
+    make_run_folder(run.path)
     register_run(run, index_dir())  # the controller registers it too; here a read-only home's warning reaches the user
-    with open(run.controller_log, "w") as log:
+    with open(os.open(run.controller_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode(run.path)), "w") as log:
         controller = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
     deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ from typing import Any
 from harness.health.rank_stack import RankStack
 from harness.node.protocol import LAUNCHER_RANK, Kind, Message, StackChunks
 from harness.plan.planner import Node
-from harness.record.rundir import RunDir
+from harness.record.rundir import STACKS_TAG, RunDir
 from harness.run.live import LiveNode
 from harness.targets.base import NodeProcess
 
@@ -93,6 +93,9 @@ class StackCapture:
         """`harness stacks` leaves request-TAG in the stacks directory; the answer is TAG/stacks.json."""
         for request in sorted(run.stacks.glob("request-*")) if run.stacks.is_dir() else []:
             tag = request.name.removeprefix("request-")
+            if not STACKS_TAG.fullmatch(tag):  # not of `harness stacks`: a name that could carry another word
+                request.unlink(missing_ok=True)
+                continue
             keep(run, run.stacks / tag, self.capture(tag))
             request.unlink(missing_ok=True)
 

@@ -30,9 +30,10 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "stall": (("health", "stall"), "--stall"),
     "slow": (("health", "slow"), "--slow"),
     "metrics_port": (("health", "metrics_port"), "--metrics-port"),
+    "metrics_address": (("health", "metrics_address"), "--metrics-address"),
 }
 # The fields whose flags a spec file takes too (harness launch job.yaml --stall 60): they win over its keys.
-SPEC_FILE_FLAGS = ("stall", "slow", "metrics_port")
+SPEC_FILE_FLAGS = ("stall", "slow", "metrics_port", "metrics_address")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ScriptFlags:
     stall: float | None = None  # health.stall: seconds
     slow: float | None = None  # health.slow: percent
     metrics_port: int | None = None  # health.metrics_port
+    metrics_address: str | None = None  # health.metrics_address
 
     def given(self, script_only: bool = False) -> list[str]:
         """The flags that were set, as the user types them; script_only: only those a spec file refuses."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -206,6 +207,19 @@ def _whole_seconds(value: Any) -> int:
     return int(exact_int(value))
 
 
+def _ip_address(value: Any) -> str:
+    """An IP address to listen on, as ipaddress spells it."""
+    try:
+        return str(ipaddress.ip_address(value)) if isinstance(value, str) else _not_an_address(value)
+    except ValueError:
+        return _not_an_address(value)
+
+
+def _not_an_address(value: Any) -> str:
+    raise ValueError(f"expected an IP address of this machine (127.0.0.1, 0.0.0.0 for every interface, ::1), got "
+                     f"{as_written(value)}")
+
+
 PositiveInt = Annotated[int, PlainValidator(_positive_int)]
 Count = Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=MAX_NPROC)]
 # No node has 16384 CPUs or a pebibyte of memory (the largest have about 2000 and tens of TiB).
@@ -357,14 +371,17 @@ class Health(StrictModel):
     drawn by `harness report` and served as metrics (the payload's `loss 2.1 ... img/s 950` by default); empty
     turns it off. checkpoint: the regular expression of a line that says a checkpoint was saved, with a group
     named `seconds` (how long the save took), for where the run's time went; empty turns it off. metrics_port:
-    the port on which the controller serves the run's metrics to Prometheus while it runs (every interface;
-    docs/metrics.md); None, the default: nothing listens."""
+    the port on which the controller serves the run's metrics to Prometheus while it runs (docs/metrics.md);
+    None, the default: nothing listens. metrics_address: the address it listens on (an IP of the controller's
+    machine, 0.0.0.0 for every interface); None: 127.0.0.1 (the machine's own Prometheus), in a Kubernetes
+    controller pod its own address."""
 
     stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
     slow: Annotated[Seconds, Field(ge=0, le=100)] = 20
     progress: str = DEFAULT_PROGRESS
     checkpoint: str = DEFAULT_CHECKPOINT
     metrics_port: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=65535)] | None = None
+    metrics_address: Annotated[str, PlainValidator(_ip_address)] | None = None
 
     @field_validator("progress", "checkpoint")
     @classmethod

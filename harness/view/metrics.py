@@ -21,6 +21,9 @@ from harness.record.rundir import RunDir
 from harness.record.schema import GOODPUT_BUCKETS, Goodput, LiveHealth, RecordError, RunStatus
 
 RANK_LABELS = ["run_id", "rank", "node", "host"]
+# Where the metrics are served where health.metrics_address says nothing: for this machine's own Prometheus; in a
+# Kubernetes controller pod, on its own address (the NetworkPolicy says who may scrape it).
+LOOPBACK, EVERY_INTERFACE = "127.0.0.1", "0.0.0.0"
 
 
 class RunMetrics(Collector):
@@ -125,18 +128,19 @@ def _ranks(run_id: str, health: LiveHealth, now: float) -> Iterator[Metric]:
 
 
 @contextmanager
-def serving_metrics(run: RunDir, port: int | None, address: str = "") -> Iterator[None]:
-    """The run's metrics on http://ADDRESS:PORT/metrics (every interface by default) until the context ends;
-    None: nothing listens. A port that cannot be had is an error before anything starts."""
+def serving_metrics(run: RunDir, port: int | None, address: str) -> Iterator[None]:
+    """The run's metrics on http://ADDRESS:PORT/metrics until the context ends; None: nothing listens. A port that
+    cannot be had is an error before anything starts."""
     if port is None:
         yield
         return
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RunMetrics(run))
     try:
-        server, thread = start_http_server(port, address or "0.0.0.0", registry)
+        server, thread = start_http_server(port, address, registry)
     except OSError as exc:
-        raise UsageError(f"health.metrics_port {port}: cannot serve the metrics there: {exc.strerror or exc}") from None
+        raise UsageError(f"health.metrics_port {port}: cannot serve the metrics on {address}: {exc.strerror or exc}") \
+            from None
     try:
         yield
     finally:

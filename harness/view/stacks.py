@@ -8,7 +8,6 @@ ranks with py-spy (a pause of milliseconds per rank: the job goes on), and write
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from harness.errors import UsageError
 from harness.health.rank_stack import RankStack, grouped
 from harness.plan.planner import Node
 from harness.record.liveness import controller_alive, live_status
-from harness.record.rundir import RunDir
+from harness.record.rundir import RunDir, new_stacks_tag
 from harness.record.schema import RunStatus
 
 ANSWER_SECONDS = 30.0  # the supervisor looks every half second; the nodes answer within STACKS_SECONDS
@@ -31,7 +30,7 @@ def run_stacks(run: RunDir, timeout: float = ANSWER_SECONDS) -> str:
     if state.scheduler_job is not None and state.hosts == []:
         raise UsageError(f"run {run.run_id}: {state.mode.capitalize()} job {state.scheduler_job} has not started its "
                          f"nodes yet (`harness status {run.run_id}`)")
-    tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    tag = new_stacks_tag()
     run.stacks.mkdir(exist_ok=True)
     request = run.stacks / f"request-{tag}"
     request.touch()

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import stat
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 from harness.node.proctable import is_alive, start_ticks
+from harness.record.index import index_dir
 
 from conftest import DEMO_JOB as JOB
 from conftest import REPO, assert_nothing_left, ddp_job, harness
@@ -30,13 +35,35 @@ def test_a_daemon_that_drops_the_run_id_does_not_outlive_the_run(write_yaml, lau
     assert not is_alive(pid, ticks), f"daemon {pid} outlived its run"
 
 
-def test_a_programs_own_exit_code_is_the_reported_one(write_yaml, launch):
-    run = launch(ddp_job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="2", FAIL_CODE="3"))
-    assert run.finish() == 1, run.output
-    failure = run.summary()["first_failure"]
-    assert (failure["rank"], failure["rank_exit_code"], failure["description"]) == (1, 3, "exit code 3")
-    assert "FAILED: first failure on node 1 (sim1, global rank 1): exit code 3" in run.output
-    assert_nothing_left(run.run_id)
+def test_a_programs_own_exit_code_is_the_reported_one_and_its_record_is_its_owners_alone(write_yaml, launch):
+    """The record, in a runs directory everyone may enter, under umask 022: the run's folder 0700, its files 0600,
+    the index of runs 0700; another local user reads none of it (its spec and plan hold the job's env)."""
+    shared = Path(tempfile.mkdtemp(prefix="harness-perm-"))
+    shared.chmod(0o755)
+    umask = os.umask(0o022)
+    try:
+        run = launch(ddp_job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="2", FAIL_CODE="3"), runs_dir=shared / "runs")
+    finally:
+        os.umask(umask)
+    try:
+        assert run.finish() == 1, run.output
+        failure = run.summary()["first_failure"]
+        assert (failure["rank"], failure["rank_exit_code"], failure["description"]) == (1, 3, "exit code 3")
+        assert "FAILED: first failure on node 1 (sim1, global rank 1): exit code 3" in run.output
+        assert_nothing_left(run.run_id)
+        folder = shared / "runs" / run.run_id
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(index_dir().stat().st_mode) == 0o700
+        written = [p for p in [*folder.iterdir(), *(folder / "logs").rglob("*")] if p.is_file()]
+        assert {p.name for p in written} >= {"spec.yaml", "plan.txt", "state.json", "summary.json", "node1.log",
+                                              "harness.log"}
+        modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+        assert set(modes.values()) == {"0o600"}, modes
+        other = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        assert subprocess.run([*other, "cat", str(folder / "spec.yaml")], capture_output=True).returncode != 0
+        assert subprocess.run([*other, "ls", str(folder)], capture_output=True).returncode != 0
+        assert subprocess.run([*other, "ls", str(shared / "runs")], capture_output=True).returncode == 0  # it can
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_an_argument_list_too_long_for_the_os_is_one_line_exit_1(write_yaml, tmp_path):

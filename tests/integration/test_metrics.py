@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Launch, assert_nothing_left, assert_only_the_jobs_lines, free_port, harness
+from conftest import (
+    REPO,
+    Launch,
+    assert_nothing_left,
+    assert_only_the_jobs_lines,
+    free_port,
+    harness,
+    listening_sockets,
+)
 
 STEP_S = 0.25
 STEPS = 40  # per epoch, two epochs: 20 s of steps at the script's own pace
@@ -133,6 +141,7 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
     try:
         run.wait_for(r"^\[node0\] \[rank0\]: epoch 1/2 step 12/")
         run_id = run.run_id
+        assert listening_sockets(run.proc.pid) == {("127.0.0.1", port)}, "the metrics on loopback alone, unless asked"
         rates = server.wait_for(f'harness_rank_steps_per_second{{run_id="{run_id}"}} > 0', 4)
         running = server.query(f'harness_run_status{{run_id="{run_id}"}} == 1')
         losses = server.query(f'harness_rank_loss{{run_id="{run_id}"}}')

@@ -16,6 +16,7 @@ from harness.record.entrypoint import (
     module_file,
     write_entrypoint_record,
 )
+from harness.record.rundir import RunDir
 from harness.record.schema import read_record
 from harness.spec.job import Entrypoint, JobSpec
 
@@ -90,7 +91,7 @@ def test_the_record_is_written_as_json_that_reads_back(tmp_path: Path, monkeypat
     (tmp_path / "train.py").write_bytes(BODY)
     monkeypatch.chdir(tmp_path)
     spec = JobSpec.model_validate({"name": "a", "nnodes": 1, "entrypoint": {"script": "train.py"}})
-    write_entrypoint_record(tmp_path, spec, "local")
+    write_entrypoint_record(RunDir(tmp_path), spec, "local")
     written = json.loads((tmp_path / "entrypoint.json").read_text())
     assert written["script"] == "train.py" and written["sha256"] == hashlib.sha256(BODY).hexdigest()
     assert read_record(tmp_path / "entrypoint.json", EntrypointRecord).path == str(tmp_path / "train.py")

@@ -181,3 +181,21 @@ def test_bad_launch_flags_are_named(write_yaml, flags, message):
     result = harness("launch", sum_job(write_yaml), "--target", "slurm", *flags) if "--target" not in flags and \
         flags[0] == "--time" else harness("launch", sum_job(write_yaml), *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_an_argument_that_is_the_node_commands_terminator_cannot_end_it_early(write_yaml, tmp_path):
+    """The node command is read from a quoted here-document: an argument (or any value in it) holding its usual
+    terminator on a line of its own would end it there and run the argument's next line in the batch step."""
+    planted = tmp_path / "planted"
+    value = f"a\nEND_OF_NODE_COMMAND\ntouch {planted}\nb"
+    spec = load_job(sum_job(write_yaml))
+    spec = spec.model_copy(update={"entrypoint": spec.entrypoint.model_copy(update={"args": ["--note", value]})})
+    script = batch_script(spec, "job.yaml")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    start = script.index("read -r -d '' NODE_COMMAND")
+    end = script.index("\nEND_OF_NODE_COMMAND_\n", start) + len("\nEND_OF_NODE_COMMAND_\n")
+    shown = subprocess.run(["bash", "-c", script[start:end] + 'printf %s "$NODE_COMMAND"'], capture_output=True,
+                           text=True, check=True).stdout
+    assert not planted.exists(), "a line of the argument ran in the batch step"
+    argv = shlex.split(shown[shown.index("\nexec ") + 6:].replace("\\\n", " "))
+    assert argv[-2:] == ["--note", value], argv

@@ -88,6 +88,9 @@ def test_shipped_jobs_are_valid():
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\ntimeouts: {stop_grace: 30}\n",
          "timeouts.stop_grace: Input should be less than or equal to 4"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nrestarts: {max: -1}\n", "restarts.max: Input should be greater than or equal to 0"),
+        ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nhealth: {metrics_address: everywhere}\n",
+         "job.yaml:4:10: health.metrics_address: expected an IP address of this machine (127.0.0.1, 0.0.0.0 for every "
+         "interface, ::1), got 'everywhere'"),
         ("name: demo\nnnodes: 1\nentrypoint: {module: m}\nrestarts: {max: 1, standby: true}\n",
          "job.yaml:4:20: restarts.standby: expected the seconds into an attempt at which its standbys start (60), or "
          "false for none, got true"),

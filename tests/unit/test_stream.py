@@ -14,10 +14,11 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from harness.node.protocol import Kind, message_line
+from harness.node.protocol import Kind, Word, message_line, parse_word, word_line
 from harness.plan.planner import Node
 from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir
@@ -25,6 +26,7 @@ from harness.record.schema import ControllerId, RunState, RunStatus
 from harness.record.stream import STAMP_WIDTH, StreamRecord, stamp
 from harness.run.health_loop import rank_row
 from harness.run.live import TAIL_KEPT, LiveNode
+from harness.run.stack_capture import StackCapture
 from harness.run.terminal import Terminal
 from harness.spec.job import Health
 from harness.targets.agent_link import AgentNode
@@ -249,6 +251,24 @@ def test_the_agent_link_yields_whole_lines_and_takes_messages_from_the_middle_of
     link = _Chunks([b"[rank0]: a\n[rank0]: b", b"c\n[rank1]: half ", health + b"line\n", exit_line + b"tail"])
     assert list(link.output()) == ["[rank0]: a\n", "[rank0]: bc\n", "[rank1]: half line\n", "tail\n"]
     assert link._exit_code == 0 and link.messages.get_nowait().kind is Kind.HEALTH
+
+
+def test_a_word_whose_argument_would_split_it_is_refused_and_so_is_a_stacks_request_not_of_harness_stacks(
+        tmp_path: Path):
+    """`STACKS x\nKILL` would reach the agent as two words; a request file named so, left in a writable run
+    directory, would have every node killed."""
+    assert parse_word(word_line(Word.STACKS, "20261128-020000-ab12")) == (Word.STACKS, "20261128-020000-ab12")
+    for argument in ("x\nKILL", "x\rKILL", "x\x00"):
+        with pytest.raises(ValueError, match="no control character"):
+            word_line(Word.STACKS, argument)
+    run = RunDir(tmp_path / "r")
+    run.stacks.mkdir(parents=True)
+    (run.stacks / "request-x\nKILL").touch()
+    asked: list[str] = []
+    capture = StackCapture([(SimpleNamespace(request_stacks=asked.append), SimpleNamespace(outcome=None, node=Node(
+        host="h1", address="10.0.0.1", node_rank=0, nproc=1)))])  # type: ignore[list-item]
+    capture.answer_requests(run)
+    assert asked == [] and list(run.stacks.iterdir()) == [], "a request not named as harness stacks names it"
 
 
 def test_harness_logs_merges_the_record_in_time_order_and_filters_it(tmp_path: Path):

@@ -61,6 +61,15 @@ def _word(value: str) -> str:
     return "".join(_SHELL.get(part) or shlex.quote(part) for part in parts if part) or "''"
 
 
+def _here_document(variable: str, lines: list[str]) -> list[str]:
+    """`read` of lines into variable, as a quoted here-document (nothing in it expanded) whose terminator is a line
+    none of them is: a value that is the usual terminator cannot end it early and run what follows."""
+    end = "END_OF_NODE_COMMAND"
+    while any(line == end for text in lines for line in text.split("\n")):
+        end += "_"
+    return [f"read -r -d '' {variable} <<'{end}'", *lines, end]
+
+
 BATCH_LOG = "slurm-%j.log"  # the batch step's own output in a launch's run directory (%j: the job id)
 
 
@@ -155,12 +164,12 @@ def batch_script(spec: JobSpec, source: str, command: str | None = None) -> str:
         "",
         "# What every node runs; $SLURM_NODEID is each task's own. torchrun would die of the time-limit",
         "# warning (SIGUSR1): it ignores it, and the training processes catch it themselves.",
-        "read -r -d '' NODE_COMMAND <<'END_OF_NODE_COMMAND'",
-        f"export {' '.join(f'{k}={_word(v)}' for k, v in per_node.items())}",
-        "trap '' USR1",
-        f"exec {' '.join(_word(word) for word in launcher)} \\",
-        f"  {' '.join(_word(word) for word in entrypoint_args(spec))}",
-        "END_OF_NODE_COMMAND",
+        *_here_document("NODE_COMMAND", [
+            f"export {' '.join(f'{k}={_word(v)}' for k, v in per_node.items())}",
+            "trap '' USR1",
+            f"exec {' '.join(_word(word) for word in launcher)} \\",
+            f"  {' '.join(_word(word) for word in entrypoint_args(spec))}",
+        ]),
         "",
         *_warning_handler(spec),
         "# --kill-on-bad-exit: a node that fails ends the others (Slurm's default leaves them running).",
