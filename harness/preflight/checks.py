@@ -183,19 +183,23 @@ def _disk(host: str, facts: Facts) -> Check:
 def _ptrace_fix(host: str, stacks: Stacks) -> str:
     """How to give py-spy the right to read the ranks, from what the probe saw of ptrace rights on the host."""
     scope, path = stacks["ptrace_scope"], stacks["py_spy"]
-    grant = f"or run the agent as root, or grant py-spy the capability (`setcap cap_sys_ptrace+ep {path}`)"
+    # The safe way first: at ptrace_scope 1 each rank names its node agent its ptracer (the rank hook's
+    # PR_SET_PTRACER), so py-spy reads the ranks and nothing else. Wider rights only where the host is the user's
+    # alone: `setcap cap_sys_ptrace` on py-spy lets everyone who runs it read every process, root's too.
+    alone = (f"on a host that is yours alone, `sysctl kernel.yama.ptrace_scope=0` or the agent as root (never "
+             f"`setcap cap_sys_ptrace+ep` on a shared host: every user who runs {path} could read every process)")
     if stacks["container"] and not stacks["cap_sys_ptrace"]:
-        return (f"{host} is a container without CAP_SYS_PTRACE: start it with `--cap-add SYS_PTRACE` (Kubernetes: "
-                f"securityContext.capabilities.add: [SYS_PTRACE])")
+        return (f"{host} is a container without CAP_SYS_PTRACE: start it with `--cap-add SYS_PTRACE` (the harness's "
+                f"own Kubernetes pods need none: their agent is their ranks' ptracer)")
     if scope == 3:
-        return (f"kernel.yama.ptrace_scope is 3 on {host} (no process may read another until reboot): set it to 0 "
-                f"in /etc/sysctl.d/ and reboot")
-    if scope in (1, 2) and not stacks["cap_sys_ptrace"]:
-        return (f"`sysctl kernel.yama.ptrace_scope=0` on {host} (it is {scope}: "
-                + ("a process may read only its own descendants, and py-spy is the ranks' sibling" if scope == 1
-                   else "only CAP_SYS_PTRACE may read another process") + f"), {grant}")
-    return (f"py-spy needs ptrace rights over the ranks: the same user with kernel.yama.ptrace_scope=0, root, or "
-            f"CAP_SYS_PTRACE (`--cap-add SYS_PTRACE` in a container); `{path} dump --pid PID` on {host} says more")
+        return (f"kernel.yama.ptrace_scope is 3 on {host} (no process may read another until reboot): set it to 1 "
+                f"in /etc/sysctl.d/ and reboot (at 1 each rank names the node agent its ptracer)")
+    if scope == 2 and not stacks["cap_sys_ptrace"]:
+        return (f"`sysctl kernel.yama.ptrace_scope=1` on {host} (it is 2: only CAP_SYS_PTRACE may read another "
+                f"process; at 1, Ubuntu's default, each rank names the node agent its ptracer, and py-spy reads the "
+                f"ranks and nobody else's processes); {alone}")
+    return (f"`{path} dump --pid PID` on {host} says why py-spy is refused (the same user at ptrace_scope 0 or 1 is "
+            f"all it needs: each rank names the node agent its ptracer); {alone}")
 
 
 def stacks_check(host: str, facts: Facts, *, local: bool = False) -> Check:

@@ -126,20 +126,22 @@ def test_py_spy_refused_by_ptrace_warns_with_the_rights_it_needs(tmp_path: Path,
                           f"and `harness stacks` will have no Python stacks from this host (the job itself runs)")
     # The fix follows what the probe saw of the host's ptrace rules; only that field varies here.
     plain = stacks | {"container": False, "cap_sys_ptrace": False}
-    assert stacks_check("h1", {"stacks": plain | {"ptrace_scope": 1}}).fix == (
-        f"`sysctl kernel.yama.ptrace_scope=0` on h1 (it is 1: a process may read only its own descendants, and py-spy "
-        f"is the ranks' sibling), or run the agent as root, or grant py-spy the capability "
-        f"(`setcap cap_sys_ptrace+ep {stand_in}`)")
-    assert stacks_check("h1", {"stacks": plain | {"ptrace_scope": 2}}).fix.startswith(
-        "`sysctl kernel.yama.ptrace_scope=0` on h1 (it is 2: only CAP_SYS_PTRACE may read another process)")
+    # The safe way is named first: scope 1 and the ranks naming their agent; wider rights on a host of one's own.
+    alone = (f"on a host that is yours alone, `sysctl kernel.yama.ptrace_scope=0` or the agent as root (never "
+             f"`setcap cap_sys_ptrace+ep` on a shared host: every user who runs {stand_in} could read every process)")
+    assert stacks_check("h1", {"stacks": plain | {"ptrace_scope": 2}}).fix == (
+        f"`sysctl kernel.yama.ptrace_scope=1` on h1 (it is 2: only CAP_SYS_PTRACE may read another process; at 1, "
+        f"Ubuntu's default, each rank names the node agent its ptracer, and py-spy reads the ranks and nobody else's "
+        f"processes); {alone}")
     assert stacks_check("h1", {"stacks": plain | {"ptrace_scope": 3}}).fix.startswith(
-        "kernel.yama.ptrace_scope is 3 on h1 (no process may read another until reboot)")
+        "kernel.yama.ptrace_scope is 3 on h1 (no process may read another until reboot): set it to 1")
     assert stacks_check("h1", {"stacks": plain | {"ptrace_scope": 1, "container": True}}).fix == (
-        "h1 is a container without CAP_SYS_PTRACE: start it with `--cap-add SYS_PTRACE` (Kubernetes: "
-        "securityContext.capabilities.add: [SYS_PTRACE])")
-    assert stacks_check("h1", {"stacks": plain | {"ptrace_scope": 0}}).fix == (
-        f"py-spy needs ptrace rights over the ranks: the same user with kernel.yama.ptrace_scope=0, root, or "
-        f"CAP_SYS_PTRACE (`--cap-add SYS_PTRACE` in a container); `{stand_in} dump --pid PID` on h1 says more")
+        "h1 is a container without CAP_SYS_PTRACE: start it with `--cap-add SYS_PTRACE` (the harness's own "
+        "Kubernetes pods need none: their agent is their ranks' ptracer)")
+    for scope in (0, 1):
+        assert stacks_check("h1", {"stacks": plain | {"ptrace_scope": scope}}).fix == (
+            f"`{stand_in} dump --pid PID` on h1 says why py-spy is refused (the same user at ptrace_scope 0 or 1 is "
+            f"all it needs: each rank names the node agent its ptracer); {alone}")
 
 
 def test_a_container_jobs_stack_check_runs_with_the_hosts_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

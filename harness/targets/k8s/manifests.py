@@ -40,9 +40,9 @@ from harness.targets.k8s.objects import (
     SPEC_DIR,
     WORKDIR,
     Shipped,
+    hardened,
     labels,
     pod_resources,
-    pod_security,
     short,
 )
 from harness.targets.k8s.supervised import supervised_core, supervised_jobset
@@ -157,18 +157,17 @@ def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, shipped:
         "podFailurePolicy": copy.deepcopy(POD_FAILURE_POLICY),
         "template": {
             "metadata": metadata,
-            "spec": {
+            "spec": hardened({
                 "subdomain": subdomain,
                 # Explicit: a JobSet would default it to OnFailure, restarting one node's container alone.
                 "restartPolicy": "Never",
-                "securityContext": pod_security(),
                 "containers": [_container(spec, names["job"], master, nproc, downward)],
                 "volumes": [
                     {"name": "dshm", "emptyDir": shm},
                     {"name": "spec", "configMap": {"name": names["configmap"], "items": shipped.items}},
                     {"name": "work", "persistentVolumeClaim": {"claimName": names["pvc"]}},
                 ],
-            },
+            }),
         },
     }
 

@@ -31,9 +31,9 @@ from harness.targets.k8s.objects import (
     SPEC_DIR,
     WORKDIR,
     Shipped,
+    hardened,
     labels,
     pod_resources,
-    pod_security,
     short,
 )
 
@@ -99,13 +99,12 @@ def _controller_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, code
         ]},
         "template": {
             "metadata": metadata,
-            "spec": {
+            "spec": hardened({
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": stop_s + GRACE_MARGIN,
-                "securityContext": pod_security(),
                 "containers": [container],
                 "volumes": _volumes(names, shipped, shm=False),
-            },
+            }),
         },
     }
 
@@ -147,13 +146,12 @@ def _worker_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, controll
         "podFailurePolicy": {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
         "template": {
             "metadata": metadata,
-            "spec": {
+            "spec": hardened({
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": int(spec.timeouts.stop_grace) + GRACE_MARGIN,
-                "securityContext": pod_security(),
                 "containers": [container],
                 "volumes": volumes,
-            },
+            }),
         },
     }
 
