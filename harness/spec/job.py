@@ -494,13 +494,16 @@ class Kubernetes(StrictModel):
     torchrun, for clusters that cannot run the project's image); controller_image: that pod's image, the
     project's (docker/; default: the job's `image`); spares: worker pods beyond nnodes, waiting to take a lost
     one's place; rejoin: seconds a restart waits for pods Kubernetes recreates before it goes on without them;
-    port: where the controller listens for its pods."""
+    port: where the controller listens for its pods; metrics_from: the labels of the pods in the job's namespace
+    that may scrape the controller's metrics (health.metrics_port), which the NetworkPolicy opens to them alone
+    (unset: to nobody)."""
 
     supervised: bool = True
     controller_image: str | None = None
     spares: Annotated[int, Field(ge=0, le=1024)] = 0
     rejoin: Annotated[float, Field(ge=0, le=3600)] = 120
     port: Annotated[int, Field(ge=1, le=65535)] = 29400
+    metrics_from: dict[str, str] | None = None
 
     @field_validator("controller_image")
     @classmethod

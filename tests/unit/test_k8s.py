@@ -379,12 +379,12 @@ def test_cli_renders_the_jobset_flavor(write_yaml, tmp_path):
     text = (tmp_path / "small.yaml").read_text()
     assert text.startswith(f"# Rendered by `harness render {path} --target k8s --flavor jobset`")
     assert [o["kind"] for o in yaml.safe_load_all(text)] == ["ConfigMap", "PersistentVolumeClaim", "JobSet",
-                                                             "NetworkPolicy"]
+                                                             "NetworkPolicy", "NetworkPolicy"]
     default = render_in(tmp_path, str(path), "--target", "k8s")
     assert default.returncode == 0 and default.stdout == render_in(tmp_path, str(path), "--target", "k8s",
                                                                    "--flavor", "core").stdout
     assert [o["kind"] for o in yaml.safe_load_all(default.stdout)] == ["ConfigMap", "PersistentVolumeClaim", "Service",
-                                                                       "Job", "Job", "NetworkPolicy"]
+                                                                       "Job", "Job", "NetworkPolicy", "NetworkPolicy"]
     bare = render_in(tmp_path, str(path), "--target", "k8s", "--flavor", "jobset", "--unsupervised")
     assert bare.stdout.startswith(f"# Rendered by `harness render {path} --target k8s --flavor jobset --unsupervised`")
     assert [o["kind"] for o in yaml.safe_load_all(bare.stdout)] == ["ConfigMap", "PersistentVolumeClaim", "JobSet"]
@@ -479,6 +479,16 @@ def test_cli_refuses_missing_or_oversized_code_and_writes_nothing(write_yaml, tm
     assert not (tmp_path / "k8s").exists()
 
 
+def test_the_metrics_port_is_opened_to_the_pods_k8s_metrics_from_names_and_else_to_nobody(write_yaml):
+    text = (REPO / "jobs/cifar.yaml").read_text() + "health: {metrics_port: 9400}\n"
+    for extra, expected in (("", []), ("k8s: {metrics_from: {app.kubernetes.io/name: prometheus}}\n",
+                                       [({"app.kubernetes.io/name": "prometheus"}, 9400)])):
+        spec = load_job(write_yaml(text + extra))
+        policy = next(o for o in render_manifests(spec, text + extra, code={}) if o["kind"] == "NetworkPolicy")
+        assert [(rule["from"][0]["podSelector"]["matchLabels"], rule["ports"][0]["port"])
+                for rule in policy["spec"]["ingress"][1:]] == expected
+
+
 @pytest.mark.parametrize("flavor", ["core", "jobset"])
 def test_supervised_objects_pass_the_api_schemas_and_agree_with_each_other(flavor, write_yaml):
     """The controller's Job (the run: named after the job; its exit codes the failure policy's), the workers'
@@ -487,7 +497,7 @@ def test_supervised_objects_pass_the_api_schemas_and_agree_with_each_other(flavo
     spec_text = (REPO / "jobs/cifar.yaml").read_text() + "k8s: {spares: 1, port: 29444}\n"
     spec = load_job(write_yaml(spec_text))
     objects = render_manifests(spec, spec_text, flavor, code={})
-    kinds = {"core": ["Service", "Job", "Job", "NetworkPolicy"], "jobset": ["JobSet", "NetworkPolicy"]}[flavor]
+    kinds = {"core": ["Service", "Job", "Job"], "jobset": ["JobSet"]}[flavor] + ["NetworkPolicy"] * 2
     assert [o["kind"] for o in objects] == ["ConfigMap", "PersistentVolumeClaim", *kinds]
     jobs = jobs_by_name(objects)
     controller, workers = (jobs["cifar"], jobs["cifar-node"]) if flavor == "core" else \
@@ -532,8 +542,18 @@ def test_supervised_objects_pass_the_api_schemas_and_agree_with_each_other(flavo
     else:
         jobset = by_kind(objects)["JobSet"]
         assert dialed == f"cifar-{CONTROLLER}-0-0.{jobset['spec']['network']['subdomain']}"
-    policy = by_kind(objects)["NetworkPolicy"]["spec"]
-    assert policy["podSelector"]["matchLabels"].items() <= controller_labels.items()
-    allowed = policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
-    assert allowed.items() <= workers["template"]["metadata"]["labels"].items()
-    assert policy["ingress"][0]["ports"] == [{"port": port, "protocol": "TCP"}]
+    # Ingress to the controller from the job's workers alone, to its port alone; to the workers from the job's own
+    # pods alone (a pod is chosen by labels: who matches which, not which strings).
+    worker_labels = workers["template"]["metadata"]["labels"]
+
+    def chosen(selector: dict) -> list[str]:
+        return [name for name, pod in (("controller", controller_labels), ("workers", worker_labels))
+                if selector["podSelector"]["matchLabels"].items() <= pod.items()]
+
+    policies = [o["spec"] for o in objects if o["kind"] == "NetworkPolicy"]
+    assert [chosen(policy) for policy in policies] == [["controller"], ["workers"]]
+    to_controller, to_workers = policies
+    assert [(chosen(rule["from"][0]), rule["ports"]) for rule in to_controller["ingress"]] == \
+        [(["workers"], [{"port": port, "protocol": "TCP"}])]
+    assert [[chosen(peer) for peer in rule["from"]] for rule in to_workers["ingress"]] == [[["controller"], ["workers"]]]
+    assert all("ports" not in rule for rule in to_workers["ingress"]), "the workers' collectives use any port"

@@ -10,8 +10,8 @@ this shape).
 - the workers: an Indexed Job of nnodes + k8s.spares pods in the job's image, each running node/pod.py from
   the ConfigMap (standard library only), which dials the controller and runs the node agents it is sent; a
   pod deleted, evicted or lost is recreated (up to restarts.max times per index) and dials in again;
-- a Service for the controller (the pods dial its DNS name), and a NetworkPolicy that lets only the job's
-  own pods reach the controller's port.
+- a Service for the controller (the pods dial its DNS name), and NetworkPolicies that let only the job's
+  worker pods reach the controller's port, and only the job's own pods reach the workers.
 
 core renders those as plain objects; jobset as one JobSet whose replicatedJobs are the controller and the
 workers, which succeeds when the controller's Job does and never recreates the group itself.
@@ -156,19 +156,26 @@ def _worker_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, controll
     }
 
 
-def _network_policy(spec: JobSpec, names: dict[str, str]) -> dict[str, Any]:
-    """Only the job's own pods reach the controller's port (a pod there runs whatever the controller sends);
-    its metrics port, where set, stays open to any scraper."""
-    ingress: list[dict[str, Any]] = [{
-        "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": names["job"]}}}],
-        "ports": [{"port": spec.k8s.port, "protocol": "TCP"}],
-    }]
-    if spec.health.metrics_port is not None:
-        ingress.append({"ports": [{"port": spec.health.metrics_port, "protocol": "TCP"}]})
+def _network_policies(spec: JobSpec, names: dict[str, str]) -> list[dict[str, Any]]:
+    """Where the cluster's network plugin enforces NetworkPolicy: the controller's port reached by the job's worker
+    pods alone (its metrics port by the pods k8s.metrics_from names, else by nobody), the workers by the job's own
+    pods alone (their rendezvous and collectives). Pods are told apart by their labels, which a pod of the same
+    namespace can copy: the policies narrow who can reach the pods, they prove no one (docs/kubernetes.md)."""
+    workers = {"podSelector": {"matchLabels": _selector(names, WORKER)}}
+    ingress: list[dict[str, Any]] = [{"from": [workers], "ports": [{"port": spec.k8s.port, "protocol": "TCP"}]}]
+    if spec.health.metrics_port is not None and spec.k8s.metrics_from:
+        ingress.append({"from": [{"podSelector": {"matchLabels": spec.k8s.metrics_from}}],
+                        "ports": [{"port": spec.health.metrics_port, "protocol": "TCP"}]})
+    own = [{"podSelector": {"matchLabels": _selector(names, component)}} for component in (CONTROLLER, WORKER)]
+    return [_policy(names, CONTROLLER, ingress), _policy(names, WORKER, [{"from": own}])]
+
+
+def _policy(names: dict[str, str], component: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ingress to the job's pods of component: only what ingress allows."""
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"name": f"{names['job']}-{CONTROLLER}", "labels": labels(names, CONTROLLER)},
-        "spec": {"podSelector": {"matchLabels": _selector(names, CONTROLLER)}, "policyTypes": ["Ingress"],
+        "metadata": {"name": f"{names['job']}-{component}", "labels": labels(names, component)},
+        "spec": {"podSelector": {"matchLabels": _selector(names, component)}, "policyTypes": ["Ingress"],
                  "ingress": ingress},
     }
 
@@ -201,7 +208,7 @@ def supervised_core(spec: JobSpec, names: dict[str, str], shipped: Shipped,
         "metadata": {"name": worker_names(spec, names["job"]), "labels": labels(names, WORKER)},
         "spec": _worker_job(spec, names, shipped, names["service"], code_dir),
     }
-    return [service, controller, workers, _network_policy(spec, names)]
+    return [service, controller, workers, *_network_policies(spec, names)]
 
 
 def supervised_jobset(spec: JobSpec, names: dict[str, str], shipped: Shipped,
@@ -227,4 +234,4 @@ def supervised_jobset(spec: JobSpec, names: dict[str, str], shipped: Shipped,
             ],
         },
     }
-    return [jobset, _network_policy(spec, names)]
+    return [jobset, *_network_policies(spec, names)]
