@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import secrets
 import shlex
 import sys
 from dataclasses import dataclass
@@ -295,7 +296,8 @@ def k8s_controller(args: argparse.Namespace) -> int:
     run = run_dir(root, new_run_id(spec.name))
     if tools := os.environ.get("HARNESS_K8S_TOOLS"):
         share_tools(Path(tools))
-    backend = PodsBackend(PodLink(spec.k8s.port), os.environ.get("HARNESS_K8S_CODE") or None, spec.k8s.rejoin,
+    backend = PodsBackend(PodLink(spec.k8s.port, _new_link_key(Path(os.environ["HARNESS_K8S_LINK_KEY"]))),
+                          os.environ.get("HARNESS_K8S_CODE") or None, spec.k8s.rejoin,
                           stopped=run.stop_marker.exists)  # the pod's preStop hook: `harness stop`
     try:
         with serving_metrics(run, spec.health.metrics_port, spec.health.metrics_address or EVERY_INTERFACE):
@@ -305,6 +307,16 @@ def k8s_controller(args: argparse.Namespace) -> int:
     summary = run.read_summary()
     failed_by = summary.attempts[-1].kind if summary is not None and summary.attempts else None
     return INFRA_EXIT if code == 1 and failed_by in (FailureKind.INFRA, FailureKind.HANG) else code
+
+
+def _new_link_key(path: Path) -> bytes:
+    """A key of this run's own for the pod link, written where the worker pods read it: the job's volume, which only
+    the job's pods mount and which already holds what they run (docs/architecture.md says why there), readable by
+    the pods' user alone."""
+    key = secrets.token_hex(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, key, 0o600)
+    return key.encode()
 
 
 def stop(args: argparse.Namespace) -> int:

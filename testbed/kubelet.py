@@ -219,11 +219,16 @@ class SupervisedPods:
         container = self.controller_job["template"]["spec"]["containers"][0]
         return self._start("controller", container, {}, self.paths["controller"])
 
-    def worker(self, index: int) -> str:
-        """A worker pod with completion index `index`, named as the Job controller names it; its name."""
+    def worker(self, index: int, dials: tuple[str, int] | None = None) -> str:
+        """A worker pod with completion index `index`, named as the Job controller names it; its name. dials: where
+        the controller's Service name leads it instead (an address and port another process answers at)."""
         self._made += 1
         name = f"{self.worker_prefix}-{index}-p{self._made:04d}"
         container = self.worker_job["template"]["spec"]["containers"][0]
+        if dials is not None:
+            args = list(container["args"])
+            args[1:3] = [dials[0], str(dials[1])]
+            container = container | {"args": args}
         self._start(name, container, {"metadata.name": name, COMPLETION_INDEX: str(index),
                                       "spec.nodeName": f"kube-node-{index}"}, self.paths["worker"], index)
         return name

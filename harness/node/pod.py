@@ -8,7 +8,12 @@ wait: pods start in any order and pod 0's DNS record appears only once it is sch
 would retry silently until its own timeout. This says what it waits for and fails clearly.
 
 serve: the pod dials the run's controller (its Service) and says who it is (HELLO: the pod, its completion
-index, its Kubernetes node, its Python and directory). Each connection is one session: the controller sends
+index, its Kubernetes node, its Python and directory, a fresh nonce). Then each end proves it holds the run's
+key (--key, a file on the job's volume that the controller writes at its start) before the other acts on
+anything it says: the controller answers with its nonce and an HMAC of both nonces (CONTROLLER_PROOF), which the
+pod checks before it runs any order; the pod answers with its own HMAC (POD_PROOF), which the controller checks
+before it sends any. A connection that fails a proof is closed and said; a pod says the controllers it refused
+in its next hello, for the run's record. Each connection is one session: the controller sends
 one line, a node agent's command and environment to run (then the connection is that agent's stdin and
 stdout, as an SSH channel is: targets/k8s/pods.py), or the exit code to end the pod with when the run is over.
 The pod always keeps one connection waiting, so the next attempt's agent (or a standby, beside a running
@@ -21,8 +26,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -32,6 +40,9 @@ import time
 from typing import Any
 
 HELLO = "HARNESS-POD "  # the first line a pod sends, then its facts as JSON
+CONTROLLER_PROOF = "HARNESS-CONTROLLER "  # the controller's answer: {"nonce", "proof"}
+POD_PROOF = "HARNESS-POD-PROOF "  # the pod's: {"proof"}
+PROOF_SECONDS = 10.0  # how long either end waits for the other's proof
 CONTROLLER_LOST = 75  # EX_TEMPFAIL: the controller (or, unsupervised, the master) never answered
 READ_BYTES = 1 << 16
 
@@ -64,6 +75,35 @@ def wait(host: str, port: int, timeout: float) -> int:
     return 0
 
 
+def proof(key: bytes, role: str, asked: str, answered: str, pod: str) -> str:
+    """An HMAC of one side's role, the nonce it was asked with, its own and the pod's name: only the key's holders
+    can make it, and it is worth nothing on another connection or in the other direction."""
+    return hmac.new(key, f"{role}\n{asked}\n{answered}\n{pod}".encode(), hashlib.sha256).hexdigest()
+
+
+def proven(key: bytes, claimed: object, role: str, asked: str, answered: str, pod: str) -> bool:
+    return isinstance(claimed, str) and hmac.compare_digest(claimed, proof(key, role, asked, answered, pod))
+
+
+def read_line(link: socket.socket, timeout: float) -> tuple[str, bytes]:
+    """One line the other end sent (without its newline) and the bytes after it; ConnectionError where the link
+    closed first, TimeoutError where nothing whole came in time, ValueError for a line too long to be one."""
+    link.settimeout(timeout)
+    data = b""
+    try:
+        while b"\n" not in data:
+            if len(data) > READ_BYTES:
+                raise ValueError("a line longer than any of the protocol's")
+            chunk = link.recv(READ_BYTES)
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+    finally:
+        link.settimeout(None)
+    line, _, rest = data.partition(b"\n")
+    return line.decode(errors="replace"), rest
+
+
 def hello() -> dict[str, Any]:
     """Who this pod is, from the downward API's variables (the manifests set them) and the process itself."""
     env = os.environ
@@ -74,8 +114,9 @@ def hello() -> dict[str, Any]:
 class Pod:
     """The pod's sessions: one connection waiting for the controller's word, any number running agents."""
 
-    def __init__(self, host: str, port: int, timeout: float) -> None:
-        self.host, self.port, self.timeout = host, port, timeout
+    def __init__(self, host: str, port: int, timeout: float, key_path: str) -> None:
+        self.host, self.port, self.timeout, self.key_path = host, port, timeout, key_path
+        self.refused: list[str] = []  # the controllers this pod refused, said in its next hello
         self.agents: set[subprocess.Popen[bytes]] = set()
         self.sessions: set[socket.socket] = set()  # the running agents' connections
         self.lock = threading.Lock()
@@ -83,24 +124,54 @@ class Pod:
         self.waiting: socket.socket | None = None  # the connection waiting for the controller's word
 
     def connect(self) -> socket.socket | None:
-        """A connection to the controller that has said HELLO; None when none came for the timeout."""
+        """A connection to the controller that proved it holds the run's key, and to which this pod proved it
+        too; None when none came for the timeout."""
         started, said = time.monotonic(), False
         while not self.stopping.is_set():
             try:
+                with open(self.key_path, "rb") as handle:
+                    key = handle.read()
                 link = socket.create_connection((self.host, self.port), timeout=10)
-                link.settimeout(None)
-                link.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                link.sendall((HELLO + json.dumps(hello()) + "\n").encode())
-                return link
             except OSError as exc:
                 if not said:
-                    print(f"harness pod: waiting for the controller at {self.host}:{self.port} ({exc.strerror or exc})",
-                          flush=True)
+                    waiting = f"the run's key at {self.key_path}" if exc.filename == self.key_path else \
+                        f"the controller at {self.host}:{self.port}"
+                    print(f"harness pod: waiting for {waiting} ({exc.strerror or exc})", flush=True)
                     said = True
+            else:
+                if (proved := self.prove(link, key)) is not None:
+                    return proved
             if time.monotonic() - started > self.timeout:
                 return None
             self.stopping.wait(1.0)
         return None
+
+    def prove(self, link: socket.socket, key: bytes) -> socket.socket | None:
+        """The link once the controller proved it holds the key and this pod did too; None (the link closed, the
+        refusal said and kept for the next hello) where it did not."""
+        link.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        facts, asked = hello(), secrets.token_hex(16)
+        peer = f"{self.host}:{self.port}"
+        try:
+            link.sendall((HELLO + json.dumps(facts | {"nonce": asked, "refused": self.refused}) + "\n").encode())
+            line, _ = read_line(link, PROOF_SECONDS)
+            answer = json.loads(line.removeprefix(CONTROLLER_PROOF)) if line.startswith(CONTROLLER_PROOF) else {}
+            theirs = str(answer.get("nonce", ""))
+            if not proven(key, answer.get("proof"), "controller", asked, theirs, facts["pod"]):
+                self.refused.append(f"{link.getpeername()[0]} answering at {peer}: its proof of the run's key did "
+                                    f"not match")
+                print(f"harness pod: refused the controller at {peer} ({link.getpeername()[0]}): its proof of the "
+                      f"run's key did not match; nothing it sends is run", flush=True)
+                link.close()
+                return None
+            link.sendall((POD_PROOF + json.dumps({"proof": proof(key, "pod", theirs, asked, facts["pod"])}) +
+                          "\n").encode())
+        except (OSError, ValueError, AttributeError) as exc:
+            print(f"harness pod: the controller at {peer} broke off its proof ({exc})", flush=True)
+            link.close()
+            return None
+        self.refused = []
+        return link
 
     def serve(self) -> int:
         while True:
@@ -218,13 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--code", help="serve: the job's shipped code, first on every node's PYTHONPATH")
     parser.add_argument("--tools", help="serve: the controller's tools for the node agents (py-spy), first on PATH")
+    parser.add_argument("--key", help="serve: the run's key, which the controller writes at its start")
     args = parser.parse_args(argv)
     if args.what == "wait":
         return wait(args.host, args.port, args.timeout)
     for variable, first in (("PYTHONPATH", args.code), ("PATH", args.tools)):
         if first:
             os.environ[variable] = first + (f":{os.environ[variable]}" if os.environ.get(variable) else "")
-    pod = Pod(args.host, args.port, args.timeout)
+    if args.key is None:
+        parser.error("serve needs --key: the controller proves it holds the run's key before the pod runs anything")
+    pod = Pod(args.host, args.port, args.timeout, args.key)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=pod.stop, daemon=True).start())
     code = pod.serve()
     pod.end_agents()

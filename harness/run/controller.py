@@ -55,7 +55,7 @@ from harness.run.summary_text import report
 from harness.run.supervisor import Supervisor
 from harness.run.terminal import COLLAPSE_ABOVE, Terminal
 from harness.spec.job import JobSpec
-from harness.targets.base import Backend, CheckFailed, Scheduler
+from harness.targets.base import Announcing, Backend, CheckFailed, Scheduler
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 HOSTS_NAMED = 16  # hosts a run's first line names; beyond, the first few and the last (status lists them all)
@@ -77,6 +77,8 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
         began = time.time()
         target_run.prepare(source, runs_root, run_id)
         run = _new_record(runs_root, run_id, terminal, target_run.record_file, spec, spec_text, target.name)
+        if isinstance(target, Announcing):
+            target.announce_to(terminal.say)
         target_run.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
                                 started_at=began, nnodes=target_run.nnodes, world_size=target_run.world_size,
                                 controller=_this_controller(), hosts=target_run.hosts)

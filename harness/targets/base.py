@@ -90,6 +90,14 @@ class CheckFailed(HarnessError):
         self.unfit = unfit or {}  # host -> why the machine itself is unfit (unreachable, a GPU): kept out after
 
 
+@runtime_checkable
+class Announcing(Protocol):
+    """A target with words of its own while the run runs (the pod link's refusals), which the controller hands the
+    run's stream once it exists: said as the harness's, and kept in the record."""
+
+    def announce_to(self, say: Callable[[str], None]) -> None: ...
+
+
 class Backend(Protocol):
     """A controller-supervised backend. The run controller calls, in order:
     plan -> check -> start -> (supervision, stand_by) -> close, and close also after a failure; stand_down at

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -106,18 +107,66 @@ def supervised_job(root: Path, flavor: str, **k8s: object) -> tuple[list[dict], 
     return docs(path, flavor, supervised=True), workspace
 
 
+ROGUE_WORKER = """
+import json, socket, sys
+link = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+link.sendall(b'HARNESS-POD ' + json.dumps({"pod": sys.argv[3], "index": 0, "machine": "kube-node-0",
+                                           "python": "python", "workdir": "/workspace", "nonce": "n"}).encode() + b"\\n")
+first = link.recv(65536)
+link.sendall(b'HARNESS-POD-PROOF {"proof": "' + b"0" * 64 + b'"}\\n')
+link.settimeout(30)
+rest = b"".join(iter(lambda: link.recv(65536), b""))
+print(json.dumps({"first": first.decode(), "rest": rest.decode()}))
+"""
+
+
+def impostor_controller(planted: Path) -> tuple[socket.socket, threading.Thread]:
+    """A controller without the run's key, where a pod dials: it answers with a false proof, then an order."""
+    server = socket.create_server(("0.0.0.0", 0))
+
+    def answer() -> None:
+        peer, _ = server.accept()
+        peer.recv(65536)
+        peer.sendall(b'HARNESS-CONTROLLER {"nonce": "m", "proof": "' + b"1" * 64 + b'"}\n' +
+                     json.dumps({"run": ["touch", str(planted)], "env": {}}).encode() + b"\n")
+        peer.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return server, thread
+
+
 def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place(uninterrupted, cluster3,
                                                                                    tmp_path):
     """Rank 1's process killed: the ranks restart in the same pods (none replaced); then pod 1 deleted: the
     Job recreates it under a new name (a spare then), and the spare pod (index 2) takes its place at once. The
-    run ends bitwise equal to the unbroken one; `kubectl exec` into the controller answers status and logs."""
+    run ends bitwise equal to the unbroken one; `kubectl exec` into the controller answers status and logs.
+    Beside them, rogues on the pods' network: a process on h3 dialing the controller as pod 0 is refused and
+    sent nothing; a pod whose Service name leads to a controller without the run's key runs nothing it sends."""
     objects, workspace = supervised_job(tmp_path, "core", spares=1)
+    planted = tmp_path / "planted"
     with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster3) as pods:
         controller = pods.controller()
         workers = [pods.worker(index) for index in range(3)]
         started = wait_for_line(pods, "controller", r"^harness: run (\S+): 2 node\(s\) .* master (\S+):", 240)
         run_id = started.group(1)
         assert started.group(2) == cluster3.hosts[0].address  # pod 0's own address: each pod is a host of its own
+        port = str(next(o for o in objects if o["kind"] == "Service")["spec"]["ports"][0]["port"])  # the link's
+        rogue = subprocess.run(cluster3.login(cluster3.hosts[2], [sys.executable, "-c", ROGUE_WORKER,
+                                                                  cluster3.gateway, port, workers[0]]),
+                               capture_output=True, text=True, timeout=60)
+        heard = json.loads(rogue.stdout)
+        assert heard["first"].startswith("HARNESS-CONTROLLER ") and heard["first"].count("\n") == 1 and \
+            heard["rest"] == "", heard  # the controller's proof, then nothing: no command, no env
+        wait_for_line(pods, "controller", rf"^harness: refused a worker pod's connection from "
+                                          rf"{cluster3.hosts[2].address} \(it says it is pod {workers[0]}, index 0\)", 60)
+        impostor, answered = impostor_controller(planted)
+        fooled = pods.worker(1, dials=(cluster3.gateway, impostor.getsockname()[1]))
+        wait_for_line(pods, fooled, r"^harness pod: refused the controller at \S+ \(\S+\): its proof of the run's "
+                                    r"key did not match; nothing it sends is run$", 60)
+        answered.join(timeout=30)
+        impostor.close()
+        assert pods.delete(fooled) == 143 and not planted.exists()
         wait_for_line(pods, "controller", KILL_AT, 240)
         os.kill(worker_pid(run_id, 1), signal.SIGKILL)
         wait_for_line(pods, "controller", rf"^harness: run {run_id} attempt 1, 2 node\(s\) x 1 process\(es\) on "
@@ -131,6 +180,8 @@ def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place
         assert [pods.processes[name].wait(timeout=60) for name in (workers[0], workers[2], replaced)] == [0, 0, 0]
     assert_same_weights(uninterrupted, final_weights(tmp_path))
     runs = workspace / ".harness/runs"
+    assert "harness: refused a worker pod's connection from" in (runs / run_id / "logs" / "harness.log").read_text()
+    assert oct((workspace / ".harness/link-key").stat().st_mode & 0o777) == "0o600", "the run's key is the pods' user's"
     summary = json.loads((runs / run_id / "summary.json").read_text())
     assert [a["hosts"] for a in summary["attempts"]] == [workers[:2], workers[:2], [workers[0], workers[2]]]
     assert [a["kind"] for a in summary["attempts"]] == ["infra", "infra", None], summary["attempts"]

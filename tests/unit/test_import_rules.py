@@ -252,8 +252,12 @@ def test_the_pods_program_runs_sealed(tmp_path: Path) -> None:
     down = sealed([str(pod.__file__), "wait", "127.0.0.1", port, "--timeout", "1"], tmp_path)
     assert down.returncode == pod.CONTROLLER_LOST and f"127.0.0.1:{port} not reachable after 1 s" in down.stderr, \
         down.stderr
-    alone = sealed([str(pod.__file__), "serve", "127.0.0.1", port, "--timeout", "1"], tmp_path)
+    (tmp_path / "key").write_text("k")
+    alone = sealed([str(pod.__file__), "serve", "127.0.0.1", port, "--timeout", "1", "--key", str(tmp_path / "key")],
+                   tmp_path)
     assert alone.returncode == pod.CONTROLLER_LOST and f"no controller at 127.0.0.1:{port} for 1 s" in alone.stdout
+    keyless = sealed([str(pod.__file__), "serve", "127.0.0.1", port], tmp_path)
+    assert keyless.returncode == 2 and "serve needs --key" in keyless.stderr, keyless.stderr
 
 
 def test_allreduce_is_a_torchrun_module_of_the_harness() -> None:

@@ -1,7 +1,9 @@
 """Inside a Kubernetes cluster: the run's controller in a pod of its own, the job's worker pods its nodes.
 
 The worker pods dial the controller (node/pod.py `serve`, from the job's ConfigMap: the pods' image needs no
-harness) and each keeps one connection waiting; a node of an attempt is a node agent the controller starts
+harness) and each keeps one connection waiting, once each end has proved it holds the run's key (node/pod.py
+says how; a connection that fails is refused and said, and is sent nothing); a node of an attempt is a node
+agent the controller starts
 on such a connection, which then carries the agent's stdin and stdout as an SSH channel does. The pods are
 the inventory: those connected, in completion-index order, the first nnodes the job's and the rest spares; a
 pod Kubernetes recreated (deleted, evicted, its node lost) dials in under its new name and is a new host. The
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -22,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.node.pod import HELLO
+from harness.node.pod import CONTROLLER_PROOF, HELLO, POD_PROOF, PROOF_SECONDS, proof, proven, read_line
 from harness.node.ranks import py_spy_path
 from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
 from harness.spec.inventory import Host
@@ -48,10 +51,15 @@ class PodHello:
 
 
 class PodLink:
-    """The controller's end of the pods' connections: a listening socket, and each pod's waiting one."""
+    """The controller's end of the pods' connections: a listening socket, and each pod's waiting one. key: the
+    run's, which every pod proves it holds (and the controller too, to it). say: where the link's own words go
+    (a connection refused), until announce_to gives it the run's stream."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, key: bytes, host: str = "0.0.0.0") -> None:
         self._server = socket.create_server((host, port), backlog=1024, reuse_port=False)
+        self._key = key
+        self._said: list[str] = []  # what was said before the run's stream existed, said again into it
+        self.say: Callable[[str], None] = self._said.append
         self._waiting: dict[str, tuple[PodHello, socket.socket]] = {}
         self._changed = threading.Condition()
         self._closed = False
@@ -65,25 +73,38 @@ class PodLink:
                 return
             threading.Thread(target=self._greet, args=(link, address), daemon=True).start()
 
+    def announce_to(self, say: Callable[[str], None]) -> None:
+        """The run's stream (and record) exists: the link's words go there from now on, what came before first."""
+        self.say = say
+        for line in self._said:
+            say(line)
+
     def _greet(self, link: socket.socket, address: str) -> None:
-        link.settimeout(HELLO_SECONDS)
-        data = b""
+        """A pod's hello, then the proofs both ways (node/pod.py); only a pod that proved it holds the run's key is
+        offered, and nothing but the controller's own proof is ever sent to one that did not."""
         try:
-            while b"\n" not in data and len(data) < READ_BYTES:
-                chunk = link.recv(READ_BYTES)
-                if not chunk:
-                    raise ConnectionError("closed before its hello")
-                data += chunk
-            line = data.partition(b"\n")[0].decode()
+            line, _ = read_line(link, HELLO_SECONDS)
             if not line.startswith(HELLO):
                 raise ValueError("not a pod's hello")
             facts = json.loads(line[len(HELLO):])
             pod = PodHello(str(facts["pod"]), int(facts["index"]), str(facts["machine"]), str(facts["python"]),
                            str(facts["workdir"]), address)
-        except (OSError, ValueError, KeyError, TypeError):
+            asked, mine = str(facts["nonce"]), secrets.token_hex(16)
+            link.sendall((CONTROLLER_PROOF + json.dumps({"nonce": mine, "proof": proof(
+                self._key, "controller", asked, mine, pod.pod)}) + "\n").encode())
+            line, _ = read_line(link, PROOF_SECONDS)
+            answer = json.loads(line.removeprefix(POD_PROOF)) if line.startswith(POD_PROOF) else {}
+            proved = proven(self._key, answer.get("proof"), "pod", mine, asked, pod.pod)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             link.close()
             return
-        link.settimeout(None)
+        if not proved:
+            link.close()
+            self.say(f"refused a worker pod's connection from {address} (it says it is pod {pod.pod}, index "
+                     f"{pod.index}): its proof of the run's key did not match; it was sent nothing")
+            return
+        for refusal in facts.get("refused") or []:
+            self.say(f"pod {pod.pod} refused a controller that answered it: {str(refusal)[:300]}")
         link.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         with self._changed:
             if self._closed:
@@ -219,6 +240,10 @@ class PodsBackend:
 
     def machines(self) -> dict[str, str]:
         return {}  # a recreated pod is a new host; Kubernetes, not the run, chooses its machine
+
+    def announce_to(self, say: Callable[[str], None]) -> None:
+        """The link's refusals, in the run's stream and record (base.Announcing)."""
+        self.link.announce_to(say)
 
     def in_pods(self, spec: JobSpec) -> JobSpec:
         """The spec as the pods run it: a shipped script from the code directory, which also comes first on

@@ -41,6 +41,7 @@ CONTROLLER = "controller"  # the controller's container and replicatedJob
 WORKER = "node"  # the workers' container, Job suffix and replicatedJob (as the unsupervised JobSet's)
 RUNS_DIR = f"{WORKDIR}/.harness/runs"  # the run record, on the job's volume: every verb reads it there
 TOOLS_DIR = f"{WORKDIR}/.harness/bin"  # py-spy, put there by the controller for the worker pods' agents
+LINK_KEY = f"{WORKDIR}/.harness/link-key"  # the run's key for the pod link, written by the controller at its start
 PROGRAM_EXIT = 1  # harness k8s-controller: the program failed (restarts.on did not cover it, or none left)
 INFRA_EXIT = 3  # ... the machines failed it (or it hung) and the harness's restarts could not carry it on
 GRACE_MARGIN = 20  # seconds beyond the harness's own stop: the controller's stop reaches every node first
@@ -67,7 +68,8 @@ def _mounts(shm: bool) -> list[dict[str, Any]]:
 
 def _controller_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, code_dir: str | None) -> dict[str, Any]:
     stop_s = int(spec.timeouts.stop_grace) * 2 + GRACE_MARGIN  # the harness's stop, within the pod's grace period
-    env = [{"name": "HARNESS_RUNS_DIR", "value": RUNS_DIR}, {"name": "HARNESS_K8S_TOOLS", "value": TOOLS_DIR}]
+    env = [{"name": "HARNESS_RUNS_DIR", "value": RUNS_DIR}, {"name": "HARNESS_K8S_TOOLS", "value": TOOLS_DIR},
+           {"name": "HARNESS_K8S_LINK_KEY", "value": LINK_KEY}]
     if code_dir is not None:
         env.append({"name": "HARNESS_K8S_CODE", "value": code_dir})
     ports = [{"name": "link", "containerPort": spec.k8s.port, "protocol": "TCP"}]
@@ -113,7 +115,7 @@ def _worker_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, controll
                 code_dir: str | None) -> dict[str, Any]:
     pods = spec.nnodes + spec.k8s.spares
     args = ["serve", controller, str(spec.k8s.port), "--timeout", str(int(spec.timeouts.rendezvous)),
-            "--tools", TOOLS_DIR]
+            "--tools", TOOLS_DIR, "--key", LINK_KEY]
     if code_dir is not None:
         args += ["--code", code_dir]
     field = {"POD_NAME": "metadata.name", "POD_INDEX": COMPLETION_INDEX, "NODE_NAME": "spec.nodeName"}
@@ -160,7 +162,8 @@ def _network_policies(spec: JobSpec, names: dict[str, str]) -> list[dict[str, An
     """Where the cluster's network plugin enforces NetworkPolicy: the controller's port reached by the job's worker
     pods alone (its metrics port by the pods k8s.metrics_from names, else by nobody), the workers by the job's own
     pods alone (their rendezvous and collectives). Pods are told apart by their labels, which a pod of the same
-    namespace can copy: the policies narrow who can reach the pods, they prove no one (docs/kubernetes.md)."""
+    namespace can copy: the policies narrow who can reach the pods; the pod link's proofs hold without them
+    (node/pod.py)."""
     workers = {"podSelector": {"matchLabels": _selector(names, WORKER)}}
     ingress: list[dict[str, Any]] = [{"from": [workers], "ports": [{"port": spec.k8s.port, "protocol": "TCP"}]}]
     if spec.health.metrics_port is not None and spec.k8s.metrics_from:
