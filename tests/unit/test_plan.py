@@ -248,7 +248,8 @@ def test_container_jobs_run_torchrun_in_the_image(write_yaml):
     assert node.argv[:3] == ("docker", "run", "--rm") and "--network=host" in node.argv
     assert "--name=harness-golden-run-node1" in node.argv and "--gpus=all" in node.argv
     assert "--entrypoint=python" in node.argv and node.argv[image_at + 1:image_at + 3] == ("-m", "torch.distributed.run")
-    assert "--env=NODE_RANK=1" in node.argv and "--env=MASTER_ADDR=10.9.0.1" in node.argv
+    assert "--env=NODE_RANK" in node.argv and "--env=MASTER_ADDR" in node.argv  # their values: the line's env
+    assert " NODE_RANK=1 " in shell_command(node) and " MASTER_ADDR=10.9.0.1 " in shell_command(node)
     assert node.cleanup == ("docker", "rm", "--force", "harness-golden-run-node1")
     assert "# after a forced stop: docker rm --force harness-golden-run-node1" in render_text(plan)
 

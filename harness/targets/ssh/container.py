@@ -106,7 +106,9 @@ def container_argv(
     - workdir (absolute) is mounted at the same path and is the working directory, so relative
       paths in the job (data/, checkpoints/) land on the host; None keeps the image's /workspace,
       whose files go with the container;
-    - every env entry is passed with --env, values verbatim (no shell is involved);
+    - every env entry is passed by name (--env KEY), its value taken from the engine's own environment, which
+      the node's line sets: the engine's command line, which `ps` shows every user for the whole run, holds
+      no value;
     - user (e.g. "1001:1001") runs the job as the owner of workdir instead of the image's uid 1000;
     - interactive keeps the container's stdin open (a preflight script arrives on it).
     """
@@ -132,7 +134,7 @@ def container_argv(
     args += [_mount_flag(mount) for mount in all_mounts]
     if user is not None:
         args.append(f"--user={user}")
-    args += [f"--env={key}={value}" for key, value in sorted(env.items())]
+    args += [f"--env={key}" for key in sorted(env)]
     return [*args, f"--entrypoint={argv[0]}", image, *argv[1:]]
 
 
