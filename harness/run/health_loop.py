@@ -96,7 +96,7 @@ class HealthLoop:
         done), whatever the rendezvous kind, or the attempt ends: the late nodes' launchers are read LAUNCHERS_LEAD
         seconds before the deadline, so that they are named at it, and every node is stopped."""
         age = time.time() - self.started_at
-        late = [live for live in self.nodes if live.ranks_at is None and live.outcome is None]
+        late = [live for live in self.nodes if not live.ranks_started and live.outcome is None]
         lead = min(LAUNCHERS_LEAD, deadline / 2)
         if not late or age < deadline - lead:
             return
@@ -106,7 +106,7 @@ class HealthLoop:
             return
         if age < deadline:
             return
-        joined = sum(live.ranks_at is not None for live in self.nodes)
+        joined = sum(live.ranks_started for live in self.nodes)
         self.unjoined = rendezvous_verdict(deadline, [live.node for live in late], self._launchers, joined)
         self.output.say(f"rendezvous: {self.unjoined.text}")
         self.stopper.stop_all()
@@ -208,7 +208,7 @@ def rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | Non
     if live.outcome is not None:
         state = f"ended ({live.outcome.describe()})"
     else:
-        state = view.state if view is not None else "running" if live.ranks_at is not None else "starting"
+        state = view.state if view is not None else "running" if live.ranks_started else "starting"
     step = rate = step_at = None
     if activity is not None and activity.steps:
         step, step_at = activity.steps[-1].step, activity.steps[-1].at

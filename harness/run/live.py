@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from harness.plan.planner import Node
+from harness.plan.planner import Node, NodePlan
 from harness.run import worker_output
 from harness.run.cascade import TRACEBACK, Cascade
 from harness.targets.base import Outcome
@@ -81,6 +81,14 @@ class LiveNode:
     cascade: Cascade = field(default_factory=Cascade)  # its ranks' consequent errors, held back
     held_all: bool = False  # another node failed first: all this node says now is held back
     activity: dict[int, RankActivity] = field(default_factory=dict)
+
+    @property
+    def ranks_started(self) -> bool:
+        """Whether its torchrun's rendezvous is done and its ranks exist: its agent said so, or a rank of it joined
+        the store or printed a line. A node in a container (its cleanup removes it) has its ranks out of its
+        agent's sight: it counts as started, and torch's own rendezvous timeout holds it."""
+        in_container = isinstance(self.node, NodePlan) and bool(self.node.cleanup)
+        return self.ranks_at is not None or bool(self.joined) or bool(self.activity) or in_container
 
     def root_cause(self) -> RootCause:
         """The first failed worker, from torchrun's "Root Cause" report."""
