@@ -7,8 +7,16 @@ import os
 import tempfile
 from pathlib import Path
 
-_UMASK = os.umask(0o022)  # read once (os.umask can only be read by setting it), then put back
-os.umask(_UMASK)
+UMASK = os.umask(0o022)  # read once (os.umask can only be read by setting it), then put back
+os.umask(UMASK)
+
+
+def file_mode(folder: Path) -> int:
+    """The permissions of a record's files: its folder's, without execute (0600 in a private one)."""
+    try:
+        return folder.stat().st_mode & 0o666
+    except OSError:
+        return 0o600
 
 
 def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
@@ -16,7 +24,7 @@ def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
     file's permissions (None: what the umask gives a new file: a manifest, a saved spec, for others to read too)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK if mode is None else mode)
+        os.fchmod(fd, 0o666 & ~UMASK if mode is None else mode)
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()

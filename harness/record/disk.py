@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from harness.record.atomic import write_text_atomic
+from harness.record.atomic import file_mode, write_text_atomic
 
 RESERVE_BYTES = 4 << 20  # kept aside for the record's own files: a summary of 1,024 ranks is a few hundred KiB
 RESERVE_FILE = ".reserve-{pid}"  # each controller's own (a batch step's and the launch following it share a folder)
@@ -66,7 +66,7 @@ class RecordDisk:
         self._said: set[str] = set()
         self._reserved = False
         self._reserve = folder / RESERVE_FILE.format(pid=os.getpid())
-        self.mode = folder.stat().st_mode & 0o666  # its files' permissions: its folder's, without execute
+        self.mode = file_mode(folder)
 
     @property
     def incomplete(self) -> str | None:
@@ -97,14 +97,16 @@ class RecordDisk:
     def write(self, path: Path, text: str, what: str) -> None:
         """A file of the record written whole (atomically), or left as it was and the failure said; the first
         failure gives the reserve back, and the write is tried once more in its room."""
+        def attempt() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(path, text, self.mode)
+
         with self.writing(what):
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_text_atomic(path, text, self.mode)
+                attempt()
             except OSError as exc:
                 self._failed(what, exc)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_text_atomic(path, text, self.mode)
+                attempt()
 
     def appended(self, path: Path, what: str) -> AppendedFile:
         """path, for appending to: what (words for the user) names it where a write fails."""
@@ -151,13 +153,15 @@ class RecordDisk:
 
     def _failed(self, what: str, exc: OSError) -> None:
         """Writes wait from now (the reserve given back for the record's own files); said once per cause."""
-        why, space = exc.strerror or str(exc), space_text(self.folder)
+        why = exc.strerror or str(exc)
         with self._lock:
-            if not self._waiting():
+            first, said = not self._waiting(), why in self._said
+            if first or not said:  # the space left when it failed, not once the reserve was given back
+                space = space_text(self.folder)
+            if first:
                 self._gaps.append([time.time()])
                 self._looked_at = time.time()
                 self._cause = f"{why}; {space}"
-            said = why in self._said
             self._said.add(why)
         self._give_back_reserve()
         if not said:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError, short_repr
-from harness.record.atomic import write_text_atomic
+from harness.record.atomic import UMASK, file_mode, write_text_atomic
 from harness.record.disk import RecordDisk
 from harness.record.schema import (
     Attempt,
@@ -220,23 +220,9 @@ def make_run_folder(path: Path) -> None:
     then the group's too, as far as the umask allows. FileExistsError where it exists."""
     path.parent.mkdir(parents=True, exist_ok=True)
     shared = path.parent.stat().st_mode & (stat.S_IWGRP | stat.S_ISGID)
-    mode = 0o770 & ~_umask() if shared else 0o700
+    mode = 0o770 & ~UMASK if shared else 0o700
     path.mkdir(mode=mode)
     os.chmod(path, mode)  # mkdir's mode is the umask's to cut: the group's bits of a shared one are chosen here
-
-
-def file_mode(folder: Path) -> int:
-    """The permissions of a record's files: its folder's, without execute (0600 in a private one)."""
-    try:
-        return folder.stat().st_mode & 0o666
-    except OSError:
-        return 0o600
-
-
-def _umask() -> int:
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
 
 
 def _attempt_suffix(attempt: int) -> str:

@@ -10,8 +10,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from harness.record.atomic import file_mode
 from harness.record.index import index_dir, prune_index, register_run
-from harness.record.rundir import RunDir, file_mode, make_run_folder
+from harness.record.rundir import RunDir, make_run_folder
 
 DETACH_STARTUP_TIMEOUT = 300.0
 
