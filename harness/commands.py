@@ -22,6 +22,7 @@ from harness.record.rundir import check_run_id, new_run_id, run_dir, runs_root
 from harness.record.schema import FailureKind
 from harness.spec.from_flags import ScriptFlags, spec_from_flags, spec_yaml, with_spec_file_flags
 from harness.spec.job import SLURM_OPTIONS, JobSpec, Slurm, load_job
+from harness.spec.secrets import secret_values
 from harness.targets.base import Backend, Scheduler
 
 
@@ -117,6 +118,8 @@ def render(args: argparse.Namespace) -> int:
         raise UsageError("--unsupervised is for --target k8s")
     job = job_of(args)
     spec = job.spec
+    if args.target in ("k8s", "slurm"):
+        _note_clear_secrets(spec, "the manifests" if args.target == "k8s" else "the batch script")
     if args.target == "k8s":
         _write_manifests(args, job)
         if args.unsupervised or not spec.k8s.supervised:  # supervised pods go on with fewer as any supervised nodes
@@ -167,6 +170,7 @@ def _rendered_by(args: argparse.Namespace, job: Job) -> str | None:
 
 def _write_manifests(args: argparse.Namespace, job: Job) -> None:
     from harness.targets.k8s.manifests import code_files, manifests_yaml
+    from harness.targets.k8s.objects import secret_commands
 
     spec = job.spec
     code = code_files(spec, Path.cwd())
@@ -182,6 +186,17 @@ def _write_manifests(args: argparse.Namespace, job: Job) -> None:
     # Client-side apply copies each object into an annotation, which may hold 256 KiB: too little for code.
     apply = "kubectl apply --server-side" if code else "kubectl apply"
     print(f"wrote {out}; apply with: {apply} -f {os.path.join(args.out, '')}")
+    for command in secret_commands(spec):
+        print(f"the pods need the job's secrets; create them first: {command}")
+
+
+def _note_clear_secrets(spec: JobSpec, where: str) -> None:
+    """A value that looks like a secret but is written in env: what is rendered holds it in clear."""
+    from harness.spec.secrets import looks_secret
+
+    for name in (name for name in spec.env if looks_secret(name)):
+        print(f"harness render: env.{name} looks like a secret, and {where} hold its value in clear: move it to "
+              f"secrets: (docs/security.md)", file=sys.stderr)
 
 
 def with_slurm_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:
@@ -216,6 +231,7 @@ def launch(args: argparse.Namespace) -> int:
     if args.target == "slurm" and args.hosts:
         raise UsageError("--hosts is for SSH hosts; with --target slurm, Slurm picks the nodes")
     target = _target(args, spec)
+    secret_values(spec)  # each is there to read: a missing one fails here, before anything starts
     if args.detach and not isinstance(target, Scheduler):
         from harness.run.detach import start_detached
 

@@ -87,14 +87,26 @@ def in_pod(text: str, mounts: dict[str, str]) -> str:
     return text
 
 
-def pod_process(container: dict, fields: dict[str, str], master_dns: str,
-                mounts: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """What the kubelet would exec in a pod whose downward-API fields have these values, with the master's
-    DNS name mapped to loopback and the ConfigMap's mount paths to where materialize wrote them."""
+def value_from(source: dict, fields: dict[str, str], secrets: dict[tuple[str, str], str]) -> str:
+    """An env entry's valueFrom: a downward-API field, or a key of a Secret of the namespace (secrets: (name, key) ->
+    value); a Secret or key that is not there keeps the container from starting (CreateContainerConfigError)."""
+    if "fieldRef" in source:
+        return fields[source["fieldRef"]["fieldPath"]]
+    ref = source["secretKeyRef"]
+    if (ref["name"], ref["key"]) not in secrets:
+        raise LookupError(f"CreateContainerConfigError: secret {ref['name']!r} has no key {ref['key']!r}")
+    return secrets[ref["name"], ref["key"]]
+
+
+def pod_process(container: dict, fields: dict[str, str], master_dns: str, mounts: dict[str, str],
+                secrets: dict[tuple[str, str], str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """What the kubelet would exec in a pod whose downward-API fields have these values (and the namespace these
+    Secrets), with the master's DNS name mapped to loopback and the ConfigMap's mount paths to where materialize
+    wrote them."""
     env: dict[str, str] = {}
     for entry in container["env"]:
         if "valueFrom" in entry:
-            env[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+            env[entry["name"]] = value_from(entry["valueFrom"], fields, secrets or {})
         else:
             env[entry["name"]] = kubelet_expand(entry["value"], env)
     argv = [kubelet_expand(a, env) for a in container["command"] + container["args"]]
@@ -105,7 +117,8 @@ def pod_process(container: dict, fields: dict[str, str], master_dns: str,
     return argv, env
 
 
-def run_pods(objects: list[dict], fields: dict[str, str], root: Path, workspace: Path, path: str) -> list[str]:
+def run_pods(objects: list[dict], fields: dict[str, str], root: Path, workspace: Path, path: str,
+             secrets: dict[tuple[str, str], str] | None = None) -> list[str]:
     """Both pods as real processes, the worker first (it must wait for the master's port), in workspace
     (their shared volume) with `python` found on path; their outputs, worker first, once both exit 0."""
     container = job_spec(objects)["template"]["spec"]["containers"][0]
@@ -113,7 +126,8 @@ def run_pods(objects: list[dict], fields: dict[str, str], root: Path, workspace:
     procs = []
     try:
         for index in (1, 0):
-            argv, env = pod_process(container, fields | {COMPLETION_INDEX: str(index)}, pod_dns(objects, 0), mounts)
+            argv, env = pod_process(container, fields | {COMPLETION_INDEX: str(index)}, pod_dns(objects, 0), mounts,
+                                    secrets)
             assert env["NODE_RANK"] == str(index)
             procs.append(subprocess.Popen(argv, env=env | {"PATH": path}, cwd=workspace, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, start_new_session=True))
@@ -142,12 +156,14 @@ class SupervisedPods:
     of its own, with its hostname), the controller's pod on the machine's own namespace (the bridge's gateway
     address), and the controller's Service name resolves to it on every host (their /etc/hosts, as the
     cluster's DNS would); without one, every pod is on loopback and that name is 127.0.0.1 in their args.
+    secrets: the namespace's Secrets, (name, key) -> value, for the pods' secretKeyRefs.
     The caller plays the Job controller: a deleted pod (SIGTERM, its grace period, SIGKILL) is recreated with
     its index under a new name. python: the `python` (and `harness`) each image has, a directory put first on
     PATH. A context manager: on exit every pod is killed and the hosts' files restored."""
 
     def __init__(self, objects: list[dict], root: Path, workspace: Path, controller_path: Path,
-                 worker_path: Path, cluster: Cluster | None = None) -> None:
+                 worker_path: Path, cluster: Cluster | None = None,
+                 secrets: dict[tuple[str, str], str] | None = None) -> None:
         jobs = jobs_by_name(objects)
         self.controller_job = next(spec for name, spec in jobs.items() if not _is_workers(spec))
         self.worker_job = next(spec for spec in jobs.values() if _is_workers(spec))
@@ -159,6 +175,7 @@ class SupervisedPods:
         self.paths = {"controller": controller_path, "worker": worker_path}
         self.controller_dns = self.worker_job["template"]["spec"]["containers"][0]["args"][1]
         self.cluster = cluster
+        self.secrets = secrets or {}  # the namespace's Secrets: (name, key) -> value
         self.processes: dict[str, subprocess.Popen[str]] = {}
         self.containers: dict[str, tuple[dict, dict[str, str], Path]] = {}
         self.logs: dict[str, Path] = {}
@@ -183,7 +200,7 @@ class SupervisedPods:
         env: dict[str, str] = {}
         for entry in container.get("env", []):
             if "valueFrom" in entry:
-                env[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+                env[entry["name"]] = value_from(entry["valueFrom"], fields, self.secrets)
             else:
                 env[entry["name"]] = in_pod(kubelet_expand(entry["value"], env), self.mounts)
         argv = [kubelet_expand(a, env) for a in command]

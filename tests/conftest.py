@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import ipaddress
 import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -331,6 +333,31 @@ def stragglers_s(summary: dict) -> float:
     """How long the last node ran on after the first failure ended its node (from summary.json)."""
     first_end = summary["started_at"] + summary["first_failure"]["after_s"]
     return max(summary["started_at"] + n["duration_s"] for n in summary["nodes"]) - first_end
+
+
+SECRET_NAME = "HF_TOKEN"  # the secret with_secret gives a job; its ranks say what they have of it (ddp_sum.py)
+
+
+def with_secret(job: Path, source: str = "") -> tuple[Path, str]:
+    """job with secret SECRET_NAME taken from source (a secrets: entry's value; empty: the launch's environment)
+    and its ranks told to show it; and a fresh value for it."""
+    shown = f"env:\n  SHOW_SECRET: {SECRET_NAME}\n"
+    text = job.read_text().rstrip("\n")
+    text = text.replace("env: {}", shown.rstrip("\n")) if "env: {}" in text else text.replace("env:\n", shown, 1)
+    job.write_text(f"{text}\nsecrets:\n  {SECRET_NAME}: {source}\n")
+    return job, f"hf_{secrets.token_hex(12)}"
+
+
+def assert_secret_kept(value: str, output: str, ranks: int, *folders: Path) -> None:
+    """Every rank had the value, in no process's command line while it ran; and no terminal line and no file of
+    folders (the run's record) holds it."""
+    digest = hashlib.sha256(value.encode()).hexdigest()[:16]
+    for rank in range(ranks):
+        assert f"rank {rank}: {SECRET_NAME} sha256 {digest}, in 0 command lines" in output, output
+    assert value not in output
+    for folder in folders:
+        holding = [path for path in folder.rglob("*") if path.is_file() and value.encode() in path.read_bytes()]
+        assert not holding, f"the secret's value is in {holding}"
 
 
 def assert_nothing_left(run_id: str, within: float = 5.0) -> None:

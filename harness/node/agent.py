@@ -5,8 +5,8 @@ controller, a process on an SSH host, or an srun step's task. It is started as
 
     python -I -S -c "$BOOT" harness-agent RUN_ID node NODE_RANK attempt ATTEMPT
 
-and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK STANDBY, from the first line of
-its stdin (harness.node.boot), so it imports nothing but the standard library (not even
+and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK STANDBY SECRETS, from the first line
+of its stdin (harness.node.boot), so it imports nothing but the standard library (not even
 site-packages): hosts need Python, not the harness. It obeys the controller's words on the rest of its
 stdin and says its messages among the node's output on its stdout: harness.node.protocol defines both,
 with what each means. Here: the node's command in a session of its own; the process tree it owns, by run id
@@ -16,7 +16,8 @@ running); a standby node (STANDBY: the source of harness.node.standby, installed
 run by COMMAND: the next attempt's torchrun and workers started early, their imports done while the attempt
 before runs) that waits on its stdin for the GO word's order, then is its attempt's node; and, in an srun
 step, SIGUSR1 ignored (Slurm's time-limit warning, which the training processes
-catch). What it sees of the ranks is harness.node.observer's.
+catch). SECRETS (JSON: name -> value) join the environment COMMAND runs in: carried on stdin, they are on no command
+line and in no file (harness/spec/secrets.py). What it sees of the ranks is harness.node.observer's.
 
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does. It
 keeps a private directory (HARNESS_AGENT_DIR in the node's environment, removed at the end, or by the
@@ -55,7 +56,8 @@ class Agent:
     """One node's command in a session of its own, and the means to end all of it."""
 
     def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, watch: float,
-                 command: str, cleanup: str, hook: str, standby: str = "") -> None:
+                 command: str, cleanup: str, hook: str, standby: str = "", secrets: dict[str, str] | None = None) \
+            -> None:
         self.run_id = run_id
         self.node_rank = node_rank
         self.attempt = attempt
@@ -77,7 +79,7 @@ class Agent:
             self.standing_by.set()
         self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True,
                                       stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
-                                      env={**os.environ, **hooked})
+                                      env={**os.environ, **(secrets or {}), **hooked})
         self.observer.launcher = self.child.pid
         # A command the OS refuses to run (too long, no /bin/sh) raises here: main() reports it.
 
@@ -215,14 +217,14 @@ def say(kind: Kind, body: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby = argv[:10]
+    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby, secrets = argv[:11]
     if "SLURM_STEP_ID" in os.environ:
         # Slurm's time-limit warning reaches every process of the step (scancel --signal=USR1): the training
         # processes catch it and checkpoint; the agent and torchrun (which inherits this) must live on.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup, hook,
-                      standby)
+                      standby, json.loads(secrets))
     except OSError as exc:
         sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
         code = 127

@@ -66,6 +66,7 @@ class NodePlan(Node):
     cleanup: tuple[str, ...] = ()  # run on the host after a forced stop (e.g. remove the node's container)
     interface: str | None = None  # pinned for gloo and NCCL (see interface_env)
     setup: str | None = None  # the job's setup: script, run in workdir with env before argv (setup_script.py)
+    secrets: tuple[str, ...] = ()  # env names whose values the agent gets at the start (spec/secrets.py), not env
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Plan:
             "nodes": [
                 {"host": n.host, "address": n.address, "node_rank": n.node_rank, "ranks": list(n.ranks),
                  "workdir": n.workdir, "interface": n.interface, "setup": n.setup, "argv": list(n.argv),
-                 "env": dict(n.env), "cleanup": list(n.cleanup)}
+                 "env": dict(n.env), "secrets": list(n.secrets), "cleanup": list(n.cleanup)}
                 for n in self.nodes
             ],
         }
@@ -294,7 +295,7 @@ def plan_local(
             | _visible_devices(devices[rank])
             | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank, attempt=attempt,
                        supervised=True),
-            setup=setup,
+            setup=setup, secrets=tuple(spec.secrets),
         )
         for rank in range(spec.nnodes)
     )
@@ -376,4 +377,4 @@ def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, ma
                    interface=interface, supervised=True)
     return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc,
                     argv=(host.python, "-m", TORCHRUN_MODULE, *args), env=env, workdir=host.workdir, ssh=host,
-                    interface=interface, setup=setup)
+                    interface=interface, setup=setup, secrets=tuple(spec.secrets))

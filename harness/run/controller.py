@@ -55,6 +55,7 @@ from harness.run.summary_text import report
 from harness.run.supervisor import Supervisor
 from harness.run.terminal import COLLAPSE_ABOVE, Terminal
 from harness.spec.job import JobSpec
+from harness.spec.secrets import masked_spec_text
 from harness.targets.base import Announcing, Backend, CheckFailed, Scheduler
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -95,7 +96,8 @@ def _new_record(runs_root: Path, run_id: str, terminal: Terminal, record_file: s
         disk = RecordDisk(run.path)
         disk.keep_reserve()
         terminal.record = StreamRecord(run.stream, record_file, disk)
-        run.write_text(run.spec_copy, spec_text, "the job's spec")  # no disk yet: its failure fails the launch
+        # no disk yet: its failure fails the launch
+        run.write_text(run.spec_copy, masked_spec_text(spec_text), "the job's spec")
         write_entrypoint_record(run, spec, mode)
     except OSError as exc:
         if terminal.record is not None:

@@ -179,6 +179,12 @@ def _setup_command(value: Any) -> str:
     return _no_nul(value)
 
 
+def _file_path(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected the path of a file such as ~/.config/hf-token, got {short_repr(value)}")
+    return _no_nul(value)
+
+
 def _env_name(key: Any) -> str:
     if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
         raise ValueError(f"{short_repr(key)} is not a valid environment variable name")
@@ -511,6 +517,56 @@ class Kubernetes(StrictModel):
         return _image_reference(value)
 
 
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}", re.ASCII)  # a key of a Kubernetes Secret's data
+
+
+def _secret_key(value: Any) -> str:
+    if not isinstance(value, str) or not SECRET_KEY.fullmatch(value):
+        raise ValueError(f"expected a key of a Kubernetes Secret (letters, digits, '-', '_' or '.'), got "
+                         f"{short_repr(value)}")
+    return value
+
+
+def _secret_name(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 253 or not all(DNS1123_LABEL.fullmatch(part)
+                                                                   for part in value.split(".")):
+        raise ValueError(f"expected the name of a Kubernetes Secret (a DNS-1123 subdomain such as hf-token), got "
+                         f"{short_repr(value)}")
+    return value
+
+
+class SecretKey(StrictModel):
+    """A value in a Kubernetes Secret of the job's namespace (`kubectl create secret generic NAME
+    --from-literal=KEY=...`)."""
+
+    secret: Annotated[str, PlainValidator(_secret_name)]
+    key: Annotated[str, PlainValidator(_secret_key)]
+
+
+class Secret(StrictModel):
+    """Where one secret environment value comes from (harness/spec/secrets.py); it is never written into a
+    file, manifest or command line the harness makes. env: a variable of the environment `harness launch`
+    runs in (default: the secret's own name); file: a file of the launching user whose contents (less one
+    trailing newline) are the value; k8s: the Secret the pods take it from (default: Secret <job>-secrets,
+    key the secret's name)."""
+
+    env: EnvName | None = None
+    file: Annotated[str, PlainValidator(_file_path)] | None = None
+    k8s: SecretKey | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Secret:
+        if self.env is not None and self.file is not None:
+            raise error_at("Secret", ("file",), self.file, "expected env or file, not both: the value comes from "
+                           "one of them")
+        return self
+
+
+def _secret(value: Any) -> Any:
+    """`NAME:` alone (null) takes every default: the launching environment's NAME, Secret <job>-secrets."""
+    return {} if value is None else value
+
+
 def interface_name(value: Any) -> str:
     if not isinstance(value, str) or not INTERFACE_NAME.fullmatch(value):
         raise ValueError(f"expected a network interface name such as eth1 or ib0 (at most 15 letters, digits, "
@@ -613,7 +669,8 @@ class JobSpec(StrictModel):
     workdir (e.g. the data) before torchrun starts, once per workdir (plan/setup_script.py). files: more of
     the job's code for Kubernetes pods (files or directories, relative to where `harness render` runs),
     shipped with a relative entrypoint.script in the job's ConfigMap (targets/k8s/manifests.py); other
-    targets run where the code already is.
+    targets run where the code already is. secrets: environment values the job gets without their being
+    written anywhere (Secret; docs/security.md).
     """
 
     name: str
@@ -624,6 +681,7 @@ class JobSpec(StrictModel):
     rdzv: Literal["static", "c10d"] = "static"
     entrypoint: Entrypoint
     env: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    secrets: dict[EnvName, Annotated[Secret, BeforeValidator(_secret)]] = Field(default_factory=dict)
     image: str | None = None
     resources: Resources = Field(default_factory=Resources)
     restarts: Restarts = Field(default_factory=Restarts)
@@ -666,6 +724,19 @@ class JobSpec(StrictModel):
         if value is not None and info.data.get("image") is None:
             raise ValueError("container: true runs every node in `image:`; set image (e.g. registry/harness:0.1.0)")
         return value
+
+    @model_validator(mode="after")
+    def _secrets_not_in_env(self) -> JobSpec:
+        for name in self.secrets:
+            if name in self.env:
+                raise error_at("JobSpec", ("secrets", name), name,
+                               f"{name} is also in env: a value comes from env (written in clear) or from secrets, "
+                               f"not both")
+        return self
+
+    def secret_key(self, name: str) -> SecretKey:
+        """The Kubernetes Secret that the pods take secret `name` from."""
+        return self.secrets[name].k8s or SecretKey(secret=f"{self.name}-secrets", key=name)
 
     @model_validator(mode="after")
     def _min_nnodes_within_nnodes(self) -> JobSpec:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import queue
 import shlex
@@ -40,15 +41,18 @@ def agent_argv(python: str, node: NodePlan) -> list[str]:
             node.env["NODE_RANK"], "attempt", node.env["HARNESS_ATTEMPT"]]
 
 
-def agent_program(node: NodePlan, grace: float, silence: float, watch: float, standby: bool = False) -> bytes:
+def agent_program(node: NodePlan, grace: float, silence: float, watch: float, standby: bool = False,
+                  secrets: Mapping[str, str] | None = None) -> bytes:
     """The first line of the agent's stdin: the agent, and what it runs. silence: seconds without a
     word from the controller after which the agent stops its node; watch: seconds between its health
-    samples (0: none); standby: the node's torchrun and workers started to wait for its order (Standbys)."""
+    samples (0: none); standby: the node's torchrun and workers started to wait for its order (Standbys);
+    secrets: values for the node's environment that go nowhere else (spec/secrets.py)."""
     command = standby_command(node) if standby else shell_command(node)
     if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
-                             shlex.join(node.cleanup), RANK_HOOK, STANDBY if standby else ""])
+                             shlex.join(node.cleanup), RANK_HOOK, STANDBY if standby else "",
+                             json.dumps(dict(secrets or {}))])
 
 
 def agent_silence(connect_timeout: float) -> float:
@@ -72,17 +76,17 @@ def _agent_times(spec: JobSpec) -> tuple[float, float, float]:
 
 
 def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec,
-              standbys: Standbys | None = None) -> list[NodeProcess]:
+              standbys: Standbys | None = None, secrets: Mapping[str, str] | None = None) -> list[NodeProcess]:
     """Every node or none: if one cannot start, the ones already started are killed. A node with a standby
     on its host gets it (its order sent); the others a new agent, which gets its program first (see
-    agent_program)."""
+    agent_program) with secrets (spec/secrets.py)."""
     started: list[AgentNode] = []
     try:
         for node in nodes:
             warm = standbys.take(node) if standbys is not None else None
             started.append(warm or start(node))
             if warm is None:
-                started[-1].boot(agent_program(node, *_agent_times(spec)))
+                started[-1].boot(agent_program(node, *_agent_times(spec), secrets=secrets))
                 started[-1].talk()
     except BaseException:
         for process in started:
@@ -108,9 +112,10 @@ class Standbys:
         self._on: dict[str, AgentNode] = {}
         self._lock = threading.Lock()
 
-    def stand_by(self, nodes: Sequence[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec) -> None:
+    def stand_by(self, nodes: Sequence[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec,
+                 secrets: Mapping[str, str] | None = None) -> None:
         """One standby on each host of nodes that has none; a host where it cannot start simply has none. The
-        standbys on other hosts (down since) are ended."""
+        standbys on other hosts (down since) are ended. secrets: as start_all's."""
         wanted = {node.host for node in nodes}
         with self._lock:
             gone = [self._on.pop(host) for host in list(self._on) if host not in wanted]
@@ -124,7 +129,7 @@ class Standbys:
                 agent = start(node)
             except Exception:  # noqa: BLE001 - whatever the transport raises, that host has no standby
                 continue
-            agent.boot(agent_program(node, *_agent_times(spec), standby=True))
+            agent.boot(agent_program(node, *_agent_times(spec), standby=True, secrets=secrets))
             agent.talk()
             with self._lock:
                 self._on[node.host] = agent

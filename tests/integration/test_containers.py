@@ -23,7 +23,18 @@ from testbed import podman_config
 from testbed.cluster import Cluster, missing_support, namespace_cluster
 from testbed.podman_config import IMAGE, image_store
 
-from conftest import SCRIPT, STOP_GRACE, assert_nothing_left, free_port, harness, stragglers_s, worker_pid
+from conftest import (
+    SCRIPT,
+    SECRET_NAME,
+    STOP_GRACE,
+    assert_nothing_left,
+    assert_secret_kept,
+    free_port,
+    harness,
+    stragglers_s,
+    with_secret,
+    worker_pid,
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +107,13 @@ def without_image(cluster: Cluster, host: str) -> Iterator[None]:
 
 
 def test_two_hosts_train_inside_the_image(podman_cluster, launch, tmp_path):
-    """The job's setup runs in the image too (its python), once in the workdir the hosts share."""
+    """The job's setup runs in the image too (its python), once in the workdir the hosts share. A secret of the
+    launching environment reaches the ranks in the containers through the engine's environment (--env NAME)."""
     setup = f"setup:\n  - python -c \"import sys; print(sys.executable, '{tmp_path}')\"\n"
-    run = launch(container_job(tmp_path / "job.yaml", setup, STEPS="10"), *hosts_args(podman_cluster, tmp_path))
+    job, secret = with_secret(container_job(tmp_path / "job.yaml", setup, STEPS="10"))
+    run = launch(job, *hosts_args(podman_cluster, tmp_path), env=os.environ | {SECRET_NAME: secret})
     assert run.finish(timeout=180) == 0, run.output
+    assert_secret_kept(secret, run.output, 2, run.runs_dir)
     assert len(re.findall(rf"^\[node\d\] /opt/venv/bin/python {re.escape(str(tmp_path))}$", run.output, re.M)) == 1, \
         run.output
     assert run.output.count("harness setup: done before") == 1, run.output
@@ -111,6 +125,7 @@ def test_two_hosts_train_inside_the_image(podman_cluster, launch, tmp_path):
     for node in plan["nodes"]:
         assert node["argv"][:4] == ["podman", "run", "--rm", "--init"]
         assert f"--name=harness-{run.run_id}-node{node['node_rank']}" in node["argv"]
+        assert f"--env={SECRET_NAME}" in node["argv"]
     assert run.summary()["status"] == "succeeded"
     assert_all_gone(podman_cluster, run.run_id)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -29,7 +30,16 @@ from testbed.kubelet import (
     wait_for_line,
 )
 
-from conftest import REPO, assert_nothing_left, free_port, harness, worker_pid
+from conftest import (
+    REPO,
+    SECRET_NAME,
+    assert_nothing_left,
+    assert_secret_kept,
+    free_port,
+    harness,
+    with_secret,
+    worker_pid,
+)
 from k8s_jobs import SMALL, USER_FILES, USER_JOB, docs, render_in, write_files
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 
@@ -37,18 +47,23 @@ from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 def test_pods_run_as_rendered_form_a_working_ddp_job(write_yaml, tmp_path):
     """Both pods' command, args and env exactly as written; only the kubelet's substitutions applied. The
     job's setup runs once on the volume they share (here: one directory). The JobSet's pods differ only in
-    what their env reads from the restart attempt, checked without running them."""
+    what their env reads from the restart attempt, checked without running them. A secret comes from the
+    namespace's Secret (Secret <job>-secrets by default): every rank has it, no manifest holds it."""
     script = REPO / "tests/scripts/ddp_sum.py"
     setup = f"setup:\n  - python -c \"import sys; print('set up by', sys.executable, '{tmp_path}')\"\n"
-    job = write_yaml(SMALL.format(name="sim", port=free_port(), script=script) + setup)
+    job, secret = with_secret(write_yaml(SMALL.format(name="sim", port=free_port(), script=script) + setup))
+    namespace = {("sim-secrets", SECRET_NAME): secret}
     for flavor, attempt in (("core", "0"), ("jobset", "1")):
         rendered = docs(job, flavor)
+        assert secret not in json.dumps(rendered)
         container = job_spec(rendered)["template"]["spec"]["containers"][0]
-        _, env = pod_process(container, {COMPLETION_INDEX: "1", RESTART_ATTEMPT: "1"}, pod_dns(rendered, 0), {})
+        _, env = pod_process(container, {COMPLETION_INDEX: "1", RESTART_ATTEMPT: "1"}, pod_dns(rendered, 0), {},
+                             namespace)
         assert env["HARNESS_ATTEMPT"] == attempt, flavor
     objects = docs(job, "core")
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `python` is the image's interpreter
-    worker, master = run_pods(objects, {RESTART_ATTEMPT: "1"}, tmp_path / "root", tmp_path, path)
+    worker, master = run_pods(objects, {RESTART_ATTEMPT: "1"}, tmp_path / "root", tmp_path, path, namespace)
+    assert_secret_kept(secret, master + worker, 2, tmp_path)
     assert "waiting for the master's rendezvous port" in worker
     assert f"set up by {sys.executable} {tmp_path}\n" in master and "harness setup: done before" in worker
     assert "; args=['--tag', 'two words', '$(not-a-var)', '$$', '${local_rank}']" in master
@@ -200,8 +215,10 @@ DETECT_WITHIN = STALL + 15  # seconds from the fault to the verdict, on a busy 2
 HEALTH_STEPS = REPO / "tests/scripts/health_steps.py"
 
 
-def user_job(project: Path, flavor: str, script: Path, restarts: str, **env: str) -> list[dict]:
-    """The user's script (shipped from project, the directory `harness render` runs in) as a supervised job."""
+def user_job(project: Path, flavor: str, script: Path, restarts: str, secret: str | None = None,
+             **env: str) -> list[dict]:
+    """The user's script (shipped from project, the directory `harness render` runs in) as a supervised job; with
+    secret SECRET_NAME from Secret `hf`, key `token`, which its ranks show (conftest.with_secret)."""
     project.mkdir(parents=True)
     (project / "train.py").write_bytes(script.read_bytes())
     lines = "".join(f"  {key}: '{value}'\n" for key, value in env.items()) or "  {}\n"
@@ -209,6 +226,8 @@ def user_job(project: Path, flavor: str, script: Path, restarts: str, **env: str
         f"name: mine\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\nimage: registry.example/torch:2\n"
         f"entrypoint: {{script: train.py}}\nenv:\n{lines}restarts: {restarts}\nhealth: {{stall: {STALL}}}\n"
         f"k8s: {{port: {free_port()}}}\n")
+    if secret is not None:
+        with_secret(project / "job.yaml", "{k8s: {secret: hf, key: token}}")
     return docs(project / "job.yaml", flavor, supervised=True)
 
 
@@ -247,18 +266,22 @@ def test_supervised_a_rank_asleep_is_named_and_the_hang_fails_the_job_as_the_inf
 
 def test_supervised_a_program_failure_fails_the_job_at_once(cluster2, tmp_path):
     """A rank's own exit 1, not covered by restarts.on: the controller exits 1, the rule that fails the Job
-    (Kubernetes never retries a bug); the worker pods are dismissed."""
+    (Kubernetes never retries a bug); the worker pods are dismissed. The worker pods take a secret from the
+    namespace's Secret: every rank has it, and neither the manifests nor the run's record hold it."""
+    secret = f"hf_{secrets.token_hex(12)}"
     objects = user_job(tmp_path / "project", "core", REPO / "tests/scripts/ddp_sum.py", "{max: 2, on: infra}",
-                       FAIL_RANK="1", FAIL_AT_STEP="3")
+                       secret, FAIL_RANK="1", FAIL_AT_STEP="3")
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster2) as pods:
+    with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster2,
+                        {("hf", "token"): secret}) as pods:
         controller = pods.controller()
         workers = [pods.worker(index) for index in range(2)]
         assert controller.wait(timeout=180) == PROGRAM_EXIT, pods.output("controller")
         assert [pods.processes[name].wait(timeout=60) for name in workers] == [0, 0]
     assert re.search(r"^harness: run \S+ FAILED: first failure on node 1 \(\S+, global rank 1\): exit code 1 after "
                      r"\S+ s \(program\)", pods.output("controller"), re.M), pods.output("controller")
+    assert_secret_kept(secret, pods.output("controller"), 2, workspace, tmp_path / "root")
     rule = next(r for r in jobs_by_name(objects)["mine"]["podFailurePolicy"]["rules"]
                 if r.get("onExitCodes", {}).get("values") == [PROGRAM_EXIT])
     assert rule["action"] == "FailJob"

@@ -8,6 +8,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -23,9 +24,11 @@ from conftest import (
     agent_pid,
     assert_nothing_left,
     assert_only_the_jobs_lines,
+    assert_secret_kept,
     harness,
     leftover,
     stragglers_s,
+    with_secret,
 )
 from conftest import ddp_job as job
 
@@ -33,8 +36,16 @@ CHROMIUM = "chromium-headless-shell"  # the Makefile's TEST_APT_PACKAGES install
 
 
 def test_two_nodes_train_over_gloo(write_yaml, launch, tmp_path):
-    run = launch(job(write_yaml, nproc=2, STEPS="12"))
+    """With a secret from a file of the user's, which every rank has and nothing the harness writes or runs shows;
+    and a value that looks secret written in env, which the run's spec and plans show as ***."""
+    spec, secret = with_secret(job(write_yaml, nproc=2, STEPS="12", WANDB_API_KEY="wandb-in-clear"),
+                               f"{{file: {tmp_path / 'hf-token'}}}")
+    (tmp_path / "hf-token").write_text(secret + "\n")
+    run = launch(spec)
     assert run.finish() == 0, run.output
+    assert_secret_kept(secret, run.output, 4, run.runs_dir)
+    shown = [(run.runs_dir / run.run_id / name).read_text() for name in ("spec.yaml", "plan.txt", "plan.json")]
+    assert all("***" in text and "wandb-in-clear" not in text for text in shown), shown
     weights = set(re.findall(r"\[node(\d)\] \[rank(\d)\]: rank \2 final loss \S+ weights (\[.*\])", run.output))
     assert {(n, r) for n, r, _ in weights} == {("0", "0"), ("0", "1"), ("1", "2"), ("1", "3")}, run.output
     assert len({w for _, _, w in weights}) == 1, "DDP replicas diverged"
@@ -154,9 +165,16 @@ def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
 
 def test_stop_and_status_from_another_terminal(write_yaml, launch):
     """`harness stop` (SIGTERM to the controller), the one stop path that Ctrl-C shares (unit/test_stop_signals.py:
-    both signals; unit/test_runs.py: what status says of each)."""
-    run = launch(job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"))
+    both signals; unit/test_runs.py: what status says of each). Meanwhile another local user cannot reach a rank's
+    hook, whose socket is in its agent's private directory (docs/security.md)."""
+    run = launch(job(write_yaml, STEPS="100000", STEP_SECONDS="0.05", AWAIT_RANK_HOOK="1"))
+    hook = run.wait_for(r"\[rank0\]: rank 0: rank hook at (\S+)").group(1)
     run.wait_for(r"\[rank0\]: step 5 ")
+    reach = f"import socket; socket.socket(socket.AF_UNIX).connect({hook!r})"
+    assert subprocess.run([sys.executable, "-c", reach], timeout=30).returncode == 0, "the job's own user reaches it"
+    other = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", reach],
+                           capture_output=True, text=True, timeout=30)
+    assert other.returncode != 0 and "PermissionError" in other.stderr, other.stderr
     assert len(leftover(run.run_id)) >= 4  # two agents, two workers
     runs = ["--runs-dir", str(run.runs_dir)]
     listing = harness("status", *runs)

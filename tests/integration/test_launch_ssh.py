@@ -14,7 +14,19 @@ import yaml
 
 from testbed.cluster import Cluster
 
-from conftest import REPO, STOP_GRACE, assert_nothing_left, ddp_job, harness, leftover, stragglers_s, worker_pid
+from conftest import (
+    REPO,
+    SECRET_NAME,
+    STOP_GRACE,
+    assert_nothing_left,
+    assert_secret_kept,
+    ddp_job,
+    harness,
+    leftover,
+    stragglers_s,
+    with_secret,
+    worker_pid,
+)
 
 
 def ssh_args(cluster: Cluster, tmp_path: Path, *extra: str) -> list[str]:
@@ -23,12 +35,14 @@ def ssh_args(cluster: Cluster, tmp_path: Path, *extra: str) -> list[str]:
 
 
 def test_two_hosts_train_over_gloo(cluster2, write_yaml, launch, tmp_path):
-    """Over one SSH connection per host: the preflight gate's, the port pick's and the nodes' in one."""
+    """Over one SSH connection per host: the preflight gate's, the port pick's and the nodes' in one. With a secret
+    from the launching environment (the hosts' logins have none), which reaches the ranks and nothing else."""
     before = {h.name: cluster2.logins(h) for h in cluster2.hosts}
-    job = ddp_job(write_yaml, STEPS="10")
+    job, secret = with_secret(ddp_job(write_yaml, STEPS="10"))
     job.write_text(re.sub(r"master_port: \d+", "master_port: auto", job.read_text()))
-    run = launch(job, *ssh_args(cluster2, tmp_path))
+    run = launch(job, *ssh_args(cluster2, tmp_path), env=os.environ | {SECRET_NAME: secret})
     assert run.finish() == 0, run.output
+    assert_secret_kept(secret, run.output, 2, run.runs_dir)
     assert {h.name: cluster2.logins(h) - before[h.name] for h in cluster2.hosts} == {"h1": 1, "h2": 1}
     assert re.search(r"\[node0\] \[rank0\]: rank 0/2 up on h1;", run.output), run.output
     assert re.search(r"\[node1\] \[rank1\]: rank 1/2 up on h2;", run.output), run.output

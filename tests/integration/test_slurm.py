@@ -26,7 +26,7 @@ from harness.targets.slurm.client import SlurmClient
 from harness.targets.slurm.srun import slurm_machine
 from testbed.slurm_cluster import SlurmCluster
 
-from conftest import REPO, SCRIPT, Launch, Streamed, harness, worker_pid
+from conftest import REPO, SCRIPT, Launch, Streamed, assert_secret_kept, harness, with_secret, worker_pid
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 from slurm_job import sum_job
 
@@ -61,12 +61,16 @@ def shown_job(cluster: SlurmCluster, job_id: int) -> dict[str, str]:
 
 
 def test_plain_sbatch_runs_the_rendered_script_as_a_two_node_gloo_job(slurm_cluster, write_yaml, tmp_path):
-    """master_port auto: the batch script picks the port on the master node."""
-    job = sum_job(write_yaml, port="auto", STEPS="10")
+    """master_port auto: the batch script picks the port on the master node. A secret from a file: the script reads it
+    where it runs, and holds no value, nor does Slurm's state."""
+    job, secret = with_secret(Path(sum_job(write_yaml, port="auto", STEPS="10")), f"{{file: {tmp_path / 'hf-token'}}}")
+    (tmp_path / "hf-token").write_text(secret)
     job_id = submit(slurm_cluster, batch_script(load_job(job), "job.yaml"), tmp_path)
     fields = ended(slurm_cluster, job_id)
     output = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output
+    assert_secret_kept(secret, output, 2, slurm_cluster.dir)
+    assert secret not in (tmp_path / "job.sbatch").read_text()
     args = "['--tag', 'two words', \"it's\", '$HOME', '${local_rank}', 'a\"b']"
     assert f"[node0] [rank0]: rank 0/2 up on n1; args={args}" in output, output
     assert f"[node1] [rank1]: rank 1/2 up on n2; args={args}" in output, output
@@ -120,10 +124,15 @@ def job_id_of(run: Launch) -> int:
 
 
 def test_launch_submits_follows_and_streams_every_node(slurm_cluster, write_yaml, launch_slurm, tmp_path):
-    """With the job's setup run once in the workdir both nodes share, before torchrun."""
+    """With the job's setup run once in the workdir both nodes share, before torchrun; and a secret from a file of
+    the user's, read by the batch step: every rank has it, and neither the run's record nor Slurm's state holds it."""
     setup = "setup: ['echo $SLURM_NODEID >> setup-ran', mkdir -p data]\ndata_paths: [data]\n"
-    run = launch_slurm(sum_job(write_yaml, workdir=tmp_path, tail=setup, STEPS="10"), "--time", "00:05:00")
+    job, secret = with_secret(Path(sum_job(write_yaml, workdir=tmp_path, tail=setup, STEPS="10")),
+                              f"{{file: {tmp_path / 'hf-token'}}}")
+    (tmp_path / "hf-token").write_text(secret)
+    run = launch_slurm(job, "--time", "00:05:00")
     assert run.finish(timeout=240) == 0, run.output
+    assert_secret_kept(secret, run.output, 2, run.runs_dir, slurm_cluster.dir)
     assert len((tmp_path / "setup-ran").read_text().split()) == 1, run.output
     assert run.output.count("harness setup: done before") == 1, run.output
     job_id = job_id_of(run)

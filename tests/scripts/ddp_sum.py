@@ -3,9 +3,14 @@
 FAIL_RANK / FAIL_AT_STEP make one rank exit FAIL_CODE (default 1) mid-run, and HANG_AT_STEP makes every other rank block
 there (like a long step or a stuck read) so that only the supervisor can end them. STEPS and
 STEP_SECONDS set the pace. AWAIT_RANK_HOOK=1: each rank waits, once its process group exists, until the
-harness's rank hook serves in it (its socket exists), so that a test sees the hook's server end with the rank.
+harness's rank hook serves in it (its socket exists), and says where, so that a test sees the hook's server end
+with the rank, or tries it.
+SHOW_SECRET=NAME: each rank says the sha256 of its env's NAME (not the value) and in how many processes' command
+lines that value is, read from /proc while the job runs.
 """
 
+import glob
+import hashlib
 import os
 import socket
 import sys
@@ -13,6 +18,22 @@ import time
 
 import torch
 import torch.distributed as dist
+
+
+def show_secret(rank: int, name: str) -> None:
+    value = os.environ.get(name)
+    if value is None:
+        print(f"rank {rank}: {name} is not set", flush=True)
+        return
+    seen = 0
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(path, "rb") as cmdline:
+                seen += value.encode() in cmdline.read()
+        except OSError:
+            continue
+    print(f"rank {rank}: {name} sha256 {hashlib.sha256(value.encode()).hexdigest()[:16]}, "
+          f"in {seen} command lines", flush=True)
 
 
 def main() -> None:
@@ -23,6 +44,9 @@ def main() -> None:
         deadline = time.monotonic() + 120
         while not os.path.exists(hook) and time.monotonic() < deadline:
             time.sleep(0.05)
+        print(f"rank {rank}: rank hook at {hook}", flush=True)
+    if name := os.environ.get("SHOW_SECRET"):
+        show_secret(rank, name)
     steps = int(os.environ.get("STEPS", "20"))
     pause = float(os.environ.get("STEP_SECONDS", "0"))
     fail_rank = int(os.environ.get("FAIL_RANK", "-1"))

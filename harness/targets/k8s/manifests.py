@@ -43,6 +43,8 @@ from harness.targets.k8s.objects import (
     hardened,
     labels,
     pod_resources,
+    secret_commands,
+    secret_env,
     short,
 )
 from harness.targets.k8s.supervised import supervised_core, supervised_jobset
@@ -120,6 +122,7 @@ def _container(spec: JobSpec, run_id: str, master: str, nproc: int, downward: di
     env_list: list[dict[str, Any]] = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}}
                                       for k, path in downward.items()]
     env_list += [{"name": k, "value": _escape(v)} for k, v in env.items() if k not in downward]
+    env_list += secret_env(spec)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image,
@@ -385,6 +388,7 @@ def manifests_yaml(spec: JobSpec, spec_text: str, source: str, flavor: Flavor = 
         f"harness render {source} --target k8s" + (f" --flavor {flavor}" if flavor != "core" else "") + \
         (" --unsupervised" if supervised is False else "")
     header = f"# Rendered by `{command}`; do not edit, re-render.\n"
+    header += "".join(f"# Needs its secrets in the namespace first: {line}\n" for line in secret_commands(spec))
     docs = [yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120)
             for doc in render_manifests(spec, spec_text, flavor, code=code, supervised=supervised)]
     return header + "---\n".join(docs)

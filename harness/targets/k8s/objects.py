@@ -49,6 +49,23 @@ def labels(names: dict[str, str], component: str = CONTAINER) -> dict[str, str]:
     }
 
 
+def secret_env(spec: JobSpec) -> list[dict[str, Any]]:
+    """The job's secrets as a container's env: each from its Secret (JobSpec.secret_key), never a value; the
+    pod does not start until the Secret exists, which `harness render` says how to create."""
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
+            for name, ref in ((name, spec.secret_key(name)) for name in spec.secrets)]
+
+
+def secret_commands(spec: JobSpec) -> list[str]:
+    """For each Secret the pods read, the command that creates it (the values left for the user to fill in)."""
+    keys: dict[str, list[str]] = {}
+    for name in spec.secrets:
+        ref = spec.secret_key(name)
+        keys.setdefault(ref.secret, []).append(ref.key)
+    return [f"kubectl create secret generic {secret} " + " ".join(f"--from-literal={key}=..." for key in names)
+            for secret, names in keys.items()]
+
+
 def pod_resources(spec: JobSpec) -> dict[str, Any]:
     """A node pod's resources: resources.cpu and memory as limits and requests, GPUs as limits."""
     limits: dict[str, str] = {}

@@ -34,6 +34,7 @@ from harness.targets.k8s.objects import (
     hardened,
     labels,
     pod_resources,
+    secret_env,
     short,
 )
 
@@ -126,7 +127,8 @@ def _worker_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, controll
         "workingDir": WORKDIR,
         "command": ["python", "-I", POD_SCRIPT],
         "args": args,
-        "env": [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in field.items()],
+        "env": [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in field.items()]
+        + secret_env(spec),  # the pod's agents and ranks inherit them (node/pod.py)
         "ports": [{"name": "rendezvous", "containerPort": planned_port(spec), "protocol": "TCP"}],
         "volumeMounts": _mounts(shm=True),
     }

@@ -16,6 +16,7 @@ from harness.node.gpu import driver_gpu_count
 from harness.node.proctable import kill_run_processes
 from harness.plan.planner import NodePlan, Plan, local_spec, plan_local, simulated_hosts, take_healthy
 from harness.spec.job import JobSpec
+from harness.spec.secrets import secret_values
 from harness.targets.agent_link import ChildAgentNode, Standbys, agent_argv, agent_env, start_all
 from harness.targets.base import CheckFailed, NodeProcess, WorkdirCheck
 
@@ -108,7 +109,7 @@ class LocalBackend:
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         _workdirs(plan)
-        return start_all(plan.nodes, self._agent, spec, self._standbys)
+        return start_all(plan.nodes, self._agent, spec, self._standbys, secret_values(spec))
 
     def _agent(self, node: NodePlan) -> LocalAgentNode:
         return LocalAgentNode(node, self.python)
@@ -117,7 +118,7 @@ class LocalBackend:
         """A standby for each simulated node that attempt would run."""
         plan = self.plan(spec, run_id, attempt=attempt, down=down)
         _workdirs(plan)
-        self._standbys.stand_by(plan.nodes, self._agent, spec)
+        self._standbys.stand_by(plan.nodes, self._agent, spec, secret_values(spec))
 
     def stand_down(self) -> None:
         self._standbys.stand_down()

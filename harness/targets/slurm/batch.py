@@ -70,6 +70,22 @@ def _here_document(variable: str, lines: list[str]) -> list[str]:
     return [f"read -r -d '' {variable} <<'{end}'", *lines, end]
 
 
+def _secret_exports(spec: JobSpec) -> list[str]:
+    """Each secret set in the batch script's environment from where the spec says, its value in no file: the
+    environment sbatch ran in (which sbatch passes on) or the launching user's file, read where the script runs."""
+    lines = []
+    for name, secret in spec.secrets.items():
+        if secret.file is not None:
+            path = secret.file
+            word = "~/" + shlex.quote(path[2:]) if path.startswith("~/") else shlex.quote(path)
+            lines.append(f"{name}=$(cat -- {word}) || exit 1")
+        else:
+            lines.append(f'{name}="${{{secret.env or name}:?is not set in the environment sbatch ran in '
+                         f'(secrets.{name}): export it before sbatch}}"')
+        lines.append(f"export {name}")
+    return ["", "# secrets: the values are never in this script", *lines] if lines else []
+
+
 BATCH_LOG = "slurm-%j.log"  # the batch step's own output in a launch's run directory (%j: the job id)
 
 
@@ -161,6 +177,7 @@ def batch_script(spec: JobSpec, source: str, command: str | None = None) -> str:
         "export MASTER_ADDR",
         *(_free_port(spec.slurm.python) if port else []),
         *exports,
+        *_secret_exports(spec),
         "",
         "# What every node runs; $SLURM_NODEID is each task's own. torchrun would die of the time-limit",
         "# warning (SIGUSR1): it ignores it, and the training processes catch it themselves.",

@@ -20,6 +20,7 @@ from harness.errors import UsageError
 from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
+from harness.spec.secrets import secret_values
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
 from harness.targets.agent_link import ChildAgentNode, agent_argv, agent_env, start_all
 from harness.targets.base import CheckFailed, NodeProcess
@@ -156,7 +157,8 @@ class SrunBackend:
                           attempt=plan.attempt)
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
-        return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, node.argv[0]), spec)
+        return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, node.argv[0]), spec,
+                         secrets=secret_values(spec))
 
     def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
         """None here: a standby would be a step of its own holding the node's resources (srun --overlap) for

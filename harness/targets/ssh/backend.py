@@ -21,6 +21,7 @@ from harness.plan.planner import NodePlan, Plan, job_hosts, plan_hosts
 from harness.plan.shell import remote_command
 from harness.spec.inventory import Host, Inventory
 from harness.spec.job import JobSpec
+from harness.spec.secrets import secret_values
 from harness.spec.yamlsource import located
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
 from harness.targets.agent_link import READ_BYTES, AgentNode, Standbys, agent_argv, agent_env, start_all
@@ -197,7 +198,8 @@ class SSHBackend:
         connections = self._connect_all(plan.nodes, spec.timeouts.connect)
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host]), spec, self._standbys)
+        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host]), spec, self._standbys,
+                         secret_values(spec))
 
     def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
         """A standby on every host of the inventory that is not down, spares included: whichever of them the
@@ -211,7 +213,7 @@ class SSHBackend:
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
         self._standbys.stand_by([node for node in plan.nodes if node.host in connections],
-                                lambda node: SSHAgentNode(node, connections[node.host]), spec)
+                                lambda node: SSHAgentNode(node, connections[node.host]), spec, secret_values(spec))
 
     def stand_down(self) -> None:
         self._standbys.stand_down()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING
 
@@ -85,7 +85,7 @@ def _mount_flag(mount: Mount) -> str:
 def container_argv(
     image: str,
     argv: Sequence[str],
-    env: Mapping[str, str],
+    env: Iterable[str],
     workdir: str | None,
     run_id: str,
     *,
@@ -106,9 +106,9 @@ def container_argv(
     - workdir (absolute) is mounted at the same path and is the working directory, so relative
       paths in the job (data/, checkpoints/) land on the host; None keeps the image's /workspace,
       whose files go with the container;
-    - every env entry is passed by name (--env KEY), its value taken from the engine's own environment, which
-      the node's line sets: the engine's command line, which `ps` shows every user for the whole run, holds
-      no value;
+    - env (names) is passed by name (--env KEY), each value taken from the engine's own environment, which
+      the node's line and its agent set (a secret's, spec/secrets.py): the engine's command line, which `ps`
+      shows every user for the whole run, holds no value;
     - user (e.g. "1001:1001") runs the job as the owner of workdir instead of the image's uid 1000;
     - interactive keeps the container's stdin open (a preflight script arrives on it).
     """
@@ -149,7 +149,7 @@ def in_containers(plan: Plan, spec: JobSpec) -> Plan:
         assert node.ssh is not None
         # The job's setup without the rank hook's line: the agent's directory stays outside the container.
         setup = setup_script(spec.setup, spec.data_paths)
-        argv = container_argv(spec.image, with_setup(["python", *node.argv[1:]], setup), node.env,
+        argv = container_argv(spec.image, with_setup(["python", *node.argv[1:]], setup), [*node.env, *node.secrets],
                               node.ssh.workdir, plan.run_id, node_rank=node.node_rank, gpus=bool(node.ssh.gpus),
                               shm_size=spec.resources.shm_size, engine=engine)
         cleanup = remove_argv(plan.run_id, node.node_rank, engine)
