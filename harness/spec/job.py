@@ -494,22 +494,92 @@ def _image_reference(value: str | None) -> str | None:
     return value
 
 
+AccessMode = Literal["ReadWriteMany", "ReadWriteOnce"]
+ACCESS_MODES: tuple[AccessMode, ...] = ("ReadWriteMany", "ReadWriteOnce")
+
+
+def _access_mode(value: Any) -> AccessMode:
+    """k8s.access_mode. ReadWriteOncePod is refused: it lets a single pod mount the volume, and a job has more
+    than one (supervised: the controller and its workers)."""
+    if value in ACCESS_MODES:
+        return value
+    why = "; ReadWriteOncePod lets a single pod mount the volume, and every pod of the job mounts it" \
+        if value == "ReadWriteOncePod" else ""
+    raise ValueError(f"expected ReadWriteMany (pods on any nodes share the volume: NFS, EFS, CephFS, ...) or "
+                     f"ReadWriteOnce (one node mounts the volume, and every pod of the job runs on that node){why}, "
+                     f"got {short_repr(value)}")
+
+
+def dns_subdomain(value: str) -> bool:
+    """Whether value is a DNS-1123 subdomain, as Kubernetes names most objects: labels joined by '.'."""
+    return len(value) <= 253 and all(DNS1123_LABEL.fullmatch(part) for part in value.split("."))
+
+
+def _storage_class(value: Any) -> str:
+    """k8s.storage_class: a StorageClass's name, or "" for none (the claim binds a PersistentVolume made by hand)."""
+    if not isinstance(value, str) or (value and not dns_subdomain(value)):
+        raise ValueError(f"expected the name of a StorageClass (a DNS-1123 subdomain such as efs-sc; `kubectl get "
+                         f"storageclass` lists them), or \"\" for none, got {short_repr(value)}")
+    return value
+
+
+class ControllerRequests(StrictModel):
+    """What the scheduler sets aside for the controller pod (and a ResourceQuota's requests.* count): little, as
+    it mostly waits on its pods' streams."""
+
+    cpu: Cpus | None = "250m"
+    memory: MemorySize | None = "512Mi"
+
+
+class ControllerLimits(StrictModel):
+    """The most the controller pod may use (and a ResourceQuota's limits.* count): past memory it is OOM-killed."""
+
+    cpu: Cpus | None = "1"
+    memory: MemorySize | None = "1Gi"
+
+
+class ControllerResources(StrictModel):
+    """The controller pod's requests and limits: a namespace whose ResourceQuota covers CPU or memory admits only
+    pods that give them. A key left out keeps its default; null leaves it out of the pod."""
+
+    requests: ControllerRequests = Field(default_factory=ControllerRequests)
+    limits: ControllerLimits = Field(default_factory=ControllerLimits)
+
+    @model_validator(mode="after")
+    def _requests_within_limits(self) -> ControllerResources:
+        for key in ("cpu", "memory"):
+            request, limit = getattr(self.requests, key), getattr(self.limits, key)
+            if request is None or limit is None:
+                continue  # Kubernetes takes the limit for a request left out; no limit bounds a request
+            low, high = quantity_value(request), quantity_value(limit)
+            if low is not None and high is not None and low > high:
+                raise error_at("ControllerResources", ("requests", key), request,
+                               f"expected at most limits.{key} ({limit}): Kubernetes refuses a pod that requests "
+                               f"more than its limit, got {request}")
+        return self
+
+
 class Kubernetes(StrictModel):
     """How `harness render --target k8s` runs the job. supervised: the harness's controller runs in a pod of
     its own beside the worker pods and supervises them as it does SSH hosts (false: the pods run bare
     torchrun, for clusters that cannot run the project's image); controller_image: that pod's image, the
-    project's (docker/; default: the job's `image`); spares: worker pods beyond nnodes, waiting to take a lost
-    one's place; rejoin: seconds a restart waits for pods Kubernetes recreates before it goes on without them;
-    port: where the controller listens for its pods; metrics_from: the labels of the pods in the job's namespace
-    that may scrape the controller's metrics (health.metrics_port), which the NetworkPolicy opens to them alone
-    (unset: to nobody)."""
+    project's (docker/; default: the job's `image`); controller_resources: that pod's requests and limits;
+    spares: worker pods beyond nnodes, waiting to take a lost one's place; rejoin: seconds a restart waits for
+    pods Kubernetes recreates before it goes on without them; port: where the controller listens for its pods;
+    metrics_from: the labels of the pods in the job's namespace that may scrape the controller's metrics
+    (health.metrics_port), which the NetworkPolicy opens to them alone (unset: to nobody). storage_class: the
+    StorageClass of the job's volume (unset: the cluster's default class); access_mode: how its pods mount it,
+    ReadWriteMany (from any node) or ReadWriteOnce (from one node, where every pod of the job is then put)."""
 
     supervised: bool = True
     controller_image: str | None = None
+    controller_resources: ControllerResources = Field(default_factory=ControllerResources)
     spares: Annotated[int, Field(ge=0, le=1024)] = 0
     rejoin: Annotated[float, Field(ge=0, le=3600)] = 120
     port: Annotated[int, Field(ge=1, le=65535)] = 29400
     metrics_from: dict[str, str] | None = None
+    storage_class: Annotated[str, PlainValidator(_storage_class)] | None = None
+    access_mode: Annotated[AccessMode, PlainValidator(_access_mode)] = "ReadWriteMany"
 
     @field_validator("controller_image")
     @classmethod
@@ -528,8 +598,7 @@ def _secret_key(value: Any) -> str:
 
 
 def _secret_name(value: Any) -> str:
-    if not isinstance(value, str) or len(value) > 253 or not all(DNS1123_LABEL.fullmatch(part)
-                                                                   for part in value.split(".")):
+    if not isinstance(value, str) or not dns_subdomain(value):
         raise ValueError(f"expected the name of a Kubernetes Secret (a DNS-1123 subdomain such as hf-token), got "
                          f"{short_repr(value)}")
     return value

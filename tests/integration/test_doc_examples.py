@@ -95,6 +95,16 @@ IMAGE = "builds or runs the container image: root and docker, podman or buildah 
 
 # Commands not run here, each with the reason.
 NOT_RUN: dict[str, str] = {
+    "kind create cluster": KUBECTL,
+    "kind load docker-image ghcr.io/example/harness:0.1.0": KUBECTL,
+    "kind delete cluster": KUBECTL,
+    "harness render jobs/k8s-smoke.yaml --target k8s | kubectl apply -f -": KUBECTL + "; tests/unit/test_k8s.py "
+    "renders it as printed and checks it against the schemas",
+    "kubectl logs -f job/k8s-smoke": KUBECTL,
+    "kubectl get jobs k8s-smoke k8s-smoke-node": KUBECTL,
+    "kubectl apply -f efs-sc.yaml": "needs an EKS cluster with the EFS CSI driver",
+    "harness render eks-smoke.yaml --target k8s | kubectl apply -f -": "needs an EKS cluster, and the reader's copy "
+    "of jobs/k8s-smoke.yaml with its storage_class",
     "make setup": "installs system packages with apt-get and the pinned dependencies: root and a network; CI runs it (.ci/run)",
     "make test": "the whole suite, this test included: root, namespace clusters, the image; CI runs it",
     "make test-soak": "the soak tier: a 5-minute job and a loop that saturates every core (docs/testing.md)",

@@ -20,7 +20,9 @@ from kubeflow_trainer_api.models import (
     JobsetV1alpha2FailurePolicyRule,
     JobsetV1alpha2JobSet,
 )
+from kubernetes_validate.utils import latest_version
 
+from harness import __version__
 from harness.errors import SpecError
 from harness.spec.job import DNS1123_LABEL, load_job
 from harness.targets.k8s.manifests import (
@@ -39,6 +41,7 @@ from harness.targets.k8s.manifests import (
     object_names,
     render_manifests,
 )
+from harness.targets.k8s.objects import MIN_KUBERNETES
 from harness.targets.k8s.supervised import CONTROLLER, INFRA_EXIT, PROGRAM_EXIT, RUNS_DIR, WORKER
 from testbed.kubelet import by_kind, in_pod, job_spec, jobs_by_name, materialize, pod_dns
 
@@ -52,7 +55,7 @@ from k8s_jobs import (
     write_files,
 )
 
-K8S_VERSION = "1.37.0"
+NEWEST = latest_version()  # the newest Kubernetes whose schemas the pinned kubernetes-validate has
 # The JobSet API: kubeflow-trainer-api 2.3.0 (pinned in the test extra) carries models generated from the
 # v1alpha2 Go types of sigs.k8s.io/jobset v0.12.0, the version Kubeflow Trainer 2.3.0's go.mod requires.
 # The JobSet SDK itself is not on PyPI. Its annotation key for the restart attempt lives in the controller
@@ -74,12 +77,28 @@ def cifar(flavor: str, supervised: bool = False) -> list[dict]:
     return docs(REPO / "jobs/cifar.yaml", flavor, supervised=supervised)
 
 
-def template_as_job(jobset: dict) -> dict:
-    """The JobSet's Job template as the batch/v1 Job the controller makes of it (named as it names it)."""
-    replicated = jobset["spec"]["replicatedJobs"][0]
-    name = f"{jobset['metadata']['name']}-{replicated['name']}-0"
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, **replicated["template"]["metadata"]},
-            "spec": replicated["template"]["spec"]}
+def as_the_api_gets_them(objects: list[dict]) -> list[dict]:
+    """The objects of a render as the API server gets them: a JobSet's Job templates as the batch/v1 Jobs its
+    controller makes of them (named as it names them); the JobSet itself is its API's (api_problems)."""
+    found = [o for o in objects if o["kind"] != "JobSet"]
+    for jobset in (o for o in objects if o["kind"] == "JobSet"):
+        found += [{"apiVersion": "batch/v1", "kind": "Job",
+                   "metadata": {"name": f"{jobset['metadata']['name']}-{replicated['name']}-0",
+                                **replicated["template"]["metadata"]},
+                   "spec": replicated["template"]["spec"]} for replicated in jobset["spec"]["replicatedJobs"]]
+    return found
+
+
+def schema_problems(objects: list[dict], version: str) -> list[str]:
+    """Each object of a render against Kubernetes `version`'s own schemas, strict (an unknown field fails)."""
+    problems = []
+    for obj in as_the_api_gets_them(objects):
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(map(str, exc.absolute_path))
+            problems.append(f"{obj['kind']} {obj['metadata']['name']}: {where}: {exc.message}")
+    return problems
 
 
 def test_committed_manifests_match_a_fresh_render():
@@ -102,9 +121,7 @@ def test_strict_schema_validation(source, flavor, write_yaml, tmp_path):
         objects = cifar(flavor)
     kinds = {"core": ["Service", "Job"], "jobset": ["JobSet"]}[flavor]
     assert [o["kind"] for o in objects] == ["ConfigMap", "PersistentVolumeClaim", *kinds]
-    for obj in objects:
-        kubernetes_validate.validate(template_as_job(obj) if obj["kind"] == "JobSet" else obj, K8S_VERSION,
-                                     strict=True)
+    assert schema_problems(objects, NEWEST) == []
 
 
 def test_strict_validation_rejects_an_unknown_field():
@@ -112,7 +129,122 @@ def test_strict_validation_rejects_an_unknown_field():
     job = by_kind(cifar("core"))["Job"]
     job["spec"]["template"]["spec"]["subDomain"] = job["spec"]["template"]["spec"].pop("subdomain")
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(job, NEWEST, strict=True)
+
+
+SMOKE = REPO / "jobs/k8s-smoke.yaml"
+RENDERS = [("core", True), ("jobset", True), ("core", False), ("jobset", False)]  # (flavor, supervised)
+
+
+@pytest.mark.parametrize("job", ["cifar.yaml", "k8s-smoke.yaml"])
+@pytest.mark.parametrize(("flavor", "supervised"), RENDERS)
+def test_every_render_passes_the_schemas_of_the_oldest_kubernetes_it_names_and_of_the_newest(job, flavor, supervised):
+    """MIN_KUBERNETES, which the docs and every render's header name, is the oldest Kubernetes whose schemas take
+    every render: the one before it refuses them."""
+    objects = docs(REPO / "jobs" / job, flavor, supervised=supervised)
+    assert schema_problems(objects, MIN_KUBERNETES) == []
+    assert schema_problems(objects, NEWEST) == []
+    major, minor = MIN_KUBERNETES.split(".")
+    assert schema_problems(objects, f"{major}.{int(minor) - 1}"), "an older Kubernetes takes them: lower MIN_KUBERNETES"
+
+
+def test_the_docs_and_the_manifests_name_the_oldest_kubernetes():
+    assert f"Kubernetes {MIN_KUBERNETES} or newer" in (REPO / "docs/kubernetes.md").read_text()
+    assert (REPO / "k8s/cifar.yaml").read_text().splitlines()[0].endswith(f"For Kubernetes {MIN_KUBERNETES} or newer.")
+
+
+def quota_refusals(objects: list[dict]) -> list[str]:
+    """What a ResourceQuota on requests.cpu, requests.memory, limits.cpu and limits.memory (Kubernetes' own example
+    of a compute quota) refuses: each container that does not give each of them. The API server takes a limit for
+    a request left out."""
+    refused = []
+    for name, job in jobs_by_name(objects).items():
+        for container in job["template"]["spec"]["containers"]:
+            limits = container.get("resources", {}).get("limits", {})
+            requests = limits | container.get("resources", {}).get("requests", {})
+            refused += [f"{name}: {container['name']}: no {side}.{key}"
+                        for side, given in (("requests", requests), ("limits", limits)) for key in ("cpu", "memory")
+                        if key not in given]
+    return refused
+
+
+def test_the_k8s_smoke_example_renders_as_printed_and_every_object_passes_the_schemas():
+    """jobs/k8s-smoke.yaml as its comment prints it, from the repository's root: CPU-only pods over gloo, in the image
+    `make image` builds, on a volume any default StorageClass provisions, admitted by a compute ResourceQuota."""
+    command = "harness render jobs/k8s-smoke.yaml --target k8s"
+    assert f"#   {command} | kubectl apply -f -" in SMOKE.read_text()
+    result = harness(*command.split()[1:])
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.startswith(f"# Rendered by `{command}`")
+    objects = list(yaml.safe_load_all(result.stdout))
+    assert [o["kind"] for o in objects] == ["ConfigMap", "PersistentVolumeClaim", "Service", "Job", "Job",
+                                            "NetworkPolicy", "NetworkPolicy"]
+    assert schema_problems(objects, MIN_KUBERNETES) == schema_problems(objects, NEWEST) == []
+    make = dict(re.findall(r"^(REGISTRY|IMAGE) \?= (\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE))
+    spec = load_job(SMOKE)
+    assert spec.image == f"{make['REGISTRY']}/{make['IMAGE']}:{__version__}"
+    assert spec.backend == "gloo" and spec.resources.gpus == 0 and spec.nnodes == 2 and not spec.setup
+    assert "synthetic" in spec.entrypoint.args  # nothing to download
+    assert by_kind(objects)["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert "storageClassName" not in by_kind(objects)["PersistentVolumeClaim"]["spec"]  # the cluster's default class
+    assert all("affinity" in job["template"]["spec"] for job in jobs_by_name(objects).values())
+    assert quota_refusals(objects) == []
+
+
+def test_the_controller_pod_gives_the_requests_and_limits_a_resource_quota_asks_for(write_yaml):
+    objects = docs(small(write_yaml), supervised=True)
+    controller = jobs_by_name(objects)["small"]["template"]["spec"]["containers"][0]
+    assert controller["resources"] == {"limits": {"cpu": "1", "memory": "1Gi"},
+                                       "requests": {"cpu": "250m", "memory": "512Mi"}}
+    # SMALL's workers ask for nothing (resources.cpu and memory are the job's to give): only they are refused.
+    assert quota_refusals(objects) == [f"small-node: node: no {side}.{key}" for side in ("requests", "limits")
+                                       for key in ("cpu", "memory")]
+    own = docs(small(write_yaml, "k8s: {controller_resources: {requests: {memory: 256Mi}, limits: {cpu: null}}}\n"),
+               supervised=True)
+    assert jobs_by_name(own)["small"]["template"]["spec"]["containers"][0]["resources"] == \
+        {"limits": {"memory": "1Gi"}, "requests": {"cpu": "250m", "memory": "256Mi"}}
+    assert schema_problems(own, MIN_KUBERNETES) == []
+
+
+@pytest.mark.parametrize(("extra", "claim"), [
+    ("", {"accessModes": ["ReadWriteMany"]}),
+    ("k8s: {storage_class: efs-sc}\n", {"accessModes": ["ReadWriteMany"], "storageClassName": "efs-sc"}),
+    ('k8s: {storage_class: "", access_mode: ReadWriteOnce}\n', {"accessModes": ["ReadWriteOnce"],
+                                                                "storageClassName": ""}),
+])
+def test_the_volume_claim_takes_k8s_storage_class_and_access_mode(write_yaml, extra, claim):
+    """Unset, no storageClassName (the cluster's default class provisions the volume); "", none (a PersistentVolume
+    made by hand binds it); else that class."""
+    for flavor, supervised in RENDERS:
+        objects = docs(small(write_yaml, extra), flavor, supervised=supervised)
+        assert by_kind(objects)["PersistentVolumeClaim"]["spec"] == claim | {"resources": {"requests": {"storage": "50Gi"}}}
+        assert schema_problems(objects, MIN_KUBERNETES) == []
+
+
+@pytest.mark.parametrize(("flavor", "supervised"), RENDERS)
+def test_read_write_once_puts_every_pod_of_the_job_on_one_node(write_yaml, flavor, supervised):
+    """One node mounts a ReadWriteOnce volume, so every pod of the job requires a node that runs another of them,
+    and every pod matches every pod's term: the first one scheduled goes where the volume can be (it is exempt, as
+    it matches its own term), the others to its node. The render's header says so."""
+    path = small(write_yaml, "k8s: {access_mode: ReadWriteOnce, spares: 1}\n")
+    objects = docs(path, flavor, supervised=supervised)
+    pods = [job["template"] for job in jobs_by_name(objects).values()]
+    assert len(pods) == (2 if supervised else 1)
+    for pod in pods:
+        terms = pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert [term["topologyKey"] for term in terms] == ["kubernetes.io/hostname"]
+        assert all(terms[0]["labelSelector"]["matchLabels"].items() <= other["metadata"]["labels"].items()
+                   for other in pods)
+    assert schema_problems(objects, MIN_KUBERNETES) == schema_problems(objects, NEWEST) == []
+    if flavor == "jobset":
+        assert api_problems(by_kind(objects)["JobSet"]) == []
+    spec = load_job(path)
+    header = manifests_yaml(spec, path.read_text(), str(path), flavor, code=code_files(spec, path.parent),  # type: ignore[arg-type]
+                            supervised=supervised).split("\napiVersion:")[0]
+    assert f"# k8s.access_mode ReadWriteOnce: one node mounts the volume, so all {4 if supervised else 2} pods of " \
+           f"the job run on that node" in header
+    default = docs(small(write_yaml), flavor, supervised=supervised)
+    assert not any("affinity" in job["template"]["spec"] for job in jobs_by_name(default).values())
 
 
 def field_problems(model: type[pydantic.BaseModel], data: dict, path: str) -> list[str]:
@@ -352,6 +484,15 @@ def test_service_and_jobset_names_start_with_a_letter(write_yaml):
         (("backend: gloo", "backend: nccl"), SpecError, "resources.gpus: backend nccl needs GPUs"),
         (("env:\n", "resources: {memory: 4GB}\nenv:\n"), SpecError, "expected a Kubernetes quantity"),
         (("name: small", "name: Small_Job"), SpecError, "expected a DNS-1123 label"),
+        (("env:\n", "k8s: {access_mode: ReadWriteOncePod}\nenv:\n"), SpecError,
+         "job.yaml:9:7: k8s.access_mode: expected ReadWriteMany (pods on any nodes share the volume: NFS, EFS, CephFS, "
+         "...) or ReadWriteOnce (one node mounts the volume, and every pod of the job runs on that node); "
+         "ReadWriteOncePod lets a single pod mount the volume"),
+        (("env:\n", "k8s: {storage_class: EFS_SC}\nenv:\n"), SpecError,
+         "job.yaml:9:7: k8s.storage_class: expected the name of a StorageClass (a DNS-1123 subdomain such as efs-sc"),
+        (("env:\n", "k8s: {controller_resources: {requests: {memory: 2Gi}}}\nenv:\n"), SpecError,
+         "job.yaml:9:41: k8s.controller_resources.requests.memory: expected at most limits.memory (1Gi): Kubernetes "
+         "refuses a pod that requests more than its limit, got 2Gi"),
     ],
 )
 def test_bad_specs_fail_at_render_time(write_yaml, edit, error, message):
@@ -502,16 +643,12 @@ def test_supervised_objects_pass_the_api_schemas_and_agree_with_each_other(flavo
     jobs = jobs_by_name(objects)
     controller, workers = (jobs["cifar"], jobs["cifar-node"]) if flavor == "core" else \
         (jobs[CONTROLLER], jobs[WORKER])
-    for name, job in jobs.items():
-        kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
-                                      "spec": job}, K8S_VERSION, strict=True)
+    assert schema_problems(objects, NEWEST) == []
     for obj in objects:
         if obj["kind"] == "JobSet":
             assert api_problems(obj) == []
             assert obj["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": [CONTROLLER]}
             assert obj["spec"]["failurePolicy"] == {"maxRestarts": 0}
-        else:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
     lead = controller["template"]["spec"]["containers"][0]
     assert lead["command"] == ["harness", "k8s-controller", "/etc/harness/job.yaml"] and lead["image"] == spec.image
@@ -520,7 +657,7 @@ def test_supervised_objects_pass_the_api_schemas_and_agree_with_each_other(flavo
     assert int(lead["lifecycle"]["preStop"]["exec"]["command"][-1]) < \
         controller["template"]["spec"]["terminationGracePeriodSeconds"]
     rules = controller["podFailurePolicy"]["rules"]
-    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     assert [(r["action"], r["onExitCodes"]["values"], r["onExitCodes"]["containerName"]) for r in rules[1:]] == \
         [("FailJob", [PROGRAM_EXIT], lead["name"]), ("FailJob", [INFRA_EXIT], lead["name"])]
     assert controller["backoffLimit"] == 0 and "completionMode" not in controller

@@ -92,10 +92,11 @@ def rendered_pods(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str
         yield pod["metadata"]["name"], pod["spec"]
 
 
+@pytest.mark.parametrize("job", ["cifar.yaml", "k8s-smoke.yaml"])  # k8s-smoke: the controller's resources, ReadWriteOnce
 @pytest.mark.parametrize(("flavor", "supervised"), [("core", True), ("jobset", True), ("core", False),
                                                     ("jobset", False)])
-def test_every_rendered_pod_passes_the_restricted_standard(flavor: str, supervised: bool) -> None:
-    path = REPO / "jobs" / "cifar.yaml"
+def test_every_rendered_pod_passes_the_restricted_standard(job: str, flavor: str, supervised: bool) -> None:
+    path = REPO / "jobs" / job
     objects = render_manifests(load_job(path), path.read_text(), flavor, code={},  # type: ignore[arg-type]
                                supervised=supervised)
     pods = dict(rendered_pods(objects))

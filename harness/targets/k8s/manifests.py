@@ -36,16 +36,21 @@ from harness.targets.k8s.objects import (
     CONTAINER,
     JOBSET_API,
     MAX_NAME,
+    MIN_KUBERNETES,
     POD_SCRIPT,
     SPEC_DIR,
     WORKDIR,
     Shipped,
+    disrupted,
     hardened,
     labels,
+    on_the_volumes_node,
+    placement_note,
     pod_resources,
     secret_commands,
     secret_env,
     short,
+    volume_claim,
 )
 from harness.targets.k8s.supervised import supervised_core, supervised_jobset
 
@@ -80,7 +85,7 @@ START_SCRIPT = (
 # preempted, its node drained or lost: DisruptionTarget; torchrun killed by a signal; the master never
 # reachable) or it failed without an exit code -> counted -> reason BackoffLimitExceeded.
 POD_FAILURE_POLICY: dict[str, Any] = {"rules": [
-    {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget"}]},
+    {"action": "Count", "onPodConditions": disrupted()},
     {"action": "Count", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
                                         "values": [RDZV_WAIT_EXIT, *SIGNAL_EXITS]}},
     {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
@@ -165,6 +170,7 @@ def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, shipped:
                 # Explicit: a JobSet would default it to OnFailure, restarting one node's container alone.
                 "restartPolicy": "Never",
                 "containers": [_container(spec, names["job"], master, nproc, downward)],
+                **on_the_volumes_node(spec, names),
                 "volumes": [
                     {"name": "dshm", "emptyDir": shm},
                     {"name": "spec", "configMap": {"name": names["configmap"], "items": shipped.items}},
@@ -344,11 +350,7 @@ def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core", *, 
         raise located(spec.source, ("resources", "gpus"), "backend nccl needs GPUs: set resources.gpus (GPUs per "
                                                           "pod) to render for Kubernetes")
     configmap, items = _configmap(spec, spec_text, names, code)
-    pvc = {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": names["pvc"], "labels": labels(names)},
-        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": spec.resources.storage}}},
-    }
+    pvc = volume_claim(spec, names)
     shipped = Shipped(items, {CODE_DIGEST: _code_digest(code)} if code else {})
     if spec.k8s.supervised if supervised is None else supervised:
         render = supervised_jobset if flavor == "jobset" else supervised_core
@@ -387,8 +389,12 @@ def manifests_yaml(spec: JobSpec, spec_text: str, source: str, flavor: Flavor = 
     command = command or \
         f"harness render {source} --target k8s" + (f" --flavor {flavor}" if flavor != "core" else "") + \
         (" --unsupervised" if supervised is False else "")
-    header = f"# Rendered by `{command}`; do not edit, re-render.\n"
+    header = f"# Rendered by `{command}`; do not edit, re-render. For Kubernetes {MIN_KUBERNETES} or newer.\n"
     header += "".join(f"# Needs its secrets in the namespace first: {line}\n" for line in secret_commands(spec))
+    pods = 1 + spec.nnodes + spec.k8s.spares if (spec.k8s.supervised if supervised is None else supervised) \
+        else spec.nnodes
+    if note := placement_note(spec, pods):
+        header += f"# {note}.\n"
     docs = [yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120)
             for doc in render_manifests(spec, spec_text, flavor, code=code, supervised=supervised)]
     return header + "---\n".join(docs)

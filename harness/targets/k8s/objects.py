@@ -1,5 +1,6 @@
 """What both kinds of Kubernetes render share (manifests.py: pods that run torchrun bare; supervised.py: the
-harness's controller pod and its worker pods): where things are in a pod, names, labels, resources."""
+harness's controller pod and its worker pods): where things are in a pod, names, labels, resources, the job's
+volume and where it lets the pods run."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ CONTAINER = "torchrun"
 IMAGE_UID = 1000  # docker/Dockerfile's user; fsGroup makes the shared volume writable for it
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+# The oldest Kubernetes that takes every render as written: the API's schemas before 1.29 require onPodConditions
+# in every podFailurePolicy rule, and the supervised workers' Job has backoffLimitPerIndex, beta and on by default
+# from 1.29 (1.28's is alpha, off: the API server would drop it). tests/unit/test_k8s.py validates every render
+# against the schemas of this version and of the newest.
+MIN_KUBERNETES = "1.29"
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,44 @@ def pod_resources(spec: JobSpec) -> dict[str, Any]:
     if spec.resources.gpus:
         limits["nvidia.com/gpu"] = str(spec.resources.gpus)
     return ({"limits": limits} | ({"requests": requests} if requests else {})) if limits else {}
+
+
+def disrupted() -> list[dict[str, str]]:
+    """A podFailurePolicy rule's onPodConditions for a pod that Kubernetes itself ended (evicted, preempted, its node
+    drained or lost). The status is written out: the schemas before 1.35 require it (the API server defaults it)."""
+    return [{"type": "DisruptionTarget", "status": "True"}]
+
+
+def volume_claim(spec: JobSpec, names: dict[str, str]) -> dict[str, Any]:
+    """The job's volume (data, checkpoints, the run record): its size, k8s.access_mode and k8s.storage_class (unset:
+    no storageClassName, so the cluster's default class provisions it; "": none, a PersistentVolume made by hand
+    binds it)."""
+    claim: dict[str, Any] = {"accessModes": [spec.k8s.access_mode]}
+    if spec.k8s.storage_class is not None:
+        claim["storageClassName"] = spec.k8s.storage_class
+    claim["resources"] = {"requests": {"storage": spec.resources.storage}}
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": names["pvc"], "labels": labels(names)}, "spec": claim}
+
+
+def on_the_volumes_node(spec: JobSpec, names: dict[str, str]) -> dict[str, Any]:
+    """A pod spec's placement for k8s.access_mode ReadWriteOnce, where one node alone can mount the volume: every
+    pod of the job (each mounts it) goes to a node that runs another of them, so all go to one node. The first
+    one scheduled is exempt, as it matches its own term; the volume's own node affinity (a local volume's node,
+    a cloud disk's zone) chooses where it goes. Nothing for ReadWriteMany: the pods may run anywhere."""
+    if spec.k8s.access_mode != "ReadWriteOnce":
+        return {}
+    term = {"labelSelector": {"matchLabels": {"app.kubernetes.io/instance": names["job"]}},
+            "topologyKey": "kubernetes.io/hostname"}
+    return {"affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}}
+
+
+def placement_note(spec: JobSpec, pods: int) -> str | None:
+    """What a render of `pods` pods should say of where they run, when it constrains them."""
+    if spec.k8s.access_mode != "ReadWriteOnce" or pods < 2:
+        return None
+    return (f"k8s.access_mode ReadWriteOnce: one node mounts the volume, so all {pods} pods of the job run on that "
+            f"node, which needs room for every one of them")
 
 
 def hardened(pod: dict[str, Any]) -> dict[str, Any]:

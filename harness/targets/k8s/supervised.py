@@ -3,10 +3,11 @@ job's worker pods, supervising them as it does SSH hosts (targets/k8s/pods.py; d
 this shape).
 
 - the controller: a Job of one pod in the project's image (`k8s.controller_image`, default the job's image)
-  running `harness k8s-controller`; its end is the run's end, and its exit code what the Job's
-  podFailurePolicy reads: 0 completes the Job, a program failure (1) and an infrastructure failure past the
-  harness's own restarts (INFRA_EXIT) fail it at once (Kubernetes never retries what the harness decided);
-  its pod evicted or its node lost is recreated and a new run resumes from the newest checkpoint;
+  running `harness k8s-controller`, with small requests and limits (`k8s.controller_resources`); its end is
+  the run's end, and its exit code what the Job's podFailurePolicy reads: 0 completes the Job, a program
+  failure (1) and an infrastructure failure past the harness's own restarts (INFRA_EXIT) fail it at once
+  (Kubernetes never retries what the harness decided); its pod evicted or its node lost is recreated and a
+  new run resumes from the newest checkpoint;
 - the workers: an Indexed Job of nnodes + k8s.spares pods in the job's image, each running node/pod.py from
   the ConfigMap (standard library only), which dials the controller and runs the node agents it is sent; a
   pod deleted, evicted or lost is recreated (up to restarts.max times per index) and dials in again;
@@ -31,8 +32,10 @@ from harness.targets.k8s.objects import (
     SPEC_DIR,
     WORKDIR,
     Shipped,
+    disrupted,
     hardened,
     labels,
+    on_the_volumes_node,
     pod_resources,
     secret_env,
     short,
@@ -67,6 +70,14 @@ def _mounts(shm: bool) -> list[dict[str, Any]]:
             {"name": "work", "mountPath": WORKDIR}]
 
 
+def _controller_resources(spec: JobSpec) -> dict[str, dict[str, str]]:
+    """k8s.controller_resources as the container's, less those set to null."""
+    wanted = spec.k8s.controller_resources
+    sides = {"limits": wanted.limits.model_dump(exclude_none=True),
+             "requests": wanted.requests.model_dump(exclude_none=True)}
+    return {side: values for side, values in sides.items() if values}
+
+
 def _controller_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, code_dir: str | None) -> dict[str, Any]:
     stop_s = int(spec.timeouts.stop_grace) * 2 + GRACE_MARGIN  # the harness's stop, within the pod's grace period
     env = [{"name": "HARNESS_RUNS_DIR", "value": RUNS_DIR}, {"name": "HARNESS_K8S_TOOLS", "value": TOOLS_DIR},
@@ -76,7 +87,7 @@ def _controller_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, code
     ports = [{"name": "link", "containerPort": spec.k8s.port, "protocol": "TCP"}]
     if spec.health.metrics_port is not None:
         ports.append({"name": "metrics", "containerPort": spec.health.metrics_port, "protocol": "TCP"})
-    container = {
+    container: dict[str, Any] = {
         "name": CONTROLLER,
         "image": spec.k8s.controller_image or spec.image,
         "imagePullPolicy": "IfNotPresent",
@@ -89,12 +100,14 @@ def _controller_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, code
         # a user asks for, so that the run is recorded as stopped, every rank stopped first.
         "lifecycle": {"preStop": {"exec": {"command": ["harness", "stop", "latest", "--timeout", str(stop_s)]}}},
     }
+    if resources := _controller_resources(spec):
+        container["resources"] = resources
     metadata: dict[str, Any] = {"labels": labels(names, CONTROLLER)}
     return {
         "backoffLimit": 0,
         "podFailurePolicy": {"rules": [
             # evicted, preempted, its node drained or lost: a new controller pod, a new run from the newest checkpoint
-            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            {"action": "Ignore", "onPodConditions": disrupted()},
             {"action": "FailJob", "onExitCodes": {"containerName": CONTROLLER, "operator": "In",
                                                   "values": [PROGRAM_EXIT]}},
             {"action": "FailJob", "onExitCodes": {"containerName": CONTROLLER, "operator": "In",
@@ -106,6 +119,7 @@ def _controller_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, code
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": stop_s + GRACE_MARGIN,
                 "containers": [container],
+                **on_the_volumes_node(spec, names),
                 "volumes": _volumes(names, shipped, shm=False),
             }),
         },
@@ -147,13 +161,14 @@ def _worker_job(spec: JobSpec, names: dict[str, str], shipped: Shipped, controll
         # A pod that failed (deleted, its program killed) is recreated under a new name, up to restarts.max
         # times per index; evicted, preempted or on a lost node, always. The controller takes it back.
         "backoffLimitPerIndex": spec.restarts.max,
-        "podFailurePolicy": {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
+        "podFailurePolicy": {"rules": [{"action": "Ignore", "onPodConditions": disrupted()}]},
         "template": {
             "metadata": metadata,
             "spec": hardened({
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": int(spec.timeouts.stop_grace) + GRACE_MARGIN,
                 "containers": [container],
+                **on_the_volumes_node(spec, names),
                 "volumes": volumes,
             }),
         },
