@@ -1,4 +1,4 @@
-"""The `harness` command: render, launch, stop, stacks, status, top, logs, report, preflight, prepare.
+"""The `harness` command: render, launch, stop, stacks, status, top, logs, report, preflight, hosts, prepare.
 
 This module parses the command line and dispatches to harness.commands, nothing more.
 """
@@ -6,6 +6,7 @@ This module parses the command line and dispatches to harness.commands, nothing 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import shlex
@@ -234,11 +235,11 @@ def parser() -> argparse.ArgumentParser:
                                "(harness prepare --data-dir DIR; --help for options)")
     prepare.set_defaults(func=commands.prepare)
     # Not for users (no help: not listed): what the batch script of `harness launch --target slurm` runs.
-    batch_step = verbs.add_parser("batch-step")
+    batch_step = verbs.add_parser(INTERNAL_VERBS[0])
     batch_step.add_argument("run_dir", metavar="RUN_DIR")
     batch_step.set_defaults(func=commands.batch_step)
     # Not for users either: what the controller pod of a supervised Kubernetes job runs (k8s/).
-    k8s_controller = verbs.add_parser("k8s-controller")
+    k8s_controller = verbs.add_parser(INTERNAL_VERBS[1])
     k8s_controller.add_argument("job", metavar="JOB")
     k8s_controller.add_argument("--runs-dir")
     k8s_controller.set_defaults(func=commands.k8s_controller)
@@ -386,20 +387,44 @@ def _preflight_verb(verbs: Verbs) -> None:
     preflight.set_defaults(func=commands.preflight)
 
 
+INTERNAL_VERBS = ("batch-step", "k8s-controller")  # what the harness runs itself: a Slurm batch step, a pod
+
+
+def _known_verb(top: argparse.ArgumentParser, given: list[str]) -> None:
+    """A verb that is not one: the nearest verb named, the user's verbs listed (not the internal ones)."""
+    if not given or given[0].startswith("-"):
+        return
+    verbs = [verb for verb in top.get_default("verbs").choices if verb not in INTERNAL_VERBS]
+    if given[0] in verbs or given[0] in INTERNAL_VERBS:
+        return
+    near = difflib.get_close_matches(given[0], verbs, n=1)
+    top.error(f"unknown verb {given[0]!r}" + (f" (did you mean {near[0]!r}?)" if near else "") +
+              f"; the verbs: {', '.join(verbs)}")
+
+
+def _meant_flag(verb: argparse.ArgumentParser, passthrough: list[str]) -> str:
+    """` (did you mean --nnodes?)` for a misspelt flag of the verb's."""
+    flags = [flag for flag in verb._option_string_actions if flag.startswith("--")]
+    meant = [(word, near[0]) for word in passthrough if word.startswith("--")
+             if (near := difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.8))]
+    return "".join(f" ({word.split('=')[0]}: did you mean {flag}?)" for word, flag in meant)
+
+
 def main(argv: list[str] | None = None) -> int:
     top = parser()
     given = sys.argv[1:] if argv is None else argv
     script_args: list[str] = []
     if given[:1] in (["launch"], ["render"]):
         given, script_args = _split_script_args(given)
+    _known_verb(top, given)
     args, passthrough = top.parse_known_args(given)
     if passthrough and args.verb != "prepare":
         verb = args.verbs.choices[args.verb]
+        unknown = f"unrecognized arguments: {' '.join(passthrough)}{_meant_flag(verb, passthrough)}"
         if args.verb in ("launch", "render") and (args.module or not str(args.job).endswith((".yaml", ".yml"))):
             fixed = ["harness", args.verb, *command_line(verb, args, _NOT_RERUN), "--", *passthrough, *script_args]
-            verb.error(f"unrecognized arguments: {' '.join(passthrough)}; the script's own arguments go after `--`: "
-                       f"{shlex.join(fixed)}")
-        verb.error(f"unrecognized arguments: {' '.join(passthrough)}")
+            verb.error(f"{unknown}; the script's own arguments go after `--`: {shlex.join(fixed)}")
+        verb.error(unknown)
     if args.verb in ("launch", "render"):
         if args.job is None and args.module is None and script_args:
             args.job = script_args.pop(0)

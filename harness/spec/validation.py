@@ -83,10 +83,13 @@ def validate(model: type[Model], doc: Document, at: KeyPath = (), data: Any = No
     try:
         return model.model_validate(value)
     except ValidationError as exc:
-        problems: list[Problem] = []
-        for error in exc.errors():
-            loc = tuple(part for part in error["loc"] if part != "[key]")
-            problems.append(doc.problem(at + loc, _message(model, error, loc)))
+        errors = [(tuple(part for part in error["loc"] if part != "[key]"), error) for error in exc.errors()]
+        # A misspelt key first: its "did you mean" is why the key it meant is missing, which is left unsaid.
+        meant = {(*loc[:-1], hint[0]) for loc, error in errors if error["type"] == "extra_forbidden"
+                 if (hint := difflib.get_close_matches(str(loc[-1]), _known_keys(model, loc), n=1))}
+        errors.sort(key=lambda item: item[1]["type"] != "extra_forbidden")
+        problems = [doc.problem(at + loc, _message(model, error, loc)) for loc, error in errors
+                    if not (error["type"] == "missing" and loc in meant)]
         raise SpecError(_unique(problems)) from None
 
 

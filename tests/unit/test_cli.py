@@ -81,3 +81,27 @@ def test_a_scripts_arguments_before_the_double_dash_are_refused_with_the_command
     with pytest.raises(SystemExit):
         cli.main(["launch", "job.yaml", "--steps", "5"])
     assert capsys.readouterr().err.endswith("error: unrecognized arguments: --steps 5\n"), "a spec file has no script args"
+
+
+def test_a_misspelt_flag_or_verb_is_answered_with_the_nearest_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["launch", "train.py", "--nodes", "2"])
+    error = capsys.readouterr().err
+    assert ended.value.code == 2 and error.endswith(
+        "error: unrecognized arguments: --nodes 2 (--nodes: did you mean --nnodes?); the script's own arguments go "
+        "after `--`: harness launch train.py -- --nodes 2\n"), error
+    for typed, said in (("lanch", "unknown verb 'lanch' (did you mean 'launch'?); "), ("fly", "unknown verb 'fly'; ")):
+        with pytest.raises(SystemExit) as ended:
+            cli.main([typed])
+        error = capsys.readouterr().err
+        assert ended.value.code == 2 and error.endswith(
+            f"harness: error: {said}the verbs: render, launch, stop, stacks, status, top, logs, report, preflight, "
+            f"hosts, prepare\n"), error
+
+
+def test_the_top_level_help_names_every_verb_a_user_types() -> None:
+    shown = subprocess.run([sys.executable, "-m", "harness.cli", "--help"], capture_output=True, text=True,
+                           timeout=60).stdout
+    verbs = [verb for verb in cli.parser().get_default("verbs").choices if verb not in cli.INTERNAL_VERBS]
+    described = " ".join(shown.split("\n\n")[1].split())
+    assert described == f"The `harness` command: {', '.join(verbs)}.", described

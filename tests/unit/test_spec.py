@@ -118,6 +118,13 @@ def test_bad_spec_is_located_and_explained(write_yaml, text, expected):
     assert any(expected in p for p in found), found
 
 
+def test_a_misspelt_required_key_is_said_first_and_alone(write_yaml):
+    """`nnode:` is the problem; `nnodes` missing is what follows from it, not a second one to fix."""
+    found = problems(write_yaml("name: demo\nnnode: 2\nentrypoint: {module: m}\nbackend: mpi\n"))
+    assert "job.yaml:2:1: nnode: unknown key 'nnode' (did you mean 'nnodes'?)" in found[0], found
+    assert len(found) == 2 and not any("required key is missing" in problem for problem in found), found
+
+
 def test_every_problem_is_reported_at_once(write_yaml):
     found = problems(write_yaml("name: BAD\nnnodes: 0\nentrypoint: {module: m}\ntypo: 1\n"))
     assert len(found) == 3, found
@@ -138,7 +145,8 @@ def test_missing_file_exits_2():
 
 
 def test_the_health_section_docs_health_md_shows_is_the_default() -> None:
-    """docs/health.md says its `health:` block holds the defaults: the progress pattern included, to the byte."""
+    """docs/health.md says its `health:` block holds the defaults (the progress patterns, spec/progress.py, it
+    describes in words)."""
     block = re.search(r"## The `health:` section\n+```yaml\n(.*?)```", (REPO / "docs" / "health.md").read_text(), re.S)
     assert block, "docs/health.md's health: block"
     assert Health.model_validate(yaml.safe_load(block.group(1))["health"]) == Health()
