@@ -246,8 +246,10 @@ def launch(args: argparse.Namespace) -> int:
                                  collapse=not args.no_collapse)
     from harness.view.metrics import LOOPBACK, serving_metrics
 
-    with serving_metrics(run_dir(root, run_id), spec.health.metrics_port, spec.health.metrics_address or LOOPBACK):
-        return controller.launch(target, spec, job.text, job.source, root, run_id, collapse=not args.no_collapse)
+    with serving_metrics(run_dir(root, run_id), spec.health.metrics_port, spec.health.metrics_address or LOOPBACK) \
+            as metrics:
+        return controller.launch(target, spec, job.text, job.source, root, run_id, collapse=not args.no_collapse,
+                                 metrics=metrics)
 
 
 def _target(args: argparse.Namespace, spec: JobSpec) -> Backend | Scheduler:
@@ -291,8 +293,9 @@ def batch_step(args: argparse.Namespace) -> int:
                           lambda: client.requeue(job_id, exclude=list(slurm_nodes_out())))
     from harness.view.metrics import LOOPBACK, serving_metrics
 
-    with serving_metrics(run, spec.health.metrics_port, spec.health.metrics_address or LOOPBACK):
-        return controller.continue_run(SrunBackend(Allocation.from_env(os.environ, client)), spec, continued)
+    with serving_metrics(run, spec.health.metrics_port, spec.health.metrics_address or LOOPBACK) as metrics:
+        return controller.continue_run(SrunBackend(Allocation.from_env(os.environ, client)), spec, continued,
+                                       metrics=metrics)
 
 
 TIME_LIMIT = "Slurm's time-limit warning"
@@ -316,8 +319,9 @@ def k8s_controller(args: argparse.Namespace) -> int:
                           os.environ.get("HARNESS_K8S_CODE") or None, spec.k8s.rejoin,
                           stopped=run.stop_marker.exists)  # the pod's preStop hook: `harness stop`
     try:
-        with serving_metrics(run, spec.health.metrics_port, spec.health.metrics_address or EVERY_INTERFACE):
-            code = controller.launch(backend, spec, Path(args.job).read_text(), args.job, root, run.run_id)
+        with serving_metrics(run, spec.health.metrics_port, spec.health.metrics_address or EVERY_INTERFACE) as metrics:
+            code = controller.launch(backend, spec, Path(args.job).read_text(), args.job, root, run.run_id,
+                                     metrics=metrics)
     finally:
         backend.link.dismiss(0)  # the worker pods did their part; the controller's Job says how the run ended
     summary = run.read_summary()

@@ -184,7 +184,9 @@ class Trainer:
         # SIGUSR1 (a time-limit or preemption warning): the ranks agree at the next log interval, save a
         # checkpoint there and stop, so that the requeued job loses nothing.
         self.warned = runtime.warning_signal() if args.ckpt_dir is not None else None
+        reading = time.perf_counter()
         found = find_checkpoint(args.ckpt_dir, rt, args.strategy, self.log) if args.resume else None
+        read_s = time.perf_counter() - reading
         self.split = batch_split(args, rt, found[1].progress if found else None, self.log)
         self.steps_per_epoch = len(self.ds.train_y) // self.split.global_batch
         if self.steps_per_epoch == 0:
@@ -194,7 +196,7 @@ class Trainer:
         self.max_steps = total_steps if args.max_steps is None else min(args.max_steps, total_steps)
         self.model, self.parallel, self.optimizer, self.scheduler = self._build(total_steps)
         config = run_config(args, self.split.global_batch)
-        self.progress = self._resume(*found, config) if found else Progress(config, rt.world_size)
+        self.progress = self._resume(*found, config, read_s) if found else Progress(config, rt.world_size)
         # Static shapes: every training batch has one shape, so a changed shape is a bug to recompile for,
         # not a reason to switch to slower shape-generic kernels.
         compiled = torch.compile(self.model, mode=args.compile, dynamic=False) if args.compile else self.model
@@ -240,16 +242,19 @@ class Trainer:
         module.register_forward_pre_hook(lambda *_: kept.take(self.progress.global_step))
         return kept
 
-    def _resume(self, path: Path, saved: checkpoint.Checkpoint, config: Config) -> Progress:
-        """Load the checkpoint's states; its progress goes on with this run's world size."""
+    def _resume(self, path: Path, saved: checkpoint.Checkpoint, config: Config, read_s: float) -> Progress:
+        """Load the checkpoint's states; its progress goes on with this run's world size. The line says how long the
+        restore took (read_s: finding and reading the file), the harness's `restore` phase of a restart."""
+        loading = time.perf_counter()
         check_same_config(saved.progress.config, config, self.args.ckpt_dir)
         self.parallel.load(path, saved, self.optimizer)
         self.scheduler.load_state_dict(saved.scheduler)
         saved.rng.restore(self.rt.device)
         p = saved.progress
         # epoch E/EPOCHS step N/PER_EPOCH, as the progress lines say it: a progress pattern reads the same step
+        restored_s = read_s + time.perf_counter() - loading
         self.log(f"resume: epoch {p.epoch + 1}/{self.args.epochs} step {p.step}/{self.steps_per_epoch} "
-                 f"(global step {p.global_step}) from {path}")
+                 f"(global step {p.global_step}) from {path}, restored in {restored_s:.3f} s")
         return replace(p, world_size=self.rt.world_size)
 
     def _announce(self) -> None:

@@ -14,8 +14,8 @@ steps that were not done again:
 A step is known from the job's progress lines (health.progress): a job that prints none has no training and
 a goodput of 0, which is what the record can prove.
 
-A restart's own phases (restart_of), from the failed attempt's last progress to the next one's first step, are
-kept in that attempt's record."""
+A restart's own phases (restart_of), from the fault to the next attempt's first step (the seconds `restarting`
+counts), are kept in that attempt's record: the run's one recovery figure."""
 
 from __future__ import annotations
 
@@ -125,25 +125,37 @@ def goodput_of(run: RunDir, state: RunState, summary: RunSummary | None, now: fl
     return run_goodput(state.started_at, state.ended_at or now, run.read_attempts(), live, now)
 
 
+def ending_parts(summary: RunSummary) -> tuple[float, float] | None:
+    """The run's `ending` split where the record can: the seconds its last attempt's nodes ran after their last
+    step line (the job's last save, evaluation and exit; or, after a failure, their stop), and the seconds after
+    the last node ended (the harness's sweep and record). None: no attempt, or no step line."""
+    last = summary.attempts[-1] if summary.attempts else None
+    if last is None or last.progress is None:
+        return None
+    times = AttemptTimes.of(last)
+    began = max(last.progress.last_at, times.hang_at or times.fault_at or last.progress.last_at)
+    return round(max(0.0, last.ended_at - began), 3), round(max(0.0, summary.ended_at - last.ended_at), 3)
+
+
 def restart_of(failed: Attempt, started_at: float, joined: Sequence[float], progress: Progress | None,
                furthest: int | None) -> Restart:
-    """How the attempt that started at started_at came to its first step after failed: detection (failed's last
-    progress line to its fault, or to the hang's verdict), stop (to its last node's end), backoff, preflight (the
-    plan and checks, to this attempt's start), start-up (to the first rank joining the process group: processes,
-    imports), rendezvous (to the last rank joining), restore (to its first progress line: the payload's resume
-    line), first step (to the first line past it). joined: when each rank joined; furthest: the furthest step of
-    the attempts before."""
+    """How the attempt that started at started_at came to its first step after failed, from failed's fault (the
+    failure noticed, or the hang's verdict): stop (to its last node's end), backoff, preflight (the plan and checks,
+    to this attempt's start), start-up (to the first rank joining the process group: processes, imports),
+    rendezvous (to the last rank joining), loading (to the resume line, less the restore it says), restore (the
+    seconds the resume line says the restore took), first step (to the first step line). joined: when each rank
+    joined; furthest: the furthest step of the attempts before."""
     times = AttemptTimes.of(failed)
     fault = times.hang_at or times.fault_at or failed.ended_at
-    # A line that said the last step may arrive just after the fault was noticed (the stream lags): detection 0.
-    alive = min(failed.progress.last_at, fault) if failed.progress is not None else None
     backoff_end = failed.ended_at + (failed.backoff_s or 0.0)
-    ends = [("detection", fault if alive is not None else None), ("stop", failed.ended_at), ("backoff", backoff_end),
-            ("preflight", started_at),
+    resumed = progress.resumed_at if progress is not None else None
+    restore = progress.restore_s if progress is not None and resumed is not None else None
+    ends = [("stop", failed.ended_at), ("backoff", backoff_end), ("preflight", started_at),
             ("start-up", min(joined) if joined else None), ("rendezvous", max(joined) if joined else None),
-            ("restore", progress.first_at if progress is not None else None),
-            ("first step", progress.stepped_at if progress is not None else None)]
-    begin = at = alive if alive is not None else fault
+            ("loading", resumed - (restore or 0.0) if resumed is not None else None),
+            ("restore", resumed if restore is not None else None),
+            ("first step", progress.first_at if progress is not None else None)]
+    at = fault
     phases: dict[str, float] = {}
     for phase, end in ends:
         if end is not None:
@@ -151,7 +163,7 @@ def restart_of(failed: Attempt, started_at: float, joined: Sequence[float], prog
             at = max(at, end)
     redone = redone_s = None
     if progress is not None and furthest is not None:
-        redone = max(0, furthest - progress.first_step)
-        start = progress.stepped_at or progress.first_at
-        redone_s = round(progress.new_at - start, 3) if redone and progress.new_at is not None else None
-    return Restart(phases, round(at - begin, 3), redone, redone_s)
+        redone = max(0, furthest - (progress.resumed_step if progress.resumed_step is not None else
+                                    progress.first_step))
+        redone_s = round(progress.new_at - progress.first_at, 3) if redone and progress.new_at is not None else None
+    return Restart(phases, round(at - fault, 3), redone, redone_s, stepped=progress is not None)

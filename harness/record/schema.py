@@ -67,6 +67,7 @@ class RunState:
     error: str | None = None
     attempt: int = 0
     scheduler_job: str | None = None  # the batch system's job id (Slurm), which owns the processes
+    metrics: str | None = None  # where its controller serves its metrics while it runs (health.metrics_port)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,9 @@ class Progress:
     and last step and when their lines came; new_at: when it first went past the furthest step of the attempts
     before it (the steps until then were done again; None: not yet); total: the run's steps where the lines say
     (`step 12/97`, `epoch 1/3 step 12/97`); rate: steps per second lately (None: not known yet); saving_s: the
-    seconds its checkpoint saves took, where its lines say (health.checkpoint)."""
+    seconds its checkpoint saves took, where its lines say (health.checkpoint); resumed_step, resumed_at: the step
+    a rank's line said it resumed at, and when (spec/progress.py; None: none said), restore_s the seconds that
+    line said the restore took."""
 
     first_step: int
     first_at: float
@@ -158,7 +161,9 @@ class Progress:
     total: int | None = None
     rate: float | None = None
     saving_s: float = 0.0
-    stepped_at: float | None = None  # when a line first said a step past first_step (None: not yet)
+    resumed_step: int | None = None
+    resumed_at: float | None = None
+    restore_s: float | None = None
 
     def left_s(self) -> float | None:
         """Seconds to the last step at the recent rate (None: no total or no rate known)."""
@@ -167,26 +172,29 @@ class Progress:
         return max(0.0, self.total - self.last_step) / self.rate
 
 
-RESTART_PHASES = ("detection", "stop", "backoff", "preflight", "start-up", "rendezvous", "restore", "first step")
+RESTART_PHASES = ("stop", "backoff", "preflight", "start-up", "rendezvous", "loading", "restore", "first step")
 
 
 @dataclass(frozen=True)
 class Restart:
     """How an attempt after a failed one came to its first step (record/goodput.restart_of), in seconds: its
-    phases in the order of RESTART_PHASES, adding up to total_s, from the failed attempt's last progress line to
-    this one's first step done. A phase the record cannot see (no progress line, ranks not watched joining) is
-    left out and its time falls in the next one seen. steps_redone: the steps done again, which the earlier
-    attempts had done (None: no progress lines), and redone_s the seconds they took (None: not yet past them)."""
+    phases in the order of RESTART_PHASES, adding up to total_s, the run's one recovery figure: from the fault (the
+    failure noticed, or the hang's verdict) to this attempt's first step line (stepped), or to the last phase seen
+    when it had none. A phase the record cannot see (ranks not watched joining, no resume line) is left out and
+    its time falls in the next one seen. steps_redone: the steps done again, which the earlier attempts had done
+    (None: no progress lines), and redone_s the seconds they took (None: not yet past them)."""
 
     phases: dict[str, float]
     total_s: float
     steps_redone: int | None = None
     redone_s: float | None = None
+    stepped: bool = True
 
     def describe(self) -> str:
-        """`5.8 s to the first step (detection 0.7 s, stop 0.8 s, ...); 4 steps redone in 0.9 s`."""
+        """`recovered in 5.80 s (stop 0.80 s, ...); 4 step(s) redone in 0.90 s`."""
         phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases.items())
-        text = f"{self.total_s:.2f} s to the first step ({phases})"
+        text = f"recovered in {self.total_s:.2f} s ({phases})" if self.stepped else \
+            f"no first step: {self.total_s:.2f} s from the fault ({phases})"
         if self.steps_redone is not None:
             text += f"; {self.steps_redone} step(s) redone" + (f" in {self.redone_s:.2f} s" if self.redone_s else "")
         return text
@@ -197,7 +205,8 @@ class Attempt:
     """One start of every node. failures: cause first (a node's own failure before the consequences
     on its peers). Timings in seconds: teardown from the first failure to the last node's end,
     backoff the wait before the next attempt, preflight the planning and checks before this one
-    started, recover_s from the previous attempt's first failure to this one's nodes running."""
+    started, recover_s the run's recovery figure: from the previous attempt's fault to this one's first step
+    (restart.total_s; None: no first step seen)."""
 
     attempt: int
     hosts: list[str]

@@ -64,12 +64,13 @@ STANDBY_AFTER = 10.0  # seconds into an attempt whose ranks were not seen joinin
 
 
 def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: str, runs_root: Path, run_id: str,
-           out: IO[str] = sys.stdout, detach: bool = False, collapse: bool = True) -> int:
+           out: IO[str] = sys.stdout, detach: bool = False, collapse: bool = True, metrics: str | None = None) -> int:
     """Run the job on target to its end (restarting it as spec.restarts allows); the harness's exit
     status. Nothing exists yet when the first check fails. A backend is closed at the end. spec_text:
     the spec as its file holds it (kept as the run's spec.yaml); source: that file, or the command that
     made the spec. detach: a scheduler's job is submitted, not followed. collapse: identical lines of
-    many ranks are shown as one on the terminal (run/terminal.py; False: --no-collapse)."""
+    many ranks are shown as one on the terminal (run/terminal.py; False: --no-collapse). metrics: where the run's
+    metrics are served (view/metrics.py; None: nowhere), said first and kept in its state."""
     terminal = Terminal(out)
     target_run: _TargetRun = _SchedulerRun(target, spec, terminal, detach) if isinstance(target, Scheduler) else \
         _BackendRun(target, spec, terminal)
@@ -82,8 +83,14 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
             target.announce_to(terminal.say)
         target_run.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
                                 started_at=began, nnodes=target_run.nnodes, world_size=target_run.world_size,
-                                controller=_this_controller(), hosts=target_run.hosts)
+                                controller=_this_controller(), hosts=target_run.hosts, metrics=metrics)
+        _say_metrics(terminal, run_id, metrics)
         return _run(target_run, run, terminal)
+
+
+def _say_metrics(terminal: Terminal, run_id: str, metrics: str | None) -> None:
+    if metrics is not None:
+        terminal.say(f"run {run_id}: metrics on {metrics}")
 
 
 def _new_record(runs_root: Path, run_id: str, terminal: Terminal, record_file: str, spec: JobSpec, spec_text: str,
@@ -113,7 +120,8 @@ def _new_record(runs_root: Path, run_id: str, terminal: Terminal, record_file: s
     return replace(run, disk=disk)
 
 
-def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[str] = sys.stdout) -> int:
+def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[str] = sys.stdout,
+                 metrics: str | None = None) -> int:
     """launch, for a run whose directory exists: its next attempt on backend, and on to the run's end,
     unless the allocation's time is up first (then the job is requeued, and the run goes on there)."""
     terminal = Terminal(out)
@@ -127,7 +135,9 @@ def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[
         terminal.record = StreamRecord(run.stream, disk=disk)
         terminal.logs_command = f"harness logs {run.run_id}"
         target_run.state = replace(run.read_state(), status=RunStatus.RUNNING, controller=_this_controller(),
-                               nnodes=target_run.nnodes, world_size=target_run.world_size, hosts=target_run.hosts)
+                                   nnodes=target_run.nnodes, world_size=target_run.world_size,
+                                   hosts=target_run.hosts, metrics=metrics)
+        _say_metrics(terminal, run.run_id, metrics)
         return _run(target_run, run, terminal)
 
 
@@ -475,6 +485,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     previous_failure = before[-1].failures[0] if before and before[-1].failures else None
     progress = sup.health_loop.track_progress([])
     joined = [at for live in sup.nodes for at in live.joined.values()]
+    restart = restart_of(before[-1], started, joined, progress, furthest) if previous_failure else None
     return Attempt(
         attempt=plan.attempt, hosts=[n.host for n in plan.nodes], status=status, started_at=started, ended_at=ended,
         nodes=[recorded_node(r, run, plan.attempt) for r in sup.nodes], failures=failures,
@@ -482,12 +493,10 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         if status is RunStatus.FAILED else None,
         down=sorted({f.host for f in failures if f.host_down}), preflight_s=round(preflight_s, 3),
         teardown_s=round(ended - sup.stopping_since, 3) if sup.stopping_since else None,
-        recover_s=round(started - (before[-1].started_at + previous_failure.after_s), 3)
-        if previous_failure else None,
+        recover_s=restart.total_s if restart is not None and restart.stepped else None,
         joined_ranks=sorted(set().union(*(r.joined for r in sup.nodes))) if watched else None,
         nnodes=plan.nnodes, world_size=plan.world_size, health=sup.health_loop.events, progress=progress,
-        restart=restart_of(before[-1], started, joined, progress, furthest)
-        if previous_failure else None, warm=warm,
+        restart=restart, warm=warm,
     )
 
 

@@ -179,7 +179,7 @@ class HealthLoop:
     def track_progress(self, rates: list[float]) -> Progress | None:
         """The attempt's progress from every rank's steps (rates: their step rates now; none: as before): the
         furthest step any rank reported (in a data-parallel job, often only rank 0 prints), and when it first
-        went past the earlier attempts' furthest step."""
+        went past the earlier attempts' furthest step; and where a rank said it resumed (the first to say)."""
         marks = [mark for live in self.nodes for activity in live.activity.values() for mark in activity.steps]
         if not marks:
             return self.progress
@@ -194,12 +194,11 @@ class HealthLoop:
         activities = [activity for live in self.nodes for activity in live.activity.values()]
         totals = [activity.total for activity in activities if activity.total is not None]
         rate = max(rates) if rates else self.progress.rate if self.progress else None
-        stepped_at = self.progress.stepped_at if self.progress else None
-        if stepped_at is None:
-            stepped = [mark.at for mark in marks if mark.step > first.step]
-            stepped_at = min(stepped) if stepped else None
+        resumes = [(activity.resumed, activity.restore_s) for activity in activities if activity.resumed is not None]
+        resumed, restore_s = min(resumes, key=lambda said: said[0].at) if resumes else (None, None)
         self.progress = Progress(first.step, first.at, last.step, last.at, new_at, max(totals) if totals else None,
-                                 rate, round(max(activity.saving_s for activity in activities), 3), stepped_at)
+                                 rate, round(max(activity.saving_s for activity in activities), 3),
+                                 resumed.step if resumed else None, resumed.at if resumed else None, restore_s)
         return self.progress
 
 

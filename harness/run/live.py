@@ -13,6 +13,7 @@ from typing import NamedTuple
 from harness.plan.planner import Node, NodePlan
 from harness.run import worker_output
 from harness.run.cascade import TRACEBACK, Cascade
+from harness.spec.progress import LinePatterns, global_step, step_total
 from harness.targets.base import Outcome
 
 TAIL_LINES = 20  # of the failing rank's, in the report
@@ -53,7 +54,9 @@ class RankActivity:
     line: str
     at: float
     steps: deque[StepMark] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
-    total: int | None = None  # the run's steps, where its lines say (step_total)
+    total: int | None = None  # the run's steps, where its lines say (step_total); a line without keeps it
+    resumed: StepMark | None = None  # the step its attempt resumed at, where a line says (no step taken)
+    restore_s: float | None = None  # how long that resume line says the restore took
     loss: float | None = None  # its last loss and throughput (items per second), where its lines say them
     throughput: float | None = None
     saving_s: float = 0.0  # seconds its lines said its checkpoint saves took (health.checkpoint)
@@ -79,8 +82,10 @@ class LiveNode:
     in_agent_cpp_log: bool = False  # within a C++ log line of torchrun's own and its exception dump
     oom: dict[int, str] = field(default_factory=dict)  # rank -> the kernel's line: its OOM killer ended it
     cascade: Cascade = field(default_factory=Cascade)  # its ranks' consequent errors, held back
-    held_all: bool = False  # another node failed first: all this node says now is held back
+    held_all: bool = False  # another node failed first: what this node's torchrun and torch say now is held back
     activity: dict[int, RankActivity] = field(default_factory=dict)
+    taken: int = 0  # lines that went into the tail so far (it keeps the last TAIL_KEPT)
+    stopped_at: int | None = None  # lines taken when the harness began stopping it (None: it did not)
 
     @property
     def ranks_started(self) -> bool:
@@ -123,23 +128,26 @@ class LiveNode:
             if quiet_cpp_info:
                 return line, False
         self.tail.append(line)
+        self.taken += 1
         if self.in_agent_cpp_log:
             return line, False
         self.torchrun_reporting = self.torchrun_reporting or worker_output.starts_torchrun_report(line)
         return line, not (self.torchrun_reporting and worker_output.rank_of(line) is None)
 
     def take_block(self, text: str, at: float, quiet_cpp_info: bool = False,
-                   progress: re.Pattern[str] | None = None) -> Block:
+                   progress: LinePatterns | None = None) -> Block:
         """A block of whole lines that arrived at `at`: what is logged, streamed and shown of it (take()'s
         rules line by line, and the cascade's), each rank's last line and step noted. A block of plain rank
         lines, while nothing is held or being read, passes whole."""
         count = text.count("\n")
         if progress is not None:
+            self._note_resumes(text, at, progress)
             self._note_first_step(text, at, progress)
         if not (self.in_agent_cpp_log or self.torchrun_reporting or self.held_all or not self.cascade.idle) and \
                 _plain(text, count):
             last = text[:-1].rsplit("\n", TAIL_KEPT)[-TAIL_KEPT:]  # from the end: no str for each line of a big block
             self.tail.extend(last)
+            self.taken += count
             self._note(last, at, progress)
             return Block(text, text, text, count)
         logged: list[str] = []
@@ -152,11 +160,11 @@ class LiveNode:
                 continue
             streamed.append(line)
             rank = worker_output.rank_of(line)
-            if self.held_all:
-                self.cascade.hold(rank)
+            if self.held_all and (rank is None or worker_output.is_rank_cpp_log(line)):
+                self.cascade.hold(rank)  # torchrun's and torch's own words on what followed another node's failure
             elif rank is None:
                 shown.append(line)
-            else:
+            else:  # a rank's own line is shown, unless the cascade holds it (a consequence, a copy of another's)
                 shown += self.cascade.take(rank, line, line[len(f"[rank{rank}]: "):])
         self._note(streamed, at, progress)
         return Block(_text(logged), _text(streamed), _text(shown), len(shown))
@@ -176,7 +184,17 @@ class LiveNode:
         shown = [] if self.held_all else self.cascade.release()
         return Block("", "", _text(shown), len(shown))
 
-    def _note_first_step(self, text: str, at: float, progress: re.Pattern[str]) -> None:
+    def _note_resumes(self, text: str, at: float, progress: LinePatterns) -> None:
+        """Where each rank says its attempt resumed: the step its count starts from, which is no step taken."""
+        if progress.resume is None or progress.resume.search(text) is None:
+            return
+        for line in text.splitlines():
+            if (found := progress.resume.search(line)) and (rank := worker_output.rank_of(line)) is not None:
+                activity = self.activity.setdefault(rank, RankActivity(line, at))
+                if activity.resumed is None:
+                    activity.resumed, activity.restore_s = StepMark(at, global_step(found)), _number(found, "seconds")
+
+    def _note_first_step(self, text: str, at: float, progress: LinePatterns) -> None:
         """The node's first step line, where the block with it brings several (a restart's steps come quickly):
         the attempt's first step is the one after its resume, not the block's last, which _note keeps."""
         if any(activity.steps for activity in self.activity.values()) or progress.search(text) is None:
@@ -186,7 +204,7 @@ class LiveNode:
                 self.activity.setdefault(rank, RankActivity(line, at)).steps.append(StepMark(at, global_step(found)))
                 return
 
-    def _note(self, lines: list[str], at: float, progress: re.Pattern[str] | None) -> None:
+    def _note(self, lines: list[str], at: float, progress: LinePatterns | None) -> None:
         """Each rank's last line and, where progress finds one, its last step, from the block's last lines."""
         looked_at = lines[-LAST_LINES_LOOKED_AT:]
         if progress is not None and progress.search("\n".join(looked_at)) is None:
@@ -209,36 +227,25 @@ class LiveNode:
             if progress is not None and activity is not None and (found := progress.search(line)):
                 stepped.add(rank)
                 step = global_step(found)
-                if not activity.steps or activity.steps[-1].step != step:
+                if not activity.steps or activity.steps[-1].step != step:  # (the block's first: _note_first_step's)
                     activity.steps.append(StepMark(at, step))
-                    activity.total = step_total(found)
-                    activity.loss, activity.throughput = _number(found, "loss"), _number(found, "throughput")
+                activity.total = step_total(found) or activity.total
+                activity.loss, activity.throughput = _number(found, "loss"), _number(found, "throughput")
+
+    def stopping(self) -> None:
+        """The harness begins to stop the node: what it says from now on is its reaction (torchrun's
+        SignalException, a rank's KeyboardInterrupt), not its last words."""
+        if self.stopped_at is None:
+            self.stopped_at = self.taken
 
     def last_lines(self, rank: int | None, count: int = TAIL_LINES) -> list[str]:
-        """The failing rank's own last lines say why; the node's tail is the fallback."""
-        own = [line for line in self.tail if rank is not None and line.startswith(f"[rank{rank}]:")]
-        return (own or list(self.tail))[-count:]
-
-
-def global_step(found: re.Match[str]) -> int:
-    """The step a progress line names, counted from the run's start: `epoch 2/12 step 248/312` is step 560
-    (the pattern's groups epoch, from 1, and per_epoch), `step 560` is 560."""
-    groups = found.groupdict()
-    step = int(groups["step"])
-    if groups.get("epoch") and groups.get("per_epoch"):
-        return (int(groups["epoch"]) - 1) * int(groups["per_epoch"]) + step
-    return step
-
-
-def step_total(found: re.Match[str]) -> int | None:
-    """The run's steps, where a progress line says: a group named total, or the steps of one epoch times the
-    epochs (`epoch 2/12 step 248/312`: 3744), or without an epoch the steps after the slash (`step 248/312`)."""
-    groups = found.groupdict()
-    if groups.get("total"):
-        return int(groups["total"])
-    if not groups.get("per_epoch") or (groups.get("epoch") and not groups.get("epochs")):
-        return None
-    return int(groups["per_epoch"]) * int(groups.get("epochs") or 1)
+        """The failing rank's own last lines say why, before the harness acted on the node; the node's lines
+        before then are the fallback."""
+        lines = list(self.tail)
+        if self.stopped_at is not None:
+            lines = lines[:max(0, len(lines) - (self.taken - self.stopped_at))]
+        own = [line for line in lines if rank is not None and line.startswith(f"[rank{rank}]:")]
+        return (own or lines)[-count:]
 
 
 def _number(found: re.Match[str], group: str) -> float | None:

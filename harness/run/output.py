@@ -15,6 +15,7 @@ from harness.plan.planner import Node
 from harness.record.stream import StreamRecord, stamp, stamped
 from harness.run.live import Block, LiveNode
 from harness.run.terminal import Terminal
+from harness.spec.progress import LinePatterns
 from harness.targets.base import NodeProcess
 
 
@@ -26,7 +27,7 @@ class Output:
 
     def __init__(self, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
                  record: StreamRecord | None = None, attempt: int = 0, quiet_cpp_info: bool = False,
-                 progress: re.Pattern[str] | None = None, checkpoint: re.Pattern[str] | None = None) -> None:
+                 progress: LinePatterns | None = None, checkpoint: re.Pattern[str] | None = None) -> None:
         self.terminal = terminal
         self.log_file = log_file
         self.record = record

@@ -45,6 +45,7 @@ class Stopper:
             self.since = time.time()
         for process, live in self._nodes:
             if live.outcome is None:
+                live.stopping()
                 process.terminate()
         killer = threading.Thread(target=self._kill_after_grace, daemon=True)
         killer.start()

@@ -28,6 +28,7 @@ from harness.run.output import Output
 from harness.run.stack_capture import StackCapture
 from harness.run.stopper import Stopper
 from harness.run.terminal import Terminal
+from harness.spec.progress import LinePatterns
 from harness.targets.base import NodeProcess, Outcome
 
 MESSAGE_POLL_SECONDS = 0.05  # how soon a listener sees that its node ended and nothing is left to hear
@@ -47,7 +48,7 @@ class Supervisor:
 
     def __init__(self, grace: float, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
                  quiet_cpp_info: bool = False, judge: HealthJudge | None = None, run: RunDir | None = None,
-                 attempt: int = 0, record: StreamRecord | None = None, progress: re.Pattern[str] | None = None,
+                 attempt: int = 0, record: StreamRecord | None = None, progress: LinePatterns | None = None,
                  furthest: int | None = None, checkpoint: re.Pattern[str] | None = None,
                  rendezvous: float | None = None) -> None:
         self.output = Output(terminal, log_file, record, attempt, quiet_cpp_info, progress, checkpoint)

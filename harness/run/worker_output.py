@@ -28,6 +28,7 @@ RANK_HOOK_SERVER = re.compile(r"^(\[rank\d+\]: ?)?\[W\d{4} [^]]*WorkerServer\.cp
 # torchrun's own C++ log lines (no rank prefix: its agent's store client and rendezvous), and the exception
 # dumps that follow one: `Exception raised from ...`, `frame #N: ...`, `<omitting python frames>`, a blank.
 AGENT_CPP_LOG = re.compile(r"^\[[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
+RANK_CPP_LOG = re.compile(r"^\[rank\d+\]: ?\[[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")  # torch's C++ logging
 CPP_DUMP = re.compile(r"^(Exception raised from .*|frame #\d+: .*|<omitting python frames>|\s*)$")
 STORE_CONNECTED = re.compile(r"^\[rank(\d+)\]: \[I\d{4} [^]]*socket\.cpp:\d+\] \[c10d\] The client socket has "
                              r"connected")
@@ -78,6 +79,11 @@ def is_rank_hook_server(line: str) -> bool:
 
 def is_agent_cpp_log(line: str) -> bool:
     return AGENT_CPP_LOG.match(line) is not None
+
+
+def is_rank_cpp_log(line: str) -> bool:
+    """A line of torch's C++ logging in a rank (a warning, an error: after a peer's failure, its consequences)."""
+    return RANK_CPP_LOG.match(line) is not None
 
 
 def continues_cpp_dump(line: str) -> bool:

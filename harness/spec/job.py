@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from harness.errors import short_repr
+from harness.spec.progress import DEFAULT_PROGRESS, RESUME_LINE, LinePatterns
 from harness.spec.validation import StrictModel, error_at, validate
 from harness.spec.yamlsource import YamlInt, as_written, load_document, source_text
 
@@ -351,14 +352,6 @@ class Restarts(StrictModel):
         return self.max_out if self.max_out is not None else max(1, hosts // 4)
 
 
-# The payload's progress lines (`epoch 2/12 step 12/97 ...`; `... step 12/97 (150 in all)` where --max-steps ends
-# the run first), and many scripts' `step 12`: where a line names its epoch and the steps of one, the step counts
-# from the run's start (run/live.py, global_step).
-DEFAULT_PROGRESS = (r"(?:\bepoch (?P<epoch>\d+)/(?P<epochs>\d+) )?\bstep (?P<step>\d+)(?:/(?P<per_epoch>\d+))?"
-                    r"(?: \((?P<total>\d+) in all\))?"
-                    r"(?:.*?\bloss (?P<loss>[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf)))?"
-                    r"(?:.*?\bimg/s (?P<throughput>\d+(?:\.\d*)?))?")
-
 # A rank's line that says a checkpoint was saved and how long the save took (the payload's `checkpoint: 20 steps
 # saved in 0.120 s`): those seconds are the run's `checkpoint` time, not its training (record/goodput.py).
 DEFAULT_CHECKPOINT = r"\bcheckpoint\b.*?\bsaved in (?P<seconds>\d+(?:\.\d+)?) ?s\b"
@@ -369,14 +362,16 @@ class Health(StrictModel):
     progress (no CPU time used, in it or its children) before the job counts as hung: every rank's
     stack is captured, the job stopped and the attempt classed `hang`; 0 turns the watch off. slow: a
     rank that its peers wait for at least this percentage of the time, for a minute, is named as
-    slow; 0 turns it off. progress: the regular expression that finds a step number (a group named
-    `step`) in a rank's lines, for the step and step rate `harness status` shows; with groups named `epoch`
-    (from 1) and `per_epoch` too, a step that starts again each epoch counts from the run's start; the run's
-    steps, for its progress and time left, from a group named `total`, or `per_epoch` times `epochs` (without
-    an epoch, `per_epoch` alone: `step 12/97`); groups named `loss` and `throughput` (items per second) are
-    drawn by `harness report` and served as metrics (the payload's `loss 2.1 ... img/s 950` by default); empty
-    turns it off. checkpoint: the regular expression of a line that says a checkpoint was saved, with a group
-    named `seconds` (how long the save took), for where the run's time went; empty turns it off. metrics_port:
+    slow; 0 turns it off. progress: the regular expression (or a list of them, the first that finds a line's)
+    that finds a step number (a group named `step`) in a rank's lines, for the step and step rate `harness status`
+    shows; with groups named `epoch` (from 1, or `epoch0` from 0) and `per_epoch` too, a step that starts again
+    each epoch counts from the run's start; the run's steps, for its progress and time left, from a group named
+    `total`, or `per_epoch` times `epochs` (without an epoch, `per_epoch` alone: `step 12/97`); groups named
+    `loss` and `throughput` (items per second) are drawn by `harness report` and served as metrics. The default
+    (spec/progress.py) reads the payload's lines, `step N[/T]` lines, PyTorch's examples, and Lightning's and
+    Hugging Face's tqdm bars, each from the line's start; empty turns it off. checkpoint: the regular expression
+    of a line that says a checkpoint was saved, with a group named `seconds` (how long the save took), for where
+    the run's time went; empty turns it off. metrics_port:
     the port on which the controller serves the run's metrics to Prometheus while it runs (docs/metrics.md);
     None, the default: nothing listens. metrics_address: the address it listens on (an IP of the controller's
     machine, 0.0.0.0 for every interface); None: 127.0.0.1 (the machine's own Prometheus), in a Kubernetes
@@ -384,29 +379,35 @@ class Health(StrictModel):
 
     stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
     slow: Annotated[Seconds, Field(ge=0, le=100)] = 20
-    progress: str = DEFAULT_PROGRESS
+    progress: str | list[str] = Field(default_factory=lambda: list(DEFAULT_PROGRESS))
     checkpoint: str = DEFAULT_CHECKPOINT
     metrics_port: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=65535)] | None = None
     metrics_address: Annotated[str, PlainValidator(_ip_address)] | None = None
 
     @field_validator("progress", "checkpoint")
     @classmethod
-    def _pattern(cls, value: str, info: ValidationInfo) -> str:
-        if not value:
-            return value
-        try:
-            pattern = re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"expected a regular expression, got {short_repr(value)}: {exc}") from None
+    def _pattern(cls, value: str | list[str], info: ValidationInfo) -> str | list[str]:
         group, example = ("step", "step (?P<step>\\d+)") if info.field_name == "progress" else \
             ("seconds", "saved in (?P<seconds>[\\d.]+) s")
-        if group not in pattern.groupindex:
-            raise ValueError(f"expected a group named {group} in {short_repr(value)}, e.g. '{example}'")
+        for text in [value] if isinstance(value, str) else value:
+            if not text:
+                continue
+            try:
+                pattern = re.compile(text)
+            except re.error as exc:
+                raise ValueError(f"expected a regular expression, got {short_repr(text)}: {exc}") from None
+            if group not in pattern.groupindex:
+                raise ValueError(f"expected a group named {group} in {short_repr(text)}, e.g. '{example}'")
         return value
 
     @property
-    def progress_pattern(self) -> re.Pattern[str] | None:
-        return re.compile(self.progress) if self.progress else None
+    def progress_pattern(self) -> LinePatterns | None:
+        """The job's progress lines, and with the default, its resume lines (where an attempt's count starts)."""
+        patterns = [self.progress] if isinstance(self.progress, str) else self.progress
+        if not any(patterns):
+            return None
+        return LinePatterns([pattern for pattern in patterns if pattern],
+                            RESUME_LINE if patterns == list(DEFAULT_PROGRESS) else None)
 
     @property
     def checkpoint_pattern(self) -> re.Pattern[str] | None:

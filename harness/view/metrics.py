@@ -6,6 +6,7 @@ The text format is prometheus-client's; docs/metrics.md lists the metrics and ha
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,8 +86,8 @@ def _progress(run_id: str, health: LiveHealth) -> Iterator[Metric]:
     yield _gauge("harness_run_step", "The furthest step any rank reported (health.progress).", run_id,
                  progress.last_step)
     if progress.total is not None:
-        yield _gauge("harness_run_steps", "The run's steps, where its progress lines say (`step 12/97`).", run_id,
-                     progress.total)
+        yield _gauge("harness_run_planned_steps", "The steps the run has in all, where its progress lines say "
+                     "(`step 12/97`).", run_id, progress.total)
     if progress.rate is not None:
         yield _gauge("harness_run_steps_per_second", "The furthest rank's recent step rate.", run_id, progress.rate)
     if (left := progress.left_s()) is not None:
@@ -127,12 +128,18 @@ def _ranks(run_id: str, health: LiveHealth, now: float) -> Iterator[Metric]:
     yield from out.values()
 
 
+def metrics_url(address: str, port: int) -> str:
+    """Where Prometheus finds the metrics: on every interface, at this machine's name."""
+    host = socket.gethostname() if address in (EVERY_INTERFACE, "::") else address
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
 @contextmanager
-def serving_metrics(run: RunDir, port: int | None, address: str) -> Iterator[None]:
-    """The run's metrics on http://ADDRESS:PORT/metrics until the context ends; None: nothing listens. A port that
-    cannot be had is an error before anything starts."""
+def serving_metrics(run: RunDir, port: int | None, address: str) -> Iterator[str | None]:
+    """The run's metrics on http://ADDRESS:PORT/metrics until the context ends, that URL given to the context (None:
+    nothing listens). A port that cannot be had is an error before anything starts."""
     if port is None:
-        yield
+        yield None
         return
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RunMetrics(run))
@@ -142,7 +149,7 @@ def serving_metrics(run: RunDir, port: int | None, address: str) -> Iterator[Non
         raise UsageError(f"health.metrics_port {port}: cannot serve the metrics on {address}: {exc.strerror or exc}") \
             from None
     try:
-        yield
+        yield metrics_url(address, port)
     finally:
         server.shutdown()
         server.server_close()

@@ -34,6 +34,7 @@ from harness.record.timeline import RankPoint, Sample, read_timeline
 from harness.view.charts import Dot, Mark, Row, Segments, Span, StepAxis, TimeAxis, legend, line_chart, rows_chart
 from harness.view.stacks import kept_stacks
 from harness.view.status import (
+    ending_words,
     health_lines,
     node_failures,
     node_log,
@@ -233,10 +234,9 @@ def _cause(a: Attempt) -> str:
 
 
 def _timings(a: Attempt) -> str:
-    times = [("preflight", a.preflight_s), ("teardown", a.teardown_s), ("backoff", a.backoff_s),
-             ("recovered in", a.recover_s)]
+    times = [("preflight", a.preflight_s), ("teardown", a.teardown_s), ("backoff", a.backoff_s)]
     said = ", ".join(f"{name} {seconds} s" for name, seconds in times if seconds is not None)
-    return said + (f"; restart: {a.restart.describe()}" if a.restart is not None else "")
+    return said + (f"; {a.restart.describe()}" if a.restart is not None else "")
 
 
 def _plots(r: _Run) -> str:
@@ -303,9 +303,11 @@ def _time_spent(r: _Run) -> str:
                   f'title="{bucket} {seconds:.1f} s"></span>' for bucket, seconds in spent.items())
     key = "".join(f'<span><i class="b-{bucket}"></i>{bucket} {seconds:.1f} s ({100 * seconds / wall:.0f}%)</span>'
                   for bucket, seconds in spent.items())
+    ending = ending_words(r.summary) if r.summary is not None else None
     return (f"<section><h2>Where the time went</h2><p>goodput {100 * goodput.goodput:.0f}%: the share of "
             f"{goodput.wall_s:.1f} s spent in training steps not done again (docs/metrics.md)</p>"
-            f'<div class="spent">{bar}</div><div class="legend">{key}</div></section>')
+            f'<div class="spent">{bar}</div><div class="legend">{key}</div>'
+            + (f"<p>ending: {escape(ending)}</p>" if ending else "") + "</section>")
 
 
 def _over_steps(r: _Run) -> str:

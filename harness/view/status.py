@@ -10,7 +10,7 @@ from pathlib import Path
 
 from harness.health.rank_stack import ranks_text
 from harness.node.proctable import run_processes
-from harness.record.goodput import goodput_of
+from harness.record.goodput import ending_parts, goodput_of
 from harness.record.index import RunsLookup, runs_lookup
 from harness.record.liveness import live_status
 from harness.record.rundir import RunDir
@@ -80,6 +80,8 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
                          f"earlier attempts once the run has ended)")
         lines += node_lines({rank: (host, unrecorded_end(state, status, rank), run.log_file(rank, state.attempt), "")
                              for rank, host in enumerate(state.hosts)})
+        if status is RunStatus.RUNNING and state.metrics:
+            lines.append(f"  metrics: {state.metrics}")
         if status is RunStatus.RUNNING and (health := run.read_health(state.attempt)) is not None:
             now = time.time()
             if health.progress is not None:
@@ -107,6 +109,8 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
     if progress is not None:
         lines.append(f"  progress: {progress_words(progress, running=False)}")
     lines.append(f"  time: {goodput_words(goodput_of(run, state, summary, time.time()))}")
+    if (ending := ending_words(summary)) is not None:
+        lines.append(f"  ending: {ending}")
     lines += [f"  warning: {warning}" for warning in summary.warnings]
     if summary.reason:
         lines.append(f"  not restarted: {summary.reason}")
@@ -127,6 +131,18 @@ def progress_words(progress: Progress, running: bool) -> str:
     elif total and progress.rate == 0:
         text += ", not moving: no time left can be told"
     return text
+
+
+def ending_words(summary: RunSummary) -> str | None:
+    """What `ending` waited for: `4.12 s the job ran after its last step line (its last save, evaluation, exit),
+    0.20 s the harness (the sweep and the record)`; None where the record cannot split it."""
+    parts = ending_parts(summary)
+    if parts is None:
+        return None
+    last = summary.attempts[-1]
+    job = "its nodes' stop after the failure" if last.failures else "the job after its last step line (its last " \
+        "save, evaluation, exit)"
+    return f"{parts[0]:.2f} s {job}, {parts[1]:.2f} s the harness (the sweep of what was left, the record)"
 
 
 def goodput_words(goodput: Goodput) -> str:
@@ -261,10 +277,8 @@ def _attempt_line(attempt: Attempt, resized: bool) -> str:
         text += f"; ended by {attempt.ended_by}"
     if attempt.down:
         text += f"; lost {', '.join(attempt.down)}"
-    if attempt.recover_s is not None:
-        text += f"; recovered {attempt.recover_s} s after the previous failure"
     if attempt.restart is not None:
-        text += f"\n    restart: {attempt.restart.describe()}"
+        text += f"\n    {attempt.restart.describe()}"
     return text
 
 

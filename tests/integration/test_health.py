@@ -48,6 +48,8 @@ def assert_hang_recorded(run, runs: Path, culprit: int | None) -> dict:
     summary = run.summary()
     failure = summary["first_failure"]
     assert failure["kind"] == "hang" and failure["rank"] == culprit, failure
+    # The rank's last words before the verdict, not torchrun's reaction to the harness's stop that followed it.
+    assert not any("SignalException" in line or "got signal" in line for line in failure["last_lines"]), failure
     assert summary["attempts"][0]["kind"] == "hang"
     kept = runs / run.run_id / "stacks" / "attempt-0"
     assert sorted(p.name for p in kept.glob("rank*.txt")) == ["rank0.txt", "rank1.txt"] or culprit is not None

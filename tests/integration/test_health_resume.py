@@ -76,9 +76,10 @@ def test_a_stopped_rank_is_a_hang_and_the_restart_resumes_bitwise_equal(uninterr
     assert re.search(r"^\[node0\] \[rank0\]: checkpoint: 8 steps saved in \d+\.\d{3} s$", run.output, re.M)
     saving = first["progress"]["saving_s"] + second["progress"]["saving_s"]
     assert saving > 0 and spent["checkpoint"] == pytest.approx(saving, abs=0.01), (spent, first, second)
-    # the record's first step is the resume line's, however quickly the next steps come after it
+    # the attempt's count starts at the resume line's step, which is no step taken: its first step is the next
     reached, redone = first["progress"]["last_step"], second["restart"]["steps_redone"]
-    assert second["progress"]["first_step"] == resumed <= reached < second["progress"]["last_step"] == 64, second
+    assert second["progress"]["resumed_step"] == resumed < second["progress"]["first_step"], second
+    assert resumed <= reached < second["progress"]["last_step"] == 64, second
     assert redone == reached - resumed, (redone, reached, resumed)
     assert spent["redone"] == pytest.approx(second["progress"]["new_at"] - second["progress"]["first_at"], abs=0.01)
     status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout

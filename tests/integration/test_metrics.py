@@ -31,13 +31,16 @@ from conftest import (
 STEP_S = 0.25
 STEPS = 40  # per epoch, two epochs: 20 s of steps at the script's own pace
 # Every rank paces its steps by the clock (not by work: a busy machine slows work, not a deadline), prints its
-# progress as the payload does, and keeps in step with the others through an all_reduce.
+# progress as the payload does, and keeps in step with the others through an all_reduce. And lines that name a step
+# without being one: where it resumed, a checkpoint of rank 0's after every tenth step, an exception's text.
 SCRIPT = textwrap.dedent(f"""
     import time
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print("resume: no checkpoint yet, from step 0", flush=True)
     t = torch.ones(1)
     pace = time.monotonic()
     for epoch in range(1, 3):
@@ -46,6 +49,10 @@ SCRIPT = textwrap.dedent(f"""
             time.sleep(max(0.0, pace - time.monotonic()))
             dist.all_reduce(t)
             print(f"epoch {{epoch}}/2 step {{step}}/{STEPS} loss {{1 / (step + epoch):.4f}}", flush=True)
+            if rank == 0 and step % 10 == 0:
+                print(f"checkpoint: step {{(epoch - 1) * {STEPS} + step}} saved in 0.000 s", flush=True)
+            if rank == 1 and step == 15:
+                print("RuntimeError: a data loader hiccup at step 15, retried", flush=True)
     dist.destroy_process_group()
 """)
 SCRAPE = """\
@@ -141,6 +148,8 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
     try:
         run.wait_for(r"^\[node0\] \[rank0\]: epoch 1/2 step 12/")
         run_id = run.run_id
+        first = run.output.splitlines()[:2]
+        assert first[0] == f"harness: run {run_id}: metrics on http://127.0.0.1:{port}/metrics", first
         assert listening_sockets(run.proc.pid) == {("127.0.0.1", port)}, "the metrics on loopback alone, unless asked"
         rates = server.wait_for(f'harness_rank_steps_per_second{{run_id="{run_id}"}} > 0', 4)
         running = server.query(f'harness_run_status{{run_id="{run_id}"}} == 1')
@@ -150,7 +159,7 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
         assert documented, "docs/metrics.md's queries"
         refused = {query: why for query in documented.group(1).splitlines() if (why := server.refused(query))}
         assert not refused, refused
-        run.wait_for(r"^\[node0\] \[rank0\]: epoch 1/2 step 20/")
+        run.wait_for(r"^\[node0\] \[rank0\]: checkpoint: step 20 saved")
         asked = time.time()
         status = harness("status", run_id, "--runs-dir", str(tmp_path / "runs")).stdout
         answered = time.time()
@@ -173,10 +182,12 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
     assert [series["metric"]["status"] for series in running] == ["running"], running
     assert len(losses) == 4 and all(0 < float(series["value"][1]) < 0.5 for series in losses), losses
 
-    # status, 20 of 80 steps in: step/total, the rate, the time left -- within 20% of what was left when it looked,
-    # some moment between asked and answered (a busy machine takes seconds to start the command).
+    # status, 20 of 80 steps in (rank 0's checkpoint line right after): step/total, the rate, the time left -- within
+    # 20% of what was left when it looked, some moment between asked and answered (a busy machine takes seconds to
+    # start the command).
     shown = re.search(r"^  progress: step (\d+)/80 \(\d+%\), ([\d.]+) steps/s, about (\d+) s left$", status, re.M)
     assert shown, status
+    assert f"\n  metrics: http://127.0.0.1:{port}/metrics\n" in status, status
     most, least = progress["last_at"] - asked, progress["last_at"] - answered
     assert 0.8 * least <= int(shown.group(3)) <= 1.2 * most, (shown.group(0), f"{least:.1f} to {most:.1f} s were left")
 
@@ -187,3 +198,6 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
     status = harness("status", run_id, "--runs-dir", str(tmp_path / "runs")).stdout
     assert "  progress: step 80/80 (100%)\n" in status and \
         f"  time: {summary['duration_s']:.1f} s, goodput {100 * summary['goodput']['goodput']:.0f}%" in status, status
+    ending = re.search(r"^  ending: ([\d.]+) s the job after its last step line \(its last save, evaluation, exit\), "
+                       r"([\d.]+) s the harness \(the sweep of what was left, the record\)$", status, re.M)
+    assert ending and float(ending[1]) + float(ending[2]) == pytest.approx(spent["ending"], abs=0.1), (status, spent)

@@ -49,21 +49,29 @@ def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted
     assert re.search(r"attempt 0 on sim0, sim1: failed \(infra: node1 on sim1, rank 1 killed by "
                      r"SIGKILL\)", status.stdout), status.stdout
     assert_restart_told(first, second, status.stdout)
+    # One recovery figure: the stream's, goodput's restarting and the report's are the record's.
+    recovered = second["restart"]["total_s"]
+    assert f"harness: attempt 1 on sim0, sim1, recovered in {recovered} s: succeeded" in run.output, run.output
+    assert summary["goodput"]["seconds"]["restarting"] == pytest.approx(recovered, abs=0.1), summary["goodput"]
+    assert harness("report", run.run_id, "--runs-dir", str(run.runs_dir)).returncode == 0
+    assert f"recovered in {recovered:.2f} s (stop " in (run_path / "report.html").read_text()
     assert_nothing_left(run.run_id)
 
 
 def assert_restart_told(failed: dict, restarted: dict, status: str) -> None:
     """The restart's phases are in the record, every one seen (the ranks' joins watched, the payload's resume line
-    and the step after it), adding up to the time from the failed attempt's last progress line to the next one's
-    first step; the steps redone counted; `harness status` says it."""
+    with its restore's seconds, the first step line), adding up to the run's one recovery figure: the fault to the
+    next attempt's first step, which the attempt's recover_s, `harness status` and goodput's restarting say too; the
+    steps redone counted."""
     restart = restarted["restart"]
     assert list(restart["phases"]) == list(RESTART_PHASES), restart
     assert sum(restart["phases"].values()) == pytest.approx(restart["total_s"], rel=0.05, abs=0.01)
-    span = restarted["progress"]["stepped_at"] - failed["progress"]["last_at"]
-    assert restart["total_s"] == pytest.approx(span, rel=0.05), (restart, span)
+    span = restarted["progress"]["first_at"] - (failed["started_at"] + failed["failures"][0]["after_s"])
+    assert restart["total_s"] == pytest.approx(span, abs=0.01) == restarted["recover_s"], (restart, span)
     assert restart["steps_redone"] == 0 and restarted["progress"]["first_step"] >= failed["progress"]["last_step"]
-    assert re.search(r"restart: [\d.]+ s to the first step \(detection [\d.]+ s, stop .* first step [\d.]+ s\); "
-                     r"0 step\(s\) redone", status), status
+    said = re.search(r"\n    recovered in ([\d.]+) s \(stop .*, restore [\d.]+ s, first step [\d.]+ s\); "
+                     r"0 step\(s\) redone", status)
+    assert said and float(said[1]) == pytest.approx(restart["total_s"], abs=0.01), status
 
 
 def assert_resumed_just_in_time(run: Launch, failed: dict) -> None:

@@ -25,16 +25,17 @@ from harness.record.rundir import RunDir
 from harness.record.schema import ControllerId, RunState, RunStatus
 from harness.record.stream import STAMP_WIDTH, StreamRecord, stamp
 from harness.run.health_loop import rank_row
-from harness.run.live import TAIL_KEPT, LiveNode
+from harness.run.live import TAIL_KEPT, LiveNode, StepMark
 from harness.run.stack_capture import StackCapture
 from harness.run.terminal import Terminal
 from harness.spec.job import Health
+from harness.spec.progress import LinePatterns
 from harness.targets.agent_link import AgentNode
 from harness.view.logs import Selection, duration, print_logs
 
 from conftest import harness
 
-PROGRESS = re.compile(r"\bstep (?P<step>\d+)")
+PROGRESS = LinePatterns([r"\bstep (?P<step>\d+)"])
 GLOO_PEER_GONE = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
                   "peer [127.0.0.1]:16069. This is typically caused by a remote worker crashing. GLHF!")
 
@@ -70,7 +71,7 @@ def test_the_payloads_step_counts_from_the_runs_start_across_epochs_and_a_still_
     """`epoch 2/12 step 8/10` is step 18: the step and its rate do not fall back at an epoch's start; a rank that
     reports no new step for a while is not moving (rate 0), whatever its last steps' pace was."""
     node = live()
-    pattern = re.compile(Health().progress)
+    pattern = Health().progress_pattern
     for at, line in ((100.0, "epoch 1/12 step 9/10 loss 1.0"), (101.0, "epoch 2/12 step 1/10 loss 0.9"),
                      (102.0, "epoch 2/12 step 8/10 loss 0.8"), (103.0, "step 30")):
         node.take_block(f"[rank0]: {line}\n", at=at, progress=pattern)
@@ -78,6 +79,24 @@ def test_the_payloads_step_counts_from_the_runs_start_across_epochs_and_a_still_
     moving = rank_row(node, None, node.activity[0], now=104.0)
     assert (moving.step, moving.step_rate) == (30, 7.0)
     assert rank_row(node, None, node.activity[0], now=120.0).step_rate == 0.0
+
+
+def test_a_resume_line_starts_the_count_and_a_line_without_the_total_keeps_it():
+    """Every rank says where it resumed, rank 0 alone prints steps: the others have no step (no rate of 0 to draw),
+    and rank 0's total stays through a line that names no total."""
+    node = live()
+    pattern = Health().progress_pattern
+    resumes = "".join(f"[rank{rank}]: resume: epoch 1/2 step 25/50 (global step 25) from ckpt-25.pt\n"
+                      for rank in range(4))
+    node.take_block(resumes, at=100.0, progress=pattern)
+    for at, line in ((101.0, "epoch 1/2 step 26/50 loss 1.0"), (102.0, "checkpoint: step 26 saved in 0.1 s"),
+                     (103.0, "step 27 loss 0.9")):
+        node.take_block(f"[rank0]: {line}\n", at=at, progress=pattern)
+    assert [(rank, activity.resumed) for rank, activity in sorted(node.activity.items())] == \
+        [(rank, StepMark(100.0, 25)) for rank in range(4)]
+    assert [mark.step for mark in node.activity[0].steps] == [26, 27] and node.activity[0].total == 100
+    assert all(not node.activity[rank].steps and rank_row(node, None, node.activity[rank], now=104.0).step_rate is None
+               for rank in (1, 2, 3))
 
 
 def test_a_big_block_keeps_its_last_lines_in_the_tail():
@@ -138,11 +157,18 @@ def test_a_traceback_cut_short_by_the_nodes_end_is_shown_at_the_end():
     assert node.release().shown == text(lines)
 
 
-def test_once_another_node_failed_everything_this_node_says_is_held():
+def test_once_another_node_failed_its_ranks_own_lines_are_shown_and_the_consequences_held():
+    """The ranks' last step and checkpoint lines are the job's (the next attempt resumes from that checkpoint); what
+    torchrun and torch say of the failure, and a rank's traceback that a peer went away, are held back."""
     node = live(1)
     node.held_all = True
-    block = node.take_block(text(["[rank2]: step 9", "[rank3]: step 9"]), at=1.0)
-    assert (block.shown, block.streamed, node.cascade.held) == ("", "[rank2]: step 9\n[rank3]: step 9\n", 2)
+    lines = ["[rank2]: step 9", "[rank2]: checkpoint: 9 steps saved in 0.1 s just in time",
+             "[rank3]:[W1128 10:00:01.000000000 ProcessGroupGloo.cpp:100] Warning: a peer is gone",
+             "[rank3]: Traceback (most recent call last):", '[rank3]:   File "t.py", line 3, in <module>',
+             "[rank3]: RuntimeError: Connection closed by peer [127.0.0.1]:1234",
+             "W1128 10:00:01.000 1 torch/distributed/elastic/agent/server/api.py:704] Received 15 death signal"]
+    block = node.take_block(text(lines), at=1.0)
+    assert block.shown == text(lines[:2]) and node.cascade.held == 4, block.shown  # torchrun's report: log only
 
 
 def test_a_c10d_stores_info_line_and_its_exception_dump_stay_out_of_the_stream():
