@@ -3,9 +3,11 @@ after a node dies, each against the same job under plain torchrun.
 
 3. Time from starting the command to the payload's first progress line (`--log-every 1`, printed by
    rank 0 right after step 1), for `harness launch` (2 simulated nodes x 1 process) and for plain
-   torchrun: two agents started by hand (the same topology) and one agent with 2 processes. And the
+   torchrun: two agents started by hand (the same topology), in interleaved rounds until the 95%
+   interval of the difference is within +-half_width or the round limit (bench/stats.py); also one
+   agent with 2 processes and the agents by hand with default threads, in the first rounds. And the
    whole of a trivial job (bench/noop.py: join, one all_reduce, leave), end to end: `harness launch
-   bench/noop.py --nnodes 2` as a user types it against the two agents by hand.
+   bench/noop.py --nnodes 2` as a user types it against the two agents by hand, in rounds the same way.
 5. bench/ddp_fail.py: rank 1 records the time and dies at step 3 while rank 0 is blocked. The figure
    is the time from that death to the moment no process of the job is left. Plain torchrun gets a
    bounded wait, after which the survivors still alive are counted and killed.
@@ -13,6 +15,7 @@ after a node dies, each against the same job under plain torchrun.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import time
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import procs
+from bench import procs, stats
 
 FIRST_STEP = r"epoch 1/1 step 1/"
 PAYLOAD_ARGS = ["--data", "synthetic", "--subset", "256", "--model", "small", "--epochs", "1", "--max-steps", "2",
@@ -30,7 +33,12 @@ GLOO = {"HARNESS_BACKEND": "gloo"}
 # `harness launch` gives each simulated node's worker its share of the cores (OMP_NUM_THREADS), as
 # torchrun does for an agent with several workers; agents started by hand get the same, so that the
 # comparison is about launching, not thread oversubscription (the `naive` row shows what that costs).
-SHARE = {"OMP_NUM_THREADS": str(max(1, procs.cpu_count() // 2))}
+def share(nnodes: int) -> dict[str, str]:
+    """The OMP threads `harness launch` gives the worker of each of nnodes simulated nodes (one process each)."""
+    return {"OMP_NUM_THREADS": str(max(1, procs.cpu_count() // nnodes))}
+
+
+SHARE = share(2)
 JOB = """\
 name: {name}
 nnodes: 2
@@ -82,6 +90,8 @@ def _first_step(start: Start, timeout: float = 120) -> tuple[float, float]:
 
 
 NOOP = str(procs.REPO / "bench" / "noop.py")
+FIRST_STEP_GOAL = 0.3  # seconds harness launch may add to the first step, against torchrun by hand (issue 37)
+TRIVIAL_GOAL = 0.5  # and to the trivial job's whole run
 
 
 def _end_to_end(start: Start, timeout: float = 120) -> float:
@@ -98,53 +108,87 @@ def _end_to_end(start: Start, timeout: float = 120) -> float:
             p.kill()
 
 
-def trivial_job(repeats: int, runs: Path) -> list[dict[str, Any]]:
-    """bench/noop.py end to end, the two launchers alternating; medians and every attempt."""
+def recorded(record: list[Any], measure: Callable[[], Any], value: Callable[[Any], float] = float,
+             ) -> Callable[[], float]:
+    """measure() for stats.compare: each answer appended to record, value(answer) compared."""
+    def run() -> float:
+        record.append(measure())
+        return value(record[-1])
+    return run
+
+
+HARNESS = "harness launch (2 nodes x 1 process)"
+BY_HAND = "torchrun by hand (2 agents x 1 process)"
+TRIVIAL_HARNESS = "harness launch bench/noop.py --nnodes 2"
+TRIVIAL_BY_HAND = "torchrun by hand (2 agents)"
+
+
+def trivial_job(cfg: dict[str, Any], runs: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """bench/noop.py end to end, the two launchers in interleaved rounds: medians, every attempt, and the
+    paired difference's interval."""
     variants: dict[str, Start] = {
-        "harness launch bench/noop.py --nnodes 2": lambda: [procs.Proc(
+        TRIVIAL_HARNESS: lambda: [procs.Proc(
             [procs.PY, "-m", "harness.cli", "launch", NOOP, "--nnodes", "2", "--runs-dir", str(runs)])],
-        "torchrun by hand (2 agents)": lambda: torchrun_by_hand([NOOP], SHARE),
+        TRIVIAL_BY_HAND: lambda: torchrun_by_hand([NOOP], SHARE),
     }
     seconds: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, start in variants.items():
-            seconds[name].append(_end_to_end(start))
-    by_hand = statistics.median(seconds["torchrun by hand (2 agents)"])
-    return [{"name": name, "end_to_end_s": round(statistics.median(runs_s), 2),
+    timed = {name: recorded(seconds[name], functools.partial(_end_to_end, start)) for name, start in variants.items()}
+    difference = stats.rounded(stats.compare(timed[TRIVIAL_HARNESS], timed[TRIVIAL_BY_HAND],
+                                             half_width=cfg["half_width"], max_rounds=cfg["trivial_rounds"]), 3)
+    print(f"bench: trivial job end to end, harness - torchrun by hand: {stats.describe(difference)}; "
+          f"{stats.stopped(difference)}", flush=True)
+    by_hand = statistics.median(seconds[TRIVIAL_BY_HAND])
+    rows = [{"name": name, "end_to_end_s": round(statistics.median(runs_s), 2),
              "vs_torchrun_by_hand_s": round(statistics.median(runs_s) - by_hand, 2),
              "ratio": round(statistics.median(runs_s) / by_hand, 3), "attempts_s": [round(s, 2) for s in runs_s]}
             for name, runs_s in seconds.items()]
+    return rows, difference
 
 
 def time_to_first_step(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Benchmark 3: the pair (harness launch, torchrun by hand) in rounds; with `others`, two more torchrun variants
+    in the first `repeats` rounds; `harness render`; and the trivial job (where trivial_rounds)."""
     with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
         job = write_job(Path(tmp) / "overhead.yaml", "module", "harness.payload.train", PAYLOAD_ARGS, {})
         variants: dict[str, Start] = {
-            "harness launch (2 nodes x 1 process)": lambda: [harness_launch(job, Path(tmp) / "runs")],
-            "torchrun by hand (2 agents x 1 process)": lambda: torchrun_by_hand(PAYLOAD, GLOO | SHARE),
+            HARNESS: lambda: [harness_launch(job, Path(tmp) / "runs")],
+            BY_HAND: lambda: torchrun_by_hand(PAYLOAD, GLOO | SHARE),
         }
-        if not cfg["quick"]:
+        if cfg["others"]:
             variants["torchrun (1 agent x 2 processes)"] = lambda: [
                 procs.Proc([*procs.torchrun(nproc=2, port=procs.free_port()), *PAYLOAD], procs.clean_env(**GLOO))]
             variants["torchrun by hand, default threads (naive)"] = lambda: torchrun_by_hand(PAYLOAD, GLOO)
         attempts: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-        for _ in range(cfg["repeats"]):  # interleaved: a burst of load hits one attempt, not one variant
-            for name, start in variants.items():
-                attempts[name].append(_first_step(start))
+        timed = {name: recorded(attempts[name], functools.partial(_first_step, start), lambda got: got[0])
+                 for name, start in variants.items()}
+
+        def others(i: int) -> None:  # the other variants in the first rounds: a burst of load hits one round
+            for name in list(variants)[2:] if i < cfg["repeats"] else []:
+                timed[name]()
+
+        difference = stats.rounded(stats.compare(timed[HARNESS], timed[BY_HAND], half_width=cfg["half_width"],
+                                                 max_rounds=cfg["max_rounds"], after_round=others), 3)
+        print(f"bench: first step, harness launch - torchrun by hand: {stats.describe(difference)}; "
+              f"{stats.stopped(difference)}", flush=True)
         render = []
         for _ in range(cfg["repeats"]):
             begun = time.monotonic()
             procs.run_lines([procs.PY, "-m", "harness.cli", "render", str(job)])
             render.append(time.monotonic() - begun)
+        trivial = trivial_job(cfg, Path(tmp) / "runs") if cfg.get("trivial_rounds") else None
     rows: list[dict[str, Any]] = [{"name": name, "first_step_s": round(statistics.median(r[0] for r in runs), 2),
-             "job_end_s": round(statistics.median(r[1] for r in runs), 2),
-             "attempts_first_step_s": [round(r[0], 2) for r in runs]} for name, runs in attempts.items()]
+                                   "job_end_s": round(statistics.median(r[1] for r in runs), 2),
+                                   "attempts_first_step_s": [round(r[0], 2) for r in runs]}
+                                  for name, runs in attempts.items()]
     for row in rows:
         row["vs_torchrun_by_hand_s"] = round(row["first_step_s"] - rows[1]["first_step_s"], 2)
-        trivial = trivial_job(cfg["repeats"], Path(tmp) / "runs")
-    return {"job": "payload: synthetic data, small model, batch 32, gloo on CPU, world size 2",
-            "repeats": cfg["repeats"], "statistic": "median", "rows": rows,
-            "harness_render_s": round(statistics.median(render), 2), "trivial_job": trivial}
+    found: dict[str, Any] = {"job": "payload: synthetic data, small model, batch 32, gloo on CPU, world size 2",
+                             "repeats": cfg["repeats"], "statistic": "median", "rows": rows,
+                             "difference": difference, "goal_s": FIRST_STEP_GOAL,
+                             "harness_render_s": round(statistics.median(render), 2)}
+    if trivial is not None:
+        found |= {"trivial_job": trivial[0], "trivial_difference": trivial[1], "trivial_goal_s": TRIVIAL_GOAL}
+    return found
 
 
 def died_at(path: Path, watched: procs.Proc | None = None, timeout: float = 120) -> float:
@@ -221,6 +265,7 @@ def failure_propagation(cfg: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-failure-") as tmp:
         for block in cfg["blocks"]:
             rows.append(harness_failures(Path(tmp), block, cfg["repeats"]))
-            rows.append(failure_under_torchrun(Path(tmp), block, cfg["torchrun_wait"]))
+            if cfg["torchrun_wait"]:  # the full run's: torchrun alone, given a bounded wait
+                rows.append(failure_under_torchrun(Path(tmp), block, cfg["torchrun_wait"]))
     return {"script": "bench/ddp_fail.py: 2 nodes x 1 process, gloo on CPU, rank 1 dies at step 3",
             "repeats": cfg["repeats"], "statistic": "median", "goal_s": 5.0, "rows": rows}

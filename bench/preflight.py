@@ -3,8 +3,9 @@
 that routes nowhere and Debian's 127.0.1.1 hostname line), and the fast checks that every
 `harness launch --hosts` runs first (run_preflight(fast=True), no torch import on the hosts).
 
-Each is measured side by side with today's preflight before the interface checks (BASELINE, the
-same commands from that commit's tree), alternating, on the same hosts. That preflight fails these
+In the full run (cfg baseline) each is measured side by side with the preflight before the interface
+checks (BASELINE, the same commands from that commit's tree), alternating, on the same hosts; cfg modes
+picks `full` (the command) and `fast` (the checks before a launch). That preflight fails these
 hosts (`resolve`: the hostname is loopback), which the new one turns into a pinned interface.
 
 Preflight talks to all hosts at once, so its time should grow far slower than the host count:
@@ -86,6 +87,9 @@ def fast(root: Path, hosts: Path, job: Path, known_hosts: Path) -> tuple[float, 
     return answer["seconds"], answer["report"]
 
 
+MODES = {"full": full, "fast": fast}
+
+
 def _failed(report: dict[str, Any]) -> set[str]:
     return {c["check"] for c in report.get("checks", []) if c.get("status") == "fail"}
 
@@ -106,13 +110,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     with cluster.namespace_cluster(max(sizes), multi_nic=True) as c, \
             tempfile.TemporaryDirectory(prefix="bench-preflight-") as tmp:
         built = time.monotonic() - begun
-        roots = {"": procs.REPO, "baseline_": procs.harness_at(BASELINE, Path(tmp) / "baseline")}
+        roots = {"": procs.REPO}
+        if cfg["baseline"]:  # the full run: side by side with the preflight before the interface checks
+            roots["baseline_"] = procs.harness_at(BASELINE, Path(tmp) / "baseline")
         for k in sizes:
             hosts = c.write_inventory(Path(tmp) / f"hosts{k}.yaml", hosts=[f"h{i}" for i in range(1, k + 1)])
             job = write_job(Path(tmp) / f"job{k}.yaml", k)
             row: dict[str, Any] = {"hosts": k}
             interfaces: set[str] = set()
-            for mode, check in (("full", full), ("fast", fast)):
+            for mode, check in ((mode, MODES[mode]) for mode in cfg["modes"]):
                 times: dict[str, list[float]] = {version: [] for version in roots}
                 controller, machine_cpu = [], []
                 for _ in range(cfg["repeats"]):
@@ -131,14 +137,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 for version, found in times.items():
                     row[f"{version}{mode}_s"] = round(statistics.median(found), 2)
                     row[f"{version}{mode}_attempts_s"] = [round(t, 2) for t in found]
-                row[f"{mode}_vs_baseline"] = round(row[f"{mode}_s"] / row[f"baseline_{mode}_s"], 3)
+                if cfg["baseline"]:
+                    row[f"{mode}_vs_baseline"] = round(row[f"{mode}_s"] / row[f"baseline_{mode}_s"], 3)
                 row[f"{mode}_controller_cpu_s"] = round(statistics.median(controller), 2)
                 row[f"{mode}_machine_cpu_s"] = round(statistics.median(machine_cpu), 2)
             row["pinned"] = sorted(interfaces)
             rows.append(row)
     for row in rows:
-        for mode in ("full", "fast"):
+        for mode in cfg["modes"]:
             row[f"{mode}_vs_linear"] = round(row[f"{mode}_s"] / (row["hosts"] * rows[0][f"{mode}_s"]), 3)
     return {"cluster_build_s": round(built, 1), "repeats": cfg["repeats"], "statistic": "median",
-            "cores": procs.cpu_count(), "baseline": BASELINE, "baseline_fails": sorted(BASELINE_FAILS),
-            "rows": rows, "notes": notes}
+            "cores": procs.cpu_count(), "modes": list(cfg["modes"]), "rows": rows, "notes": notes,
+            **({"baseline": BASELINE, "baseline_fails": sorted(BASELINE_FAILS)} if cfg["baseline"] else {})}

@@ -20,8 +20,9 @@ Steps redone: the last step rank 0 logged in the failed attempt minus the step t
 from, against the checkpoint interval (at most interval - 1: only the work since the newest
 checkpoint is lost; 0 with a just-in-time checkpoint).
 
-Each failure is measured side by side with the harness before issue 48 (BASELINE, that commit's `harness`
-package, payload included), alternating, on the same machine: the row's before_* fields. The node is killed
+In the full run (cfg before, ssh), each failure is measured side by side with the harness before issue 48
+(BASELINE, that commit's `harness` package, payload included), alternating, on the same machine: the row's
+before_* fields; the quick run has the simulated nodes' row alone, today's harness alone. The node is killed
 at step `kill_at`, once the standbys of the next attempt have done their imports and wait (standbys_idle), as
 they do when a failure comes in a run of any length.
 Every run keeps its hosts kept out (record/hosts_out.py) in a state directory of its own.
@@ -136,14 +137,21 @@ def median(values: list[float]) -> float:
     return round(statistics.median(values), 2)
 
 
-def _row(name: str, runs: list[dict[str, Any]], before: list[dict[str, Any]], every: int) -> dict[str, Any]:
-    """Today's medians, the phases recorded, and the same failure with BASELINE's harness (before_*)."""
-    return {"failure": name, "total_s": median([r["total"] for r in runs]),
-            "before_total_s": median([r["total"] for r in before]),
+def _before(runs: list[dict[str, Any]], before: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same failure with BASELINE's harness (before_*), where it ran."""
+    if not before:
+        return {}
+    return {"before_total_s": median([r["total"] for r in before]),
             "total_vs_before": round(median([r["total"] for r in runs]) / median([r["total"] for r in before]), 3),
             **{f"before_{phase}_s": median([r["phases"][phase] for r in before]) for phase in PHASES},
             "before_steps_redone": [r["redone"] for r in before], "before_attempts_total_s":
-                [round(r["total"], 2) for r in before], "warm": runs[0]["warm"],
+                [round(r["total"], 2) for r in before]}
+
+
+def _row(name: str, runs: list[dict[str, Any]], before: list[dict[str, Any]], every: int) -> dict[str, Any]:
+    """Today's medians, the phases recorded, and the same failure with BASELINE's harness (before_*)."""
+    return {"failure": name, "total_s": median([r["total"] for r in runs]), **_before(runs, before),
+            "warm": runs[0]["warm"],
             **{f"{phase}_s": median([r["phases"][phase] for r in runs]) for phase in PHASES},
             "steps_redone": [r["redone"] for r in runs], "ckpt_every": every,
             "attempts_total_s": [round(r["total"], 2) for r in runs],
@@ -174,20 +182,22 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     every, kill_at, repeats = cfg["ckpt_every"], cfg["kill_at"], cfg["repeats"]
     rows, notes = [], []
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
-        roots = {"": procs.REPO, "before": procs.harness_at(BASELINE, Path(tmp) / "before")}
-        runs: dict[str, list[dict[str, Any]]] = {version: [] for version in roots}
+        roots = {"": procs.REPO}
+        if cfg["before"]:  # the full run: side by side with the harness before issue 48
+            roots["before"] = procs.harness_at(BASELINE, Path(tmp) / "before")
+        runs: dict[str, list[dict[str, Any]]] = {version: [] for version in ("", "before")}
         for _ in range(repeats):
             for version, root in roots.items():
                 runs[version].append(_one(Path(tmp), root, _worker_of_rank_1, kill_at, every, []))
         rows.append(_row("simulated nodes: rank 1's worker SIGKILLed", runs[""], runs["before"], every))
-        reason = missing_support()
+        reason = missing_support() if cfg["ssh"] else "not in this profile (the full run has them)"
         if reason:
-            notes.append(f"SSH row left out: {reason}")
+            notes.append(f"SSH rows left out: {reason}")
         else:
             for name, nnodes in (("3 SSH hosts: every process of h2 SIGKILLed, spare h3 takes over", 2),
                                  ("3 SSH hosts, 3 nodes, min_nnodes 2, no spare: every process of h2 SIGKILLed, "
                                   "h1 and h3 go on", 3)):
-                runs = {version: [] for version in roots}
+                runs = {version: [] for version in ("", "before")}
                 for _ in range(repeats):
                     for version, root in roots.items():  # a fresh cluster each time: the killed host stays dead
                         with _cluster(root) as cluster:
@@ -198,5 +208,5 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 rows.append(_row(name, runs[""], runs["before"], every))
     return {"job": f"payload: synthetic data, small model, batch {PER_RANK} x the job's nodes (the 3-node job's 48 "
                    f"kept on 2 nodes as 2 x 12 per rank), 1 rank per node, gloo on CPU; restarts max 1, backoff 0",
-            "kill_at_step": kill_at, "before": BASELINE,
+            "kill_at_step": kill_at, **({"before": BASELINE} if cfg["before"] else {}),
             "repeats": repeats, "statistic": "median", "rows": rows, "notes": notes}

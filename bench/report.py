@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench import stats
+
 SEED_GOAL = 4.0  # payload (fast settings) / seed recipe, images/s, on an H100-class GPU
 H100_GOAL = 60_000  # ResNet-18-CIFAR bf16 images/s on one H100
 FAILURE_GOAL = 5.0  # seconds from a node's death to the last process of the job gone
@@ -37,15 +39,35 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                       "value": f"{fast['images_per_s']:,.0f} img/s "
                                f"({tp['model']}, {fast['precision']}, batch {tp['batch_size']}, {tp['device']}{mfu})",
                       "met": fast["images_per_s"] >= H100_GOAL if h100 else None})
+    fs = b.get("first_step")
+    if _ok(fs) and "difference" in fs:  # results from before the rounds have medians alone
+        found.append(_interval_goal(f"`harness launch` adds at most {fs['goal_s']:g} s to the first step, against "
+                                    "torchrun by hand (2 nodes)", fs["difference"], fs["goal_s"]))
+    if _ok(fs) and "trivial_difference" in fs:
+        found.append(_interval_goal(f"`harness launch` adds at most {fs['trivial_goal_s']:g} s to a trivial job's "
+                                    "whole run, against torchrun by hand", fs["trivial_difference"],
+                                    fs["trivial_goal_s"]))
+    hc = b.get("harness_cost")
+    if _ok(hc):
+        on_gpu = hc["device"] != "cpu"
+        cost = _interval_goal(f"the harness costs the payload at most {1 - hc['goal_ratio']:.0%} of its img/s on a "
+                              "GPU (harness launch / torchrun)", hc["ratio"], hc["goal_ratio"], at_most=False)
+        if not on_gpu:  # on a CPU the harness's processes share the payload's cores: shown, not judged
+            verdict = {True: "met", False: "missed", None: "undecided"}[cost["met"]]
+            cost |= {"met": None, "value": f"{cost['value']} (on a CPU)", "open": "open (needs a GPU)",
+                     "note": f"on this CPU the interval says {verdict}"}
+        found.append(cost)
     pf = b.get("preflight")
+    modes = pf.get("modes", ["full", "fast"]) if _ok(pf) else []
     if _ok(pf) and len(pf["rows"]) > 1:
         last = pf["rows"][-1]
-        met = last["full_vs_linear"] <= LINEAR_GOAL and last["fast_vs_linear"] <= LINEAR_GOAL
+        met = all(last[f"{mode}_vs_linear"] <= LINEAR_GOAL for mode in modes)
+        names = {"full": "`harness preflight`", "fast": "fast checks"}
         found.append({
             "goal": f"preflight over k hosts grows far slower than linearly (t(k) <= {LINEAR_GOAL:g} x k x t(1))",
-            "value": f"{last['hosts']} hosts: `harness preflight` {last['full_vs_linear']} of linear "
-                     f"({_floor_ratio(last, 'full', pf['cores'])} x the CPU floor), fast checks "
-                     f"{last['fast_vs_linear']} ({_floor_ratio(last, 'fast', pf['cores'])} x)",
+            "value": f"{last['hosts']} hosts: " + ", ".join(
+                f"{names[mode]} {last[f'{mode}_vs_linear']} of linear ({_floor_ratio(last, mode, pf['cores'])} x "
+                "the CPU floor)" for mode in modes),
             "met": met,
             "note": None if met else f"the {last['hosts']} simulated hosts share {pf['cores']} cores, so their own "
                                      "work is CPU-bound; a wall time near the CPU floor means no serialisation",
@@ -59,8 +81,9 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                       "met": gone is not None and gone < FAILURE_GOAL})
     st = b.get("stream")
     if _ok(st):
-        found.append({"goal": f"a chatty job's stream (terminal and record) within {STREAM_GOAL:g}x torchrun --tee 3",
-                      "value": f"{st['ratio']:.3f}x", "met": st["ratio"] <= STREAM_GOAL})
+        text = f"a chatty job's stream (terminal and record) within {STREAM_GOAL:g}x torchrun --tee 3"
+        found.append(_interval_goal(text, st["paired_ratio"], STREAM_GOAL) if "paired_ratio" in st else
+                     {"goal": text, "value": f"{st['ratio']:.3f}x", "met": st["ratio"] <= STREAM_GOAL})
     hg = b.get("hangs")
     if _ok(hg):
         worst = max((r["detected_s"]["max"] for r in hg["rows"] if r["detected_s"]["max"] is not None), default=None)
@@ -100,6 +123,13 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     if _ok(sc):
         found += _scale_goals(sc)
     return found
+
+
+def _interval_goal(goal: str, found: dict[str, Any], limit: float, at_most: bool = True) -> dict[str, Any]:
+    """A goal judged on a comparison's 95% interval (bench/stats.py): undecided while the interval holds the limit."""
+    return {"goal": goal, "value": f"{stats.describe(found)}; {stats.stopped(found)}",
+            "met": stats.judge(found["low"], found["high"], limit, at_most=at_most),
+            "open": "undecided (the 95% interval holds the goal)"}
 
 
 def _scale_goals(sc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -191,6 +221,8 @@ def _throughput(tp: dict[str, Any]) -> list[str]:
         [[r["name"], r["precision"], r["compile"], r["channels_last"], r["input"], _num(r["images_per_s"]),
           "-" if r.get("no_model") else f"{r['vs_seed']}x", _num(r.get("achieved_gflop_s"), 1),
           _percent(r.get("mfu"))] for r in tp["rows"]])
+    if not tp["time_to_accuracy"]:  # the quick run leaves it to the full one
+        return lines
     lines += ["Time to accuracy, digits job (small model, global batch 64, from process start):", ""]
     lines += _table(
         ["ranks", "test acc >= target", "epoch", "s from start", "s of training", "final acc", "process s"],
@@ -249,19 +281,41 @@ def _strategies(s: dict[str, Any]) -> list[str]:
          for r in s["rows"]])
 
 
+def _rounds(found: dict[str, Any] | None, what: str) -> list[str]:
+    """A comparison's line: its mean, 95% interval and rounds, and why the rounds stopped."""
+    if found is None:  # results recorded before the rounds
+        return []
+    return [f"{what}: {stats.describe(found)}; {stats.stopped(found)}.", ""]
+
+
 def _first_step(f: dict[str, Any]) -> list[str]:
-    lines = [f"{f['job']}; from starting the command to rank 0's first progress line; median of "
-             f"{f['repeats']}. `harness render` of the same job (CLI start + plan): {f['harness_render_s']} s.", ""]
+    rounds = "difference" in f
+    others = f", the others in the first {f['repeats']} of them" if len(f["rows"]) > 2 else ""
+    statistic = (f"medians; harness launch and torchrun by hand in interleaved rounds{others}" if rounds
+                 else f"median of {f['repeats']}")
+    lines = [f"{f['job']}; from starting the command to rank 0's first progress line; {statistic}. `harness render` "
+             f"of the same job (CLI start + plan): {f['harness_render_s']} s.", ""]
     lines += _table(
         ["launcher", "first step s", "vs torchrun by hand", "job end s", "attempts"],
         [[r["name"], r["first_step_s"], f"{r['vs_torchrun_by_hand_s']:+.2f} s", r["job_end_s"],
           ", ".join(str(a) for a in r["attempts_first_step_s"])] for r in f["rows"]])
-    if "trivial_job" not in f:  # results recorded before the trivial job's rows
+    lines += _rounds(f.get("difference"), "harness launch - torchrun by hand, mean of the rounds' paired differences")
+    if "trivial_job" not in f:  # results recorded before the trivial job's rows, and quick runs
         return lines
     trivial = _table(["launcher", "end to end s", "vs torchrun by hand", "ratio", "attempts"],
                      [[r["name"], r["end_to_end_s"], f"{r['vs_torchrun_by_hand_s']:+.2f} s", f"{r['ratio']:.2f}x",
                        ", ".join(str(a) for a in r["attempts_s"])] for r in f["trivial_job"]])
-    return [*lines, "bench/noop.py (join, one all_reduce, leave), end to end, the launchers alternating:", "", *trivial]
+    return [*lines, "bench/noop.py (join, one all_reduce, leave), end to end, the launchers alternating (medians):",
+            "", *trivial, *_rounds(f.get("trivial_difference"), "harness launch - torchrun by hand, paired")]
+
+
+def _harness_cost(h: dict[str, Any]) -> list[str]:
+    lines = [f"{h['job']}. The launchers alternate in rounds (the order swapped each round); img/s: the mean of the "
+             "rounds with its 95% interval.", ""]
+    lines += _table(["launcher", "img/s (mean)", "95% interval", "attempts"],
+                    [[r["name"], _num(r["images_per_s"]), f"{_num(r['low'])} - {_num(r['high'])}",
+                      ", ".join(_num(a) for a in r["attempts_images_per_s"])] for r in h["rows"]])
+    return lines + _rounds(h["ratio"], "img/s harness launch / torchrun, mean of the rounds' ratios")
 
 
 def _preflight(p: dict[str, Any]) -> list[str]:
@@ -277,11 +331,12 @@ def _preflight(p: dict[str, Any]) -> list[str]:
                 f"nowhere, hostname -> 127.0.1.1, on which today's preflight fails "
                 f"`{', '.join(p['baseline_fails'])}`)." if "baseline" in p else ""), ""]
     baseline = "baseline" in p
+    modes = p.get("modes", ["full", "fast"])  # results from before the quick run's choice have both
     lines += _table(
-        ["hosts", "preflight s"] + (["today's s", "ratio"] if baseline else []) + ["vs linear", "CPU floor s",
-                                                                                  "controller CPU s", "fast checks s"]
-        + (["today's s", "ratio"] if baseline else []) + ["vs linear", "CPU floor s", "controller CPU s"],
-        [[r["hosts"]] + [v for mode in ("full", "fast") for v in (
+        ["hosts", *(h for mode in modes for h in ({"full": "preflight s", "fast": "fast checks s"}[mode],
+                                                    *(("today's s", "ratio") if baseline else ()), "vs linear",
+                                                    "CPU floor s", "controller CPU s"))],
+        [[r["hosts"]] + [v for mode in modes for v in (
             r[f"{mode}_s"], *((r[f"baseline_{mode}_s"], r[f"{mode}_vs_baseline"]) if baseline else ()),
             r[f"{mode}_vs_linear"], round(r[f"{mode}_machine_cpu_s"] / cores, 2),
             r[f"{mode}_controller_cpu_s"])] for r in p["rows"]])
@@ -479,7 +534,8 @@ def _metrics_cost(m: dict[str, Any]) -> list[str]:
 def _stream(s: dict[str, Any]) -> list[str]:
     return [f"{s['job']}; median of {s['repeats']}, alternating. Harness / torchrun: {s['ratio']:.3f}.", "",
             *_table(["launcher", "end to end (s)", "attempts (s)"],
-                    [[r["name"], r["seconds"], ", ".join(str(a) for a in r["attempts_s"])] for r in s["rows"]]), ""]
+                    [[r["name"], r["seconds"], ", ".join(str(a) for a in r["attempts_s"])] for r in s["rows"]]),
+            *_rounds(s.get("paired_ratio"), "harness / torchrun, mean of the rounds' ratios"), ""]
 
 
 def _k8s(k: dict[str, Any]) -> list[str]:
@@ -534,6 +590,7 @@ SECTIONS = (
     ("ddp", "2. DDP overhead", _ddp),
     ("strategies", "2b. DDP against FSDP: throughput and memory at the same global batch", _strategies),
     ("first_step", "3. Harness overhead: launch to first step", _first_step),
+    ("harness_cost", "3b. The harness's cost on the payload's img/s: harness launch against torchrun", _harness_cost),
     ("preflight", "4. Preflight fan-out", _preflight),
     ("failure", "5. Failure propagation", _failure),
     ("recovery", "6. Time to recover", _recovery),
@@ -572,12 +629,17 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
         "",
         "Measured side by side in one run: the payload against the seed recipe (bench/seed.py: fp32, PIL transforms "
         "through a DataLoader with a DistributedSampler), DDP against no DDP, FSDP against DDP, `harness launch` "
-        "against plain torchrun, preflight over 1 to 16 hosts, failure propagation against torchrun alone, and the "
+        "against plain torchrun (to the first step, and the payload's img/s under each), preflight over 1 to 16 hosts, "
+        "failure propagation against torchrun alone, and the "
         "time a restarted run takes from a lost node to its next training step, Slurm: `harness launch --target slurm` "
         "against plain sbatch, a container node's start-up against the bare host, and hang detection against torchrun "
-        "alone. `make bench` is the full run (ResNet-18, repeats, 16 hosts); `make bench-quick` takes about a minute "
-        "on 2 cores (the small model, few steps, 1 and 4 hosts); `make bench-gpu` is the GPU's share alone (benchmarks "
-        "1, 1b, 2 and 2b on CUDA); `make bench-health` is the health watch's alone (benchmarks 9 and 10: hung jobs "
+        "alone. Comparisons of two launchers run in interleaved rounds and give the 95% interval of their difference "
+        "(or ratio); a goal is judged on that interval, undecided while it holds the goal. `make bench` is the full "
+        "run (ResNet-18, repeats and rounds, 16 hosts, Slurm, containers, the stream, older packages side by side); "
+        "`make bench-quick` takes about a minute on 2 cores (the smallest meaningful case of benchmarks 1, 3b, 4, 5 "
+        "and 6: the small model, few steps, 2 rounds, 1 and 4 hosts); `python -m bench --launch` is benchmark 3 "
+        "alone, in up to 30 rounds; `make bench-gpu` is the GPU's share alone (benchmarks "
+        "1, 1b, 2, 2b and 3b on CUDA); `make bench-health` is the health watch's alone (benchmarks 9 and 10: hung jobs "
         "found and their culprit named, against torchrun alone; the watch's cost). Each run writes "
         "`bench/results/<time>-<host>-<profile>.json`; the tables below come from the latest of each. Shared or busy "
         "machines give noisy figures: check the load average below.",
@@ -592,10 +654,11 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
             f"measure on an H100-class GPU (`make bench-gpu` there, or `python -m bench --gpu`): the payload at "
             f">= {SEED_GOAL:g}x the seed recipe's img/s, >= {H100_GOAL:,} img/s for ResNet-18-CIFAR bf16 on one "
             "H100, MFU against 989 TFLOP/s dense bf16, the seed recipe's DataLoader ceiling with the GPU machine's "
-            "CPU workers, `--compile` and its modes on the GPU, and DDP and FSDP over NCCL (2 ranks need 2 GPUs).",
+            "CPU workers, `--compile` and its modes on the GPU, DDP and FSDP over NCCL (2 ranks need 2 GPUs), and the "
+            "harness's cost on the payload's img/s (3b: `harness launch` against torchrun, at most 1%).",
             "",
         ]
-    for name in ("gpu", "full", "quick", "health", "k8s", "scale"):
+    for name in ("gpu", "full", "quick", "launch", "health", "k8s", "scale"):
         if name in latest:
             lines += _run(name, latest[name])
     return "\n".join(lines).rstrip("\n") + "\n"

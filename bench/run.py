@@ -24,23 +24,27 @@ from bench import machine, procs, report
 
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
-NAMES = ("throughput", "tuning", "ddp", "strategies", "first_step", "preflight", "failure", "recovery", "slurm",
-         "containers", "hangs", "watch_cost", "stream", "metrics_cost", "k8s",
-         "scale")
+NAMES = ("throughput", "tuning", "ddp", "strategies", "first_step", "harness_cost", "preflight", "failure", "recovery",
+         "slurm", "containers", "hangs", "watch_cost", "stream", "metrics_cost", "k8s", "scale")
 HEALTH = ("hangs", "watch_cost", "metrics_cost")
 # What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed);
-# health is the health watch's alone (benchmarks 9, 10 and 12: 60 hung launches, ~22 min on 2 cores).
-PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp", "strategies"),
+# health is the health watch's alone (benchmarks 9, 10 and 12: 60 hung launches, ~22 min on 2 cores); quick is
+# the smallest meaningful case of the full run's benchmarks that fit in about a minute on 2 cores: no Slurm,
+# containers, stream, DDP or older packages side by side; launch is benchmark 3 alone, whose interval needs tens
+# of rounds (~12 min on 2 cores) before it can judge its goal.
+PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp", "strategies", "harness_cost"),
                  "full": tuple(n for n in NAMES if n not in ("tuning", "k8s", "scale") and n not in HEALTH),
+                 "quick": ("throughput", "harness_cost", "preflight", "failure", "recovery"),
+                 "launch": ("first_step",),
                  "health": HEALTH,
                  "k8s": ("k8s",), "scale": ("scale",)}
-PROFILE_NAMES["quick"] = PROFILE_NAMES["full"]
 HEALTH_FAULTS = 20  # per fault kind, the issue's least
 
 
 def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, dict[str, Any]]:
     """Every knob of a run. quick: about a minute on a 2-core CPU; full: the real model, repeats; gpu:
-    benchmarks 1, 1b, 2 and 2b on the GPU; health: benchmarks 9 and 10 (faults: hung launches per kind)."""
+    benchmarks 1, 1b, 2, 2b and 3b on the GPU; launch: benchmark 3 as in the full run; health: benchmarks 9
+    and 10 (faults: hung launches per kind)."""
     quick = name == "quick"
     cuda = device == "cuda"
     if cuda:  # one H100-class GPU: ResNet-18 at the payload's default batch; compile only in the full runs
@@ -52,7 +56,7 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
         ddp = {"model": "resnet18", "batch_size": throughput["batch_size"], "log_every": 20, "intervals": 5,
                "precision": "bf16", "repeats": 1 if quick else 2}
     elif quick:  # ResNet-18 trains at ~80 img/s on 2 cores: the small model, few steps
-        throughput = {"model": "small", "batch_size": 128, "log_every": 3, "intervals": 4, "repeats": 2,
+        throughput = {"model": "small", "batch_size": 128, "log_every": 3, "intervals": 4, "repeats": 1,
                       "compile": None}
         ddp = {"model": "small", "batch_size": 64, "log_every": 3, "intervals": 3, "precision": "fp32", "repeats": 1}
     else:
@@ -60,7 +64,16 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
                       "compile": "default"}
         ddp = {"model": "resnet18", "batch_size": 32, "log_every": 2, "intervals": 3, "precision": "fp32",
                "repeats": 2}
-    throughput |= {"device": device, "accuracy": {"epochs": 8, "ranks": [1] if quick else [1, 2], "device": device}}
+    throughput |= {"device": device, "accuracy": {"epochs": 8, "ranks": [] if quick else [1, 2], "device": device}}
+    # benchmark 3b: the payload's fast row of benchmark 1 under harness launch and torchrun, more steps than
+    # benchmark 1 times (the rate of a few steps on a CPU is noise); no compile: each launch would redo it
+    fast = {k: throughput[k] for k in ("model", "batch_size", "device")} | {"compile": None}
+    if cuda:
+        harness_cost = fast | {"log_every": 20, "intervals": 5, "max_rounds": 3 if quick else 8}
+    else:
+        harness_cost = fast | {"log_every": 6 if quick else 4, "intervals": 4, "max_rounds": 2 if quick else 10,
+                               "min_rounds": 2 if quick else 3}
+    harness_cost["half_width"] = 0.005  # of the ratio: a 1% goal judged once the interval is this narrow
     return {
         "throughput": throughput,
         # (per-rank batch, compile mode); each compiled run costs about a minute of compilation, and the
@@ -71,11 +84,17 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
         "ddp": ddp | {"device": device},
         # benchmark 2's model and per-rank batch; a GPU rank needs a GPU of its own (2 ranks: skipped on one)
         "strategies": ddp | {"device": device, "ranks": [1, 2] if cuda else [2]},
-        "first_step": {"repeats": 1 if quick else 3, "quick": quick},
-        "preflight": {"hosts": [1, 4] if quick else [1, 4, 16], "repeats": 1 if quick else 2},
-        "failure": {"blocks": ["sleep"] if quick else ["sleep", "collective"], "torchrun_wait": 3 if quick else 20,
+        # (the full and launch runs) rounds of harness launch and torchrun by hand until the 95% interval of their
+        # difference is within +-half_width s or max_rounds; the trivial job the same way; two more torchrun
+        # variants in the first `repeats` rounds
+        "first_step": {"repeats": 3, "others": True, "half_width": 0.1, "max_rounds": 30, "trivial_rounds": 30},
+        "harness_cost": harness_cost,
+        "preflight": {"hosts": [1, 4] if quick else [1, 4, 16], "repeats": 1 if quick else 2, "baseline": not quick,
+                      "modes": ["fast"] if quick else ["full", "fast"]},
+        "failure": {"blocks": ["sleep"] if quick else ["sleep", "collective"], "torchrun_wait": 0 if quick else 20,
                     "repeats": 1 if quick else 3},
-        "recovery": {"ckpt_every": 10, "kill_at": 40, "repeats": 1 if quick else 3},
+        "recovery": {"ckpt_every": 10, "kill_at": 40, "repeats": 1 if quick else 3, "before": not quick,
+                     "ssh": not quick},
         "slurm": {"repeats": 1 if quick else 3, "wait": 10 if quick else 30},
         "containers": {"repeats": 1 if quick else 3},
         # stall 5 s keeps 60 hung launches short; torchrun alone waits out init_process_group's timeout,
@@ -83,7 +102,7 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
         "hangs": {"faults": faults, "stall": 5, "steps": [5, 15], "seed": 28, "torchrun_repeats": 1,
                   "torchrun_timeout": 30, "torchrun_wait": 15},
         "watch_cost": {"repeats": 4, "model": "small", "batch_size": 32, "steps": 300, "warmup": 20},
-        "stream": {"lines": 1_000_000, "repeats": 1 if quick else 3},
+        "stream": {"lines": 1_000_000, "half_width": 0.05, "max_rounds": 10},
         "metrics_cost": {"model": "small", "batch_size": 32, "steps": 3000, "window": 15, "scrapes": 100, "every": 5,
                          "synthetic_repeats": 20},
         "k8s": {"repeats": 3, "kill_at": 40},
@@ -98,6 +117,7 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
     from bench import (
         containers,
         ddp,
+        harness_cost,
         health,
         k8s,
         launch,
@@ -112,7 +132,7 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
     )
 
     return {"throughput": throughput.run, "tuning": tuning.run, "ddp": ddp.run, "strategies": strategies.run,
-            "first_step": launch.time_to_first_step, "preflight": preflight.run,
+            "first_step": launch.time_to_first_step, "harness_cost": harness_cost.run, "preflight": preflight.run,
             "failure": launch.failure_propagation, "recovery": recovery.run, "slurm": slurm.run,
             "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost,
             "stream": stream.run, "metrics_cost": health.metrics_cost, "k8s": k8s.run,
@@ -180,12 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     which = p.add_mutually_exclusive_group()
     which.add_argument("--quick", dest="profile", action="store_const", const="quick",
-                       help="the small model, few steps, 1 and 4 hosts: about a minute on 2 cores")
+                       help="benchmarks 1, 3b, 4, 5 and 6 at their smallest meaningful case, none side by side "
+                            "with an older package: about a minute on 2 cores")
     which.add_argument("--full", dest="profile", action="store_const", const="full",
-                       help="ResNet-18, repeats, 16 hosts (default)")
+                       help="ResNet-18, repeats and rounds, 16 hosts, Slurm, containers, the stream, older packages "
+                            "side by side (default)")
     which.add_argument("--gpu", dest="profile", action="store_const", const="gpu",
-                       help="benchmarks 1, 1b (batch and compile-mode tuning), 2 and 2b (DDP vs FSDP) on a CUDA GPU, "
-                            "nothing else")
+                       help="benchmarks 1, 1b (batch and compile-mode tuning), 2, 2b (DDP vs FSDP) and 3b (the "
+                            "harness's cost on the payload's img/s) on a CUDA GPU, nothing else")
+    which.add_argument("--launch", dest="profile", action="store_const", const="launch",
+                       help="benchmark 3 alone: harness launch against torchrun by hand to the first step and a "
+                            "trivial job, in rounds until the 95%% interval of the difference is within +-0.1 s or "
+                            "30 rounds (~12 min on 2 cores; the same as --only first_step)")
     which.add_argument("--health", dest="profile", action="store_const", const="health",
                        help=f"benchmarks 9 and 10 alone: {HEALTH_FAULTS} hung launches per fault kind against torchrun "
                             "alone, and the watch's cost (~21 min on 2 cores; no root)")
@@ -202,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"hung launches per fault kind for --health (default {HEALTH_FAULTS}; "
                         "another number: the result is marked partial)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="for benchmarks 1, 2 and 2b (3-5 always run on CPU with gloo)")
+                   help="for benchmarks 1, 2, 2b and 3b (3 and 4-8 always run on CPU with gloo)")
     args = p.parse_args(argv)
     # SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C, so namespaces and child processes are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
