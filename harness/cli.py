@@ -1,4 +1,4 @@
-"""The `harness` command: render, launch, stop, stacks, status, top, logs, report, preflight, hosts, prepare.
+"""The `harness` command: render, launch, stop, attach, stacks, status, top, logs, report, preflight, hosts, prepare.
 
 This module parses the command line and dispatches to harness.commands, nothing more.
 """
@@ -224,6 +224,7 @@ def parser() -> argparse.ArgumentParser:
     _render_verb(verbs, job, runs_dir)
     _launch_verb(verbs, job, runs_dir)
     _stop_verb(verbs, runs_dir)
+    _attach_verb(verbs, runs_dir)
     _stacks_verb(verbs, runs_dir)
     _status_verb(verbs, runs_dir)
     _top_verb(verbs, runs_dir)
@@ -301,6 +302,14 @@ def _stop_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
     stop.add_argument("run_id", metavar="RUN_ID", help=f"the run to stop: {RUN_HELP}")
     stop.add_argument("--timeout", type=_seconds, default=15.0, help="seconds to wait for the run to end")
     stop.set_defaults(func=commands.stop)
+
+
+def _attach_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
+    attach = verbs.add_parser("attach", parents=[runs_dir],
+                              help="take back a run whose controller is gone while its nodes run on "
+                                   "(supervision.grace)")
+    attach.add_argument("run_id", metavar="RUN_ID", help=f"the run: {RUN_HELP}")
+    attach.set_defaults(func=commands.attach)
 
 
 def _stacks_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from harness.errors import HarnessError, UsageError
 from harness.record.atomic import write_text_atomic
 from harness.record.index import find_run
 from harness.record.rundir import check_run_id, new_run_id, run_dir, runs_root
-from harness.record.schema import FailureKind
+from harness.record.schema import FailureKind, Origin
 from harness.spec.from_flags import ScriptFlags, spec_from_flags, spec_yaml, with_spec_file_flags
 from harness.spec.job import SLURM_OPTIONS, JobSpec, Slurm, load_job
 from harness.spec.secrets import secret_values
@@ -249,7 +249,64 @@ def launch(args: argparse.Namespace) -> int:
     with serving_metrics(run_dir(root, run_id), spec.health.metrics_port, spec.health.metrics_address or LOOPBACK) \
             as metrics:
         return controller.launch(target, spec, job.text, job.source, root, run_id, collapse=not args.no_collapse,
-                                 metrics=metrics)
+                                 metrics=metrics, origin=_origin(args, job))
+
+
+def _origin(args: argparse.Namespace, job: Job) -> Origin:
+    """Where a run is launched from, for `harness attach` to build its target again from any terminal."""
+    spec_file = str(Path(job.source).resolve()) if job.source.endswith((".yaml", ".yml")) else None
+    return Origin(cwd=os.getcwd(), spec_file=spec_file,
+                  hosts=str(Path(args.hosts).resolve()) if args.hosts else None,
+                  known_hosts=str(Path(args.known_hosts).expanduser().resolve()) if args.known_hosts else None,
+                  accept_new_host_keys=args.accept_new_host_keys)
+
+
+def attach(args: argparse.Namespace) -> int:
+    """A controller for a run whose own is gone while its nodes' agents hold them (supervision.grace)."""
+    from harness.record.liveness import live_status
+    from harness.record.schema import RunStatus
+    from harness.run import controller
+    from harness.view.metrics import LOOPBACK, serving_metrics
+
+    open_files_as_allowed()
+    run = find_run(args.runs_dir, args.run_id)
+    state = run.read_state()
+    status = live_status(state, run)
+    if status is RunStatus.RUNNING:
+        raise UsageError(f"run {run.run_id} has its controller (pid {state.controller.pid} on "
+                         f"{state.controller.host}): nothing to take back (`harness status {run.run_id}`)")
+    if status is not RunStatus.UNWATCHED:
+        why = f"no node of it is held any more (supervision.grace: {state.grace:g} s)" \
+            if status is RunStatus.LOST and state.grace > 0 else f"it is {status.value}"
+        raise UsageError(f"run {run.run_id} cannot be taken back: {why}")
+    if state.origin is None:
+        raise UsageError(f"run {run.run_id} ({state.mode}) was not launched from a terminal of this machine: only "
+                         f"runs of `harness launch` (simulated nodes, --hosts) are taken back")
+    origin = state.origin
+    os.chdir(origin.cwd)  # the job's relative paths are the launch's
+    spec = _attached_spec(run.spec_copy, origin.spec_file)
+    secret_values(spec)  # a later attempt reads them here: a missing one fails now, before anything is taken
+    backend = backend_for(argparse.Namespace(hosts=origin.hosts, known_hosts=origin.known_hosts,
+                                             accept_new_host_keys=origin.accept_new_host_keys,
+                                             skip_preflight=False))
+    with serving_metrics(run, spec.health.metrics_port, spec.health.metrics_address or LOOPBACK) as metrics:
+        return controller.attach_run(backend, spec, run, metrics=metrics)
+
+
+def _attached_spec(copy: Path, spec_file: str | None) -> JobSpec:
+    """The run's spec: its file where it still says what the run's copy says (the copy has secret-looking values
+    masked), else the copy, whose masked values a later attempt would get (said)."""
+    from harness.spec.secrets import MASK, masked_spec_text
+
+    kept = copy.read_text()
+    if spec_file is not None and Path(spec_file).is_file():
+        text = Path(spec_file).read_text()
+        if masked_spec_text(text) == kept:
+            return load_job(spec_file)
+    if MASK in kept:
+        print(f"harness: the job's spec file is gone or changed since the launch: a later attempt runs with the "
+              f"run's copy ({copy}), whose secret-looking env values are ***", file=sys.stderr)
+    return load_job(str(copy))
 
 
 def _target(args: argparse.Namespace, spec: JobSpec) -> Backend | Scheduler:

@@ -5,14 +5,17 @@ controller, a process on an SSH host, or an srun step's task. It is started as
 
     python -I -S -c "$BOOT" harness-agent RUN_ID node NODE_RANK attempt ATTEMPT
 
-and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK STANDBY SECRETS, from the first line
-of its stdin (harness.node.boot), so it imports nothing but the standard library (not even
+and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK STANDBY SECRETS HOLD, from the first line
+of its stdin (harness.targets.boot), so it imports nothing but the standard library (not even
 site-packages): hosts need Python, not the harness. It obeys the controller's words on the rest of its
 stdin and says its messages among the node's output on its stdout: harness.node.protocol defines both,
-with what each means. Here: the node's command in a session of its own; the process tree it owns, by run id
-and as a child subreaper (the sweep that TERM, KILL and the end of the node share); what the agent does when
-the controller goes silent or away (TERM, GRACE seconds, then KILL: a lost controller never leaves a job
-running); a standby node (STANDBY: the source of harness.node.standby, installed beside the rank hook and
+with what each means. Here: the node's command in a session of its own, its output read by the agent and said
+through harness.node.link; the process tree it owns, by run id and as a child subreaper (the sweep that TERM,
+KILL and the end of the node share); what the agent does when the controller goes silent or away: it holds
+the node, running, for HOLD seconds (supervision.grace), keeping what it says for the controller that takes
+it back (harness.node.link, `harness attach`); past HOLD (or at once where HOLD is 0, or for a standby) it
+stops it: TERM, GRACE seconds, then KILL, so that a lost controller never leaves a job running for good;
+a standby node (STANDBY: the source of harness.node.standby, installed beside the rank hook and
 run by COMMAND: the next attempt's torchrun and workers started early, their imports done while the attempt
 before runs) that waits on its stdin for the GO word's order, then is its attempt's node; and, in an srun
 step, SIGUSR1 ignored (Slurm's time-limit warning, which the training processes
@@ -32,8 +35,6 @@ import contextlib
 import ctypes
 import json
 import os
-import re
-import select
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,7 @@ import tempfile
 import threading
 import time
 
+from harness.node.link import AGENT_DIRECTORY, IDENTITY, ControllerLink, Link
 from harness.node.observer import RankObserver
 from harness.node.oom import oom_counts, oom_kills
 from harness.node.proctable import is_alive, kill_run_processes, process_tree, signal_all, start_ticks
@@ -50,14 +52,15 @@ from harness.node.protocol import Kind, Word, message_line, oom_body, parse_word
 PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
 STARTED_POLL = 0.5  # seconds between looks for the node's ranks, until they exist (Kind.STARTED)
+READ_BYTES = 1 << 16  # a pipe's capacity: one read takes all the node wrote meanwhile
 
 
 class Agent:
     """One node's command in a session of its own, and the means to end all of it."""
 
     def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, watch: float,
-                 command: str, cleanup: str, hook: str, standby: str = "", secrets: dict[str, str] | None = None) \
-            -> None:
+                 command: str, cleanup: str, hook: str, standby: str = "", secrets: dict[str, str] | None = None,
+                 hold: float = 0.0) -> None:
         self.run_id = run_id
         self.node_rank = node_rank
         self.attempt = attempt
@@ -65,21 +68,27 @@ class Agent:
         self.silence = silence
         self.watch = watch
         self.cleanup = cleanup
+        self.hold = hold
         self.began = time.time()
         self.oom_before = oom_counts()
         self.ended = threading.Event()
         self._cleaned = False
         self._kill_lock = threading.Lock()
         self.directory, unhooked = _private_directory(hook, standby)
-        self.observer = RankObserver(run_id, self.directory, unhooked, say)
+        self.link = ControllerLink(run_id, Link(0, 1), self.directory)
+        self._name()
+        self.observer = RankObserver(run_id, self.directory, unhooked, self.say)
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
         hooked = {"HARNESS_AGENT_DIR": self.directory, "HARNESS_AGENT_PID": str(os.getpid())} if self.directory else {}
         self.standing_by = threading.Event()  # a standby: no samples until the GO word
+        self.stop_asked = False  # the controller said TERM or KILL: its node is not held when it goes
         if standby:
             self.standing_by.set()
         self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True,
                                       stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       env={**os.environ, **(secrets or {}), **hooked})
+        self._pump = threading.Thread(target=self._pass_output, daemon=True)
         self.observer.launcher = self.child.pid
         # A command the OS refuses to run (too long, no /bin/sh) raises here: main() reports it.
 
@@ -112,33 +121,91 @@ class Agent:
                 subprocess.run(["/bin/sh", "-c", self.cleanup], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, timeout=60, check=False)
 
+    def say(self, kind: Kind, body: str) -> None:
+        self.link.write(message_line(kind, body))
+
+    def _pass_output(self) -> None:
+        """The node's output, as it comes, to the controller (or the spool while there is none)."""
+        assert self.child.stdout is not None
+        fd = self.child.stdout.fileno()
+        while chunk := os.read(fd, READ_BYTES):
+            self.link.write(chunk)
+
+    def _name(self) -> None:
+        """Say in the private directory whose node this is: harness.node.link finds it by that."""
+        if self.directory is not None:
+            with contextlib.suppress(OSError), open(os.path.join(self.directory, IDENTITY), "w",
+                                                    encoding="utf-8") as handle:
+                handle.write(f"{self.run_id} {self.node_rank} {self.attempt}\n")
+
     def obey_controller(self) -> None:
-        """Follow the controller's words until its end of stdin, or its silence, then stop the node."""
+        """Follow the controller's words; when its link ends without them, hold the node for a controller to
+        take it back (harness.node.link) until HOLD seconds have passed, then stop it."""
+        link = self.link.current
+        while link is not None:
+            silent = self._obey(link)
+            newer = None if self.link.incoming.empty() else self.link.incoming.get()
+            if newer is None and not self._holds():
+                if silent and not self.ended.is_set():
+                    self.say_text(f"harness node agent: no word from the controller for {self.silence:g} s: "
+                                  f"stopping the node\n")
+                break
+            self.link.lose(link)
+            if newer is None and not self.ended.is_set():
+                why = f"no word from it for {self.silence:g} s" if silent else "its link ended"
+                self.say_text(f"harness node agent: lost the controller ({why}); the node runs on, held "
+                              f"{self.hold:g} s (supervision.grace) for `harness attach {self.run_id}`\n")
+            link = self._taken_back(newer)
+            if link is None and not self.ended.is_set():
+                self.say_text(f"harness node agent: no controller took the node back within supervision.grace "
+                              f"({self.hold:g} s): stopping the node\n")
+        self.signal_group(signal.SIGTERM)
+        self.ended.wait(self.grace)
+        self.kill()
+
+    def say_text(self, line: str) -> None:
+        self.link.write(line.encode())
+
+    def _holds(self) -> bool:
+        """Whether a lost controller's node is held for another (not a standby's: it has no job yet)."""
+        return self.hold > 0 and self.link.reachable and not self.standing_by.is_set() and not self.stop_asked
+
+    def _obey(self, link: Link) -> bool:
+        """The link's words until its end (False) or its silence (True), or a newer controller came."""
         pending = b""
         while True:
-            readable, _, _ = select.select([0], [], [], self.silence)
-            chunk = os.read(0, 4096) if readable else b""
+            chunk = self.link.wait_word(link, self.silence)
             if not chunk:
-                break
+                return chunk is None and self.link.incoming.empty()
             *words, pending = (pending + chunk).split(b"\n")
             for line in words:
                 word, argument = parse_word(line) or (Word.PING, "")
                 if word is Word.TERM:
+                    self.stop_asked = True
                     self.signal_group(signal.SIGTERM)
                 elif word is Word.KILL:
+                    self.stop_asked = True
                     self.kill()
                 elif word is Word.STACKS and argument:
                     threading.Thread(target=self.observer.send_stacks, args=(argument,), daemon=True).start()
                 elif word is Word.GO and self.standing_by.is_set():
                     self.go(argument)
-        if not readable and not self.ended.is_set():
-            with contextlib.suppress(OSError):
-                sys.stdout.write(f"harness node agent: no word from the controller for {self.silence:g} s: "
-                                 f"stopping the node\n")
-                sys.stdout.flush()
-        self.signal_group(signal.SIGTERM)
-        self.ended.wait(self.grace)
-        self.kill()
+
+    def _taken_back(self, newer: Link | None) -> Link | None:
+        """The link of the controller that took the node back (newer, or one that comes), its spool replayed to
+        it; None: none did within HOLD seconds of the loss."""
+        deadline = (self.link.lost_at or time.time()) + self.hold
+        while True:
+            link, newer = newer or self.link.await_controller(deadline), None
+            if link is None or self.link.attach(link):
+                return link
+            link.close()
+
+    def await_delivery(self) -> None:
+        """Until what the agent said last reached a controller, or none can take the node back any more."""
+        while self._holds() and not self.link.delivered() and self.link.lost_at is not None \
+                and time.time() < self.link.lost_at + self.hold:
+            time.sleep(0.1)
 
     def go(self, order: str) -> None:
         """The standby becomes its attempt's node: its identity is the order's, the order goes to the waiting
@@ -146,6 +213,7 @@ class Agent:
         env = json.loads(order)["env"]
         self.node_rank, self.attempt = env["NODE_RANK"], env["HARNESS_ATTEMPT"]
         self.began, self.oom_before = time.time(), oom_counts()
+        self._name()
         assert self.child.stdin is not None
         with contextlib.suppress(OSError):  # a torchrun that died waiting: its end is the node's
             self.child.stdin.write(order.encode() + b"\n")
@@ -159,6 +227,7 @@ class Agent:
             threading.Thread(target=self.observer.sample_every, args=(self.watch, self.ended), daemon=True).start()
 
     def run(self) -> int:
+        self._pump.start()
         threading.Thread(target=self.obey_controller, daemon=True).start()
         if not self.standing_by.is_set():
             self._sample()
@@ -166,14 +235,18 @@ class Agent:
         self.ended.set()
         with self._kill_lock:  # not while a KILL runs the cleanup, a child of ours with our environment
             self._sweep()  # workers that outlived their torchrun, daemons the job left behind
-        if self.directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        self._pump.join(timeout=SWEEP_SECONDS)  # its last output before its exit
         if code != 0 and (killed := oom_kills(self.observer.seen, self.began, self.oom_before)):
-            say(Kind.OOM, oom_body(killed))
+            self.say(Kind.OOM, oom_body(killed))
         return code
 
-
-AGENT_DIRECTORY = re.compile(r"^harness-agent-(\d+)-(\d+)-")  # its agent's pid and start time
+    def end(self, code: int) -> None:
+        """The node's end said, and kept for a controller to take while one may come; then nothing is left."""
+        self.say(Kind.NODE_EXIT, str(code))
+        self.await_delivery()
+        self.link.close()
+        if self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _private_directory(hook: str, standby: str = "") -> tuple[str | None, str]:
@@ -205,32 +278,22 @@ def remove_orphaned(parent: str) -> None:
                         shutil.rmtree(path)
 
 
-_SAY_LOCK = threading.Lock()
-
-
-def say(kind: Kind, body: str) -> None:
-    """One message line in one write(2): atomic on the pipe, whatever the workers write meanwhile."""
-    data = message_line(kind, body)
-    with _SAY_LOCK, contextlib.suppress(OSError):
-        sys.stdout.flush()
-        os.write(1, data)
-
-
 def main(argv: list[str]) -> None:
-    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby, secrets = argv[:11]
+    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby, secrets, hold = argv[:12]
     if "SLURM_STEP_ID" in os.environ:
         # Slurm's time-limit warning reaches every process of the step (scancel --signal=USR1): the training
         # processes catch it and checkpoint; the agent and torchrun (which inherits this) must live on.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup, hook,
-                      standby, json.loads(secrets))
+                      standby, json.loads(secrets), float(hold))
     except OSError as exc:
         sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
-        code = 127
-    else:
-        code = agent.run()
-    say(Kind.NODE_EXIT, str(code))  # when the controller is gone, there is nobody to tell
+        sys.stdout.flush()
+        os.write(1, message_line(Kind.NODE_EXIT, "127"))
+        os._exit(127)
+    code = agent.run()
+    agent.end(code)
     os._exit(code if code >= 0 else 128 - code)  # no exit-time flush into a closed pipe
 
 

@@ -1,5 +1,5 @@
 """A TCP port that nobody holds on this host, for a job's rendezvous (`master_port: auto`). It runs on
-the master host itself (shipped by harness.node.boot, or imported on this machine), since only that
+the master host itself (shipped by harness.targets.boot, or imported on this machine), since only that
 host knows what is bound there. Standard library only.
 
     python freeport.py      prints one free port

@@ -1,12 +1,13 @@
 """The node agent's protocol, both ends of it, and the one place it is described: what the controller says
 on the agent's stdin (Word) and what the agent says among the node's output on its stdout (Message).
-Standard library only: shipped to nodes with the agent (harness.node.boot) and imported by the controller
+Standard library only: shipped to nodes with the agent (harness.targets.boot) and imported by the controller
 (harness.targets.agent_link, harness.run), so that the two ends cannot drift apart.
 
 Controller -> agent: the first line of stdin is the agent's program and arguments (agent_link.agent_program);
 then one Word per line. End of file, or SILENCE seconds without a word, means the controller or its
 connection is gone (the kernel closes a dead process's pipes, sshd the channel of a dropped connection; a
-network that drops silently stays silent): the agent sends TERM, waits GRACE seconds, then KILL.
+network that drops silently stays silent): the agent holds the node for a new controller (ATTACH, through
+harness.node.link's control socket) for HOLD seconds, then sends TERM, waits GRACE seconds, then KILL.
 
 Agent -> controller: any line is the node's combined output, except those that begin with MARKER: each is
 a Message, written by one write(2) of at most PIPE_BUF bytes so that no worker's output can split one (a
@@ -45,6 +46,9 @@ class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate
     # `GO ORDER`: a standby node (agent started with STANDBY) becomes its attempt's node: ORDER, one JSON line
     # ({"env": the node's env, "args": torchrun's arguments}), goes to the waiting torchrun's stdin
     GO = "GO"
+    # `ATTACH RUN_ID`: the first word on a node agent's control socket (harness.node.link): a new controller takes
+    # back the node of the run that lost its own; the agent answers UNWATCHED, what it kept, WATCHED, then live
+    ATTACH = "ATTACH"
 
 
 class Kind(str, Enum):  # noqa: UP042 - as Word
@@ -59,6 +63,11 @@ class Kind(str, Enum):  # noqa: UP042 - as Word
     # `RANKS`: the node's ranks exist (comma-separated), said once: its torchrun's rendezvous completed and it started
     # its workers (the controller's rendezvous deadline, run/health_loop.py)
     STARTED = "started"
+    # `JSON` {"lost_at", "bytes", "dropped"}: the agent lost its controller at lost_at (its clock) and kept what
+    # follows meanwhile (bytes; dropped: beyond its limit), until WATCHED (harness.node.link)
+    UNWATCHED = "unwatched"
+    AT = "at"  # `T`: what follows, up to the next AT, was said at T by the node's clock (while unwatched)
+    WATCHED = "watched"  # what was kept is all here: the rest is live
 
 
 # A STACKS answer under this rank is the node's launcher's, sent where the node has no ranks yet: its torchrun (or

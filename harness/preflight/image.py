@@ -12,13 +12,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from harness.node.boot import BOOT
 from harness.plan.shell import remote_command
 from harness.preflight.checks import majority
 from harness.preflight.remote import Link, Process, on_hosts
 from harness.preflight.table import Check, Status
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
+from harness.targets.boot import BOOT
 from harness.targets.host_command import CommandResult
 from harness.targets.ssh.container import container_argv
 

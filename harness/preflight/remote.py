@@ -1,6 +1,6 @@
 """Run the node-side scripts (harness.node: probe, netcheck) on a host and read their JSON answer.
 
-A script travels as the first line of its stdin (harness.node.boot), so the host needs no harness
+A script travels as the first line of its stdin (harness.targets.boot), so the host needs no harness
 install, its command line stays short, and the rest of its stdin is its own (netcheck's listener
 serves until stdin closes). The answer is the one stdout line after a marker, so whatever else the
 host prints (warnings, banners) does not matter.
@@ -16,8 +16,8 @@ from types import ModuleType
 from typing import Any, Protocol, TypeVar
 
 from harness.errors import HarnessError
-from harness.node.boot import shipped
 from harness.spec.inventory import Host
+from harness.targets.boot import shipped
 from harness.targets.host_command import CommandResult, RemoteTimeout
 
 MARKER = "HARNESS_PREFLIGHT_ANSWER="
@@ -56,7 +56,7 @@ class Link(Protocol):
     def start(self, command: str, *, timeout: float) -> Process: ...
 
     def python_command(self, args: Sequence[str]) -> str:
-        """The shell line that runs this host's Python on BOOT (harness.node.boot) with args."""
+        """The shell line that runs this host's Python on BOOT (harness.targets.boot) with args."""
 
     def close(self) -> None: ...
 

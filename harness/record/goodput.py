@@ -4,6 +4,8 @@ steps that were not done again:
 
 - start-up: from the launch to the first attempt's first step (planning, checks, start, rendezvous, loading);
 - training: from an attempt's first new step to its last step (and on to its fault: steps not yet reported);
+- unwatched: training while no controller watched (from the nodes' agents' loss of it to `harness attach`),
+  taken out of training: training all the same, counted in the goodput;
 - checkpoint: the seconds the job's lines say its checkpoint saves took (health.checkpoint), taken out of the
   bucket they fell in (training, most likely);
 - redone: after a restart, the steps until the run is past the furthest step an earlier attempt reached;
@@ -45,12 +47,14 @@ class AttemptTimes:
     progress: Progress | None
     hang_at: float | None = None
     fault_at: float | None = None
+    unwatched_s: float = 0.0  # seconds it ran without a controller
 
     @classmethod
     def of(cls, attempt: Attempt) -> AttemptTimes:
         hang = next((event.at for event in attempt.health if event.kind is HealthEventKind.HANG), None)
         fault = attempt.started_at + attempt.failures[0].after_s if attempt.failures else None
-        return cls(attempt.started_at, attempt.ended_at, attempt.progress, hang, fault)
+        unwatched = sum(max(0.0, u.attached_at - u.lost_at) for u in attempt.unwatched if u.lost_at is not None)
+        return cls(attempt.started_at, attempt.ended_at, attempt.progress, hang, fault, unwatched)
 
     @classmethod
     def running(cls, health: LiveHealth, now: float) -> AttemptTimes | None:
@@ -81,6 +85,9 @@ def time_spent(started_at: float, ended_at: float, attempts: Sequence[AttemptTim
         elif not (last and running):
             cuts.append((max(moved, attempt.fault_at or moved), after))
     seconds = _summed(cuts, started_at, ended_at)
+    unwatched = min(sum(attempt.unwatched_s for attempt in attempts), seconds["training"])
+    seconds["training"] -= unwatched
+    seconds["unwatched"] += unwatched
     saving = sum(attempt.progress.saving_s for attempt in attempts if attempt.progress is not None)
     for bucket in ("training", "redone", "ending", "restarting"):  # where the saves happened, most likely first
         moved = min(saving, seconds[bucket])
@@ -89,7 +96,7 @@ def time_spent(started_at: float, ended_at: float, attempts: Sequence[AttemptTim
         saving -= moved
     wall = ended_at - started_at
     return Goodput(round(wall, 3), {bucket: round(value, 3) for bucket, value in seconds.items()},
-                   round(seconds["training"] / wall, 4) if wall > 0 else 0.0)
+                   round((seconds["training"] + seconds["unwatched"]) / wall, 4) if wall > 0 else 0.0)
 
 
 def _summed(cuts: list[tuple[float, str]], started_at: float, ended_at: float) -> dict[str, float]:

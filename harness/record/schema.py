@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 
 class RunStatus(StrEnum):
-    """A run's status. The controller writes the first six; `lost` and `unreadable` are only shown."""
+    """A run's status. The controller writes the first six; `lost`, `unwatched` and `unreadable` are only shown."""
 
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -30,6 +30,8 @@ class RunStatus(StrEnum):
     INTERRUPTED = "interrupted"  # by Ctrl-C or a SIGTERM to the controller
     ERROR = "error"  # the controller itself failed
     LOST = "lost"  # recorded as running, but its controller is gone
+    # recorded as running, its controller gone, its nodes held by their agents for `harness attach` (supervision.grace)
+    UNWATCHED = "unwatched"
     UNREADABLE = "unreadable"  # the record cannot be read
 
 
@@ -53,6 +55,27 @@ class ControllerId:
 
 
 @dataclass(frozen=True)
+class Unwatched:
+    """A time the run's nodes ran on without a controller: from their agents' loss of it to another's attach."""
+
+    attempt: int
+    attached_at: float
+    by: str  # PID@HOST: the controller that took the run back
+    lost_at: float | None = None  # when the first agent lost its controller (its clock); None: no agent said
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a run was launched from, for `harness attach` to build its target again."""
+
+    cwd: str  # the launch's working directory: the job's relative paths are its
+    spec_file: str | None = None  # the job's spec file (None: made from a script's flags); its copy is masked
+    hosts: str | None = None  # the inventory of SSH hosts (None: simulated nodes)
+    known_hosts: str | None = None
+    accept_new_host_keys: bool = False
+
+
+@dataclass(frozen=True)
 class RunState:
     run_id: str
     name: str
@@ -68,6 +91,11 @@ class RunState:
     attempt: int = 0
     scheduler_job: str | None = None  # the batch system's job id (Slurm), which owns the processes
     metrics: str | None = None  # where its controller serves its metrics while it runs (health.metrics_port)
+    grace: float = 0.0  # supervision.grace: how long its nodes are held when its controller is gone
+    attempt_started_at: float | None = None  # when the current attempt started
+    attempt_preflight_s: float = 0.0  # and how long its plan and check took before
+    unwatched: list[Unwatched] = field(default_factory=list)  # the times it ran without a controller, in order
+    origin: Origin | None = None  # None: not launched by this machine's user (a batch step, a pod), or an old record
 
 
 @dataclass(frozen=True)
@@ -230,6 +258,7 @@ class Attempt:
     restart: Restart | None = None  # an attempt after a failed one: how it came to its first step
     kept_out: dict[str, str] = field(default_factory=dict)  # host -> why an earlier failure keeps it out (hosts_out)
     warm: list[str] = field(default_factory=list)  # hosts whose node was a standby (restarts.standby)
+    unwatched: list[Unwatched] = field(default_factory=list)  # its times without a controller (`harness attach`)
 
     def where(self, resized: bool) -> str:
         """Its hosts, and with them its size when the run's attempts did not all have the same (resized)."""
@@ -279,14 +308,15 @@ class LiveHealth:
 @dataclass(frozen=True)
 class Goodput:
     """Where a run's wall time went (record/goodput.py says how each second is put in one bucket): seconds by
-    bucket, in the order of GOODPUT_BUCKETS, adding up to wall_s; goodput: the share of wall_s that trained."""
+    bucket, in the order of GOODPUT_BUCKETS, adding up to wall_s; goodput: the share of wall_s that trained
+    (training and unwatched)."""
 
     wall_s: float
     seconds: dict[str, float]
     goodput: float
 
 
-GOODPUT_BUCKETS = ("start-up", "training", "checkpoint", "redone", "hung", "restarting", "ending")
+GOODPUT_BUCKETS = ("start-up", "training", "unwatched", "checkpoint", "redone", "hung", "restarting", "ending")
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ and the report.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,17 @@ from harness.record.goodput import restart_of, run_goodput
 from harness.record.hosts_out import RunsHosts, hosts_file
 from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir, run_dir
-from harness.record.schema import Attempt, ControllerId, FailureKind, RunState, RunStatus, RunSummary
+from harness.record.schema import (
+    Attempt,
+    ControllerId,
+    FailureKind,
+    Origin,
+    RecordError,
+    RunState,
+    RunStatus,
+    RunSummary,
+    Unwatched,
+)
 from harness.record.stream import FOLLOWER_FILE, HARNESS_FILE, StreamRecord
 from harness.run.continued import Continued
 from harness.run.follow import Follower
@@ -61,16 +72,19 @@ from harness.targets.base import Announcing, Backend, CheckFailed, Scheduler
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 HOSTS_NAMED = 16  # hosts a run's first line names; beyond, the first few and the last (status lists them all)
 STANDBY_AFTER = 10.0  # seconds into an attempt whose ranks were not seen joining, when its standbys start anyway
+REPLAY_WAIT = 60.0  # seconds an attach waits for every agent's replay of what it kept, before it records the attach
 
 
 def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: str, runs_root: Path, run_id: str,
-           out: IO[str] = sys.stdout, detach: bool = False, collapse: bool = True, metrics: str | None = None) -> int:
+           out: IO[str] = sys.stdout, detach: bool = False, collapse: bool = True, metrics: str | None = None,
+           origin: Origin | None = None) -> int:
     """Run the job on target to its end (restarting it as spec.restarts allows); the harness's exit
     status. Nothing exists yet when the first check fails. A backend is closed at the end. spec_text:
     the spec as its file holds it (kept as the run's spec.yaml); source: that file, or the command that
     made the spec. detach: a scheduler's job is submitted, not followed. collapse: identical lines of
     many ranks are shown as one on the terminal (run/terminal.py; False: --no-collapse). metrics: where the run's
-    metrics are served (view/metrics.py; None: nowhere), said first and kept in its state."""
+    metrics are served (view/metrics.py; None: nowhere), said first and kept in its state. origin: where it was
+    launched from, for `harness attach` (None: it is not attached)."""
     terminal = Terminal(out)
     target_run: _TargetRun = _SchedulerRun(target, spec, terminal, detach) if isinstance(target, Scheduler) else \
         _BackendRun(target, spec, terminal)
@@ -83,8 +97,12 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
             target.announce_to(terminal.say)
         target_run.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
                                 started_at=began, nnodes=target_run.nnodes, world_size=target_run.world_size,
-                                controller=_this_controller(), hosts=target_run.hosts, metrics=metrics)
+                                controller=_this_controller(), hosts=target_run.hosts, metrics=metrics,
+                                grace=spec.supervision.grace if origin is not None else 0.0, origin=origin)
         _say_metrics(terminal, run_id, metrics)
+        if origin is not None and spec.supervision.grace > 0:
+            terminal.say(f"run {run_id}: should this controller be lost, the nodes run on for "
+                         f"{spec.supervision.grace:g} s (supervision.grace): `harness attach {run_id}` takes them back")
         return _run(target_run, run, terminal)
 
 
@@ -137,6 +155,26 @@ def continue_run(backend: Backend, spec: JobSpec, continued: Continued, out: IO[
         target_run.state = replace(run.read_state(), status=RunStatus.RUNNING, controller=_this_controller(),
                                    nnodes=target_run.nnodes, world_size=target_run.world_size,
                                    hosts=target_run.hosts, metrics=metrics)
+        _say_metrics(terminal, run.run_id, metrics)
+        return _run(target_run, run, terminal)
+
+
+def attach_run(backend: Backend, spec: JobSpec, run: RunDir, out: IO[str] = sys.stdout,
+               metrics: str | None = None) -> int:
+    """launch, for a run whose controller is gone while its nodes' agents hold them (supervision.grace): its
+    current attempt taken back as it runs (what its nodes said meanwhile into its logs and record, not onto the
+    terminal), then on to the run's end as its own controller would have gone."""
+    terminal = Terminal(out)
+    disk = RecordDisk(run.path, lambda line: terminal.say(line, kept=False))
+    run = replace(run, disk=disk)
+    state = run.read_state()
+    target_run = _BackendRun(backend, spec, terminal, attached=state)
+    with _closing(target_run, terminal):
+        target_run.prepare(str(run.spec_copy), run.path.parent, run.run_id)
+        terminal.record = StreamRecord(run.stream, disk=disk)
+        terminal.logs_command = f"harness logs {run.run_id}"
+        target_run.state = replace(state, controller=_this_controller(), metrics=metrics)
+        run.write_state(target_run.state)
         _say_metrics(terminal, run.run_id, metrics)
         return _run(target_run, run, terminal)
 
@@ -211,8 +249,11 @@ class _BackendRun(_TargetRun):
     """A Backend: every node started here and supervised, attempt after attempt (after those of a
     continued run)."""
 
-    def __init__(self, backend: Backend, spec: JobSpec, out: Terminal, continued: Continued | None = None) -> None:
+    def __init__(self, backend: Backend, spec: JobSpec, out: Terminal, continued: Continued | None = None,
+                 attached: RunState | None = None) -> None:
         self.backend, self.spec, self.out, self.continued = backend, spec, out, continued
+        self.attached = attached  # the state of a run whose current attempt is taken back (attach_run)
+        self.before: list[Attempt] = list(continued.before) if continued else []
         self.down: set[str] = set()
         self.requeued = False
 
@@ -221,6 +262,9 @@ class _BackendRun(_TargetRun):
         machines = self.backend.machines()
         self.hosts_out = RunsHosts(hosts_file(), machines, run_id, self.spec.restarts.cooldown,
                                    self.spec.restarts.out_limit(len(machines)))
+        if self.attached is not None:
+            self._prepare_attached(run_dir(runs_root, run_id), machines)
+            return
         for line in self.hosts_out.keep_out_earlier():
             self.out.say(line)
         self.down |= set(self.hosts_out.kept_out)
@@ -233,6 +277,26 @@ class _BackendRun(_TargetRun):
         self.nnodes, self.world_size = self.plan.nnodes, self.plan.world_size
         self.hosts = [n.host for n in self.plan.nodes]
 
+    def _prepare_attached(self, run: RunDir, machines: dict[str, str]) -> None:
+        """The running attempt's plan again, on its hosts, with its port: the nodes it names are taken back, not
+        started. The hosts down so far stay down for any later attempt."""
+        state = self.attached
+        assert state is not None
+        self.before = run.read_attempts()
+        self.down = set().union(*(a.down for a in self.before), *(a.kept_out for a in self.before))
+        try:
+            recorded = json.loads(run.plan_json(state.attempt).read_text())
+        except (OSError, ValueError) as exc:
+            raise HarnessError(f"run {run.run_id}: cannot read the plan of its attempt {state.attempt} "
+                               f"({run.plan_json(state.attempt)}): {exc}") from None
+        others = set(machines) - set(state.hosts) if machines else self.down
+        self.plan = self.backend.plan(self.spec.at_port(recorded["master_port"]), run.run_id, run.backend_logs,
+                                      state.attempt, frozenset(others))
+        if (planned := [n.host for n in self.plan.nodes]) != state.hosts:
+            raise HarnessError(f"run {run.run_id}: its attempt {state.attempt} runs on {', '.join(state.hosts)}, but "
+                               f"its job and hosts now plan {', '.join(planned)}: did the inventory change?")
+        self.nnodes, self.world_size, self.hosts = self.plan.nnodes, self.plan.world_size, state.hosts
+
     def _keep_out(self, failed: dict[str, str]) -> None:
         for line in self.hosts_out.keep_out(failed):
             self.out.say(line)
@@ -241,23 +305,31 @@ class _BackendRun(_TargetRun):
         """Attempt after attempt until one succeeds, the program fails (restarts.on: infra), the restarts
         or spares run out, or a stop is asked for (Ctrl-C, `harness stop`: no further attempt)."""
         backend, spec, out, plan, down = self.backend, self.spec, self.out, self.plan, self.down
-        attempts: list[Attempt] = list(self.continued.before) if self.continued else []
-        reason = no_restart_reason(spec.restarts, attempts) if attempts else None
+        attempts: list[Attempt] = list(self.before)
+        reason = no_restart_reason(spec.restarts, attempts) if attempts and self.attached is None else None
         if reason is not None:
             return attempts, reason  # the job's earlier runs used up every restart
         preflight_s = time.time() - self.state.started_at
+        taken = self.attached
         while True:
-            run.write_text(run.plan_json(plan.attempt), render_json(plan), "the attempt's plan")
-            run.write_text(run.plan_text(plan.attempt), render_text(plan), "the attempt's plan")
+            if taken is None:
+                run.write_text(run.plan_json(plan.attempt), render_json(plan), "the attempt's plan")
+                run.write_text(run.plan_text(plan.attempt), render_text(plan), "the attempt's plan")
             self.state = replace(self.state, attempt=plan.attempt, hosts=[n.host for n in plan.nodes],
-                                 nnodes=plan.nnodes, world_size=plan.world_size)
+                                 nnodes=plan.nnodes, world_size=plan.world_size,
+                                 attempt_started_at=taken.attempt_started_at if taken else time.time(),
+                                 attempt_preflight_s=taken.attempt_preflight_s if taken else round(preflight_s, 3))
             run.write_state(self.state)
             self.collapse_for(out, plan.world_size)
             if plan.nnodes < spec.nnodes:
                 out.say(_fewer_nodes(spec, plan, down))
             standby = frozenset(down) if spec.restarts.standby is not None and len(attempts) < spec.restarts.max \
                 else None
-            attempts.append(replace(_attempt(backend, plan, spec, run, stop, preflight_s, attempts, out, standby),
+            attempt = _attempt(backend, plan, spec, run, stop, self.state.attempt_preflight_s, attempts, out, standby,
+                               self._taking_back(run) if taken is not None else None,
+                               self.state.attempt_started_at)
+            taken = None
+            attempts.append(replace(attempt, unwatched=[u for u in self.state.unwatched if u.attempt == plan.attempt],
                                     kept_out={name: f"{entry.reason} (run {entry.run_id})"
                                               for name, entry in self.hosts_out.kept_out.items()}))
             time_up = self.continued.time_up() if self.continued is not None else None
@@ -302,6 +374,29 @@ class _BackendRun(_TargetRun):
             if stop.is_set():
                 break
         return attempts, reason
+
+    def _taking_back(self, run: RunDir) -> Callable[[Supervisor], None]:
+        """What is done once the attached nodes' agents replayed what they kept: the time without a controller
+        recorded (state.json, then the attempt) and said once, with where its lines are."""
+        attached_at = time.time()
+
+        def taken_back(sup: Supervisor) -> None:
+            deadline = time.monotonic() + REPLAY_WAIT
+            for process in sup.processes:
+                process.replayed.wait(max(0.0, deadline - time.monotonic()))
+            lost = [at for p in sup.processes if p.unwatched and (at := p.unwatched.get("lost_at")) is not None]
+            by = self.state.controller
+            entry = Unwatched(self.state.attempt, attached_at, f"{by.pid}@{by.host}", min(lost) if lost else None)
+            self.state = replace(self.state, unwatched=[*self.state.unwatched, entry])
+            run.write_state(self.state)
+            lines = sum(live.unwatched_lines for live in sup.nodes)
+            since = f"its controller was lost {attached_at - entry.lost_at:.1f} s before; " if entry.lost_at else ""
+            held = [p.node.label for p in sup.processes if p.unwatched is None]
+            sup.say(f"run {run.run_id}: taken back by {entry.by}; {since}the {lines} line(s) its nodes said "
+                    f"meanwhile are in its logs (`harness logs {run.run_id}`), not shown here"
+                    + (f"; no agent held {', '.join(held)}" if held else ""))
+
+        return taken_back
 
     def _requeue(self, time_up: str, attempts: list[Attempt]) -> str | None:
         """The allocation ends: the job runs again on a new one when a restart is left (the reason why not,
@@ -429,11 +524,15 @@ def _stand_by(backend: Backend, spec: JobSpec, plan: Plan, down: frozenset[str],
 
 
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
-             before: list[Attempt], out: Terminal, standby: frozenset[str] | None = None) -> Attempt:
+             before: list[Attempt], out: Terminal, standby: frozenset[str] | None = None,
+             taking_back: Callable[[Supervisor], None] | None = None, started_at: float | None = None) -> Attempt:
     """Start every node of plan (spec on the plan's nodes, which may be fewer than the job's), supervise
     them to their end, and say how this attempt went. standby: the hosts down, where the next attempt's
-    standbys are to be started while this one runs (None: none)."""
-    watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes)
+    standbys are to be started while this one runs (None: none). taking_back: the nodes run already, their
+    controller lost: they are attached, not started, and this is told of it once the supervisor has them;
+    started_at: when the attempt started (None: now)."""
+    # The ranks' joining is seen at their start: not by a controller that takes a running attempt back.
+    watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes) and taking_back is None
     furthest = max((a.progress.last_step for a in before if a.progress), default=None)
     sup = Supervisor(grace=spec.timeouts.stop_grace, terminal=out,
                      log_file=lambda node: run.log_file(node.node_rank, plan.attempt),
@@ -443,24 +542,30 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
                      attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern,
                      furthest=furthest,
                      checkpoint=spec.health.checkpoint_pattern, rendezvous=spec.timeouts.rendezvous)
+    if taking_back is not None:  # its progress goes on from what its lost controller last recorded
+        with contextlib.suppress(RecordError):
+            recorded = run.read_health(plan.attempt)
+            sup.health_loop.progress = recorded.progress if recorded is not None else None
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     named = [n.host for n in plan.nodes]
     hosts = ", ".join(named) if len(named) <= HOSTS_NAMED else f"{', '.join(named[:3])}, ..., {named[-1]}"
-    sup.say(f"{which}{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) on {hosts}, "
-            f"master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
-    started = time.time()
+    sup.say(f"{which}{'taking back ' if taking_back else ''}{plan.nnodes} node(s) x {plan.nproc_per_node} "
+            f"process(es) on {hosts}, master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
+    started = started_at or time.time()
     over = threading.Event()
     warming = threading.Thread(target=_stand_by, args=(backend, spec, plan, standby, sup, over), daemon=True)
     warm: list[str] = []
     try:
         try:
-            nodes = backend.start(plan, spec.at_nnodes(plan.nnodes))
+            nodes = backend.attach(plan, spec) if taking_back else backend.start(plan, spec.at_nnodes(plan.nnodes))
         except OSError as exc:  # e.g. an argument list too long for the OS: only the OS can refuse it
             raise HarnessError(f"could not start the nodes: {exc.strerror or exc}") from None
         if warm := [n.node.host for n in nodes if n.warm]:
             sup.say(f"{', '.join(warm)} started warm: torchrun and its workers were started, their imports done, "
                     f"while attempt {plan.attempt - 1} ran (restarts.standby)")
-        sup.start(nodes)
+        sup.start(nodes, started if taking_back else None)
+        if taking_back is not None:
+            threading.Thread(target=taking_back, args=(sup,), daemon=True).start()
         if standby is not None:
             warming.start()
         sup.wait(stop)

@@ -78,6 +78,7 @@ class LiveNode:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_KEPT))
     joined: dict[int, float] = field(default_factory=dict)  # rank -> when seen connecting to the rendezvous store
     ranks_at: float | None = None  # when its agent said its ranks exist: torchrun's rendezvous was done (STARTED)
+    unwatched_lines: int = 0  # of its lines, those its agent kept while no controller watched (`harness attach`)
     torchrun_reporting: bool = False  # torchrun's failure report began: its lines stay in the log
     in_agent_cpp_log: bool = False  # within a C++ log line of torchrun's own and its exception dump
     oom: dict[int, str] = field(default_factory=dict)  # rank -> the kernel's line: its OOM killer ended it

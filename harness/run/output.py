@@ -51,7 +51,8 @@ class Output:
             if self.record is not None:
                 timed = stack.enter_context(self.record.open_node(self.attempt, live.node.node_rank))
             for text in process.output():
-                at = time.time()
+                said = process.said_at  # the time its node said it, where its agent kept it while unwatched
+                at = said if said is not None else time.time()
                 block = live.take_block(text, at, self.quiet_cpp_info, self.progress)
                 if self.checkpoint is not None:
                     live.note_saves(block.streamed, at, self.checkpoint)
@@ -59,7 +60,10 @@ class Output:
                     log.write(block.logged)
                 if timed is not None and block.streamed:
                     timed.write(stamped(block.streamed, f"{stamp(at)} {prefix}"))
-                self._show(block, prefix)
+                if said is None:
+                    self._show(block, prefix)
+                else:  # said while no controller watched: in the logs and the record, counted, said once (controller)
+                    live.unwatched_lines += block.logged.count("\n")
             self._show(live.release(), prefix)
 
     def _show(self, block: Block, prefix: str) -> None:

@@ -63,6 +63,10 @@ class Supervisor:
         self._threads: list[threading.Thread] = []
 
     @property
+    def processes(self) -> list[NodeProcess]:
+        return [process for process, _ in self._started]
+
+    @property
     def hang(self) -> Verdict | None:
         return self.health_loop.hang
 
@@ -83,9 +87,11 @@ class Supervisor:
     def say(self, message: str) -> None:
         self.output.say(message)
 
-    def start(self, processes: list[NodeProcess]) -> None:
+    def start(self, processes: list[NodeProcess], started: float | None = None) -> None:
+        """started: when the nodes started (None: now; earlier for nodes taken back)."""
         shown: dict[tuple[str, ...], int] = {}  # the tracebacks shown, whichever node showed them
-        self._started += [(process, LiveNode(process.node, started=time.time(), cascade=Cascade(shown=shown)))
+        at = started or time.time()
+        self._started += [(process, LiveNode(process.node, started=at, cascade=Cascade(shown=shown)))
                           for process in processes]
         self.nodes += [live for _, live in self._started]  # every node known before any can end (_reap counts)
         for process, live in self._started:

@@ -299,6 +299,16 @@ class Timeouts(StrictModel):
     connect: Annotated[Seconds, Field(gt=0, le=600)] = 10
 
 
+class Supervision(StrictModel):
+    """What a job does when its controller is gone (killed, its machine or its network lost): each node's agent
+    holds its node, running, for grace seconds, for `harness attach RUN` (or the controller itself, once its
+    link comes back) to take back; past grace it stops it. 0: every node stops at once, as its controller goes.
+    300 by default: a controller restarted by hand, a login node's reboot, a Kubernetes pod rescheduled take a
+    few minutes at most, and a job nobody takes back holds its machines no longer than that (docs/recovery.md)."""
+
+    grace: Annotated[Seconds, Field(ge=0, le=86400)] = 300
+
+
 def _removed_max_restarts(value: Any) -> None:
     raise ValueError(
         "max_restarts (torchrun's per-node restarts) is not used: with a static rendezvous it restarts one "
@@ -760,6 +770,7 @@ class JobSpec(StrictModel):
     # Kept only to point a spec that still uses it at `restarts` (see _removed_max_restarts).
     max_restarts: Annotated[None, PlainValidator(_removed_max_restarts)] = None
     timeouts: Timeouts = Field(default_factory=Timeouts)
+    supervision: Supervision = Field(default_factory=Supervision)
     health: Health = Field(default_factory=Health)
     container: Annotated[Container | None, BeforeValidator(_container)] = None
     network: Network = Field(default_factory=Network)

@@ -2,7 +2,7 @@
 
 A target starts the agent with `agent_argv` (a local pipe, an SSH channel, an srun step) and wraps
 the stream in an AgentNode subclass; `start_all` sends the agent itself as the first line of its
-stdin (harness.node.boot), and the supervisor then sees one NodeProcess contract on every target.
+stdin (harness.targets.boot), and the supervisor then sees one NodeProcess contract on every target.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
-from harness.node.boot import BOOT, shipped, source
 from harness.node.protocol import MARKER, Kind, Message, Word, split_line, word_line
 from harness.plan.planner import NodePlan
 from harness.plan.shell import can_stand_by, shell_command, standby_command, standby_order
 from harness.spec.job import JobSpec
 from harness.targets.base import NodeProcess, Outcome
+from harness.targets.boot import BOOT, shipped, source
 
 OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may take to be read
 PING_SECONDS = 2.0  # how often the controller tells each agent it is still there
@@ -41,18 +41,28 @@ def agent_argv(python: str, node: NodePlan) -> list[str]:
             node.env["NODE_RANK"], "attempt", node.env["HARNESS_ATTEMPT"]]
 
 
-def agent_program(node: NodePlan, grace: float, silence: float, watch: float, standby: bool = False,
-                  secrets: Mapping[str, str] | None = None) -> bytes:
+def agent_program(node: NodePlan, grace: float, silence: float, watch: float, hold: float = 0.0,
+                  standby: bool = False, secrets: Mapping[str, str] | None = None) -> bytes:
     """The first line of the agent's stdin: the agent, and what it runs. silence: seconds without a
-    word from the controller after which the agent stops its node; watch: seconds between its health
-    samples (0: none); standby: the node's torchrun and workers started to wait for its order (Standbys);
-    secrets: values for the node's environment that go nowhere else (spec/secrets.py)."""
+    word from the controller after which the agent takes it for gone; hold: how long it then holds its node for
+    another (supervision.grace; 0: it stops it at once); watch: seconds between its health samples (0: none);
+    standby: the node's torchrun and workers started to wait for its order (Standbys); secrets: values for the
+    node's environment that go nowhere else (spec/secrets.py)."""
     command = standby_command(node) if standby else shell_command(node)
     if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
                              shlex.join(node.cleanup), RANK_HOOK, STANDBY if standby else "",
-                             json.dumps(dict(secrets or {}))])
+                             json.dumps(dict(secrets or {})), f"{hold:g}"])
+
+
+def relay_argv(python: str, node: NodePlan) -> list[str]:
+    """harness.node.link on the node's host: the way back to its agent, once that agent lost its controller."""
+    return [python, "-I", "-S", "-c", BOOT, "harness-relay", *_identity(node).values()]
+
+
+def relay_program(node: NodePlan) -> bytes:
+    return shipped("link", list(_identity(node).values()))
 
 
 def agent_silence(connect_timeout: float) -> float:
@@ -76,23 +86,37 @@ def _agent_times(spec: JobSpec) -> tuple[float, float, float]:
 
 
 def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec,
-              standbys: Standbys | None = None, secrets: Mapping[str, str] | None = None) -> list[NodeProcess]:
+              standbys: Standbys | None = None, secrets: Mapping[str, str] | None = None,
+              held: bool = False) -> list[NodeProcess]:
     """Every node or none: if one cannot start, the ones already started are killed. A node with a standby
     on its host gets it (its order sent); the others a new agent, which gets its program first (see
-    agent_program) with secrets (spec/secrets.py)."""
+    agent_program) with secrets (spec/secrets.py). held: the agents hold their nodes for supervision.grace when
+    the controller is lost (a target where `harness attach` reaches them; others stop them at once)."""
     started: list[AgentNode] = []
     try:
         for node in nodes:
             warm = standbys.take(node) if standbys is not None else None
             started.append(warm or start(node))
             if warm is None:
-                started[-1].boot(agent_program(node, *_agent_times(spec), secrets=secrets))
+                started[-1].boot(agent_program(node, *_agent_times(spec), spec.supervision.grace if held else 0.0,
+                                               secrets=secrets))
                 started[-1].talk()
     except BaseException:
         for process in started:
             process.kill()
         raise
     return list(started)
+
+
+def attach_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode]) -> list[NodeProcess]:
+    """A relay to every node's agent (start runs relay_argv where the node runs); a node whose agent is gone
+    ends at once, without an exit code: lost."""
+    attached: list[AgentNode] = []
+    for node in nodes:
+        attached.append(start(node))
+        attached[-1].boot(relay_program(node))
+        attached[-1].talk()
+    return list(attached)
 
 
 def same_place(standby: NodePlan, node: NodePlan) -> bool:
@@ -171,6 +195,11 @@ class AgentNode(ABC):
         self._send_lock = threading.Lock()
         self._talking = False
         self.warm = False  # a standby that became this node (Standbys)
+        # While its agent replays what it kept unwatched: the time its node said the block output() yields (None:
+        # live), and the UNWATCHED message's fields (lost_at, bytes, dropped) once it came.
+        self.said_at: float | None = None
+        self.unwatched: dict[str, float | None] | None = None
+        self.replayed = threading.Event()  # the agent's replay is over (or the output ended): live from here
 
     @abstractmethod
     def _chunks(self) -> Iterable[bytes]:
@@ -217,9 +246,12 @@ class AgentNode(ABC):
                     if node_text is raw:
                         text.append(unfinished + raw)
                         unfinished = b""
-                    else:
-                        unfinished += node_text
-                        self._take(message)
+                        continue
+                    unfinished += node_text
+                    if message is not None and message.kind in (Kind.AT, Kind.WATCHED) and text:
+                        yield b"".join(text).decode("utf-8", errors="replace")  # at the time it was said
+                        text = []
+                    self._take(message)
                 if text:
                     yield b"".join(text).decode("utf-8", errors="replace")
             if rest := unfinished + pending:
@@ -227,13 +259,27 @@ class AgentNode(ABC):
         except (OSError, EOFError):
             return
         finally:
+            self.said_at = None
+            self.replayed.set()
             self._output_done.set()
 
     def _take(self, message: Message | None) -> None:
-        if message is not None and message.kind is Kind.NODE_EXIT:
-            self._exit_code = int(message.body)
-        elif message is not None:
-            self.messages.put(message)
+        if message is None:
+            return
+        with contextlib.suppress(ValueError, TypeError):  # a damaged replay message loses its times, not the node
+            if message.kind is Kind.NODE_EXIT:
+                self._exit_code = int(message.body)
+            elif message.kind is Kind.UNWATCHED:
+                self.unwatched = {key: float(value) if value is not None else None
+                                  for key, value in json.loads(message.body).items()}
+                self.said_at = self.unwatched.get("lost_at")
+            elif message.kind is Kind.AT:
+                self.said_at = float(message.body)
+            elif message.kind is Kind.WATCHED:
+                self.said_at = None
+                self.replayed.set()
+            else:
+                self.messages.put(message)
 
     def wait(self) -> Outcome:
         lost = self._wait_agent()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,11 @@ class NodeProcess(Protocol):
     node: NodePlan
     messages: queue.Queue[Message]  # the node agent's messages (harness.node.protocol)
     warm: bool  # a standby's: its torchrun and workers were started, imports done, before its attempt (stand_by)
+    # Taken back by `harness attach` (targets/agent_link.py's AgentNode): when its node said the block output() last
+    # gave, while its agent replays what it kept unwatched (None: live); that replay's header; set once it is over.
+    said_at: float | None
+    unwatched: dict[str, float | None] | None
+    replayed: threading.Event
 
     def output(self) -> Iterator[str]:
         """The node's combined stdout/stderr until its output ends, in blocks of whole lines (each ending
@@ -101,7 +107,8 @@ class Announcing(Protocol):
 class Backend(Protocol):
     """A controller-supervised backend. The run controller calls, in order:
     plan -> check -> start -> (supervision, stand_by) -> close, and close also after a failure; stand_down at
-    the run's end."""
+    the run's end. A controller that takes a run back calls plan -> attach instead of check -> start for the
+    attempt that runs."""
 
     name: str  # recorded as the run's mode: "local", "ssh"
 
@@ -129,6 +136,11 @@ class Backend(Protocol):
 
     def stand_down(self) -> None:
         """End every standby: the run is over."""
+
+    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        """Take back the plan's nodes, which run on held by their agents after their controller was lost
+        (`harness attach`; supervision.grace): a link to each agent (harness.node.link). A node whose agent is
+        gone ends at once, lost."""
 
     def close(self) -> None:
         """Release what start opened (connections); the nodes have ended by then. Called after every

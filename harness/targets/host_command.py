@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from harness.errors import HarnessError
-from harness.node.boot import BOOT, shipped
 from harness.plan.shell import remote_command
 from harness.spec.inventory import Host
+from harness.targets.boot import BOOT, shipped
 
 
 class RemoteTimeout(HarnessError):
@@ -57,7 +57,7 @@ def run_to_end(process: Started, stdin: bytes, timeout: float) -> CommandResult:
 
 
 def python_line(python: str, args: Sequence[str]) -> str:
-    """The shell line that runs python on BOOT (harness.node.boot): the program comes on its stdin,
+    """The shell line that runs python on BOOT (harness.targets.boot): the program comes on its stdin,
     args only label it for `ps`."""
     return remote_command([python, "-c", BOOT, *args])
 

@@ -41,7 +41,7 @@ class RunMetrics(Collector):
         except (RecordError, FileNotFoundError):
             return
         run_id, now = state.run_id, time.time()
-        status = live_status(state)
+        status = live_status(state, self.run)
         info = GaugeMetricFamily("harness_run_info", "The run: 1, labelled with its name and target.",
                                  labels=["run_id", "name", "target"])
         info.add_metric([run_id, state.name, state.mode], 1)

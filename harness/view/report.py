@@ -108,7 +108,7 @@ def html_report(run: RunDir) -> str:
     state, summary = run.read_state(), run.read_summary()
     samples = read_timeline(run.timeline)
     ended = summary.ended_at if summary else state.ended_at or max([time.time(), *(s.t for s in samples)])
-    r = _Run(run, state, summary, live_status(state), TimeAxis(max(ended - state.started_at, 1.0)), samples)
+    r = _Run(run, state, summary, live_status(state, run), TimeAxis(max(ended - state.started_at, 1.0)), samples)
     body = [_header(r), _time_spent(r), _attempts(r), _plots(r), _over_steps(r), _first_failure(r), _hang_stacks(r),
             _nodes(r),
             f"<footer><p>written by harness report on {escape(_clock(time.time()))} from "

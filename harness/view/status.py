@@ -12,7 +12,7 @@ from harness.health.rank_stack import ranks_text
 from harness.node.proctable import run_processes
 from harness.record.goodput import ending_parts, goodput_of
 from harness.record.index import RunsLookup, runs_lookup
-from harness.record.liveness import live_status
+from harness.record.liveness import live_status, unwatched_for
 from harness.record.rundir import RunDir
 from harness.record.schema import (
     Attempt,
@@ -58,7 +58,7 @@ def runs_table(lookup: RunsLookup) -> str:
             except RecordError:  # a damaged summary: the state still says enough for the table
                 summary = None
             duration = summary.duration_s if summary else (state.ended_at or now) - state.started_at
-            line = (f"{entry.run.run_id:<44} {live_status(state).value:<12} {state.nnodes:>5} "
+            line = (f"{entry.run.run_id:<44} {live_status(state, entry.run).value:<12} {state.nnodes:>5} "
                     f"{_age(now - state.started_at) + ' ago':>8} {duration:>8.1f}s")
         lines.append(line + (f"  {place or lookup.root}/" * where) + (f"  {entry.problem}" if entry.problem else ""))
     return "\n".join(lines) + "\n"
@@ -69,8 +69,9 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
     health watch sees it, cut to width), then the first failure and the health watch's verdicts."""
     state, summary = run.read_state(), run.read_summary()
     mode = f"{state.mode} job {state.scheduler_job}" if state.scheduler_job else state.mode
-    status = live_status(state)
-    lines = [f"run {run.run_id}: {status.value} ({mode}, {state.nnodes} node(s), world size {state.world_size})"]
+    status = live_status(state, run)
+    lines = [f"run {run.run_id}: {_status_words(state, status, run)} ({mode}, {state.nnodes} node(s), world size "
+             f"{state.world_size})"]
     if status is RunStatus.LOST and state.scheduler_job:
         lines.append(f"  its controller is gone, but the {state.mode} job may run on: `harness stop {run.run_id}` "
                      f"cancels it")
@@ -248,12 +249,23 @@ def recorded_end(node: RecordedNode, failure: Failure | None, status: RunStatus)
     return f"stopped {why.get(status, 'by the harness after the first failure')} ({how})"
 
 
+def _status_words(state: RunState, status: RunStatus, run: RunDir) -> str:
+    """The run's status; an unwatched run's with how long and how to take it back."""
+    since = unwatched_for(state, run) if status is RunStatus.UNWATCHED else None
+    if since is None:
+        return status.value
+    return (f"running, unwatched for {since:.0f} s (its controller is gone; its nodes run on, held up to "
+            f"{state.grace:g} s: `harness attach {run.run_id}`)")
+
+
 def unrecorded_end(state: RunState, status: RunStatus, node_rank: int) -> str:
     """A node of a run without a summary: running while its controller is, else what this machine's
     process table shows of it (a local run's nodes run here; a remote node's agent stops it once the
     controller's connection closes)."""
     if status is RunStatus.RUNNING:
         return "running"
+    if status is RunStatus.UNWATCHED:
+        return "running, held by its node agent until a controller takes it back"
     if state.mode != "local":
         return f"{status.value}: its controller is gone, so its end is not recorded (its node agent stops it when " \
                f"the controller's connection closes)"

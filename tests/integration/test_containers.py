@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from conftest import (
     SCRIPT,
     SECRET_NAME,
     STOP_GRACE,
+    Streamed,
     assert_nothing_left,
     assert_secret_kept,
     free_port,
@@ -160,14 +162,27 @@ def test_a_rank_failure_stops_the_other_hosts_container(podman_cluster, launch, 
     assert_all_gone(podman_cluster, run.run_id)
 
 
-def test_a_killed_controller_leaves_no_container(podman_cluster, launch, tmp_path):
-    """SIGKILL of the controller: each agent sees its stdin close, stops its node and removes the container
-    (a SIGKILLed `podman run` would leave it running)."""
-    run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05"),
+def test_a_killed_controllers_containers_run_on_and_attach_over_ssh_takes_them_back(podman_cluster, launch, tmp_path):
+    """SIGKILL of the controller: each host's agent holds its node, its container training on, until `harness
+    attach` logs in to each host again and takes the run back through the agent's control socket; the run ends
+    as if nothing had happened, every container removed."""
+    run = launch(container_job(tmp_path / "job.yaml", STEPS="200", STEP_SECONDS="0.05"),
                  *hosts_args(podman_cluster, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
     run_id = run.run_id
     run.kill_group()
+    runs = ["--runs-dir", str(tmp_path / "runs")]
+    status = harness("status", run_id, *runs).stdout
+    assert status.startswith(f"run {run_id}: running, unwatched for "), status
+    attached = Streamed([sys.executable, "-m", "harness.cli", "attach", run_id, *runs])
+    try:
+        assert attached.finish(timeout=120) == 0, attached.output
+    finally:
+        attached.kill_group()
+    assert f"harness: run {run_id}: taking back 2 node(s) x 1 process(es) on h1, h2" in attached.output
+    assert f"harness: run {run_id} succeeded" in attached.output, attached.output
+    steps = re.findall(r"\[node0\] \[rank0\]: step (\d+) ", harness("logs", run_id, *runs).stdout)
+    assert steps == [str(step) for step in range(0, 200, 5)], steps  # every one, once
     assert_all_gone(podman_cluster, run_id)
 
 

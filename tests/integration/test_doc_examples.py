@@ -117,6 +117,8 @@ NOT_RUN: dict[str, str] = {
     "harness launch jobs/cifar.yaml --hosts hosts.yaml": "needs GPU hosts over SSH, listed in hosts.yaml",
     "harness launch job.yaml --hosts hosts.yaml": "needs 3 SSH hosts and one of them dying mid-run (tests/integration/test_recovery.py)",
     "harness status resume-...": "shows the record of the run above",
+    "harness attach smoke-20261121-101500-3fa2c1": "needs a run whose controller was killed: test_launch_local.py's "
+    "test_a_killed_controllers_nodes_train_on_unwatched_and_attach_takes_them_back runs it so",
     "harness prepare --data-dir data/cifar10": "downloads CIFAR-10 (170 MB) from the internet",
     "harness launch jobs/smoke.yaml --metrics-port 9400": "a fixed port, which anything on the machine may hold; "
                                                           "test_metrics.py launches with --metrics-port on a free one",

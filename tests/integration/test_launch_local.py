@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
 
+from harness.node.link import control_socket
 from harness.node.proctable import command_line, run_processes
 from harness.record.timeline import read_timeline
 from harness.view.charts import LEFT, RIGHT, WIDTH, TimeAxis, color
@@ -20,7 +24,7 @@ from harness.view.charts import LEFT, RIGHT, WIDTH, TimeAxis, color
 from conftest import (
     REPO,
     SCRIPT,
-    STOP_GRACE,
+    Streamed,
     agent_pid,
     assert_nothing_left,
     assert_only_the_jobs_lines,
@@ -192,23 +196,57 @@ def test_stop_and_status_from_another_terminal(write_yaml, launch):
     assert harness("stop", "no-such-run", *runs).returncode == 2
 
 
-def test_killed_controller_takes_its_nodes_along(write_yaml, launch):
-    """The agents see their stdin close and stop their nodes: gone within stop_grace (3 s) + 2 s."""
-    run = launch(job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"))
-    run.wait_for(r"\[rank0\]: step 5 ")
+def test_a_killed_controllers_nodes_train_on_unwatched_and_attach_takes_them_back(write_yaml, launch):
+    """SIGKILL of the controller at step 10: each agent holds its node (supervision.grace), which trains on while no
+    controller watches, and `harness status` says so; `harness attach` takes the run back and it ends as if nothing
+    had happened: one attempt, every line of every rank in the logs once, the time unwatched in the record."""
+    run = launch(job(write_yaml, STEPS="120", STEP_SECONDS="0.1"))
+    run.wait_for(r"\[rank0\]: step 10 ")
+    assert f"should this controller be lost, the nodes run on for 300 s (supervision.grace): `harness attach " \
+           f"{run.run_id}` takes them back" in run.output, run.output
     os.kill(run.proc.pid, signal.SIGKILL)
     run.finish()
-    assert_nothing_left(run.run_id, within=STOP_GRACE + 2)
     runs = ["--runs-dir", str(run.runs_dir)]
     status = harness("status", run.run_id, *runs).stdout
-    assert status.startswith(f"run {run.run_id}: lost"), status
+    assert status.startswith(f"run {run.run_id}: running, unwatched for "), status
+    assert f"held up to 300 s: `harness attach {run.run_id}`)" in status, status
     for node in (0, 1):
-        assert f"  node{node} on sim{node}: lost (its controller was killed; no process of it is left); log" in status
-    assert "running" not in status, status
-    assert harness("stop", run.run_id, *runs).returncode == 0
-    status = harness("status", run.run_id, *runs).stdout
-    assert status.startswith(f"run {run.run_id}: stopped") and "running" not in status, status
-    assert "  node1 on sim1: stopped by `harness stop` after its controller was lost" in status, status
+        assert f"  node{node} on sim{node}: running, held by its node agent until a controller takes it back" in status
+    assert re.search(rf"{run.run_id}\s+unwatched\s+2 ", harness("status", *runs).stdout)
+    # Who may take a node back: the job's user naming the run; another user cannot reach the socket, and a
+    # connection that names another run is closed without a word.
+    control = control_socket(run.run_id, "1", "0", tempfile.gettempdir())
+    assert control is not None
+    reach = f"import socket; socket.socket(socket.AF_UNIX).connect({control!r})"
+    other = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", reach],
+                           capture_output=True, text=True, timeout=30)
+    assert other.returncode != 0 and "PermissionError" in other.stderr, other.stderr
+    with socket.socket(socket.AF_UNIX) as wrong:
+        wrong.settimeout(30)
+        wrong.connect(control)
+        wrong.sendall(b"ATTACH another-run\n")
+        assert wrong.recv(100) == b""
+    attached = Streamed([sys.executable, "-m", "harness.cli", "attach", run.run_id, *runs])
+    try:
+        assert attached.finish(timeout=120) == 0, attached.output
+    finally:
+        attached.kill_group()
+    said = attached.output
+    assert said.startswith(f"harness: run {run.run_id}: taking back 2 node(s) x 1 process(es) on sim0, sim1"), said
+    assert re.search(rf"harness: run {run.run_id}: taken back by {attached.proc.pid}@\S+; its controller was lost "
+                     rf"[\d.]+ s before; the \d+ line\(s\) its nodes said meanwhile are in its logs", said), said
+    assert f"harness: run {run.run_id} succeeded" in said and "rank 1 final loss" in said, said
+    summary = json.loads((run.runs_dir / run.run_id / "summary.json").read_text())
+    (attempt,) = summary["attempts"]
+    (unwatched,) = attempt["unwatched"]
+    assert attempt["status"] == "succeeded" and unwatched["lost_at"] < unwatched["attached_at"], attempt
+    assert summary["goodput"]["seconds"]["unwatched"] > 0, summary["goodput"]
+    logs = harness("logs", run.run_id, *runs).stdout
+    steps = re.findall(r"\[node0\] \[rank0\]: step (\d+) ", logs)
+    assert steps == [str(step) for step in range(0, 120, 5)], logs  # every one, once, in order
+    assert [logs.count(f"[rank{rank}]: rank {rank} final loss") for rank in (0, 1)] == [1, 1], logs
+    assert_nothing_left(run.run_id)
+    assert "running" not in harness("status", run.run_id, *runs).stdout
 
 
 def test_a_killed_node_agent_fails_the_run_and_leaves_nothing(write_yaml, launch):

@@ -29,7 +29,7 @@ def test_commands_python_and_env_on_one_connection(cluster2: Cluster) -> None:
     with _connect(cluster2, "h2") as conn:
         assert conn.run("hostname", timeout=10) == (0, "h2\n", "")
         assert conn.run("cat; echo done >&2", stdin=b"piped", timeout=10) == (0, "piped", "done\n")
-        # The host's Python runs the first line of its stdin (harness.node.boot); the command line only labels it.
+        # The host's Python runs the first line of its stdin (harness.targets.boot); the command line only labels it.
         program = b"import sys; print(sys.argv[1], sys.stdin.read()); sys.exit(3)\n"
         assert conn.run(conn.python_command(["label"]), stdin=program + b"rest", timeout=10) == (3, "label rest\n", "")
         line = remote_command(["sh", "-c", 'echo "$GREETING"; pwd'], env={"GREETING": "a 'b' c"}, workdir="/tmp")

@@ -181,14 +181,30 @@ def test_ctrl_c_ends_a_restartable_run_without_another_attempt(write_yaml, launc
     assert_nothing_left(run.run_id)
 
 
-def test_a_killed_controller_ends_a_restartable_run_without_another_attempt(write_yaml, launch):
-    run = launch(sum_job(write_yaml, "{max: 2, on: any, backoff: 0}", STEPS="100000", STEP_SECONDS="0.05"))
+def test_a_killed_controller_never_taken_back_ends_a_restartable_run_after_its_grace(write_yaml, launch):
+    """No controller attaches within supervision.grace: every agent stops its node then (and nothing starts
+    another attempt); the run is lost, and can no longer be taken back; `harness stop` records it stopped."""
+    grace = 2
+    run = launch(sum_job(write_yaml, f"{{max: 2, on: any, backoff: 0}}\nsupervision: {{grace: {grace}}}",
+                         STEPS="100000", STEP_SECONDS="0.05"))
     run.wait_for(r"\[rank0\]: step 5 ")
     run.kill_group()
-    assert_nothing_left(run.run_id, within=STOP_GRACE + 2)
+    assert_nothing_left(run.run_id, within=grace + STOP_GRACE + 10)
     assert not (run.runs_dir / run.run_id / "plan.attempt1.json").exists()
-    status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir))
+    runs = ["--runs-dir", str(run.runs_dir)]
+    status = harness("status", run.run_id, *runs)
     assert status.stdout.startswith(f"run {run.run_id}: lost"), status.stdout
+    for node in (0, 1):
+        assert f"  node{node} on sim{node}: lost (its controller was killed; no process of it is left); log" in \
+            status.stdout, status.stdout
+    attached = harness("attach", run.run_id, *runs)
+    assert attached.returncode == 2 and attached.stderr.endswith(
+        f"run {run.run_id} cannot be taken back: no node of it is held any more (supervision.grace: {grace} s)\n"), \
+        attached.stderr
+    assert harness("stop", run.run_id, *runs).returncode == 0
+    status = harness("status", run.run_id, *runs).stdout
+    assert status.startswith(f"run {run.run_id}: stopped") and "running" not in status, status
+    assert "  node1 on sim1: stopped by `harness stop` after its controller was lost" in status, status
 
 
 def test_stop_during_the_backoff_starts_nothing_more(write_yaml, launch):
@@ -294,9 +310,11 @@ def test_a_lost_master_moves_the_master_and_no_spare_left_fails_naming_the_hosts
 def test_a_host_cut_off_by_a_firewall_is_noticed_replaced_and_stops_its_own_node(doomed_cluster3, write_yaml,
                                                                                   launch, tmp_path):
     """All of h2's traffic dropped: TCP stays silent, so only the keepalive notices (timeouts.connect),
-    and h2's agent, hearing nothing from the controller, stops its node by itself."""
+    and h2's agent, hearing nothing from the controller, holds its node for supervision.grace, then stops it by
+    itself."""
     cluster = doomed_cluster3
-    job = sum_job(write_yaml, "{max: 1, backoff: 0.5}\ntimeouts: {connect: 5}", STEPS="200", STEP_SECONDS="0.05")
+    job = sum_job(write_yaml, "{max: 1, backoff: 0.5}\ntimeouts: {connect: 5}\nsupervision: {grace: 3}", STEPS="200",
+                  STEP_SECONDS="0.05")
     run = launch(job, *ssh_args(cluster, tmp_path))
     run.wait_for(r"\[node0\] \[rank0\]: step 5 ")
     with cluster.firewall("h2", "-j", "DROP"), cluster.firewall("h2", "-j", "DROP", chain="OUTPUT"):

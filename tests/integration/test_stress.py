@@ -1,7 +1,8 @@
 """The controller SIGKILLed again and again while the CPU is saturated: no process of any run is left.
 
 Local nodes run under the node agent, whose stdin is a pipe from the controller; the kernel closes
-it when the controller dies, however it dies, and the agent stops its node. This must hold on a busy
+it when the controller dies, however it dies, and the agent stops its node (at once: supervision.grace 0;
+with a grace it holds it that long first, which test_recovery.py proves). This must hold on a busy
 machine, where the old mechanism (a parent-death signal to torchrun) leaked workers.
 """
 
@@ -57,7 +58,9 @@ def test_sigkilled_controller_leaves_nothing_ten_times_under_load(write_yaml, tm
     try:
         with saturated_cpu():
             for round_ in range(ROUNDS):
-                run = Launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), tmp_path / "runs")
+                job = ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05")
+                job.write_text(job.read_text() + "supervision: {grace: 0}\n")  # a lost controller's nodes stop at once
+                run = Launch(job, tmp_path / "runs")
                 runs.append(run)
                 run_id = run.run_id
                 if round_ % 2:  # deep in training: workers in sessions of their own, mid-collective

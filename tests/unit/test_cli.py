@@ -95,7 +95,7 @@ def test_a_misspelt_flag_or_verb_is_answered_with_the_nearest_one(capsys: pytest
             cli.main([typed])
         error = capsys.readouterr().err
         assert ended.value.code == 2 and error.endswith(
-            f"harness: error: {said}the verbs: render, launch, stop, stacks, status, top, logs, report, preflight, "
+            f"harness: error: {said}the verbs: render, launch, stop, attach, stacks, status, top, logs, report, preflight, "
             f"hosts, prepare\n"), error
 
 

@@ -1,7 +1,7 @@
 """The import rules that keep node code runnable on hosts without the harness, and the layout's
 direction of dependencies, checked for real.
 
-Node code (harness.node) travels to hosts on a Python's stdin (harness.node.boot) and runs with the
+Node code (harness.node) travels to hosts on a Python's stdin (harness.targets.boot) and runs with the
 host's (or an image's) own Python, so it may import only the standard library and its siblings; here
 it runs in an interpreter that cannot import `harness` or anything in site-packages (`python -I -S`
 from an empty directory), because this test machine's venv has the harness installed and would hide a
@@ -22,10 +22,10 @@ import pytest
 
 import harness
 from harness.node import allreduce, netcheck, pod, probe
-from harness.node.boot import BOOT, shipped, siblings
 from harness.node.protocol import Kind, message_line
 from harness.plan.planner import NodePlan
 from harness.targets.agent_link import agent_argv, agent_program
+from harness.targets.boot import BOOT, shipped, siblings
 
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "harness"
@@ -178,7 +178,8 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ("protocol", "collectives", "gpu", "proctable", "ranks", "observer", "oom")
+    assert siblings("agent") == ("protocol", "link", "collectives", "gpu", "proctable", "ranks", "observer", "oom")
+    assert siblings("link") == ("protocol",)
     assert siblings("proctable") == ()
     assert siblings("probe") == ("gpu", "proctable", "protocol", "ranks")
     assert siblings("netcheck") == ()

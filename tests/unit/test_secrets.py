@@ -10,12 +10,12 @@ import os
 import pytest
 
 from harness.errors import SpecError
-from harness.node.boot import BOOT
 from harness.plan.planner import plan_local
 from harness.plan.render import render_json, render_text
 from harness.spec.job import load_job
 from harness.spec.secrets import MASK, looks_secret, masked_spec_text, secret_values
 from harness.targets.agent_link import agent_argv, agent_program
+from harness.targets.boot import BOOT
 from harness.targets.k8s.manifests import manifests_yaml, render_manifests
 from harness.targets.slurm.batch import batch_script
 

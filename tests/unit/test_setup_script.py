@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from harness.node.agent import remove_orphaned
-from harness.node.boot import source
 from harness.node.proctable import start_ticks
 from harness.plan.setup_script import setup_id, setup_script, with_setup
+from harness.targets.boot import source
 
 
 def started(script: str | None, workdir: Path, *argv: str) -> subprocess.Popen[str]:

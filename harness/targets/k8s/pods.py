@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.errors import UsageError
 from harness.node.pod import CONTROLLER_PROOF, HELLO, POD_PROOF, PROOF_SECONDS, proof, proven, read_line
 from harness.node.ranks import py_spy_path
 from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
@@ -295,6 +296,12 @@ class PodsBackend:
 
     def stand_down(self) -> None:
         self._standbys.stand_down()
+
+    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        """Not here yet: a lost controller pod's agents stop their nodes at once, and its new pod resumes the run
+        from the newest checkpoint (docs/kubernetes.md)."""
+        raise UsageError("the nodes of Kubernetes pods are not taken back: a new controller pod resumes the run from "
+                         "its newest checkpoint")
 
     def close(self) -> None:
         """Nothing to release: each session's connection closes with its agent."""

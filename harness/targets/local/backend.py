@@ -17,7 +17,15 @@ from harness.node.proctable import kill_run_processes
 from harness.plan.planner import NodePlan, Plan, local_spec, plan_local, simulated_hosts, take_healthy
 from harness.spec.job import JobSpec
 from harness.spec.secrets import secret_values
-from harness.targets.agent_link import ChildAgentNode, Standbys, agent_argv, agent_env, start_all
+from harness.targets.agent_link import (
+    ChildAgentNode,
+    Standbys,
+    agent_argv,
+    agent_env,
+    attach_all,
+    relay_argv,
+    start_all,
+)
 from harness.targets.base import CheckFailed, NodeProcess, WorkdirCheck
 
 
@@ -43,8 +51,11 @@ def local_gpu_ids(spec: JobSpec) -> list[str]:
 class LocalAgentNode(ChildAgentNode):
     """The agent as a child process of the controller."""
 
-    def __init__(self, node: NodePlan, python: str) -> None:
-        super().__init__(node, agent_argv(python, node), os.environ | agent_env(node))
+    def __init__(self, node: NodePlan, python: str, relay: bool = False) -> None:
+        """relay: to the node's agent, which lost its controller (harness.node.link), instead of a new agent."""
+        # Not the relay: it has no node identity, or its agent's sweep of the node would end it before its last word.
+        super().__init__(node, relay_argv(python, node) if relay else agent_argv(python, node),
+                         os.environ if relay else os.environ | agent_env(node))
 
     def _wait_agent(self) -> str:
         how = self._child_ended()
@@ -109,10 +120,13 @@ class LocalBackend:
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         _workdirs(plan)
-        return start_all(plan.nodes, self._agent, spec, self._standbys, secret_values(spec))
+        return start_all(plan.nodes, self._agent, spec, self._standbys, secret_values(spec), held=True)
 
     def _agent(self, node: NodePlan) -> LocalAgentNode:
         return LocalAgentNode(node, self.python)
+
+    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        return attach_all(plan.nodes, lambda node: LocalAgentNode(node, self.python, relay=True))
 
     def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
         """A standby for each simulated node that attempt would run."""

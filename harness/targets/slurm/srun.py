@@ -167,6 +167,11 @@ class SrunBackend:
     def stand_down(self) -> None:
         """No standby to end."""
 
+    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        """Not here: the batch step is the controller and the allocation's owner at once; Slurm ends the steps with
+        it (docs/slurm.md)."""
+        raise UsageError("the steps of a Slurm batch job are not taken back: Slurm ends them with its batch step")
+
     def close(self) -> None:
         """Nothing to release: each srun ends with its step."""
 

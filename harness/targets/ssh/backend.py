@@ -1,6 +1,6 @@
 """SSH backend: one node per inventory host, each under the node agent on its host.
 
-The agent is sent on its stdin (harness.node.boot) and run with the host's own Python, so hosts need
+The agent is sent on its stdin (harness.targets.boot) and run with the host's own Python, so hosts need
 no harness install.
 One SSH session channel per node carries the node's output back, the controller's TERM/KILL words
 there, and the node's exit code back again; a dropped connection closes the agent's stdin, and the
@@ -24,7 +24,16 @@ from harness.spec.job import JobSpec
 from harness.spec.secrets import secret_values
 from harness.spec.yamlsource import located
 from harness.targets.address import Unresolvable, is_loopback, resolve_ip
-from harness.targets.agent_link import READ_BYTES, AgentNode, Standbys, agent_argv, agent_env, start_all
+from harness.targets.agent_link import (
+    READ_BYTES,
+    AgentNode,
+    Standbys,
+    agent_argv,
+    agent_env,
+    attach_all,
+    relay_argv,
+    start_all,
+)
 from harness.targets.base import CheckFailed, NodeProcess
 from harness.targets.host_command import NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.ssh.container import in_containers
@@ -61,13 +70,14 @@ def resolve_master_ip(inventory: Inventory, master: Host) -> str:
 class SSHAgentNode(AgentNode):
     """The agent on a remote host, reached through one SSH session channel."""
 
-    def __init__(self, node: NodePlan, connection: Connection) -> None:
+    def __init__(self, node: NodePlan, connection: Connection, relay: bool = False) -> None:
+        """relay: to the node's agent, which lost its controller (harness.node.link), instead of a new agent."""
         super().__init__(node)
         assert node.ssh is not None
         self._channel = connection.transport.open_session()
         self._channel.set_combine_stderr(True)
-        argv = agent_argv(node.ssh.python, node)
-        self._channel.exec_command(remote_command(argv, env=agent_env(node)))
+        argv = relay_argv(node.ssh.python, node) if relay else agent_argv(node.ssh.python, node)
+        self._channel.exec_command(remote_command(argv, env=None if relay else agent_env(node)))
         self._connection = connection
 
     def _chunks(self) -> Iterator[bytes]:
@@ -199,7 +209,13 @@ class SSHBackend:
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
         return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host]), spec, self._standbys,
-                         secret_values(spec))
+                         secret_values(spec), held=True)
+
+    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        connections = self._connect_all(plan.nodes, spec.timeouts.connect)
+        for connection in self._opened.values():
+            connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
+        return attach_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host], relay=True))
 
     def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
         """A standby on every host of the inventory that is not down, spares included: whichever of them the

@@ -24,8 +24,8 @@ from pathlib import Path
 import paramiko
 
 from harness.errors import HarnessError
-from harness.node.boot import shipped
 from harness.spec.inventory import Host
+from harness.targets.boot import shipped
 from harness.targets.host_command import CommandResult, RemoteTimeout, python_line, run_to_end
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"

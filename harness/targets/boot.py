@@ -20,7 +20,7 @@ from pathlib import Path
 
 BOOT = "import sys;exec(sys.stdin.buffer.raw.readline())"
 PACKAGE = "harness.node"
-_HERE = Path(__file__).parent
+_HERE = Path(__file__).parent.parent / "node"  # the code that is shipped
 # Preflight ships a script to every host from a thread each. CPython 3.11 keeps ast.parse's recursion
 # depth per interpreter, not per thread: two parses at once can fail with "SystemError: AST constructor
 # recursion depth mismatch" (python/cpython#106905), so one parse at a time.

@@ -1,0 +1,130 @@
+"""The node agent's link while its controller is gone (harness.node.link): what the node says meanwhile is
+kept with its times and replayed, in order and once, to the controller that takes it back; the controller's
+end (targets/agent_link.AgentNode.output) gives it back as blocks with the times they were said. Real pipes
+and a real control socket; the whole of it, with real agents, in tests/integration/test_launch_local.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.node.link import CONTROL, ControllerLink, Link
+from harness.node.protocol import Kind, Word, message_line, split_line, word_line
+from harness.plan.planner import NodePlan
+from harness.targets.agent_link import AgentNode
+
+RUN = "link-test"
+
+
+def read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+@pytest.fixture
+def link(tmp_path: Path) -> Iterator[tuple[ControllerLink, int]]:
+    """A ControllerLink whose first link is a pipe (its read end returned), in a private directory."""
+    read_fd, write_fd = os.pipe()
+    words_r, words_w = os.pipe()
+    controller = ControllerLink(RUN, Link(words_r, write_fd), str(tmp_path))
+    yield controller, read_fd
+    controller.close()
+    for fd in (read_fd, words_w):
+        os.close(fd)
+
+
+def attach(path: Path, run_id: str = RUN) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(30)
+    sock.connect(str(path / CONTROL))
+    sock.sendall(word_line(Word.ATTACH, run_id))
+    return sock
+
+
+def test_what_is_said_unwatched_is_replayed_once_in_order_with_its_times(link, tmp_path: Path) -> None:
+    controller, read_fd = link
+    controller.write(b"step 1\n")
+    assert read_all(read_fd) == b"step 1\n"
+    assert controller.current is not None
+    controller.lose(controller.current)
+    lost = controller.lost_at
+    assert lost is not None
+    controller.write(b"step 2\n")
+    controller.write(message_line(Kind.NODE_EXIT, "0"))
+    assert read_all(read_fd) == b"", "nothing more on the lost link"
+    assert not controller.delivered()
+    sock = attach(tmp_path)
+    new = controller.await_controller(time.time() + 30)
+    assert new is not None and controller.attach(new)
+    controller.write(b"step 3\n")
+    sock.shutdown(socket.SHUT_WR)
+    received = b""
+    deadline = time.monotonic() + 30
+    while b"step 3\n" not in received and time.monotonic() < deadline:
+        received += sock.recv(1 << 16)
+    lines = received.splitlines(keepends=True)
+    messages = [split_line(line)[1] for line in lines]
+    assert messages[0] is not None and messages[0].kind is Kind.UNWATCHED
+    header = json.loads(messages[0].body)
+    assert header["lost_at"] == lost and header["dropped"] == 0 and header["bytes"] > len(b"step 2\n")
+    assert messages[1] is not None and messages[1].kind is Kind.AT and lost <= float(messages[1].body) <= time.time()
+    assert lines[2:] == [b"step 2\n", message_line(Kind.NODE_EXIT, "0"), message_line(Kind.WATCHED, ""),
+                         b"step 3\n"]
+    assert controller.delivered() and controller.lost_at is None
+    assert not (tmp_path / "spool").exists(), "the spool is gone once replayed"
+    sock.close()
+
+
+def test_only_a_word_naming_the_run_is_taken_for_a_controller(link, tmp_path: Path) -> None:
+    controller, _ = link
+    assert controller.current is not None
+    controller.lose(controller.current)
+    with attach(tmp_path, "another-run") as wrong:
+        assert wrong.recv(100) == b"", "closed without a word"
+    assert controller.await_controller(time.time() + 0.5) is None
+
+
+class Replayed(AgentNode):
+    """An AgentNode over fixed bytes: the controller's end of a replay."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(NodePlan(host="h", address="127.0.0.1", node_rank=0, nproc=1, argv=("true",), env={}))
+        self._data = data
+
+    def _chunks(self) -> Iterator[bytes]:
+        yield self._data
+
+    def _send(self, data: bytes) -> None: ...
+
+    def _wait_agent(self) -> str:
+        return ""
+
+    def running(self) -> bool:
+        return False
+
+    def _agent_lost(self) -> None: ...
+
+
+def test_the_controller_gets_each_replayed_block_with_the_time_it_was_said() -> None:
+    header = json.dumps({"lost_at": 100.0, "bytes": 50, "dropped": 0})
+    node = Replayed(message_line(Kind.UNWATCHED, header) + b"a\n" + message_line(Kind.AT, "101.5") + b"b\nc\n"
+                    + message_line(Kind.WATCHED, "") + b"live\n")
+    blocks = []
+    for text in node.output():
+        blocks.append((text, node.said_at))
+    assert blocks == [("a\n", 100.0), ("b\nc\n", 101.5), ("live\n", None)]
+    assert node.unwatched == {"lost_at": 100.0, "bytes": 50.0, "dropped": 0.0} and node.replayed.is_set()
