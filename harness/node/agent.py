@@ -156,6 +156,8 @@ class Agent:
                 self.say_text(f"harness node agent: lost the controller ({why}); the node runs on, held "
                               f"{self.hold:g} s (supervision.grace) for `harness attach {self.run_id}`\n")
             link = self._taken_back(newer)
+            if link is not None and self.observer.started is not None:  # its rendezvous deadline: long met
+                self.say(Kind.STARTED, self.observer.started)
             if link is None and not self.ended.is_set():
                 self.say_text(f"harness node agent: no controller took the node back within supervision.grace "
                               f"({self.hold:g} s): stopping the node\n")

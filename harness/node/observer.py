@@ -43,6 +43,7 @@ class RankObserver:
         self.arrived: dict[int, int] = {}  # rank -> when it enqueued the newest collective sent (ns)
         self.nvml: Nvml | str | None = None  # opened at the first sample; a string: why there is none
         self.launcher: int | None = None  # the node's command's process (its torchrun, once the shell exec'd it)
+        self.started: str | None = None  # the STARTED message's body, once said (said again to a new controller)
 
     def watch_start(self, every: float, ended: threading.Event) -> None:
         """Say once that the node's ranks exist (Kind.STARTED), looking every `every` seconds until they do or the
@@ -50,7 +51,8 @@ class RankObserver:
         while not ended.wait(every):
             below, _ = process_tree(os.getpid())
             if ranks := find_ranks(below, self.run_id, self.directory):
-                self.say(Kind.STARTED, ",".join(str(rank) for rank in sorted(ranks)))
+                self.started = ",".join(str(rank) for rank in sorted(ranks))
+                self.say(Kind.STARTED, self.started)
                 return
 
     def sample_every(self, seconds: float, ended: threading.Event) -> None:

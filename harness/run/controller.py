@@ -546,6 +546,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         with contextlib.suppress(RecordError):
             recorded = run.read_health(plan.attempt)
             sup.health_loop.progress = recorded.progress if recorded is not None else None
+        sup.health_loop.attempt_started_at = started_at or sup.health_loop.started_at
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
     named = [n.host for n in plan.nodes]
     hosts = ", ".join(named) if len(named) <= HOSTS_NAMED else f"{', '.join(named[:3])}, ..., {named[-1]}"

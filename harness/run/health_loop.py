@@ -48,7 +48,8 @@ class HealthLoop:
         self.rendezvous = rendezvous  # seconds every node has to start its ranks (None: no deadline)
         self.unjoined: RendezvousVerdict | None = None  # the rendezvous did not complete in time: who never joined
         self._launchers: dict[int, RankStack] | None = None  # where the late nodes' torchrun was, near the deadline
-        self.started_at = time.time()
+        self.started_at = time.time()  # when this loop began: the rendezvous deadline counts from it
+        self.attempt_started_at = self.started_at  # the attempt's start (earlier, for an attempt taken back)
         self.progress: Progress | None = None  # the attempt's steps so far
         self.hang: Verdict | None = None  # the job hung: who it is about
         self.hang_at: float | None = None
@@ -164,7 +165,7 @@ class HealthLoop:
         self.run.write_health(LiveHealth(
             attempt=self.attempt, t=now, slow={rank: round(waited, 1) for rank, waited in slow.items()},
             hang=f"hang: {self.hang.text}" if self.hang else None, ranks=dict(sorted(ranks.items())),
-            started_at=self.started_at, progress=self.progress))
+            started_at=self.attempt_started_at, progress=self.progress))
         age = now - min((live.started for live in self.nodes), default=now)
         if now - self._sampled >= sample_interval(TIMELINE_SECONDS, age) and \
                 (views or any(r.step is not None for r in ranks.values())):

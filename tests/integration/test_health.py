@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_nothing_left, free_port, harness, worker_pid
+from conftest import REPO, Streamed, assert_nothing_left, free_port, harness, worker_pid
 
 STALL = 8
 MARGIN = 15  # the issue's bound: detection within stall + 15 s (bench 9: ~1.5 s past the stall at most, quiet)
@@ -109,6 +109,28 @@ def test_a_sigstopped_rank_is_named_stopped(write_yaml, launch, tmp_path):
     shown = harness("stacks", run.run_id, "--runs-dir", str(tmp_path / "runs"))
     assert shown.returncode == 2, shown
     assert "is not running (failed)" in shown.stderr and "stacks/attempt-N/" in shown.stderr, shown.stderr
+
+
+def test_a_hang_that_begins_while_no_controller_watches_is_named_once_one_attaches(write_yaml, launch, tmp_path):
+    """Rank 0 SIGSTOPped after its controller was killed: the samples its agent kept meanwhile reach the controller
+    that attaches, whose health watch names the hang as it would have (the stall already seen in them)."""
+    run = launch(hang_job(write_yaml))
+    run.wait_for(r"\[rank1\]: step 10")
+    run.kill_group()
+    os.kill(worker_pid(run.run_id, 0), signal.SIGSTOP)
+    runs = tmp_path / "runs"
+    attached = Streamed([sys.executable, "-m", "harness.cli", "attach", run.run_id, "--runs-dir", str(runs)])
+    try:
+        text = attached.wait_for(r"harness: hang: (.*)", timeout=STALL + MARGIN + 60).group(1)
+        assert re.match(r"no progress for 8 s: rank 0 \(node0 on sim0\) is stopped \(SIGSTOP\)", text), text
+        assert attached.finish(timeout=90) == 1, attached.output
+    finally:
+        attached.kill_group()
+    summary = json.loads((runs / run.run_id / "summary.json").read_text())
+    failure = summary["first_failure"]
+    assert (failure["kind"], failure["rank"], len(summary["attempts"])) == ("hang", 0, 1), failure
+    assert summary["attempts"][0]["unwatched"], summary["attempts"][0]
+    assert_nothing_left(run.run_id)
 
 
 @pytest.mark.parametrize("swap", ["0", "1"])
