@@ -307,7 +307,13 @@ def _stop_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
 def _attach_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
     attach = verbs.add_parser("attach", parents=[runs_dir],
                               help="take back a run whose controller is gone while its nodes run on "
-                                   "(supervision.grace)")
+                                   "(supervision.grace)",
+                              description="A new controller, in this terminal, for a run whose own is gone (killed, "
+                                          "its machine or network lost) while its nodes' agents hold them "
+                                          "(supervision.grace, 300 s by default; `harness status` says `running, "
+                                          "unwatched`): the run goes on as it would have, to its end. Simulated "
+                                          "nodes and SSH hosts, from the machine that launched the run. Example: "
+                                          "harness attach latest")
     attach.add_argument("run_id", metavar="RUN_ID", help=f"the run: {RUN_HELP}")
     attach.set_defaults(func=commands.attach)
 

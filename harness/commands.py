@@ -277,7 +277,7 @@ def attach(args: argparse.Namespace) -> int:
                          f"{state.controller.host}): nothing to take back (`harness status {run.run_id}`)")
     if status is not RunStatus.UNWATCHED:
         why = f"no node of it is held any more (supervision.grace: {state.grace:g} s)" \
-            if status is RunStatus.LOST and state.grace > 0 else f"it is {status.value}"
+            if status is RunStatus.LOST and state.grace > 0 else f"it has ended ({status.value})"
         raise UsageError(f"run {run.run_id} cannot be taken back: {why}")
     if state.origin is None:
         raise UsageError(f"run {run.run_id} ({state.mode}) was not launched from a terminal of this machine: only "
