@@ -67,12 +67,16 @@ def test_sigkill_of_a_worker_stops_the_other_host_within_5_s(cluster2, write_yam
     assert_nothing_left(run.run_id)
 
 
-def test_dead_controller_stops_the_remote_nodes(cluster2, write_yaml, launch, tmp_path):
-    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
+def test_a_dead_controllers_remote_nodes_stop_once_their_grace_has_passed(cluster2, write_yaml, launch, tmp_path):
+    """Nobody attaches: each host's agent holds its node for supervision.grace, then stops it."""
+    grace = 2
+    job = ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05")
+    job.write_text(job.read_text() + f"supervision: {{grace: {grace}}}\n")
+    run = launch(job, *ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
     os.killpg(run.proc.pid, signal.SIGKILL)
     run.finish()
-    assert_nothing_left(run.run_id, within=STOP_GRACE + 2)
+    assert_nothing_left(run.run_id, within=grace + STOP_GRACE + 5)
 
 
 def test_unreachable_host_fails_before_anything_starts(cluster2, write_yaml, launch, tmp_path):
@@ -88,7 +92,8 @@ def test_unreachable_host_fails_before_anything_starts(cluster2, write_yaml, lau
 
 
 def test_dropped_connection_stops_the_run(cluster2, write_yaml, launch, tmp_path):
-    """Kill the sshd process serving h2's session: h1 is stopped, h2's agent ends its node itself."""
+    """Kill the sshd process serving h2's session: h1 is stopped; h2's agent, holding its node, is reached again
+    through a new login and stops it (not only once supervision.grace has passed)."""
     run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
     listener = cluster2.host("h2").sshd

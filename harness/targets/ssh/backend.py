@@ -9,7 +9,10 @@ agent stops its node. `container:` wraps every node in `docker run` or `podman r
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import paramiko
 
 from harness.errors import short_repr
+from harness.node.protocol import Word, word_line
 from harness.plan.planner import NodePlan, Plan, job_hosts, plan_hosts
 from harness.plan.shell import remote_command
 from harness.spec.inventory import Host, Inventory
@@ -32,6 +36,7 @@ from harness.targets.agent_link import (
     agent_env,
     attach_all,
     relay_argv,
+    relay_program,
     start_all,
 )
 from harness.targets.base import CheckFailed, NodeProcess
@@ -40,6 +45,7 @@ from harness.targets.ssh.container import in_containers
 from harness.targets.ssh.transport import Connection, SSHConnectError, connect
 
 KEEPALIVE_INTERVAL = 2.0  # seconds between liveness questions to each host; timeouts.connect is the answer limit
+STOP_HELD_SECONDS = 30.0  # how long a node whose link was given up is given to end, once its agent got the KILL
 HostsCheck = Callable[[list[Host], JobSpec, dict[str, Connection]], Mapping[str, str]]
 """The check SSH hosts pass before a plan starts on them (preflight's fast checks, handed in by whoever
 builds the backend: targets never import preflight): hosts about to run the job, the launch's open
@@ -70,9 +76,12 @@ def resolve_master_ip(inventory: Inventory, master: Host) -> str:
 class SSHAgentNode(AgentNode):
     """The agent on a remote host, reached through one SSH session channel."""
 
-    def __init__(self, node: NodePlan, connection: Connection, relay: bool = False) -> None:
-        """relay: to the node's agent, which lost its controller (harness.node.link), instead of a new agent."""
+    def __init__(self, node: NodePlan, connection: Connection, relay: bool = False,
+                 reconnect: Callable[[], Connection] | None = None) -> None:
+        """relay: to the node's agent, which lost its controller (harness.node.link), instead of a new agent;
+        reconnect: a new connection to the host, to stop a node whose link this one gave up (None: none is tried)."""
         super().__init__(node)
+        self._reconnect = reconnect
         assert node.ssh is not None
         self._channel = connection.transport.open_session()
         self._channel.set_combine_stderr(True)
@@ -99,8 +108,29 @@ class SSHAgentNode(AgentNode):
         return not (self._channel.closed or self._channel.exit_status_ready())
 
     def _agent_lost(self) -> None:
-        """Nothing to reach the host with: if it is alive, its agent saw its stdin close and stopped the node
-        itself. The run counts the host as down, so a restart uses a spare in its place."""
+        """The link is gone: the run counts the host as down (a restart uses a spare in its place). Its agent, if
+        it lives, holds the node for supervision.grace, then stops it itself; a new login stops it now, where the
+        host answers (in the background: an unreachable one takes timeouts.connect to give up)."""
+        if self._reconnect is not None:
+            threading.Thread(target=self._stop_held, daemon=True).start()
+
+    def _stop_held(self) -> None:
+        """KILL, through the relay (harness.node.link), to the node's agent; what it says back is nobody's."""
+        assert self._reconnect is not None and self.node.ssh is not None
+        with contextlib.suppress(Exception):  # best effort: whatever fails, the agent's grace still ends the node
+            connection = self._reconnect()
+            try:
+                channel = connection.transport.open_session()
+                channel.exec_command(remote_command(relay_argv(self.node.ssh.python, self.node)))
+                channel.sendall(relay_program(self.node) + word_line(Word.KILL))
+                deadline = time.monotonic() + STOP_HELD_SECONDS
+                channel.settimeout(1.0)
+                while not channel.exit_status_ready() and time.monotonic() < deadline:
+                    with contextlib.suppress(TimeoutError, socket.timeout):
+                        if not channel.recv(READ_BYTES):
+                            break
+            finally:
+                connection.close()
 
     def _wait_agent(self) -> str:
         status = self._channel.recv_exit_status()
@@ -208,14 +238,24 @@ class SSHBackend:
         connections = self._connect_all(plan.nodes, spec.timeouts.connect)
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host]), spec, self._standbys,
-                         secret_values(spec), held=True)
+        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host],
+                                                               reconnect=self._reconnect(node, spec)),
+                         spec, self._standbys, secret_values(spec), held=True)
+
+    def _reconnect(self, node: NodePlan, spec: JobSpec) -> Callable[[], Connection] | None:
+        """A new connection to node's host, for a node held after its link was lost (None: its agent holds nothing)."""
+        if spec.supervision.grace <= 0 or node.ssh is None:
+            return None
+        host = node.ssh
+        return lambda: connect(host, known_hosts=self.options.known_hosts,
+                               accept_new_host_keys=self.options.accept_new_host_keys, timeout=spec.timeouts.connect)
 
     def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         connections = self._connect_all(plan.nodes, spec.timeouts.connect)
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
-        return attach_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host], relay=True))
+        return attach_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host], relay=True,
+                                                                reconnect=self._reconnect(node, spec)))
 
     def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
         """A standby on every host of the inventory that is not down, spares included: whichever of them the
