@@ -89,6 +89,8 @@ class Agent:
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       env={**os.environ, **(secrets or {}), **hooked})
         self._pump = threading.Thread(target=self._pass_output, daemon=True)
+        self.passed = 0  # bytes of the node's output passed on
+        self.passing = False  # a chunk of it is being passed on (a slow controller's pipe may be full)
         self.observer.launcher = self.child.pid
         # A command the OS refuses to run (too long, no /bin/sh) raises here: main() reports it.
 
@@ -129,7 +131,10 @@ class Agent:
         assert self.child.stdout is not None
         fd = self.child.stdout.fileno()
         while chunk := os.read(fd, READ_BYTES):
+            self.passing = True
             self.link.write(chunk)
+            self.passing = False
+            self.passed += len(chunk)
 
     def _name(self) -> None:
         """Say in the private directory whose node this is: harness.node.link finds it by that."""
@@ -237,7 +242,13 @@ class Agent:
         self.ended.set()
         with self._kill_lock:  # not while a KILL runs the cleanup, a child of ours with our environment
             self._sweep()  # workers that outlived their torchrun, daemons the job left behind
-        self._pump.join(timeout=SWEEP_SECONDS)  # its last output before its exit
+        # Its last output before its exit, however slowly the controller reads it; a process that escaped the sweep
+        # holding the pipe (its output has stopped) is not waited for.
+        while self._pump.is_alive():
+            passed = self.passed
+            self._pump.join(timeout=SWEEP_SECONDS)
+            if self.passed == passed and not self.passing:
+                break
         if code != 0 and (killed := oom_kills(self.observer.seen, self.began, self.oom_before)):
             self.say(Kind.OOM, oom_body(killed))
         return code
