@@ -6,5 +6,7 @@ launch.py      3. `harness launch` vs plain torchrun to the first step; 5. failu
 harness_cost.py 3b. the payload's img/s under `harness launch` vs plain torchrun
 stats.py       interleaved rounds until the 95% interval of a difference or ratio is narrow
 preflight.py   4. `harness preflight` over 1, 4, 16 namespace hosts
+recovery.py    6. time to recover from a lost rank or host
+attach.py      6b. a lost controller: `harness attach` against a relaunch
 run.py         the runner: profiles, JSON under bench/results/, docs/benchmarks.md (report.py)
 """

@@ -397,6 +397,45 @@ def _recovery(r: dict[str, Any]) -> list[str]:
     return lines + [f"Note: {n}" for n in r.get("notes", [])] + ([""] if r.get("notes") else [])
 
 
+def _attach(a: dict[str, Any]) -> list[str]:
+    rows = {row["case"]: row for row in a["rows"]}
+    att, rel = rows["attach"], rows["relaunch"]
+    lines = [f"{a['job']}. The controller (`harness launch`) is SIGKILLed when rank 0 reports step "
+             f"{a['kill_at_step']} (its standbys waiting); the two answers alternate in one run, {a['repeats']} of "
+             "each; seconds from the kill, median (each repeat in parentheses). Watched again: `harness attach`'s "
+             "`taken back by` line (every node's spool replayed), or the relaunched run's first step. Steps redone: "
+             "attach, the step lines its record holds twice; relaunch, the last step the lost run recorded minus the "
+             f"global step the new run resumed from. Steps of the job in all: {att['total_steps']}; a checkpoint "
+             f"every {att['ckpt_every']}.", ""]
+
+    def each(values: list[Any]) -> str:
+        return ", ".join(str(v) for v in values)
+
+    lines += _table(
+        ["answer", "watched again", "next step line shown", "job's end", "step at the kill", "steps redone",
+         "steps missing from the record", "run (attempts)", "processes left"],
+        [[row["failure"], f"{_num(row['watched_again_s'], 2)} ({each(row['attempts_watched_again_s'])})",
+          _num(row["first_step_s"], 2), _num(row["end_s"], 2), each(row["kill_steps"]), each(row["steps_redone"]),
+          each(row["steps_missing"]), f"{each(row['statuses'])} ({each(row['attempts'])})", each(row["left"])]
+         for row in (att, rel)])
+    whole = att["in_order"] and not any(att["steps_redone"]) and not any(att["steps_missing"])
+    lines += [f"Attach: the new controller's first line {_num(att['new_controller_first_line_s'], 2)} s after the "
+              f"kill; the record's time unwatched (attached_at - lost_at) {_num(att['recorded_unwatched_s'], 2)} s "
+              f"(the attach said {_num(att['said_lost_s'], 1)} s); steps trained unwatched (rank 0's step lines "
+              f"stamped between lost_at and attached_at): {each(att['steps_unwatched'])}; lines the nodes said "
+              f"meanwhile: {each(att['lines_meanwhile'])}; every step line once and in order: "
+              f"{'yes' if whole else '**no**'}.", "",
+              f"Relaunch: every process of the lost run gone {_num(rel['nodes_gone_s'], 2)} s after the kill; the "
+              f"lost run recorded up to step {each(rel['reached'])}, the new run resumed from {each(rel['resumed'])} "
+              "(steps the ranks trained after the kill, recorded nowhere, kept by their SIGTERM's just-in-time "
+              f"checkpoint: {each(rel['steps_unrecorded'])}).", ""]
+    buckets = [key for key in att if key.startswith("time_")]
+    lines += ["Where each run's time went (summary.json's goodput; the relaunch's: the new run's alone; seconds, "
+              "median):", ""]
+    return lines + _table(["answer", "goodput", *(key.removeprefix("time_").removesuffix("_s") for key in buckets)],
+                          [[row["case"], _percent(row["goodput"]), *(_num(row.get(key), 1) for key in buckets)]
+                           for row in (att, rel)])
+
 def _slurm(s: dict[str, Any]) -> list[str]:
     lines = [f"{s['cluster']}; median of {s['repeats']}. Submit to first step: {s['first_step_job']}.", ""]
     lines += _table(["command", "submit to rank 0's first step, s (attempts)"],
@@ -594,6 +633,7 @@ SECTIONS = (
     ("preflight", "4. Preflight fan-out", _preflight),
     ("failure", "5. Failure propagation", _failure),
     ("recovery", "6. Time to recover", _recovery),
+    ("attach", "6b. A lost controller: `harness attach` against a relaunch", _attach),
     ("slurm", "7. Slurm: submit to first step, rank death to job end", _slurm),
     ("containers", "8. Containers: a node's start-up in the image vs on the bare host", _containers),
     ("hangs", "9. Hangs: detection time and culprit, against torchrun alone", _hangs),

@@ -25,7 +25,7 @@ from bench import machine, procs, report
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
 NAMES = ("throughput", "tuning", "ddp", "strategies", "first_step", "harness_cost", "preflight", "failure", "recovery",
-         "slurm", "containers", "hangs", "watch_cost", "stream", "metrics_cost", "k8s", "scale")
+         "attach", "slurm", "containers", "hangs", "watch_cost", "stream", "metrics_cost", "k8s", "scale")
 HEALTH = ("hangs", "watch_cost", "metrics_cost")
 # What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed);
 # health is the health watch's alone (benchmarks 9, 10 and 12: 60 hung launches, ~22 min on 2 cores); quick is
@@ -95,6 +95,9 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
                     "repeats": 1 if quick else 3},
         "recovery": {"ckpt_every": 10, "kill_at": 40, "repeats": 1 if quick else 3, "before": not quick,
                      "ssh": not quick},
+        # benchmark 6b (the full run): a lost controller taken back by `harness attach`, against a relaunch with
+        # supervision.grace 0; 2 epochs so that the job trains on well past the attach
+        "attach": {"ckpt_every": 10, "kill_at": 40, "repeats": 3, "grace": 300, "epochs": 2},
         "slurm": {"repeats": 1 if quick else 3, "wait": 10 if quick else 30},
         "containers": {"repeats": 1 if quick else 3},
         # stall 5 s keeps 60 hung launches short; torchrun alone waits out init_process_group's timeout,
@@ -115,6 +118,7 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
 
 def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
     from bench import (
+        attach,
         containers,
         ddp,
         harness_cost,
@@ -133,7 +137,7 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
 
     return {"throughput": throughput.run, "tuning": tuning.run, "ddp": ddp.run, "strategies": strategies.run,
             "first_step": launch.time_to_first_step, "harness_cost": harness_cost.run, "preflight": preflight.run,
-            "failure": launch.failure_propagation, "recovery": recovery.run, "slurm": slurm.run,
+            "failure": launch.failure_propagation, "recovery": recovery.run, "attach": attach.run, "slurm": slurm.run,
             "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost,
             "stream": stream.run, "metrics_cost": health.metrics_cost, "k8s": k8s.run,
             "scale": scale.run}
