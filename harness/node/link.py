@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import BinaryIO
 
 from harness.node.protocol import Kind, Word, message_line, parse_word, word_line
 
@@ -91,7 +92,7 @@ class ControllerLink:
         self.current: Link | None = first
         self.lost_at: float | None = None  # when the last link was lost, while there is none
         self._spool_path = os.path.join(directory, "spool") if directory else None
-        self._spool: object = None
+        self._spool: BinaryIO | None = None
         self._spooled = self._dropped = 0
         self._marked = 0.0
         self.incoming: queue.Queue[Link] = queue.Queue()
@@ -134,8 +135,8 @@ class ControllerLink:
         try:
             if self._spool is None:
                 self._spool = open(self._spool_path, "ab")  # noqa: SIM115 - open while unwatched
-            self._spool.write(data)  # type: ignore[attr-defined]
-            self._spool.flush()  # type: ignore[attr-defined]
+            self._spool.write(data)
+            self._spool.flush()
             self._spooled += len(data)
         except OSError:  # a full disk: counted, as beyond the limit
             self._dropped += len(data)
@@ -209,10 +210,10 @@ class ControllerLink:
             return spool.read(REPLAY_CHUNK)
 
     def _reset_spool(self) -> None:
-        if self._spool is not None:
+        if self._spool is not None and self._spool_path is not None:
             with contextlib.suppress(OSError):
-                self._spool.close()  # type: ignore[attr-defined]
-                os.unlink(self._spool_path)  # type: ignore[arg-type]
+                self._spool.close()
+                os.unlink(self._spool_path)
         self._spool, self._spooled, self._dropped = None, 0, 0
 
     def delivered(self) -> bool:
