@@ -37,6 +37,7 @@ TORCHRUN_REPORT = re.compile(r"^[EW]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distr
 # A C++ exception nothing caught (gloo's enforce, in its own threads): std::terminate's two lines.
 CPP_TERMINATE = re.compile(r"^terminate called after throwing an instance of '(?P<type>[^']+)'$")
 CPP_WHAT = re.compile(r"^\s*what\(\):\s*(?P<what>.*)$")
+WHAT_WITHIN = 8  # lines after the terminate line its what() line may come, the worker's stdout between
 # An exception that only says a peer went away: the rank failed because another one did (run/cascade.py).
 AFTER_A_PEER = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|remote process exited|"
@@ -156,10 +157,13 @@ def user_error(lines: Sequence[str]) -> UserError | None:
 
 def cpp_exception(lines: Sequence[str]) -> str | None:
     """`TYPE: what()` of the last C++ exception that terminated the process, from one rank's unprefixed
-    lines: such a process leaves no Python traceback."""
+    lines: such a process leaves no Python traceback. Its `what():` line is the first of the next WHAT_WITHIN:
+    torchrun reads a worker's stdout and stderr from two files, so the worker's other lines can fall between."""
     for i in range(len(lines) - 1, -1, -1):
-        if (match := CPP_TERMINATE.match(lines[i])) and i + 1 < len(lines) and (what := CPP_WHAT.match(lines[i + 1])):
-            return f"{match['type']}: {what['what']}"
+        if match := CPP_TERMINATE.match(lines[i]):
+            what = next((found for line in lines[i + 1:i + 1 + WHAT_WITHIN] if (found := CPP_WHAT.match(line))), None)
+            if what is not None:
+                return f"{match['type']}: {what['what']}"
     return None
 
 
