@@ -264,10 +264,10 @@ class Streamed:
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match[str]:
-        """The first line so far (or to come) that matches pattern."""
+    def wait_for(self, pattern: str, timeout: float = 90, after: re.Match[str] | None = None) -> re.Match[str]:
+        """The first line so far (or to come) that matches pattern; after: of those after that match's line."""
         deadline = time.monotonic() + timeout
-        seen = 0
+        seen = self.lines.index(after.string) + 1 if after is not None else 0
         while time.monotonic() < deadline:
             ended = self.proc.poll() is not None and not self._reader.is_alive()
             lines = self.lines[seen:]

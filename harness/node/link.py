@@ -9,6 +9,12 @@ controller takes the node back through the Unix socket `control` in that directo
 peer's uid checked: only the job's user), after an ATTACH word naming the run: it is sent an UNWATCHED
 message, the spool, then WATCHED, and from then on the live output.
 
+Nothing is said twice or lost on the way. Everything the agent says is one stream of bytes, and its last
+RESEND_BYTES are kept: a lost controller may not have logged what was in flight (a pipe's, a socket's, an SSH
+channel's buffers). Its controller records how far in the stream its logs are (harness.record.stream); a new
+one names that place in its ATTACH word (`ATTACH RUN_ID FROM`), and is sent the stream from there: UNWATCHED
+says where the replay starts (`from`) and WATCHED where the live stream goes on (`at`).
+
 The new controller reaches the socket through this module run as a program on the agent's host, under the
 job's user (locally, or through an SSH login, the proof SSH already asks for):
 
@@ -34,11 +40,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from typing import BinaryIO
 
 from harness.node.protocol import Kind, Word, message_line, parse_word, word_line
 
 SPOOL_BYTES = 256 << 20  # what a node may say while unwatched; beyond, its output is counted, not kept
+# What the agent keeps of what it sent: far more than a pipe, a socket and an SSH channel hold in flight.
+RESEND_BYTES = 8 << 20
 AT_EVERY = 0.5  # seconds between the spool's time marks: the record's times of spooled lines are this close
 REPLAY_CHUNK = 1 << 20  # the spool is replayed in chunks: the node's output is never held up for the whole of it
 HELLO_SECONDS = 5.0  # how long a new connection has to say its ATTACH word
@@ -53,6 +62,7 @@ class Link:
 
     def __init__(self, read_fd: int, write_fd: int, sock: socket.socket | None = None) -> None:
         self.read_fd, self.write_fd, self.sock = read_fd, write_fd, sock
+        self.resume_from: int | None = None  # where in the stream the controller's logs are (None: it does not say)
         self.broken = threading.Event()  # no more is sent on it
         os.set_blocking(write_fd, False)  # a stuck reader (a cut network) never blocks the node's output for good
 
@@ -95,6 +105,10 @@ class ControllerLink:
         self._spool: BinaryIO | None = None
         self._spooled = self._dropped = 0
         self._marked = 0.0
+        self._said = 0  # the length of the stream: everything said, to a controller or the spool
+        self._spool_from = 0  # where the spool starts in the stream (where the last link was lost)
+        self._recent: deque[tuple[int, bytes]] = deque()  # the stream's last RESEND_BYTES: (where, what)
+        self._recent_bytes = 0
         self.incoming: queue.Queue[Link] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         self._listener: socket.socket | None = None
@@ -113,12 +127,29 @@ class ControllerLink:
     def write(self, data: bytes) -> None:
         """The node's output or a message, in one piece, to whoever listens; never raises."""
         with self._lock:
+            self._remember(data)
             if self.current is not None:
                 data = self.current.send(data)
                 if not data:
                     return
-                self._lose()
+                self._lose(unsent=len(data))
             self._keep(data)
+
+    def _remember(self, data: bytes) -> None:
+        """data, said: kept with the last RESEND_BYTES said (under the lock)."""
+        self._recent.append((self._said, data))
+        self._said += len(data)
+        self._recent_bytes += len(data)
+        while self._recent_bytes - len(self._recent[0][1]) >= RESEND_BYTES:
+            self._recent_bytes -= len(self._recent.popleft()[1])
+
+    def _resend(self, start: int | None) -> tuple[int, bytes]:
+        """The stream from start (None: the spool's start) up to the spool's start, as far as it is kept: where
+        what is sent again begins, and what (under the lock)."""
+        first = self._recent[0][0] if self._recent else self._said
+        begin = min(max(start if start is not None else self._spool_from, first), self._spool_from)
+        return begin, b"".join(data[max(0, begin - at):self._spool_from - at] for at, data in self._recent
+                               if at + len(data) > begin and at < self._spool_from)
 
     def _keep(self, data: bytes) -> None:
         """Into the spool, after a time mark when the last is AT_EVERY old (under the lock)."""
@@ -141,13 +172,14 @@ class ControllerLink:
         except OSError:  # a full disk: counted, as beyond the limit
             self._dropped += len(data)
 
-    def _lose(self) -> None:
-        """The current link is gone (under the lock)."""
+    def _lose(self, unsent: int = 0) -> None:
+        """The current link is gone, the last `unsent` bytes said not sent on it (under the lock)."""
         if self.current is not None:
             self.current.close()
             self.current = None
             self.lost_at = time.time()
             self._marked = 0.0
+            self._spool_from = self._said - unsent
 
     def lose(self, link: Link) -> None:
         """The link's controller is gone (its end of file, its silence, or a newer controller): the spool from now."""
@@ -182,18 +214,19 @@ class ControllerLink:
         return None
 
     def attach(self, link: Link) -> bool:
-        """A new controller's link: the spool, then the live output. False: that link broke during the replay
-        (the node stays unwatched)."""
+        """A new controller's link: what its logs lack of what was sent before the loss, the spool, then the live
+        output. False: that link broke during the replay (the node stays unwatched)."""
         with self._lock:
-            header = {"lost_at": self.lost_at, "bytes": self._spooled, "dropped": self._dropped}
-        if link.send(message_line(Kind.UNWATCHED, json.dumps(header))):
+            begin, resent = self._resend(link.resume_from)
+            header = {"lost_at": self.lost_at, "bytes": self._spooled, "dropped": self._dropped, "from": begin}
+        if link.send(message_line(Kind.UNWATCHED, json.dumps(header)) + resent):
             return False
         offset = 0
         while True:
             with self._lock:
                 chunk = self._read_spool(offset)
                 if not chunk:
-                    if link.send(message_line(Kind.WATCHED, "")):
+                    if link.send(message_line(Kind.WATCHED, json.dumps({"at": self._said}))):
                         return False
                     self._reset_spool()
                     self.current, self.lost_at = link, None
@@ -240,12 +273,16 @@ class ControllerLink:
                 if not (byte := sock.recv(1)):
                     break
                 line += byte
-        said = parse_word(line)
-        if uid != os.getuid() or said is None or said != (Word.ATTACH, self.run_id):
+        word, argument = parse_word(line) or (None, "")
+        run_id, _, resume_from = argument.partition(" ")
+        if uid != os.getuid() or word is not Word.ATTACH or run_id != self.run_id or \
+                not (resume_from == "" or resume_from.isdigit()):
             sock.close()
             return
         sock.settimeout(None)
-        self.incoming.put(Link(sock.fileno(), sock.fileno(), sock))
+        link = Link(sock.fileno(), sock.fileno(), sock)
+        link.resume_from = int(resume_from) if resume_from else None
+        self.incoming.put(link)
         os.write(self._wake_w, b"x")
 
     def close(self) -> None:
@@ -286,14 +323,16 @@ def _copy(read_fd: int, write: socket.socket | int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    run_id, node_rank, attempt = argv[:3]
+    """argv: the run, node rank and attempt of the agent to reach; then where in its stream the controller's logs
+    are (empty: the controller does not know)."""
+    run_id, node_rank, attempt, resume_from = (*argv[:4], "")[:4]
     path = control_socket(run_id, node_rank, attempt, tempfile.gettempdir())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         if path is None:
             raise FileNotFoundError
         sock.connect(path)
-        sock.sendall(word_line(Word.ATTACH, run_id))
+        sock.sendall(word_line(Word.ATTACH, f"{run_id} {resume_from}".strip()))
     except OSError:
         sys.stdout.write(f"harness relay: no node agent of run {run_id} node {node_rank} attempt {attempt} on "
                          f"this host (its node ended, or no controller took it back within supervision.grace)\n")

@@ -46,8 +46,9 @@ class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate
     # `GO ORDER`: a standby node (agent started with STANDBY) becomes its attempt's node: ORDER, one JSON line
     # ({"env": the node's env, "args": torchrun's arguments}), goes to the waiting torchrun's stdin
     GO = "GO"
-    # `ATTACH RUN_ID`: the first word on a node agent's control socket (harness.node.link): a new controller takes
-    # back the node of the run that lost its own; the agent answers UNWATCHED, what it kept, WATCHED, then live
+    # `ATTACH RUN_ID [FROM]`: the first word on a node agent's control socket (harness.node.link): a new controller
+    # takes back the node of the run that lost its own, whose logs end at FROM in the agent's stream; the agent
+    # answers UNWATCHED, the stream from there (what it kept), WATCHED, then live
     ATTACH = "ATTACH"
 
 
@@ -63,11 +64,12 @@ class Kind(str, Enum):  # noqa: UP042 - as Word
     # `RANKS`: the node's ranks exist (comma-separated), said once: its torchrun's rendezvous completed and it started
     # its workers (the controller's rendezvous deadline, run/health_loop.py)
     STARTED = "started"
-    # `JSON` {"lost_at", "bytes", "dropped"}: the agent lost its controller at lost_at (its clock) and kept what
-    # follows meanwhile (bytes; dropped: beyond its limit), until WATCHED (harness.node.link)
+    # `JSON` {"lost_at", "bytes", "dropped", "from"}: the agent lost its controller at lost_at (its clock) and kept
+    # what follows meanwhile (bytes; dropped: beyond its limit), until WATCHED; what follows is its stream from
+    # `from` (harness.node.link)
     UNWATCHED = "unwatched"
     AT = "at"  # `T`: what follows, up to the next AT, was said at T by the node's clock (while unwatched)
-    WATCHED = "watched"  # what was kept is all here: the rest is live
+    WATCHED = "watched"  # `JSON` {"at"}: what was kept is all here: the rest is live, from `at` in the stream
 
 
 # A STACKS answer under this rank is the node's launcher's, sent where the node has no ranks yet: its torchrun (or

@@ -177,6 +177,7 @@ class AppendedFile:
     def __init__(self, disk: RecordDisk, path: Path, what: str) -> None:
         self.disk, self.path, self.what = disk, path, what
         self._fd: int | None = None
+        self.end: int | None = None  # the file's size after the last write (None: none yet)
 
     def write(self, text: str) -> None:
         if not self.disk.has_room():
@@ -193,6 +194,7 @@ class AppendedFile:
                 with contextlib.suppress(OSError):
                     os.ftruncate(self._fd, size)
                 raise
+            self.end = size + written
 
     def close(self) -> None:
         if self._fd is not None:

@@ -22,6 +22,7 @@ from harness.record.schema import (
     read_record,
     record_text,
 )
+from harness.record.stream import mark_file, node_file, resume_point
 from harness.record.timeline import Sample, append_sample, sample_line
 
 DEFAULT_RUNS_DIR = "runs"
@@ -154,6 +155,14 @@ class RunDir:
     def log_file(self, node_rank: int, attempt: int = 0) -> Path:
         """Each attempt's own file (never overwritten): node1.log, then node1.attempt1.log, ..."""
         return self.path / f"node{node_rank}{_attempt_suffix(attempt)}.log"
+
+    def resume_points(self, attempt: int, node_ranks: list[int]) -> dict[int, int]:
+        """By node rank, where in its agent's stream the attempt's logs of the node end, those logs cut back to it
+        (record/stream.py's LoggedMark); a node with no mark is left out."""
+        points = {rank: resume_point(mark_file(self.stream, attempt, rank),
+                                     [self.log_file(rank, attempt), node_file(self.stream, attempt, rank)])
+                  for rank in node_ranks}
+        return {rank: point for rank, point in points.items() if point is not None}
 
     def last_written(self) -> float | None:
         """When any file of the run was last written (its record, its stream, its nodes' logs): a run whose

@@ -11,9 +11,11 @@ torchrun's own noise included, without times."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from harness.record.disk import AppendedFile, RecordDisk
@@ -46,6 +48,56 @@ def node_file(folder: Path, attempt: int, node_rank: int) -> Path:
     return attempt_folder(folder, attempt) / f"node{node_rank}.log"
 
 
+def mark_file(folder: Path, attempt: int, node_rank: int) -> Path:
+    return attempt_folder(folder, attempt) / f"node{node_rank}.logged"
+
+
+class LoggedMark:
+    """How far a node's logs hold its agent's stream: the place in the stream (its bytes) and each log's size then,
+    rewritten in place after every block. A controller that takes the node back (`harness attach`) cuts each log
+    back to its size (what a lost controller wrote past its last mark) and has the agent send its stream again
+    from that place (harness.node.link): no line is lost with the controller, none is logged twice."""
+
+    def __init__(self, disk: RecordDisk, path: Path, what: str) -> None:
+        self.disk, self.path, self.what = disk, path, what
+        self._fd: int | None = None
+
+    def write(self, position: int, ends: Sequence[int | None]) -> None:
+        """ends: each log's size (None: not written by this controller: never cut back)."""
+        with self.disk.writing(self.what):
+            if self._fd is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, self.disk.mode)
+            # One write of a fixed width at the file's start: a SIGKILL leaves the old mark or the new one.
+            os.pwrite(self._fd, " ".join(f"{n:020d}" for n in (position, *(-1 if e is None else e for e in ends)))
+                      .encode() + b"\n", 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> LoggedMark:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def resume_point(mark: Path, logs: Sequence[Path]) -> int | None:
+    """Where in its agent's stream a node's logs (in the order LoggedMark was given their sizes) end, each log cut
+    back to its size at the mark. None: no mark (nothing logged, or a record older than marks)."""
+    try:
+        position, *ends = (int(field) for field in mark.read_text(encoding="utf-8").split())
+    except (OSError, ValueError):
+        return None
+    for log, end in zip(logs, ends, strict=False):
+        with contextlib.suppress(OSError):
+            if end >= 0 and log.stat().st_size > end:
+                os.truncate(log, end)
+    return position
+
+
 def record_files(folder: Path) -> list[Path]:
     """Every file of a run's timed record: the harness's own words (the controller's, and a follower's on
     the user's machine), then each attempt's node files."""
@@ -71,6 +123,10 @@ class StreamRecord:
     def open_node(self, attempt: int, node_rank: int) -> AppendedFile:
         """The node's file of this attempt: its pump is its only writer."""
         return self.disk.appended(node_file(self.folder, attempt, node_rank), f"node{node_rank}'s log")
+
+    def open_mark(self, attempt: int, node_rank: int) -> LoggedMark:
+        """The node's LoggedMark of this attempt: its pump is its only writer."""
+        return LoggedMark(self.disk, mark_file(self.folder, attempt, node_rank), f"node{node_rank}'s log mark")
 
     def close(self) -> None:
         with self._lock:

@@ -558,7 +558,8 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     warm: list[str] = []
     try:
         try:
-            nodes = backend.attach(plan, spec) if taking_back else backend.start(plan, spec.at_nnodes(plan.nnodes))
+            nodes = backend.attach(plan, spec, run.resume_points(plan.attempt, [n.node_rank for n in plan.nodes])) \
+                if taking_back else backend.start(plan, spec.at_nnodes(plan.nnodes))
         except OSError as exc:  # e.g. an argument list too long for the OS: only the OS can refuse it
             raise HarnessError(f"could not start the nodes: {exc.strerror or exc}") from None
         if warm := [n.node.host for n in nodes if n.warm]:

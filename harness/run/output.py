@@ -44,12 +44,14 @@ class Output:
         cannot be written is the record's trouble (record/disk.py): the node's output is read on whatever."""
         prefix = f"[{live.node.label}] "
         with contextlib.ExitStack() as stack:
-            log = timed = None
+            log = timed = mark = None
             if self.log_file is not None and self.record is not None:
                 log = stack.enter_context(self.record.disk.appended(self.log_file(live.node),
                                                                     f"{live.node.label}'s log"))
             if self.record is not None:
                 timed = stack.enter_context(self.record.open_node(self.attempt, live.node.node_rank))
+                mark = stack.enter_context(self.record.open_mark(self.attempt, live.node.node_rank))
+            live_seen, replayed = False, 0  # a replay after live lines: a link lost and made again (SSH)
             for text in process.output():
                 said = process.said_at  # the time its node said it, where its agent kept it while unwatched
                 at = said if said is not None else time.time()
@@ -60,10 +62,18 @@ class Output:
                     log.write(block.logged)
                 if timed is not None and block.streamed:
                     timed.write(stamped(block.streamed, f"{stamp(at)} {prefix}"))
+                if mark is not None:
+                    mark.write(process.position, [log.end if log is not None else None,
+                                                  timed.end if timed is not None else None])
                 if said is None:
+                    if live_seen and replayed:
+                        self.say(f"{live.node.label} on {live.node.host}: its link was lost and is made again; the "
+                                 f"{replayed} line(s) it said meanwhile are in its logs, not shown here")
+                    live_seen, replayed = True, 0
                     self._show(block, prefix)
                 else:  # said while no controller watched: in the logs and the record, counted, said once (controller)
                     live.unwatched_lines += block.logged.count("\n")
+                    replayed += block.logged.count("\n")
             self._show(live.release(), prefix)
 
     def _show(self, block: Block, prefix: str) -> None:

@@ -61,8 +61,9 @@ def relay_argv(python: str, node: NodePlan) -> list[str]:
     return [python, "-I", "-S", "-c", BOOT, "harness-relay", *_identity(node).values()]
 
 
-def relay_program(node: NodePlan) -> bytes:
-    return shipped("link", list(_identity(node).values()))
+def relay_program(node: NodePlan, resume_from: int | None) -> bytes:
+    """resume_from: where in the agent's stream the run's logs of the node end (None: not known)."""
+    return shipped("link", [*_identity(node).values(), "" if resume_from is None else str(resume_from)])
 
 
 def agent_silence(connect_timeout: float) -> float:
@@ -108,13 +109,16 @@ def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode],
     return list(started)
 
 
-def attach_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode]) -> list[NodeProcess]:
+def attach_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode],
+               resume: Mapping[int, int]) -> list[NodeProcess]:
     """A relay to every node's agent (start runs relay_argv where the node runs); a node whose agent is gone
-    ends at once, without an exit code: lost."""
+    ends at once, without an exit code: lost. resume: by node rank, where in its agent's stream the run's logs of
+    it end (record.stream.resume_points): the agent sends it again from there."""
     attached: list[AgentNode] = []
     for node in nodes:
         attached.append(start(node))
-        attached[-1].boot(relay_program(node))
+        attached[-1].position = resume.get(node.node_rank, 0)
+        attached[-1].boot(relay_program(node, resume.get(node.node_rank)))
         attached[-1].talk()
     return list(attached)
 
@@ -200,6 +204,11 @@ class AgentNode(ABC):
         self.said_at: float | None = None
         self.unwatched: dict[str, float | None] | None = None
         self.replayed = threading.Event()  # the agent's replay is over (or the output ended): live from here
+        # Where in the agent's stream (its bytes, but the replay's own messages) the lines output() has yielded end,
+        # and where the lines it has read end: a new controller is sent the stream again from the former.
+        self.position = 0
+        self._read_to = 0
+        self.relinked = False  # _chunks gives a new link's first chunk: the stream comes again from self.position
 
     @abstractmethod
     def _chunks(self) -> Iterable[bytes]:
@@ -229,32 +238,48 @@ class AgentNode(ABC):
         all) pass whole: the stream costs per read, not per line."""
         pending = b""  # the start of a line whose end has not arrived
         unfinished = b""  # a worker's text before a message on the same line
+        unfinished_at = 0  # where it starts in the stream
+        self._read_to = self.position
         try:
             for chunk in self._chunks():
+                if self.relinked:
+                    pending, unfinished, self._read_to, self.relinked = b"", b"", self.position, False
                 data = pending + chunk
                 cut = data.rfind(b"\n") + 1
                 pending, whole = data[cut:], data[:cut]
                 if not whole:
                     continue
                 if MARKER not in whole:
+                    self._read_to += len(whole)
+                    self.position = self._read_to
                     yield (unfinished + whole).decode("utf-8", errors="replace")
                     unfinished = b""
                     continue
                 text = []
                 for raw in whole.splitlines(keepends=True):
                     node_text, message = split_line(raw)
+                    if node_text and not unfinished:
+                        unfinished_at = self._read_to
+                    self._read_to += len(raw)
                     if node_text is raw:
                         text.append(unfinished + raw)
                         unfinished = b""
                         continue
                     unfinished += node_text
-                    if message is not None and message.kind in (Kind.AT, Kind.WATCHED) and text:
-                        yield b"".join(text).decode("utf-8", errors="replace")  # at the time it was said
-                        text = []
+                    if message is not None and message.kind in (Kind.AT, Kind.UNWATCHED, Kind.WATCHED):
+                        self._read_to -= len(raw) - len(node_text)  # the replay's own words: not of the stream
+                        if message.kind is not Kind.UNWATCHED and text:
+                            self.position = unfinished_at if unfinished else self._read_to
+                            yield b"".join(text).decode("utf-8", errors="replace")  # at the time it was said
+                            text = []
                     self._take(message)
                 if text:
+                    self.position = unfinished_at if unfinished else self._read_to
                     yield b"".join(text).decode("utf-8", errors="replace")
+                elif not unfinished:  # messages only, all taken: nothing of them to be sent again
+                    self.position = self._read_to
             if rest := unfinished + pending:
+                self.position = self._read_to + len(pending)
                 yield rest.decode("utf-8", errors="replace").rstrip("\r\n") + "\n"
         except (OSError, EOFError):
             return
@@ -273,11 +298,14 @@ class AgentNode(ABC):
                 self.unwatched = {key: float(value) if value is not None else None
                                   for key, value in json.loads(message.body).items()}
                 self.said_at = self.unwatched.get("lost_at")
+                if (begin := self.unwatched.get("from")) is not None:
+                    self._read_to = int(begin)
             elif message.kind is Kind.AT:
                 self.said_at = float(message.body)
             elif message.kind is Kind.WATCHED:
                 self.said_at = None
                 self.replayed.set()
+                self._read_to = int(json.loads(message.body)["at"])
             else:
                 self.messages.put(message)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -67,6 +67,7 @@ class NodeProcess(Protocol):
     said_at: float | None
     unwatched: dict[str, float | None] | None
     replayed: threading.Event
+    position: int  # where in its agent's stream the blocks output() gave end (record.stream.LoggedMark)
 
     def output(self) -> Iterator[str]:
         """The node's combined stdout/stderr until its output ends, in blocks of whole lines (each ending
@@ -137,10 +138,11 @@ class Backend(Protocol):
     def stand_down(self) -> None:
         """End every standby: the run is over."""
 
-    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+    def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
         """Take back the plan's nodes, which run on held by their agents after their controller was lost
-        (`harness attach`; supervision.grace): a link to each agent (harness.node.link). A node whose agent is
-        gone ends at once, lost."""
+        (`harness attach`; supervision.grace): a link to each agent (harness.node.link), which sends its stream
+        again from resume[node_rank] (where the run's logs of it end). A node whose agent is gone ends at once,
+        lost."""
 
     def close(self) -> None:
         """Release what start opened (connections); the nodes have ended by then. Called after every

@@ -204,6 +204,11 @@ def test_a_killed_controllers_nodes_train_on_unwatched_and_attach_takes_them_bac
     run.wait_for(r"\[rank0\]: step 10 ")
     assert f"should this controller be lost, the nodes run on for 300 s (supervision.grace): `harness attach " \
            f"{run.run_id}` takes them back" in run.output, run.output
+    # Stopped first, so that what rank 0 says next is in flight (in the pipe, unread) when it is killed.
+    os.kill(run.proc.pid, signal.SIGSTOP)
+    said = next((run.runs_dir / run.run_id / "torchrun" / "node0").glob("*/attempt_0/0/stdout.log"))
+    while "step 20 " not in said.read_text():  # torchrun's own copy of the rank's output
+        time.sleep(0.05)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.finish()
     runs = ["--runs-dir", str(run.runs_dir)]
@@ -242,8 +247,11 @@ def test_a_killed_controllers_nodes_train_on_unwatched_and_attach_takes_them_bac
     assert attempt["status"] == "succeeded" and unwatched["lost_at"] < unwatched["attached_at"], attempt
     assert summary["goodput"]["seconds"]["unwatched"] > 0, summary["goodput"]
     logs = harness("logs", run.run_id, *runs).stdout
+    # Every one, once, in order, in the record and the node's own log: those in flight at the kill sent again.
     steps = re.findall(r"\[node0\] \[rank0\]: step (\d+) ", logs)
-    assert steps == [str(step) for step in range(0, 120, 5)], logs  # every one, once, in order
+    assert steps == [str(step) for step in range(0, 120, 5)], logs
+    node_log = (run.runs_dir / run.run_id / "node0.log").read_text()
+    assert re.findall(r"\[rank0\]: step (\d+) ", node_log) == steps, node_log
     assert [logs.count(f"[rank{rank}]: rank {rank} final loss") for rank in (0, 1)] == [1, 1], logs
     assert_nothing_left(run.run_id)
     assert "running" not in harness("status", run.run_id, *runs).stdout

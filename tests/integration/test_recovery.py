@@ -307,27 +307,39 @@ def test_a_lost_master_moves_the_master_and_no_spare_left_fails_naming_the_hosts
     assert_nothing_left(run.run_id)
 
 
-def test_a_host_cut_off_by_a_firewall_is_noticed_replaced_and_stops_its_own_node(doomed_cluster3, write_yaml,
-                                                                                  launch, tmp_path):
-    """All of h2's traffic dropped: TCP stays silent, so only the keepalive notices (timeouts.connect),
-    and h2's agent, hearing nothing from the controller, holds its node for supervision.grace, then stops it by
-    itself."""
+def test_a_host_cut_off_for_10_s_is_linked_again_and_one_cut_off_for_good_is_replaced(doomed_cluster3, write_yaml,
+                                                                                         launch, tmp_path):
+    """All of h2's traffic dropped: TCP stays silent, so only the keepalive notices (timeouts.connect). For 10 s:
+    the controller links h2's node again through a new login once it answers, and its agent sends again what the
+    controller missed: no restart, no line lost. For good: the tries end (relink_window: 10 s here) and h2 counts as
+    down, its spare takes its place; h2's agent, hearing nothing from the controller, holds its node for
+    supervision.grace, then stops it by itself."""
     cluster = doomed_cluster3
-    job = sum_job(write_yaml, "{max: 1, backoff: 0.5}\ntimeouts: {connect: 5}\nsupervision: {grace: 3}", STEPS="200",
-                  STEP_SECONDS="0.05")
+    job = sum_job(write_yaml, "{max: 1, backoff: 0.5}\ntimeouts: {connect: 3}\nsupervision: {grace: 10}",
+                  STEPS="400", STEP_SECONDS="0.05", EVERY_RANK_SAYS_STEPS="1")
     run = launch(job, *ssh_args(cluster, tmp_path))
-    run.wait_for(r"\[node0\] \[rank0\]: step 5 ")
+    run.wait_for(r"\[node1\] \[rank1\]: step 5 ")
+    with cluster.firewall("h2", "-j", "DROP"), cluster.firewall("h2", "-j", "DROP", chain="OUTPUT"):
+        time.sleep(10)  # the fault itself: a cut of 10 s
+    relinked = run.wait_for(r"^harness: node1 on h2: its link was lost and is made again; the \d+ line\(s\) it said "
+                            r"meanwhile are in its logs, not shown here$", timeout=60)
+    live = int(run.wait_for(r"\[node1\] \[rank1\]: step (\d+) ", after=relinked).group(1))  # live again
+    run.wait_for(rf"\[node1\] \[rank1\]: step {live + 20} ")
     with cluster.firewall("h2", "-j", "DROP"), cluster.firewall("h2", "-j", "DROP", chain="OUTPUT"):
         cut = time.time()
-        assert run.finish(timeout=120) == 0, run.output
+        assert run.finish(timeout=180) == 0, run.output
         first, second = run.summary()["attempts"]
         failure = first["failures"][0]
         assert (failure["host"], first["down"], second["hosts"]) == ("h2", ["h2"], ["h1", "h3"])
         assert "no answer from" in failure["evidence"] and failure["kind"] == "infra", failure
-        # guard: the keepalive's limit (2 s + timeouts.connect 5 s: 7 s at most), not a job hung in its collective
-        assert first["started_at"] + failure["after_s"] - cut < 20, "noticed within the keepalive's limit"
+        # guard: the keepalive's limit (2 s + timeouts.connect 3 s) and the relink window (10 s), not a job hung in
+        # its collective
+        assert first["started_at"] + failure["after_s"] - cut < 40, "noticed within the keepalive's limit"
         assert "rank 1 final loss" in run.output and "up on h3" in run.output
-        assert_nothing_left(run.run_id, within=30)  # h2's agent stopped its node, still cut off
+        assert_nothing_left(run.run_id, within=45)  # h2's agent stopped its node, still cut off
+    said = (run.runs_dir / run.run_id / "node1.log").read_text()  # attempt 0's h2: every step it said, once
+    steps = [int(step) for step in re.findall(r"\[rank1\]: step (\d+) ", said)]
+    assert steps == list(range(0, 5 * len(steps), 5)) and steps[-1] >= live + 20, said
 
 
 # 3 nodes x 1 rank and no spare: a global batch of 48 that 3 ranks (16 each) and 2 ranks (24 each, as 2

@@ -2,7 +2,7 @@
 
 FAIL_RANK / FAIL_AT_STEP make one rank exit FAIL_CODE (default 1) mid-run, and HANG_AT_STEP makes every other rank block
 there (like a long step or a stuck read) so that only the supervisor can end them. STEPS and
-STEP_SECONDS set the pace. AWAIT_RANK_HOOK=1: each rank waits, once its process group exists, until the
+STEP_SECONDS set the pace; rank 0 says every fifth step (every rank: EVERY_RANK_SAYS_STEPS=1). AWAIT_RANK_HOOK=1: each rank waits, once its process group exists, until the
 harness's rank hook serves in it (its socket exists), and says where, so that a test sees the hook's server end
 with the rank, or tries it.
 SHOW_SECRET=NAME: each rank says the sha256 of its env's NAME (not the value) and in how many processes' command
@@ -69,7 +69,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if rank == 0 and step % 5 == 0:
+        if (rank == 0 or os.environ.get("EVERY_RANK_SAYS_STEPS") == "1") and step % 5 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
         time.sleep(pause)
     weights = model.module.weight.detach().flatten()

@@ -297,7 +297,7 @@ class PodsBackend:
     def stand_down(self) -> None:
         self._standbys.stand_down()
 
-    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+    def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
         """Not here yet: a lost controller pod's agents stop their nodes at once, and its new pod resumes the run
         from the newest checkpoint (docs/kubernetes.md)."""
         raise UsageError("the nodes of Kubernetes pods are not taken back: a new controller pod resumes the run from "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from harness.node.freeport import free_port, is_free
@@ -125,8 +126,8 @@ class LocalBackend:
     def _agent(self, node: NodePlan) -> LocalAgentNode:
         return LocalAgentNode(node, self.python)
 
-    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
-        return attach_all(plan.nodes, lambda node: LocalAgentNode(node, self.python, relay=True))
+    def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
+        return attach_all(plan.nodes, lambda node: LocalAgentNode(node, self.python, relay=True), resume)
 
     def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
         """A standby for each simulated node that attempt would run."""

@@ -167,7 +167,7 @@ class SrunBackend:
     def stand_down(self) -> None:
         """No standby to end."""
 
-    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+    def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
         """Not here: the batch step is the controller and the allocation's owner at once; Slurm ends the steps with
         it (docs/slurm.md)."""
         raise UsageError("the steps of a Slurm batch job are not taken back: Slurm ends them with its batch step")

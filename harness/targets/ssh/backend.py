@@ -34,6 +34,7 @@ from harness.targets.agent_link import (
     Standbys,
     agent_argv,
     agent_env,
+    agent_silence,
     attach_all,
     relay_argv,
     relay_program,
@@ -46,6 +47,7 @@ from harness.targets.ssh.transport import Connection, SSHConnectError, connect
 
 KEEPALIVE_INTERVAL = 2.0  # seconds between liveness questions to each host; timeouts.connect is the answer limit
 STOP_HELD_SECONDS = 30.0  # how long a node whose link was given up is given to end, once its agent got the KILL
+RELINK_PAUSE = 1.0  # seconds between tries to link a node again while its host does not answer
 HostsCheck = Callable[[list[Host], JobSpec, dict[str, Connection]], Mapping[str, str]]
 """The check SSH hosts pass before a plan starts on them (preflight's fast checks, handed in by whoever
 builds the backend: targets never import preflight): hosts about to run the job, the launch's open
@@ -73,28 +75,80 @@ def resolve_master_ip(inventory: Inventory, master: Host) -> str:
                                          f"routable IP")
 
 
+def relink_window(spec: JobSpec) -> float:
+    """How long a node's lost link is tried again before its host counts as down: as long as its agent waits for a
+    silent controller (agent_silence), within the time it holds the node (supervision.grace). Longer would keep a
+    dead host from its spare; a link back within it is as if it never broke."""
+    return min(spec.supervision.grace, agent_silence(spec.timeouts.connect))
+
+
 class SSHAgentNode(AgentNode):
-    """The agent on a remote host, reached through one SSH session channel."""
+    """The agent on a remote host, reached through one SSH session channel; where that link is lost (the host's
+    connection cut, its keepalive unanswered) while the agent holds its node, through a new login and the relay
+    (harness.node.link), its stream sent again from where this controller's logs end: a cut shorter than
+    relink_seconds is as if it never was."""
 
     def __init__(self, node: NodePlan, connection: Connection, relay: bool = False,
-                 reconnect: Callable[[], Connection] | None = None) -> None:
+                 reconnect: Callable[[], Connection] | None = None, relink_seconds: float = 0.0) -> None:
         """relay: to the node's agent, which lost its controller (harness.node.link), instead of a new agent;
-        reconnect: a new connection to the host, to stop a node whose link this one gave up (None: none is tried)."""
+        reconnect: a new connection to the host, to link again or to stop a node whose link this one gave up (None:
+        none is tried); relink_seconds: how long a lost link is tried again (0: not at all)."""
         super().__init__(node)
         self._reconnect = reconnect
-        assert node.ssh is not None
-        self._channel = connection.transport.open_session()
-        self._channel.set_combine_stderr(True)
-        argv = relay_argv(node.ssh.python, node) if relay else agent_argv(node.ssh.python, node)
-        self._channel.exec_command(remote_command(argv, env=None if relay else agent_env(node)))
+        self._relink_seconds = relink_seconds if reconnect is not None else 0.0
+        self._stopping = False
+        self._pumped = False  # its output is read (a standby's is not, until it is taken)
         self._connection = connection
+        self._relinked_over: Connection | None = None  # the connection of a new link: this node's own to close
+        self._channel = self._open(connection, relay)
+
+    def _open(self, connection: Connection, relay: bool) -> paramiko.Channel:
+        assert self.node.ssh is not None
+        channel = connection.transport.open_session()
+        channel.set_combine_stderr(True)
+        argv = relay_argv(self.node.ssh.python, self.node) if relay else agent_argv(self.node.ssh.python, self.node)
+        channel.exec_command(remote_command(argv, env=None if relay else agent_env(self.node)))
+        return channel
+
+    def output(self) -> Iterator[str]:
+        self._pumped = True
+        yield from super().output()
 
     def _chunks(self) -> Iterator[bytes]:
-        try:
-            while chunk := self._channel.recv(READ_BYTES):
-                yield chunk
-        except paramiko.SSHException as exc:
-            raise EOFError(str(exc)) from exc
+        while True:
+            with contextlib.suppress(paramiko.SSHException):  # the link broke: what it carried is sent again
+                while chunk := self._channel.recv(READ_BYTES):
+                    yield chunk
+            if not self._relink():
+                return
+            self.relinked = True
+
+    def _relink(self) -> bool:
+        """After the link ended without the agent's exit (its connection lost): a new one, tried for
+        relink_seconds, the agent's stream to come again from self.position. False: the agent ended, a stop was
+        asked, or no new link came."""
+        if self._channel.recv_exit_status() != -1:  # after an end of file, the agent's status or the link's loss
+            return False
+        deadline = time.monotonic() + self._relink_seconds
+        while not self._stopping and time.monotonic() < deadline:
+            assert self._reconnect is not None
+            try:
+                connection = self._reconnect()
+            except Exception:  # noqa: BLE001 - whatever the transport raises, the host is not back yet
+                time.sleep(RELINK_PAUSE)
+                continue
+            try:
+                channel = self._open(connection, relay=True)
+                with self._send_lock:  # the relay's program first, before any word for the agent
+                    channel.sendall(relay_program(self.node, self.position))
+                    if self._relinked_over is not None:
+                        self._relinked_over.close()
+                    self._connection = self._relinked_over = connection
+                    self._channel = channel
+                return True
+            except (OSError, paramiko.SSHException):
+                connection.close()
+        return False
 
     def _send(self, data: bytes) -> None:
         if self._channel.closed:
@@ -106,6 +160,14 @@ class SSHAgentNode(AgentNode):
 
     def running(self) -> bool:
         return not (self._channel.closed or self._channel.exit_status_ready())
+
+    def terminate(self) -> None:
+        self._stopping = True
+        super().terminate()
+
+    def kill(self) -> None:
+        self._stopping = True
+        super().kill()
 
     def _agent_lost(self) -> None:
         """The link is gone: the run counts the host as down (a restart uses a spare in its place). Its agent, if
@@ -122,7 +184,7 @@ class SSHAgentNode(AgentNode):
             try:
                 channel = connection.transport.open_session()
                 channel.exec_command(remote_command(relay_argv(self.node.ssh.python, self.node)))
-                channel.sendall(relay_program(self.node) + word_line(Word.KILL))
+                channel.sendall(relay_program(self.node, None) + word_line(Word.KILL))
                 deadline = time.monotonic() + STOP_HELD_SECONDS
                 channel.settimeout(1.0)
                 while not channel.exit_status_ready() and time.monotonic() < deadline:
@@ -133,9 +195,13 @@ class SSHAgentNode(AgentNode):
                 connection.close()
 
     def _wait_agent(self) -> str:
+        if self._relink_seconds > 0 and self._pumped:
+            self._output_done.wait()  # it ends once the agent has, or once no new link came
         status = self._channel.recv_exit_status()
         why = self._connection.lost or (f"ssh status {status}" if status != -1 else
                                         "the session ended without an exit status: its agent or sshd was killed")
+        if self._relinked_over is not None:
+            self._relinked_over.close()
         return f"connection to {self.node.host} ({self.node.address}) lost ({why})"
 
 
@@ -238,24 +304,34 @@ class SSHBackend:
         connections = self._connect_all(plan.nodes, spec.timeouts.connect)
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
-        return start_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host],
-                                                               reconnect=self._reconnect(node, spec)),
-                         spec, self._standbys, secret_values(spec), held=True)
+        return start_all(plan.nodes, lambda node: self._agent_node(node, connections[node.host], spec), spec,
+                         self._standbys, secret_values(spec), held=True)
+
+    def _agent_node(self, node: NodePlan, connection: Connection, spec: JobSpec, relay: bool = False) -> SSHAgentNode:
+        """node's agent over connection, linked again where that link is lost for as long as each side waits for the
+        other (relink_window)."""
+        return SSHAgentNode(node, connection, relay=relay, reconnect=self._reconnect(node, spec),
+                            relink_seconds=relink_window(spec))
 
     def _reconnect(self, node: NodePlan, spec: JobSpec) -> Callable[[], Connection] | None:
         """A new connection to node's host, for a node held after its link was lost (None: its agent holds nothing)."""
         if spec.supervision.grace <= 0 or node.ssh is None:
             return None
         host = node.ssh
-        return lambda: connect(host, known_hosts=self.options.known_hosts,
-                               accept_new_host_keys=self.options.accept_new_host_keys, timeout=spec.timeouts.connect)
 
-    def attach(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
+        def reconnect() -> Connection:
+            connection = connect(host, known_hosts=self.options.known_hosts,
+                                 accept_new_host_keys=self.options.accept_new_host_keys, timeout=spec.timeouts.connect)
+            connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
+            return connection
+        return reconnect
+
+    def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
         connections = self._connect_all(plan.nodes, spec.timeouts.connect)
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
-        return attach_all(plan.nodes, lambda node: SSHAgentNode(node, connections[node.host], relay=True,
-                                                                reconnect=self._reconnect(node, spec)))
+        return attach_all(plan.nodes, lambda node: self._agent_node(node, connections[node.host], spec, relay=True),
+                          resume)
 
     def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
         """A standby on every host of the inventory that is not down, spares included: whichever of them the
@@ -269,7 +345,8 @@ class SSHBackend:
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
         self._standbys.stand_by([node for node in plan.nodes if node.host in connections],
-                                lambda node: SSHAgentNode(node, connections[node.host]), spec, secret_values(spec))
+                                lambda node: self._agent_node(node, connections[node.host], spec), spec,
+                                secret_values(spec))
 
     def stand_down(self) -> None:
         self._standbys.stand_down()
