@@ -360,7 +360,10 @@ TIME_LIMIT = "Slurm's time-limit warning"
 
 def k8s_controller(args: argparse.Namespace) -> int:
     """The controller pod of a supervised Kubernetes job (targets/k8s/manifests.py): the run on the job's worker
-    pods, which dial in (targets/k8s/pods.py); its exit code is what the Job's podFailurePolicy reads."""
+    pods, which dial in (targets/k8s/pods.py); its exit code is what the Job's podFailurePolicy reads. The Job runs
+    one controller pod at a time: a new one (its predecessor evicted, its node lost) takes back the run it left on
+    the volume while that run's agents hold its nodes (supervision.grace), else starts a run."""
+    from harness.record.liveness import left_by_a_lost_controller
     from harness.run import controller
     from harness.targets.k8s.pods import PodLink, PodsBackend, share_tools
     from harness.targets.k8s.supervised import INFRA_EXIT
@@ -369,16 +372,19 @@ def k8s_controller(args: argparse.Namespace) -> int:
     open_files_as_allowed()
     spec = load_job(args.job)
     root = runs_root(args.runs_dir)
-    run = run_dir(root, new_run_id(spec.name))
+    left = left_by_a_lost_controller(root, spec.name, "k8s")
+    run = left or run_dir(root, new_run_id(spec.name))
     if tools := os.environ.get("HARNESS_K8S_TOOLS"):
         share_tools(Path(tools))
     backend = PodsBackend(PodLink(spec.k8s.port, _new_link_key(Path(os.environ["HARNESS_K8S_LINK_KEY"]))),
                           os.environ.get("HARNESS_K8S_CODE") or None, spec.k8s.rejoin,
-                          stopped=run.stop_marker.exists)  # the pod's preStop hook: `harness stop`
+                          stopped=run.stop_marker.exists,  # the pod's preStop hook: `harness stop`
+                          held=run.read_state().hosts if left else ())
     try:
         with serving_metrics(run, spec.health.metrics_port, spec.health.metrics_address or EVERY_INTERFACE) as metrics:
-            code = controller.launch(backend, spec, Path(args.job).read_text(), args.job, root, run.run_id,
-                                     metrics=metrics)
+            code = controller.attach_run(backend, spec, run, metrics=metrics) if left else \
+                controller.launch(backend, spec, Path(args.job).read_text(), args.job, root, run.run_id,
+                                  metrics=metrics, taken_back_by="the Job's next controller pod")
     finally:
         backend.link.dismiss(0)  # the worker pods did their part; the controller's Job says how the run ended
     summary = run.read_summary()

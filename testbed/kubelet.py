@@ -232,9 +232,16 @@ class SupervisedPods:
         argv, env = self._exec(container, fields, path, hook["command"])
         return subprocess.run(argv, env=env, cwd=self.workspace, capture_output=True, text=True, timeout=timeout)
 
-    def controller(self) -> subprocess.Popen[str]:
+    def controller(self, name: str = "controller") -> subprocess.Popen[str]:
+        """The controller's pod; name: a later one's, as the Job controller makes it when the first is lost."""
         container = self.controller_job["template"]["spec"]["containers"][0]
-        return self._start("controller", container, {}, self.paths["controller"])
+        return self._start(name, container, {}, self.paths["controller"])
+
+    def lose(self, name: str) -> int:
+        """The pod gone with its Kubernetes node: every process of it killed at once, no hook, no SIGTERM."""
+        process = self.processes[name]
+        os.killpg(process.pid, 9)
+        return process.wait()
 
     def worker(self, index: int, dials: tuple[str, int] | None = None) -> str:
         """A worker pod with completion index `index`, named as the Job controller names it; its name. dials: where
@@ -252,7 +259,7 @@ class SupervisedPods:
 
     def grace(self, name: str) -> float:
         """The pod's terminationGracePeriodSeconds."""
-        job = self.controller_job if name == "controller" else self.worker_job
+        job = self.controller_job if name.startswith("controller") else self.worker_job
         return float(job["template"]["spec"]["terminationGracePeriodSeconds"])
 
     def delete(self, name: str) -> int:

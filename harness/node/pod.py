@@ -18,8 +18,11 @@ one line, a node agent's command and environment to run (then the connection is 
 stdout, as an SSH channel is: targets/k8s/pods.py), or the exit code to end the pod with when the run is over.
 The pod always keeps one connection waiting, so the next attempt's agent (or a standby, beside a running
 one) starts without a new pod: restarts happen in place. A controller out of reach for --timeout seconds is
-the end (exit CONTROLLER_LOST). SIGTERM (the pod deleted, a stop) ends each agent's stdin: the agent stops
-its node in its grace period, then the pod exits 143.
+the end (exit CONTROLLER_LOST). A controller lost mid-run (its pod evicted, its Kubernetes node gone) ends each
+agent's stdin: the agent holds its node for supervision.grace (harness.node.link), and the controller's new pod,
+which this pod dials as it dials any, takes it back through a session that runs the relay. SIGTERM (the pod
+deleted, a stop) says TERM to each agent, then ends its stdin: the agent stops its node in its grace period, then
+the pod exits 143.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ POD_PROOF = "HARNESS-POD-PROOF "  # the pod's: {"proof"}
 PROOF_SECONDS = 10.0  # how long either end waits for the other's proof
 CONTROLLER_LOST = 75  # EX_TEMPFAIL: the controller (or, unsupervised, the master) never answered
 READ_BYTES = 1 << 16
+TERM = b"TERM\n"  # the node agent's stop word (harness.node.protocol's Word.TERM: this file ships alone)
+# A controller whose Kubernetes node vanished sends no FIN: TCP's keepalive finds it gone within
+# KEEPALIVE_IDLE + KEEPALIVE_COUNT x KEEPALIVE_EVERY seconds (25), not the kernel's default two hours.
+KEEPALIVE_IDLE, KEEPALIVE_EVERY, KEEPALIVE_COUNT = 10, 5, 3
 
 
 def wait_for_port(host: str, port: int, timeout: float, interval: float = 1.0) -> float:
@@ -150,6 +157,9 @@ class Pod:
         """The link once the controller proved it holds the key and this pod did too; None (the link closed, the
         refusal said and kept for the next hello) where it did not."""
         link.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in ((socket.TCP_KEEPIDLE, KEEPALIVE_IDLE), (socket.TCP_KEEPINTVL, KEEPALIVE_EVERY),
+                              (socket.TCP_KEEPCNT, KEEPALIVE_COUNT)):
+            link.setsockopt(socket.IPPROTO_TCP, option, value)
         facts, asked = hello(), secrets.token_hex(16)
         peer = f"{self.host}:{self.port}"
         try:
@@ -226,6 +236,7 @@ class Pod:
         at once, without its node's end: to the controller this pod is lost (its nodes' failures are the
         infrastructure's, the pod a host down), whatever the agents make of their stop. They stop their nodes."""
         self.stopping.set()
+        self.tell_agents(TERM)  # before their links end: an agent whose stdin only ended would hold its node
         with self.lock:
             links = [*self.sessions, *([self.waiting] if self.waiting is not None else [])]
         for link in links:
@@ -237,13 +248,27 @@ class Pod:
                 pass
         self.end_agents()
 
+    def tell_agents(self, word: bytes) -> None:
+        """A word to every agent whose stdin is still open (one held after its controller was lost has none: the
+        kubelet ends it with the pod, after its grace period)."""
+        with self.lock:
+            agents = list(self.agents)
+        for agent in agents:
+            with contextlib.suppress(OSError, ValueError):  # an agent that ended, or a stdin _feed closed
+                if agent.stdin is not None:
+                    agent.stdin.write(word)
+                    agent.stdin.flush()
+
     def end_agents(self) -> None:
-        """End every agent's stdin: each stops its node in its grace period; wait for them."""
+        """TERM to every agent, then its stdin's end: each stops its node in its grace period (an agent whose stdin
+        only ended would hold it for a new controller); wait for them."""
+        self.tell_agents(TERM)
         with self.lock:
             agents = list(self.agents)
         for agent in agents:
             if agent.stdin is not None:
-                agent.stdin.close()
+                with contextlib.suppress(OSError):
+                    agent.stdin.close()
         for agent in agents:
             agent.wait()
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 from harness.node.proctable import is_alive, run_processes
+from harness.record.index import list_runs
 from harness.record.rundir import RunDir
 from harness.record.schema import RunState, RunStatus
 
@@ -34,7 +36,7 @@ def live_status(state: RunState, run: RunDir | None = None) -> RunStatus:
 def unwatched_for(state: RunState, run: RunDir | None) -> float | None:
     """Seconds since the run's lost controller was last seen, while its nodes' agents may still hold them: a local
     run's while a process of it runs, another's within supervision.grace (None: they hold nothing now)."""
-    if state.grace <= 0 or state.mode not in ("local", "ssh") or run is None:
+    if state.grace <= 0 or state.mode not in ("local", "ssh", "k8s") or run is None:
         return None
     seen = run.last_written() or state.started_at
     since = max(0.0, time.time() - seen)
@@ -46,3 +48,16 @@ def unwatched_for(state: RunState, run: RunDir | None) -> float | None:
 def has_ended(run: RunDir) -> bool:
     """Whether the run has ended, by its record or by its controller's end (not while its agents hold it)."""
     return live_status(run.read_state(), run) not in (RunStatus.RUNNING, RunStatus.UNWATCHED)
+
+
+def left_by_a_lost_controller(root: Path, name: str, mode: str) -> RunDir | None:
+    """The newest run of job `name` on target `mode` under root that its record says runs, whose nodes its agents
+    may still hold (unwatched_for): where a target runs one controller at a time (a Kubernetes Job's controller
+    pod), a new one finds there the run its lost predecessor left, to take back."""
+    for entry in reversed(list_runs(root)):
+        state = entry.state
+        if state is not None and (state.name, state.mode, state.status) == (name, mode, RunStatus.RUNNING) and \
+                unwatched_for(state, entry.run) is not None:
+            return entry.run
+    return None
+

@@ -77,14 +77,15 @@ REPLAY_WAIT = 60.0  # seconds an attach waits for every agent's replay of what i
 
 def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: str, runs_root: Path, run_id: str,
            out: IO[str] = sys.stdout, detach: bool = False, collapse: bool = True, metrics: str | None = None,
-           origin: Origin | None = None) -> int:
+           origin: Origin | None = None, taken_back_by: str | None = None) -> int:
     """Run the job on target to its end (restarting it as spec.restarts allows); the harness's exit
     status. Nothing exists yet when the first check fails. A backend is closed at the end. spec_text:
     the spec as its file holds it (kept as the run's spec.yaml); source: that file, or the command that
     made the spec. detach: a scheduler's job is submitted, not followed. collapse: identical lines of
     many ranks are shown as one on the terminal (run/terminal.py; False: --no-collapse). metrics: where the run's
     metrics are served (view/metrics.py; None: nowhere), said first and kept in its state. origin: where it was
-    launched from, for `harness attach` (None: it is not attached)."""
+    launched from, for `harness attach`. taken_back_by: who takes the nodes back should this controller be lost (words;
+    None: `harness attach` where origin is given, else no one: the nodes stop with it)."""
     terminal = Terminal(out)
     target_run: _TargetRun = _SchedulerRun(target, spec, terminal, detach) if isinstance(target, Scheduler) else \
         _BackendRun(target, spec, terminal)
@@ -95,14 +96,15 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
         run = _new_record(runs_root, run_id, terminal, target_run.record_file, spec, spec_text, target.name)
         if isinstance(target, Announcing):
             target.announce_to(terminal.say)
+        taker = taken_back_by or (f"`harness attach {run_id}`" if origin is not None else None)
         target_run.state = RunState(run_id=run_id, name=spec.name, mode=target.name, status=RunStatus.RUNNING,
                                 started_at=began, nnodes=target_run.nnodes, world_size=target_run.world_size,
                                 controller=_this_controller(), hosts=target_run.hosts, metrics=metrics,
-                                grace=spec.supervision.grace if origin is not None else 0.0, origin=origin)
+                                grace=spec.supervision.grace if taker is not None else 0.0, origin=origin)
         _say_metrics(terminal, run_id, metrics)
-        if origin is not None and spec.supervision.grace > 0:
+        if taker is not None and spec.supervision.grace > 0:
             terminal.say(f"run {run_id}: should this controller be lost, the nodes run on for "
-                         f"{spec.supervision.grace:g} s (supervision.grace): `harness attach {run_id}` takes them back")
+                         f"{spec.supervision.grace:g} s (supervision.grace): {taker} takes them back")
         return _run(target_run, run, terminal)
 
 
@@ -173,6 +175,8 @@ def attach_run(backend: Backend, spec: JobSpec, run: RunDir, out: IO[str] = sys.
         target_run.prepare(str(run.spec_copy), run.path.parent, run.run_id)
         terminal.record = StreamRecord(run.stream, disk=disk)
         terminal.logs_command = f"harness logs {run.run_id}"
+        if isinstance(backend, Announcing):
+            backend.announce_to(terminal.say)
         target_run.state = replace(state, controller=_this_controller(), metrics=metrics)
         run.write_state(target_run.state)
         _say_metrics(terminal, run.run_id, metrics)

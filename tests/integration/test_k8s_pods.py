@@ -154,14 +154,15 @@ def impostor_controller(planted: Path) -> tuple[socket.socket, threading.Thread]
 def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place(uninterrupted, cluster3,
                                                                                    tmp_path):
     """Rank 1's process killed: the ranks restart in the same pods (none replaced); then pod 1 deleted: the
-    Job recreates it under a new name (a spare then), and the spare pod (index 2) takes its place at once. The
-    run ends bitwise equal to the unbroken one; `kubectl exec` into the controller answers status and logs.
+    Job recreates it under a new name (a spare then), and the spare pod (index 2) takes its place at once; then the
+    controller's pod lost with its node: the Job's next controller pod takes the same run back, its ranks never
+    stopped. The run ends bitwise equal to the unbroken one; `kubectl exec` into the controller answers status and logs.
     Beside them, rogues on the pods' network: a process on h3 dialing the controller as pod 0 is refused and
     sent nothing; a pod whose Service name leads to a controller without the run's key runs nothing it sends."""
     objects, workspace = supervised_job(tmp_path, "core", spares=1)
     planted = tmp_path / "planted"
     with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster3) as pods:
-        controller = pods.controller()
+        pods.controller()
         workers = [pods.worker(index) for index in range(3)]
         started = wait_for_line(pods, "controller", r"^harness: run (\S+): 2 node\(s\) .* master (\S+):", 240)
         run_id = started.group(1)
@@ -191,7 +192,15 @@ def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place
         wait_for_line(pods, "controller", rf"^harness: run {run_id} attempt 2, 2 node\(s\) x 1 process\(es\) on "
                                           rf"{workers[0]}, {workers[2]},", 120)
         replaced = pods.worker(1)  # the Job controller's replacement, a new pod: scheduled, started, a spare now
-        assert controller.wait(timeout=300) == 0, pods.output("controller")
+        attempt2 = workspace / ".harness/runs" / run_id / "logs/attempt2/node0.log"
+        while not (attempt2.exists() and "[rank0]: epoch" in attempt2.read_text()):  # its first step, 40 to come
+            assert pods.processes["controller"].poll() is None, pods.output("controller")
+            time.sleep(0.1)
+        assert pods.lose("controller") == -9
+        later = pods.controller("controller-2")  # the Job's next controller pod: the same command, the same volume
+        wait_for_line(pods, "controller-2", rf"^harness: run {run_id}: taken back by \d+@\S+; its controller was lost "
+                                            rf"[\d.]+ s before; the \d+ line\(s\)", 120)
+        assert later.wait(timeout=300) == 0, pods.output("controller-2")
         assert [pods.processes[name].wait(timeout=60) for name in (workers[0], workers[2], replaced)] == [0, 0, 0]
     assert_same_weights(uninterrupted, final_weights(tmp_path))
     runs = workspace / ".harness/runs"
@@ -201,6 +210,8 @@ def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place
     assert [a["hosts"] for a in summary["attempts"]] == [workers[:2], workers[:2], [workers[0], workers[2]]]
     assert [a["kind"] for a in summary["attempts"]] == ["infra", "infra", None], summary["attempts"]
     assert summary["attempts"][1]["failures"][0]["host"] == workers[1]
+    (unwatched,) = summary["attempts"][2]["unwatched"]  # attempt 2 ran on, untouched, while no controller watched
+    assert unwatched["lost_at"] < unwatched["attached_at"], unwatched
     assert_nothing_left(run_id)
     cluster3.assert_only_sshd_left(within=15)
     exec_env = {"HARNESS_RUNS_DIR": str(runs), "PATH": os.environ["PATH"]}  # the controller container's own

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.node.pod import CONTROLLER_PROOF, HELLO, POD_PROOF, Pod, read_line
+from harness.node.pod import CONTROLLER_PROOF, HELLO, POD_PROOF, TERM, Pod, read_line
+from harness.node.protocol import Word, word_line
 from harness.targets.k8s.pods import PodLink
 
 
@@ -76,3 +77,9 @@ def test_a_pod_and_the_controller_prove_the_runs_key_and_a_rogue_on_either_side_
     assert _until(lambda: len(said) == 2), said
     assert said[1] == f"pod job-node-0-abc refused a controller that answered it: {refusal}"
     link.dismiss(0)
+
+
+def test_the_pods_stop_word_is_the_agents():
+    """node/pod.py ships alone, so it spells the agent's TERM itself: a word the agent did not know would be a PING,
+    and a deleted pod's agents would hold their nodes instead of stopping them."""
+    assert word_line(Word.TERM) == TERM

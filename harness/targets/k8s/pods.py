@@ -8,6 +8,10 @@ on such a connection, which then carries the agent's stdin and stdout as an SSH 
 the inventory: those connected, in completion-index order, the first nnodes the job's and the rest spares; a
 pod Kubernetes recreated (deleted, evicted, its node lost) dials in under its new name and is a new host. The
 pods stay up between attempts, so a restart starts its ranks in place, warm where a standby waits.
+
+The agents hold their nodes for supervision.grace when the controller is lost (its pod evicted, its Kubernetes
+node gone): the pods dial the controller's Service again, and the Job's new controller pod takes the run on the
+volume back (harness k8s-controller), on a session of each of its pods that runs the relay (harness.node.link).
 """
 
 from __future__ import annotations
@@ -21,17 +25,25 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import UsageError
 from harness.node.pod import CONTROLLER_PROOF, HELLO, POD_PROOF, PROOF_SECONDS, proof, proven, read_line
 from harness.node.ranks import py_spy_path
 from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
-from harness.targets.agent_link import READ_BYTES, AgentNode, Standbys, agent_argv, agent_env, start_all
+from harness.targets.agent_link import (
+    READ_BYTES,
+    AgentNode,
+    Standbys,
+    agent_argv,
+    agent_env,
+    attach_all,
+    relay_argv,
+    start_all,
+)
 from harness.targets.base import NodeProcess
 
 HELLO_SECONDS = 10.0  # a connection that has not said who it is by then is not one of our pods
@@ -137,15 +149,15 @@ class PodLink:
             return sorted((hello for hello, _ in self._waiting.values()), key=lambda p: (p.index, p.pod))
 
     def await_pods(self, count: int, down: frozenset[str], timeout: float, first: float = 0.0,
-                   stopped: Callable[[], bool] = lambda: False) -> list[PodHello]:
+                   stopped: Callable[[], bool] = lambda: False, only: frozenset[str] | None = None) -> list[PodHello]:
         """The pods waiting (not down) once count of them are, or when timeout has passed (fewer then). For the
         first `first` seconds, the pods with the first count completion indexes are waited for (the job's own,
-        not its spares), whichever of the others dialed in first."""
+        not its spares), whichever of the others dialed in first. only: these pods alone (None: any)."""
         started = time.monotonic()
         deadline, said = started + timeout, started
         with self._changed:
             while True:
-                ready = [p for p in self.pods() if p.pod not in down]
+                ready = [p for p in self.pods() if p.pod not in down and (only is None or p.pod in only)]
                 left = deadline - time.monotonic()
                 own = {p.index for p in ready} >= set(range(count)) or time.monotonic() - started >= first
                 if (len(ready) >= count and own) or left <= 0 or stopped():
@@ -231,12 +243,15 @@ class PodsBackend:
     name = "k8s"
 
     def __init__(self, link: PodLink, code_dir: str | None, rejoin: float,
-                 stopped: Callable[[], bool] = lambda: False) -> None:
+                 stopped: Callable[[], bool] = lambda: False, held: Sequence[str] = ()) -> None:
+        """held: the pods of a run whose controller pod was lost, in its plan's order: the first plan is theirs (its
+        nodes are taken back, not started)."""
         self.link = link
         self.stopped = stopped  # whether the run is being stopped: no more waiting for pods
         self.code_dir = code_dir  # the job's shipped code in every pod (None: none shipped)
         self.rejoin = rejoin  # seconds a restart waits for recreated pods to dial in
         self._first = True
+        self._held = list(held)
         self._standbys = Standbys()
 
     def machines(self) -> dict[str, str]:
@@ -265,8 +280,13 @@ class PodsBackend:
         """The first attempt waits for the job's pods as long as a rendezvous may take (scheduling, image
         pulls); a later one for recreated pods up to k8s.rejoin seconds, then goes on with those there."""
         wait = spec.timeouts.rendezvous if self._first else self.rejoin
-        pods = self.link.await_pods(spec.nnodes, down, wait, first=self.rejoin if self._first else 0.0,
-                                    stopped=self.stopped)
+        if self._held:  # their agents dial in again as the old controller's link broke: seconds
+            pods = self.link.await_pods(len(self._held), down, wait, stopped=self.stopped, only=frozenset(self._held))
+            pods.sort(key=lambda p: self._held.index(p.pod))
+            self._held = []
+        else:
+            pods = self.link.await_pods(spec.nnodes, down, wait, first=self.rejoin if self._first else 0.0,
+                                        stopped=self.stopped)
         self._first = False
         by_name = {p.pod: p for p in pods}
         names = take_healthy(spec, list(by_name), down, what="pod", pool="the connected",
@@ -282,7 +302,7 @@ class PodsBackend:
         return PodAgentNode(node, self.link.take(node.host), agent_argv(node.argv[0], node), agent_env(node))
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
-        return start_all(plan.nodes, self._agent, spec, self._standbys)
+        return start_all(plan.nodes, self._agent, spec, self._standbys, held=True)
 
     def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
         """A standby on every connected pod that is not down, spares included."""
@@ -298,10 +318,9 @@ class PodsBackend:
         self._standbys.stand_down()
 
     def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
-        """Not here yet: a lost controller pod's agents stop their nodes at once, and its new pod resumes the run
-        from the newest checkpoint (docs/kubernetes.md)."""
-        raise UsageError("the nodes of Kubernetes pods are not taken back: a new controller pod resumes the run from "
-                         "its newest checkpoint")
+        """The relay on a session of each node's pod (the pod runs it as it runs an agent), to the agent there."""
+        return attach_all(plan.nodes, lambda node: PodAgentNode(node, self.link.take(node.host),
+                                                                relay_argv(node.argv[0], node), {}), resume)
 
     def close(self) -> None:
         """Nothing to release: each session's connection closes with its agent."""
