@@ -20,6 +20,7 @@ from pathlib import Path
 import paramiko
 
 from harness.errors import short_repr
+from harness.node.link import NO_AGENT
 from harness.node.protocol import Word, word_line
 from harness.plan.planner import NodePlan, Plan, job_hosts, plan_hosts
 from harness.plan.shell import remote_command
@@ -198,8 +199,9 @@ class SSHAgentNode(AgentNode):
         if self._relink_seconds > 0 and self._pumped:
             self._output_done.wait()  # it ends once the agent has, or once no new link came
         status = self._channel.recv_exit_status()
-        why = self._connection.lost or (f"ssh status {status}" if status != -1 else
-                                        "the session ended without an exit status: its agent or sshd was killed")
+        why = self._connection.lost or ("its agent was gone once the link was made again" if status == NO_AGENT and
+                                        self._relinked_over is not None else f"ssh status {status}" if status != -1
+                                        else "the session ended without an exit status: its agent or sshd was killed")
         if self._relinked_over is not None:
             self._relinked_over.close()
         return f"connection to {self.node.host} ({self.node.address}) lost ({why})"
