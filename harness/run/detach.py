@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from harness.record.atomic import file_mode
 from harness.record.index import index_dir, prune_index, register_run
 from harness.record.rundir import RunDir, make_run_folder
+from harness.record.schema import RecordError
 
 DETACH_STARTUP_TIMEOUT = 300.0
 
@@ -38,7 +39,12 @@ def start_detached(argv: Sequence[str], run: RunDir, timeout: float = DETACH_STA
         with contextlib.suppress(OSError):  # a home that cannot be written has no entry of it either
             prune_index(index_dir())
         return code
+    grace = 0.0
+    with contextlib.suppress(RecordError):
+        grace = run.read_state().grace
     print(f"run {run.run_id} started in the background (controller pid {controller.pid})\n"
           f"  follow: harness logs {run.run_id} --follow\n  status: harness status {run.run_id}\n"
-          f"  stop:   harness stop {run.run_id}")
+          f"  stop:   harness stop {run.run_id}"
+          + (f"\n  attach: harness attach {run.run_id}   (should that controller be lost: its nodes run on for "
+             f"{grace:g} s, supervision.grace)" if grace > 0 else ""))
     return 0

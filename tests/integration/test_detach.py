@@ -65,6 +65,8 @@ def test_every_launch_form_detaches_and_runs_the_run_it_names(tmp_path):
             assert done.returncode == 0, (form, done.stdout, done.stderr)
             started = re.search(r"^run (\S+) started in the background \(controller pid (\d+)\)", done.stdout, re.M)
             run_ids[form] = started.group(1)
+            assert f"  attach: harness attach {started.group(1)}   (should that controller be lost: its nodes run on " \
+                   f"for 300 s, supervision.grace)" in done.stdout, (form, done.stdout)
             # Nothing listens unless asked to (health.metrics_port: test_metrics.py): not a metrics port, nothing.
             assert listening_ports(int(started.group(2))) == set(), form
         for form, run_id in run_ids.items():
