@@ -15,6 +15,15 @@ side, alternating, on 2 simulated nodes x 1 process:
             resumed from (negative differences are steps the ranks trained after the kill, which nobody recorded
             and the just-in-time checkpoint of their SIGTERM kept: steps_unrecorded).
 
+With cfg["ssh"] (the full run), both again on 2 SSH hosts of a 3-host namespace cluster (testbed/cluster.py, root),
+and a third fault there:
+
+  cut       h2's traffic dropped (iptables in its namespace, both ways) for cut_s seconds at step kill_at, the
+            controller alive: where h2's keepalive went unanswered (timeouts.connect), it links h2's node again
+            itself (a new login and the relay) once h2 answers; else TCP alone carries the link over the cut.
+            Figures: restarts (goal 0), from the cut's end to the `made again` line where there is one, the
+            record's step lines missing or twice, and the run's end.
+
 The job is bench/recovery.py's (synthetic data, the small model, a checkpoint every `ckpt_every` steps, `--resume`,
 restarts max 1 with standbys from the start), `epochs` epochs long so that it trains on well past the attach. The
 controller is killed once rank 0 reported step `kill_at` and the standbys have done their imports and wait
@@ -39,6 +48,7 @@ from typing import Any
 
 from bench import procs
 from bench.recovery import median, standbys_idle
+from testbed.cluster import Cluster, missing_support, namespace_cluster
 
 STEP = re.compile(r"\[rank0\]: epoch (\d+)/(\d+) step (\d+)/(\d+) ")
 RESUMED = re.compile(r"\[rank0\]: resume: epoch \d+/\d+ step \d+/\d+ \(global step (\d+)\)")
@@ -61,7 +71,9 @@ supervision: {{grace: {grace}}}
 """
 CASES = {"attach": "controller SIGKILLed, nodes held (supervision.grace {grace:g} s), `harness attach RUN_ID`",
          "relaunch": "controller SIGKILLed with supervision.grace 0 (every node stops), the job launched again "
-                     "(--resume)"}
+                     "(--resume)",
+         "cut": "h2's traffic dropped for {cut:g} s, the controller alive: it links h2's node again itself"}
+MADE_AGAIN = r"^harness: node1 on h2: its link was lost and is made again"
 
 
 def _global(match: re.Match[str]) -> int:
@@ -142,11 +154,12 @@ def _launch_and_kill(p: procs.Proc, kill_at: int) -> tuple[str, float, float]:
     return run_id, killed, killed_wall
 
 
-def _attach(tmp: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Case (a): the controller killed, `harness attach` takes the held nodes back."""
+def _attach(tmp: Path, cfg: dict[str, Any], hosts: list[str]) -> dict[str, Any]:
+    """Case (a): the controller killed, `harness attach` takes the held nodes back. hosts: launch's --hosts
+    arguments (none: simulated nodes)."""
     job, env, runs = _setup(tmp, cfg, cfg["grace"])
     ids: list[str] = []
-    launch = [procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(runs)]
+    launch = [procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(runs), *hosts]
     with procs.Proc(launch, env) as p, _stopped_at_the_end(runs, env, ids):  # stopped before the Proc's sweep
         run_id, killed, killed_wall = _launch_and_kill(p, cfg["kill_at"])
         ids.append(run_id)
@@ -179,11 +192,11 @@ def _attach(tmp: Path, cfg: dict[str, Any]) -> dict[str, Any]:
             "left": left, "total_steps": total, "run_id": run_id, "killed_at": killed_wall, "unwatched": spans}
 
 
-def _relaunch(tmp: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+def _relaunch(tmp: Path, cfg: dict[str, Any], hosts: list[str]) -> dict[str, Any]:
     """Case (b): grace 0, the controller killed, the job launched again at once from its newest checkpoint."""
     job, env, runs = _setup(tmp, cfg, 0)
     ids: list[str] = []
-    launch = [procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(runs)]
+    launch = [procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(runs), *hosts]
     with procs.Proc(launch, env) as p, _stopped_at_the_end(runs, env, ids):  # stopped before the Proc's sweep
         lost_id, killed, killed_wall = _launch_and_kill(p, cfg["kill_at"])
         ids.append(lost_id)
@@ -211,6 +224,34 @@ def _relaunch(tmp: Path, cfg: dict[str, Any]) -> dict[str, Any]:
             "missing": len(set(range(start + 1, total + 1)) - set(numbers)),
             "status": summary["status"], "attempts": len(summary["attempts"]), "goodput": summary["goodput"],
             "left": left, "total_steps": total}
+
+
+def _cut(tmp: Path, cfg: dict[str, Any], cluster: Cluster, hosts: list[str]) -> dict[str, Any]:
+    """Case (c), SSH only: h2 cut off for cut_s seconds, the controller alive."""
+    job, env, runs = _setup(tmp, cfg, cfg["grace"])
+    ids: list[str] = []
+    launch = [procs.PY, "-m", "harness.cli", "launch", str(job), "--runs-dir", str(runs), *hosts]
+    with procs.Proc(launch, env) as p, _stopped_at_the_end(runs, env, ids):
+        _, header = p.wait_for(r"^harness: run (\S+): ", timeout=120)
+        run_id = header.group(1)
+        ids.append(run_id)
+        p.wait_for(rf"\[rank0\]: epoch 1/\d+ step {cfg['kill_at']}/", timeout=300)
+        with cluster.firewall("h2", "-j", "DROP"), cluster.firewall("h2", "-j", "DROP", chain="OUTPUT"):
+            time.sleep(cfg["cut_s"])  # the fault itself
+        healed = time.monotonic()
+        code = p.wait(timeout=900)
+        ended = p.ended or time.monotonic()
+        left = _left(run_id)
+    if code != 0:
+        raise RuntimeError(f"the cut run exited {code}:\n{p.output[-3000:]}")
+    back = next((at for at, line in p.lines if re.search(MADE_AGAIN, line)), None)
+    summary = _summary(runs, run_id)
+    steps, total = _steps(run_id, runs, env)
+    numbers = [step for _, step in steps]
+    return {"made_again": back - healed if back is not None else None, "end": ended - healed,
+            "restarts": len(summary["attempts"]) - 1,
+            "redone": len(numbers) - len(set(numbers)), "missing": len(set(range(1, total + 1)) - set(numbers)),
+            "status": summary["status"], "left": left, "total_steps": total}
 
 
 def _setup(tmp: Path, cfg: dict[str, Any], grace: float) -> tuple[Path, dict[str, str], Path]:
@@ -257,15 +298,43 @@ def _row(case: str, runs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str
     return row
 
 
-def run(cfg: dict[str, Any]) -> dict[str, Any]:
+def _alternating(tmp: Path, cfg: dict[str, Any], hosts: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Both answers, cfg["repeats"] of each, the order swapped each round."""
     done: dict[str, list[dict[str, Any]]] = {"attach": [], "relaunch": []}
     ways = {"attach": _attach, "relaunch": _relaunch}
+    for i in range(cfg["repeats"]):
+        for case in (("attach", "relaunch") if i % 2 == 0 else ("relaunch", "attach")):
+            done[case].append(ways[case](tmp, cfg, hosts))
+    return done
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-attach-") as tmp:
-        for i in range(cfg["repeats"]):
-            for case in (("attach", "relaunch") if i % 2 == 0 else ("relaunch", "attach")):  # the order swapped
-                done[case].append(ways[case](Path(tmp), cfg))
+        done = _alternating(Path(tmp), cfg, [])
+        ssh: dict[str, list[dict[str, Any]]] = {}
+        if cfg.get("ssh") and (why := missing_support()) is None:
+            with namespace_cluster(3, workdir=procs.REPO) as cluster:  # h3: the spare a relaunch does not need
+                inventory = cluster.write_inventory(Path(tmp) / "hosts.yaml")
+                hosts = ["--hosts", str(inventory), "--known-hosts", str(cluster.known_hosts)]
+                ssh = _alternating(Path(tmp), cfg, hosts)
+                ssh["cut"] = [_cut(Path(tmp), cfg, cluster, hosts) for _ in range(cfg["repeats"])]
+        elif cfg.get("ssh"):
+            notes.append(f"no SSH rows: {why}")
     return {"job": f"payload: synthetic data, small model, {cfg['epochs']} epoch(s) of 512 steps, batch 16 x 2 nodes, "
                    f"1 rank per node, gloo on CPU; a checkpoint every {cfg['ckpt_every']} steps, --resume; restarts "
                    f"max 1, backoff 0, standbys from the start",
             "kill_at_step": cfg["kill_at"], "grace_s": cfg["grace"], "repeats": cfg["repeats"], "statistic": "median",
-            "rows": [_row(case, runs, cfg) for case, runs in done.items()]}
+            "rows": [_row(case, runs, cfg) for case, runs in done.items()],
+            "ssh_rows": [_row(case, runs, cfg) for case, runs in ssh.items() if case != "cut"],
+            "cut": _cut_row(ssh["cut"], cfg) if "cut" in ssh else None, "notes": notes}
+
+
+def _cut_row(runs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"case": "cut", "failure": CASES["cut"].format(cut=cfg["cut_s"]),
+            "attempts_made_again_s": [round(r["made_again"], 2) if r["made_again"] is not None else None
+                                      for r in runs],
+            "end_s": median([r["end"] for r in runs]), "restarts": [r["restarts"] for r in runs],
+            "steps_redone": [r["redone"] for r in runs], "steps_missing": [r["missing"] for r in runs],
+            "statuses": sorted({r["status"] for r in runs}), "left": [r["left"] for r in runs],
+            "total_steps": runs[0]["total_steps"]}

@@ -411,13 +411,20 @@ def _attach(a: dict[str, Any]) -> list[str]:
     def each(values: list[Any]) -> str:
         return ", ".join(str(v) for v in values)
 
+    ssh = {row["case"]: row for row in a.get("ssh_rows", [])}
     lines += _table(
-        ["answer", "watched again", "next step line shown", "job's end", "step at the kill", "steps redone",
+        ["answer", "nodes", "watched again", "next step line shown", "job's end", "step at the kill", "steps redone",
          "steps missing from the record", "run (attempts)", "processes left"],
-        [[row["failure"], f"{_num(row['watched_again_s'], 2)} ({each(row['attempts_watched_again_s'])})",
+        [[row["failure"], where, f"{_num(row['watched_again_s'], 2)} ({each(row['attempts_watched_again_s'])})",
           _num(row["first_step_s"], 2), _num(row["end_s"], 2), each(row["kill_steps"]), each(row["steps_redone"]),
           each(row["steps_missing"]), f"{each(row['statuses'])} ({each(row['attempts'])})", each(row["left"])]
-         for row in (att, rel)])
+         for where, row in [("simulated", att), ("simulated", rel), *(("SSH", ssh[c]) for c in ssh)]])
+    if cut := a.get("cut"):
+        lines += [f"A link cut on SSH ({cut['failure']}; {len(cut['restarts'])} repeats): restarts "
+                  f"{each(cut['restarts'])}; the `made again` line from the cut's end: "
+                  f"{each(cut['attempts_made_again_s'])} s (none: TCP carried the link over the cut before the "
+                  f"keepalive gave it up); steps redone {each(cut['steps_redone'])}, missing "
+                  f"{each(cut['steps_missing'])}; {each(cut['statuses'])}; processes left {each(cut['left'])}.", ""]
     whole = att["in_order"] and not any(att["steps_redone"]) and not any(att["steps_missing"])
     lines += [f"Attach: the new controller's first line {_num(att['new_controller_first_line_s'], 2)} s after the "
               f"kill; the record's time unwatched (attached_at - lost_at) {_num(att['recorded_unwatched_s'], 2)} s "

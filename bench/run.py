@@ -97,7 +97,7 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
                      "ssh": not quick},
         # benchmark 6b (the full run): a lost controller taken back by `harness attach`, against a relaunch with
         # supervision.grace 0; 2 epochs so that the job trains on well past the attach
-        "attach": {"ckpt_every": 10, "kill_at": 40, "repeats": 3, "grace": 300, "epochs": 2},
+        "attach": {"ckpt_every": 10, "kill_at": 40, "repeats": 3, "grace": 300, "epochs": 2, "ssh": True, "cut_s": 10},
         "slurm": {"repeats": 1 if quick else 3, "wait": 10 if quick else 30},
         "containers": {"repeats": 1 if quick else 3},
         # stall 5 s keeps 60 hung launches short; torchrun alone waits out init_process_group's timeout,
