@@ -23,7 +23,7 @@ IMAGE ?= harness
 TAG ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' harness/__init__.py)
 IMAGE_FLAGS ?=
 
-.PHONY: setup system-packages test-packages test-image lint test test-busy test-fast test-soak test-gpu launch render k8s image push image-test bench bench-quick bench-launch bench-gpu bench-health lock clean
+.PHONY: setup system-packages test-packages test-image lint test test-busy test-fast test-soak test-gpu launch render k8s image push image-test bench bench-quick bench-launch bench-gpu bench-health bench-attach lock clean
 
 setup: system-packages $(STAMP)
 
@@ -136,6 +136,11 @@ bench-launch: setup
 # harness's cost on the payload's img/s.
 bench-gpu: setup
 	$(BIN)/python -m bench --gpu
+
+# A lost controller's alone (benchmark 6b, root, ~35 min on 2 cores): `harness attach` against a relaunch on simulated
+# nodes and SSH hosts, and a 10 s cut of an SSH host's traffic.
+bench-attach: setup test-packages
+	$(BIN)/python -m bench --attach
 
 # The health watch's alone (benchmarks 9 and 10, no root, ~21 min on 2 cores): 20 hung launches per fault kind
 # (a rank SIGSTOPped, asleep in its step, skipping an all_reduce) against torchrun alone, and the watch's cost.

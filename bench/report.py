@@ -687,7 +687,8 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
         "and 6: the small model, few steps, 2 rounds, 1 and 4 hosts); `python -m bench --launch` is benchmark 3 "
         "alone, in up to 30 rounds; `make bench-gpu` is the GPU's share alone (benchmarks "
         "1, 1b, 2, 2b and 3b on CUDA); `make bench-health` is the health watch's alone (benchmarks 9 and 10: hung jobs "
-        "found and their culprit named, against torchrun alone; the watch's cost). Each run writes "
+        "found and their culprit named, against torchrun alone; the watch's cost); `make bench-attach` is a lost "
+        "controller's alone (benchmark 6b: `harness attach` against a relaunch, and an SSH link cut). Each run writes "
         "`bench/results/<time>-<host>-<profile>.json`; the tables below come from the latest of each. Shared or busy "
         "machines give noisy figures: check the load average below.",
         "",
@@ -705,7 +706,7 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
             "harness's cost on the payload's img/s (3b: `harness launch` against torchrun, at most 1%).",
             "",
         ]
-    for name in ("gpu", "full", "quick", "launch", "health", "k8s", "scale"):
+    for name in ("gpu", "full", "quick", "launch", "health", "attach", "k8s", "scale"):
         if name in latest:
             lines += _run(name, latest[name])
     return "\n".join(lines).rstrip("\n") + "\n"

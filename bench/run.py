@@ -33,11 +33,11 @@ HEALTH = ("hangs", "watch_cost", "metrics_cost")
 # containers, stream, DDP or older packages side by side; launch is benchmark 3 alone, whose interval needs tens
 # of rounds (~12 min on 2 cores) before it can judge its goal.
 PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp", "strategies", "harness_cost"),
-                 "full": tuple(n for n in NAMES if n not in ("tuning", "k8s", "scale") and n not in HEALTH),
+                 "full": tuple(n for n in NAMES if n not in ("tuning", "attach", "k8s", "scale") and n not in HEALTH),
                  "quick": ("throughput", "harness_cost", "preflight", "failure", "recovery"),
                  "launch": ("first_step",),
                  "health": HEALTH,
-                 "k8s": ("k8s",), "scale": ("scale",)}
+                 "attach": ("attach",), "k8s": ("k8s",), "scale": ("scale",)}
 HEALTH_FAULTS = 20  # per fault kind, the least
 
 
@@ -95,8 +95,9 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
                     "repeats": 1 if quick else 3},
         "recovery": {"ckpt_every": 10, "kill_at": 40, "repeats": 1 if quick else 3, "before": not quick,
                      "ssh": not quick},
-        # benchmark 6b (the full run): a lost controller taken back by `harness attach`, against a relaunch with
-        # supervision.grace 0; 2 epochs so that the job trains on well past the attach
+        # benchmark 6b (its own run, --attach): a lost controller taken back by `harness attach`, against a relaunch
+        # with supervision.grace 0, on simulated nodes and SSH hosts; a 10 s cut of an SSH host's traffic; 2 epochs so
+        # that the job trains on well past the attach
         "attach": {"ckpt_every": 10, "kill_at": 40, "repeats": 3, "grace": 300, "epochs": 2, "ssh": True, "cut_s": 10},
         "slurm": {"repeats": 1 if quick else 3, "wait": 10 if quick else 30},
         "containers": {"repeats": 1 if quick else 3},
@@ -219,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--health", dest="profile", action="store_const", const="health",
                        help=f"benchmarks 9 and 10 alone: {HEALTH_FAULTS} hung launches per fault kind against torchrun "
                             "alone, and the watch's cost (~21 min on 2 cores; no root)")
+    which.add_argument("--attach", dest="profile", action="store_const", const="attach",
+                       help="benchmark 6b alone: a lost controller taken back by `harness attach` against a relaunch, "
+                            "on simulated nodes and SSH hosts, and a 10 s link cut (~35 min on 2 cores; root)")
     which.add_argument("--k8s", dest="profile", action="store_const", const="k8s",
                        help="benchmark 13 alone: supervised Kubernetes pods against bare torchrun pods, played here "
                             "as processes (~4 min on 2 cores)")

@@ -316,7 +316,7 @@ def test_a_host_cut_off_for_10_s_is_linked_again_and_one_cut_off_for_good_is_rep
     supervision.grace, then stops it by itself."""
     cluster = doomed_cluster3
     job = sum_job(write_yaml, "{max: 1, backoff: 0.5}\ntimeouts: {connect: 3}\nsupervision: {grace: 10}",
-                  STEPS="400", STEP_SECONDS="0.05", EVERY_RANK_SAYS_STEPS="1")
+                  STEPS="200", STEP_SECONDS="0.05", EVERY_RANK_SAYS_STEPS="1")
     run = launch(job, *ssh_args(cluster, tmp_path))
     run.wait_for(r"\[node1\] \[rank1\]: step 5 ")
     with cluster.firewall("h2", "-j", "DROP"), cluster.firewall("h2", "-j", "DROP", chain="OUTPUT"):
