@@ -312,8 +312,9 @@ def _attach_verb(verbs: Verbs, runs_dir: argparse.ArgumentParser) -> None:
                                           "its machine or network lost) while its nodes' agents hold them "
                                           "(supervision.grace, 300 s by default; `harness status` says `running, "
                                           "unwatched`): the run goes on as it would have, to its end. Simulated "
-                                          "nodes and SSH hosts, from the machine that launched the run. Example: "
-                                          "harness attach latest")
+                                          "nodes and SSH hosts, from the machine that launched the run (on "
+                                          "Kubernetes the Job's next controller pod takes the run back by itself). "
+                                          "Example: harness attach latest")
     attach.add_argument("run_id", metavar="RUN_ID", help=f"the run: {RUN_HELP}")
     attach.set_defaults(func=commands.attach)
 
