@@ -420,11 +420,12 @@ def _attach(a: dict[str, Any]) -> list[str]:
           each(row["steps_missing"]), f"{each(row['statuses'])} ({each(row['attempts'])})", each(row["left"])]
          for where, row in [("simulated", att), ("simulated", rel), *(("SSH", ssh[c]) for c in ssh)]])
     if cut := a.get("cut"):
+        made = [_num(v, 2) if v is not None else "none" for v in cut["attempts_made_again_s"]]
         lines += [f"A link cut on SSH ({cut['failure']}; {len(cut['restarts'])} repeats): restarts "
-                  f"{each(cut['restarts'])}; the `made again` line from the cut's end: "
-                  f"{each(cut['attempts_made_again_s'])} s (none: TCP carried the link over the cut before the "
-                  f"keepalive gave it up); steps redone {each(cut['steps_redone'])}, missing "
-                  f"{each(cut['steps_missing'])}; {each(cut['statuses'])}; processes left {each(cut['left'])}.", ""]
+                  f"{each(cut['restarts'])}; the `made again` line, seconds from the cut's end: {each(made)} (none: "
+                  f"TCP carried the link over the cut before the keepalive, timeouts.connect, gave it up); steps "
+                  f"redone {each(cut['steps_redone'])}, missing {each(cut['steps_missing'])}; "
+                  f"{each(cut['statuses'])}; processes left {each(cut['left'])}.", ""]
     whole = att["in_order"] and not any(att["steps_redone"]) and not any(att["steps_missing"])
     lines += [f"Attach: the new controller's first line {_num(att['new_controller_first_line_s'], 2)} s after the "
               f"kill; the record's time unwatched (attached_at - lost_at) {_num(att['recorded_unwatched_s'], 2)} s "
