@@ -51,7 +51,8 @@ class Output:
             if self.record is not None:
                 timed = stack.enter_context(self.record.open_node(self.attempt, live.node.node_rank))
                 mark = stack.enter_context(self.record.open_mark(self.attempt, live.node.node_rank))
-            live_seen, replayed = False, 0  # a replay after live lines: a link lost and made again (SSH)
+            # A replay after live lines is a link lost and made again (SSH): said once, when the node is live again.
+            live_seen, replay, replayed = False, process.unwatched, 0
             for text in process.output():
                 said = process.said_at  # the time its node said it, where its agent kept it while unwatched
                 at = said if said is not None else time.time()
@@ -66,10 +67,10 @@ class Output:
                     mark.write(process.position, [log.end if log is not None else None,
                                                   timed.end if timed is not None else None])
                 if said is None:
-                    if live_seen and replayed:
+                    if live_seen and process.unwatched is not replay:
                         self.say(f"{live.node.label} on {live.node.host}: its link was lost and is made again; the "
                                  f"{replayed} line(s) it said meanwhile are in its logs, not shown here")
-                    live_seen, replayed = True, 0
+                    live_seen, replay, replayed = True, process.unwatched, 0
                     self._show(block, prefix)
                 else:  # said while no controller watched: in the logs and the record, counted, said once (controller)
                     live.unwatched_lines += block.logged.count("\n")

@@ -26,6 +26,7 @@ from harness.record.schema import ControllerId, RunState, RunStatus
 from harness.record.stream import STAMP_WIDTH, StreamRecord, stamp
 from harness.run.health_loop import rank_row
 from harness.run.live import TAIL_KEPT, LiveNode, StepMark
+from harness.run.output import Output
 from harness.run.stack_capture import StackCapture
 from harness.run.terminal import Terminal
 from harness.spec.job import Health
@@ -277,6 +278,26 @@ def test_the_agent_link_yields_whole_lines_and_takes_messages_from_the_middle_of
     link = _Chunks([b"[rank0]: a\n[rank0]: b", b"c\n[rank1]: half ", health + b"line\n", exit_line + b"tail"])
     assert list(link.output()) == ["[rank0]: a\n", "[rank0]: bc\n", "[rank1]: half line\n", "tail\n"]
     assert link._exit_code == 0 and link.messages.get_nowait().kind is Kind.HEALTH
+
+
+@pytest.mark.parametrize("meanwhile", [b"[rank1]: step 5\n", b""], ids=["a-line-meanwhile", "none"])
+def test_a_link_made_again_is_said_once_when_its_node_is_live_again(meanwhile: bytes):
+    """An SSH link made again (targets/ssh/backend.py): its agent's replay, then live lines. The terminal gets one
+    line for it, with what came meanwhile (in the logs), even when nothing did; the replay's lines are not shown."""
+    replay = message_line(Kind.UNWATCHED, json.dumps({"lost_at": 1.0, "bytes": 0, "dropped": 0, "from": 16})) + \
+        meanwhile + message_line(Kind.WATCHED, json.dumps({"at": 16 + len(meanwhile)}))
+    link = _Chunks([b"[rank1]: step 0\n", replay, b"[rank1]: step 10\n"])
+    out = io.StringIO()
+    terminal = Terminal(out)
+    Output(terminal).pump(link, LiveNode(Node(host="h2", address="10.0.0.2", node_rank=1, nproc=1), started=0.0))
+    terminal.close()
+    lines = len(meanwhile.splitlines())
+    assert out.getvalue().splitlines() == [
+        "[node1] [rank1]: step 0",
+        f"harness: node1 on h2: its link was lost and is made again; the {lines} line(s) it said meanwhile are in "
+        "its logs, not shown here",
+        "[node1] [rank1]: step 10"]
+    assert link.position == 16 + len(meanwhile) + len(b"[rank1]: step 10\n")
 
 
 def test_a_word_whose_argument_would_split_it_is_refused_and_so_is_a_stacks_request_not_of_harness_stacks(
