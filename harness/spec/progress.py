@@ -34,6 +34,7 @@ DEFAULT_PROGRESS = (STEP_LINE, IMAGENET_LINE, MNIST_LINE, LIGHTNING_LINE, TQDM_L
 # A resume: where the attempt's count starts (the payload's `resume: epoch 2/12 step 5/97 ... restored in 0.012 s`,
 # `resumed from ckpt at step 25`), no step taken, and how long the restore took where it says.
 RESUME_LINE = _START + r"(?:resum|restor)\w*\b.*?\b" + _STEP + r"(?:.*?\bin (?P<seconds>\d+(?:\.\d+)?) ?s\b)?"
+RESUME_WORDS = ("resum", "restor")  # one of which each resume line has
 
 
 class LinePatterns:
@@ -49,6 +50,13 @@ class LinePatterns:
             if found := pattern.search(text):
                 return found
         return None
+
+    @staticmethod
+    def may_resume(text: str) -> bool:
+        """Whether text has a word a resume line needs: a scan far cheaper than the pattern's search, which
+        tries every position of everything a chatty job prints."""
+        lowered = text.lower()
+        return any(word in lowered for word in RESUME_WORDS)
 
 
 def global_step(found: re.Match[str]) -> int:

@@ -25,7 +25,7 @@ from harness.record.rundir import RunDir
 from harness.record.schema import ControllerId, RunState, RunStatus
 from harness.record.stream import STAMP_WIDTH, StreamRecord, stamp
 from harness.run.health_loop import rank_row
-from harness.run.live import TAIL_KEPT, LiveNode, StepMark
+from harness.run.live import FIRST_STEP_LOOKED_AT, TAIL_KEPT, LiveNode, StepMark
 from harness.run.output import Output
 from harness.run.stack_capture import StackCapture
 from harness.run.terminal import Terminal
@@ -66,6 +66,19 @@ def test_a_block_of_plain_rank_lines_passes_whole_and_notes_each_ranks_last_line
     assert list(node.tail) == lines
     node.take_block(text(["[rank1]: epoch 0 step 9/90", "[rank1]: epoch 0 step 11/90"]), at=101.0, progress=PROGRESS)
     assert list(node.activity[1].steps) == [(100.0, 1), (100.0, 7), (101.0, 11)], "the first step only once"
+
+
+def test_a_long_block_whose_first_steps_come_at_its_end_still_gives_the_first_of_them():
+    """Only a block's ends are searched for the node's first step (a chatty job's every line would cost a search
+    otherwise), and an end with a step has the whole block read: 100 lines of a data loader's words, then a
+    restart's quick steps after its resume, not only the block's last step."""
+    node = live()
+    loading = [f"[rank0]: loading shard {i} of 100 from /data/cifar (50000 images)" for i in range(100)]
+    steps = ["[rank0]: Resumed from checkpoint at step 12", *(f"[rank0]: step {i}/90 loss 0.5" for i in range(13, 17))]
+    assert len(text(loading)) > 2 * FIRST_STEP_LOOKED_AT
+    node.take_block(text(loading + steps), at=100.0, progress=Health().progress_pattern)
+    assert list(node.activity[0].steps) == [(100.0, 13), (100.0, 16)]
+    assert node.activity[0].resumed == (100.0, 12)
 
 
 def test_the_payloads_step_counts_from_the_runs_start_across_epochs_and_a_still_rank_has_no_rate():
