@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Self
 
 from harness.record.atomic import file_mode, write_text_atomic
 
@@ -170,42 +171,53 @@ class RecordDisk:
                         f"incomplete")
 
 
-class AppendedFile:
-    """A file of the record that text is appended to, each text whole or not at all (a short write is cut off
-    again), nothing while its disk has no room. Opened at the first write, and again after one failed."""
+class RecordFile:
+    """A file of the record opened at its first write (its folder made then), and again after one failed."""
 
     def __init__(self, disk: RecordDisk, path: Path, what: str) -> None:
         self.disk, self.path, self.what = disk, path, what
         self._fd: int | None = None
-        self.end: int | None = None  # the file's size after the last write (None: none yet)
 
-    def write(self, text: str) -> None:
-        if not self.disk.has_room():
-            return
-        with self.disk.writing(self.what):
-            if self._fd is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, self.disk.mode)
-            data, size, written = text.encode(), os.fstat(self._fd).st_size, 0
-            try:
-                while written < len(data):
-                    written += os.write(self._fd, data[written:])
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(self._fd, size)
-                raise
-            self.end = size + written
+    def _opened(self, flags: int) -> int:
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, self.disk.mode)
+        return self._fd
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> AppendedFile:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AppendedFile(RecordFile):
+    """A file of the record that text is appended to, each text whole or not at all (a short write is cut off
+    again), nothing while its disk has no room."""
+
+    def __init__(self, disk: RecordDisk, path: Path, what: str) -> None:
+        super().__init__(disk, path, what)
+        self.end: int | None = None  # the file's size after the last write (None: none yet)
+
+    def write(self, text: str) -> None:
+        if not self.disk.has_room():
+            return
+        with self.disk.writing(self.what):
+            fd = self._opened(os.O_APPEND)
+            data, size, written = text.encode(), os.fstat(fd).st_size, 0
+            try:
+                while written < len(data):
+                    written += os.write(fd, data[written:])
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise
+            self.end = size + written
 
 
 def _clock(t: float) -> str:

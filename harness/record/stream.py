@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from harness.record.disk import AppendedFile, RecordDisk
+from harness.record.disk import AppendedFile, RecordDisk, RecordFile
 
 STAMP_WIDTH = len("2026-01-01T00:00:00.000000Z")
 HARNESS_FILE = "harness.log"
@@ -52,36 +52,18 @@ def mark_file(folder: Path, attempt: int, node_rank: int) -> Path:
     return attempt_folder(folder, attempt) / f"node{node_rank}.logged"
 
 
-class LoggedMark:
+class LoggedMark(RecordFile):
     """How far a node's logs hold its agent's stream: the place in the stream (its bytes) and each log's size then,
     rewritten in place after every block. A controller that takes the node back (`harness attach`) cuts each log
     back to its size (what a lost controller wrote past its last mark) and has the agent send its stream again
     from that place (harness.node.link): no line is lost with the controller, none is logged twice."""
 
-    def __init__(self, disk: RecordDisk, path: Path, what: str) -> None:
-        self.disk, self.path, self.what = disk, path, what
-        self._fd: int | None = None
-
     def write(self, position: int, ends: Sequence[int | None]) -> None:
         """ends: each log's size (None: not written by this controller: never cut back)."""
         with self.disk.writing(self.what):
-            if self._fd is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, self.disk.mode)
             # One write of a fixed width at the file's start: a SIGKILL leaves the old mark or the new one.
-            os.pwrite(self._fd, " ".join(f"{n:020d}" for n in (position, *(-1 if e is None else e for e in ends)))
-                      .encode() + b"\n", 0)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> LoggedMark:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            fields = (position, *(-1 if end is None else end for end in ends))
+            os.pwrite(self._opened(0), " ".join(f"{n:020d}" for n in fields).encode() + b"\n", 0)
 
 
 def resume_point(mark: Path, logs: Sequence[Path]) -> int | None:
