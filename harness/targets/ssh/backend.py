@@ -179,12 +179,11 @@ class SSHAgentNode(AgentNode):
 
     def _stop_held(self) -> None:
         """KILL, through the relay (harness.node.link), to the node's agent; what it says back is nobody's."""
-        assert self._reconnect is not None and self.node.ssh is not None
+        assert self._reconnect is not None
         with contextlib.suppress(Exception):  # best effort: whatever fails, the agent's grace still ends the node
             connection = self._reconnect()
             try:
-                channel = connection.transport.open_session()
-                channel.exec_command(remote_command(relay_argv(self.node.ssh.python, self.node)))
+                channel = self._open(connection, relay=True)
                 channel.sendall(relay_program(self.node, None) + word_line(Word.KILL))
                 deadline = time.monotonic() + STOP_HELD_SECONDS
                 channel.settimeout(1.0)
