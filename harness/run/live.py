@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -176,10 +177,8 @@ class LiveNode:
         without any first)."""
         if checkpoint.search(text) is None:
             return
-        for line in text.splitlines():
-            if (found := checkpoint.search(line)) and (rank := worker_output.rank_of(line)) is not None:
-                activity = self.activity.setdefault(rank, RankActivity(line, at))
-                activity.saving_s += _number(found, "seconds") or 0.0
+        for rank, line, found in _ranks_lines(text, checkpoint.search):
+            self.activity.setdefault(rank, RankActivity(line, at)).saving_s += _number(found, "seconds") or 0.0
 
     def release(self) -> Block:
         """The node's output ended: what the cascade was still reading is shown."""
@@ -188,13 +187,12 @@ class LiveNode:
 
     def _note_resumes(self, text: str, at: float, progress: LinePatterns) -> None:
         """Where each rank says its attempt resumed: the step its count starts from, which is no step taken."""
-        if progress.resume is None or not progress.may_resume(text) or progress.resume.search(text) is None:
+        if progress.find_resume(text) is None:
             return
-        for line in text.splitlines():
-            if (found := progress.resume.search(line)) and (rank := worker_output.rank_of(line)) is not None:
-                activity = self.activity.setdefault(rank, RankActivity(line, at))
-                if activity.resumed is None:
-                    activity.resumed, activity.restore_s = StepMark(at, global_step(found)), _number(found, "seconds")
+        for rank, line, found in _ranks_lines(text, progress.find_resume):
+            activity = self.activity.setdefault(rank, RankActivity(line, at))
+            if activity.resumed is None:
+                activity.resumed, activity.restore_s = StepMark(at, global_step(found)), _number(found, "seconds")
 
     def _note_first_step(self, text: str, at: float, progress: LinePatterns) -> None:
         """The node's first step line, where the block with it brings several (a restart's steps come quickly):
@@ -207,10 +205,9 @@ class LiveNode:
             [text[:FIRST_STEP_LOOKED_AT], text[-FIRST_STEP_LOOKED_AT:]]
         if all(progress.search(end) is None for end in ends):
             return
-        for line in text.splitlines():
-            if (found := progress.search(line)) and (rank := worker_output.rank_of(line)) is not None:
-                self.activity.setdefault(rank, RankActivity(line, at)).steps.append(StepMark(at, global_step(found)))
-                return
+        for rank, line, found in _ranks_lines(text, progress.search):
+            self.activity.setdefault(rank, RankActivity(line, at)).steps.append(StepMark(at, global_step(found)))
+            return
 
     def _note(self, lines: list[str], at: float, progress: LinePatterns | None) -> None:
         """Each rank's last line and, where progress finds one, its last step, from the block's last lines."""
@@ -262,6 +259,13 @@ def _number(found: re.Match[str], group: str) -> float | None:
         return float(found.groupdict()[group])
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _ranks_lines(text: str, search: Callable[[str], re.Match[str] | None]) -> Iterator[tuple[int, str, re.Match[str]]]:
+    """Each rank's line of text that search finds, with its rank and the match."""
+    for line in text.splitlines():
+        if (found := search(line)) and (rank := worker_output.rank_of(line)) is not None:
+            yield rank, line, found
 
 
 def _plain(text: str, count: int) -> bool:

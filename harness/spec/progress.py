@@ -34,7 +34,7 @@ DEFAULT_PROGRESS = (STEP_LINE, IMAGENET_LINE, MNIST_LINE, LIGHTNING_LINE, TQDM_L
 # A resume: where the attempt's count starts (the payload's `resume: epoch 2/12 step 5/97 ... restored in 0.012 s`,
 # `resumed from ckpt at step 25`), no step taken, and how long the restore took where it says.
 RESUME_LINE = _START + r"(?:resum|restor)\w*\b.*?\b" + _STEP + r"(?:.*?\bin (?P<seconds>\d+(?:\.\d+)?) ?s\b)?"
-RESUME_WORDS = ("resum", "restor")  # one of which each resume line has
+RESUME_WORDS = ("resum", "restor")  # one of which each line RESUME_LINE finds has
 
 
 class LinePatterns:
@@ -51,12 +51,13 @@ class LinePatterns:
                 return found
         return None
 
-    @staticmethod
-    def may_resume(text: str) -> bool:
-        """Whether text has a word a resume line needs: a scan far cheaper than the pattern's search, which
-        tries every position of everything a chatty job prints."""
+    def find_resume(self, text: str) -> re.Match[str] | None:
+        """The first resume line's match in text (None: none, or no resume pattern). Text without a word every
+        resume line has is not searched: the pattern's search tries every position of all a chatty job prints."""
+        if self.resume is None:
+            return None
         lowered = text.lower()
-        return any(word in lowered for word in RESUME_WORDS)
+        return self.resume.search(text) if any(word in lowered for word in RESUME_WORDS) else None
 
 
 def global_step(found: re.Match[str]) -> int:
