@@ -101,9 +101,12 @@ launch: setup
 render: setup
 	$(BIN)/harness render $(or $(JOB),jobs/smoke.yaml) $(if $(HOSTS),--hosts $(HOSTS))
 
-# Kubernetes manifests for JOB (default jobs/cifar.yaml) into k8s/ (committed for jobs/cifar.yaml; a test fails when they drift).
+# Kubernetes manifests for JOB (default jobs/cifar.yaml): jobs/cifar.yaml's into k8s/ (committed; a test fails when they
+# drift), another job's into k8s/<its file's name>/, so that `kubectl apply --server-side -f k8s/` never starts it too.
+K8S_JOB = $(or $(JOB),jobs/cifar.yaml)
+K8S_OUT = k8s$(if $(filter $(abspath jobs/cifar.yaml),$(abspath $(K8S_JOB))),,/$(basename $(notdir $(K8S_JOB))))
 k8s: setup
-	$(BIN)/harness render $(or $(JOB),jobs/cifar.yaml) --target k8s --out k8s
+	$(BIN)/harness render $(K8S_JOB) --target k8s --out $(K8S_OUT)
 
 image:
 	docker/image.sh build $(REGISTRY)/$(IMAGE):$(TAG) $(IMAGE_FLAGS)

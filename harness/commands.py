@@ -138,7 +138,7 @@ def render(args: argparse.Namespace) -> int:
     run_id = check_run_id(args.run_id or spec.name)
     backend = backend_for(args)
     # A local plan names the run directory it logs to: with the run's id, this is that run's plan.txt.
-    plan = backend.plan(spec, run_id, run_dir(runs_root(args.runs_dir), run_id).backend_logs)
+    plan = backend.plan(spec, run_id)
     if spec.master_port == "auto":
         where = "this machine" if args.hosts is None else "the master host"
         print(f"harness render: master_port is auto: port {plan.master_port} is shown; each launch picks a port that "
@@ -170,7 +170,7 @@ def _rendered_by(args: argparse.Namespace, job: Job) -> str | None:
 
 def _write_manifests(args: argparse.Namespace, job: Job) -> None:
     from harness.targets.k8s.manifests import code_files, manifests_yaml
-    from harness.targets.k8s.objects import secret_commands
+    from harness.targets.k8s.objects import APPLY, secret_commands
 
     spec = job.spec
     code = code_files(spec, Path.cwd())
@@ -183,9 +183,8 @@ def _write_manifests(args: argparse.Namespace, job: Job) -> None:
     if out.parent.exists() and not out.parent.is_dir():
         raise UsageError(f"--out {args.out} is a file; give the directory to write {out.name} into")
     write_file(out, text, make_folder=True)
-    # Client-side apply copies each object into an annotation, which may hold 256 KiB: too little for code.
-    apply = "kubectl apply --server-side" if code else "kubectl apply"
-    print(f"wrote {out}; apply with: {apply} -f {os.path.join(args.out, '')}")
+    # The file, not the folder: another job rendered there is not applied with this one.
+    print(f"wrote {out}; apply with: {APPLY} -f {out}")
     for command in secret_commands(spec):
         print(f"the pods need the job's secrets; create them first: {command}")
 

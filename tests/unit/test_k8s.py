@@ -172,7 +172,7 @@ def test_the_k8s_smoke_example_renders_as_printed_and_every_object_passes_the_sc
     """jobs/k8s-smoke.yaml as its comment prints it, from the repository's root: CPU-only pods over gloo, in the image
     `make image` builds, on a volume any default StorageClass provisions, admitted by a compute ResourceQuota."""
     command = "harness render jobs/k8s-smoke.yaml --target k8s"
-    assert f"#   {command} | kubectl apply -f -" in SMOKE.read_text()
+    assert f"#   {command} | kubectl apply --server-side -f -" in SMOKE.read_text()
     result = harness(*command.split()[1:])
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout.startswith(f"# Rendered by `{command}`")
@@ -501,13 +501,27 @@ def test_bad_specs_fail_at_render_time(write_yaml, edit, error, message):
         render_manifests(load_job(path), path.read_text(), code={})
 
 
-def test_cli_writes_manifests_atomically(write_yaml, tmp_path):
-    path = small(write_yaml, script="t.py")
-    result = render_in(tmp_path, str(path), "--target", "k8s", "--out", str(tmp_path / "out"))
-    assert result.returncode == 0, result.stderr
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["small.yaml"]
-    # Client-side apply would copy the shipped code into an annotation of at most 256 KiB.
-    assert result.stdout == f"wrote {tmp_path}/out/small.yaml; apply with: kubectl apply --server-side -f {tmp_path}/out/\n"
+def test_two_jobs_rendered_into_one_folder_are_applied_one_at_a_time_by_the_printed_command(write_yaml, tmp_path):
+    """What render prints applies its own job's objects and nothing of another rendered beside it (server-side: a
+    client-side apply would copy the shipped code into an annotation of at most 256 KiB); `make k8s` puts any job
+    but cifar's outside k8s/'s own files, which `kubectl apply --server-side -f k8s/` applies."""
+    out = tmp_path / "out"
+    for name in ("first", "second"):
+        path = small(write_yaml, script="t.py", name=name)
+        result = render_in(tmp_path, str(path), "--target", "k8s", "--out", str(out))
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == f"wrote {out}/{name}.yaml; apply with: kubectl apply --server-side -f {out}/{name}.yaml\n"
+        applied = list(yaml.safe_load_all((out / f"{name}.yaml").read_text()))
+        assert applied and {o["metadata"]["labels"]["app.kubernetes.io/instance"] for o in applied} == {name}, applied
+    assert sorted(p.name for p in out.iterdir()) == ["first.yaml", "second.yaml"]
+    make = subprocess.run(["make", "-s", "-n", "k8s", "JOB=jobs/k8s-smoke.yaml"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert make.stdout.splitlines()[-1].endswith("harness render jobs/k8s-smoke.yaml --target k8s --out k8s/k8s-smoke"), \
+        make.stdout
+    assert sorted(p.name for p in (REPO / "k8s").glob("*.yaml")) == ["cifar.yaml"]
+
+
+def test_a_refused_render_writes_nothing(write_yaml, tmp_path):
     bad = harness("render", str(write_yaml("name: x\nnnodes: 1\nentrypoint: {module: m}\n", "bad.yaml")),
                   "--target", "k8s", "--out", str(tmp_path / "none"))
     assert bad.returncode == 2 and "image" in bad.stderr and not (tmp_path / "none").exists()

@@ -26,6 +26,9 @@ JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 # from 1.29 (1.28's is alpha, off: the API server would drop it). tests/unit/test_k8s.py validates every render
 # against the schemas of this version and of the newest.
 MIN_KUBERNETES = "1.29"
+# The one way to apply a render, said wherever one is: a client-side `kubectl apply` copies every object into an
+# annotation of at most 256 KiB, too little for a ConfigMap that ships code; server-side apply keeps no such copy.
+APPLY = "kubectl apply --server-side"
 
 
 @dataclass(frozen=True)
