@@ -24,13 +24,13 @@ class SmallDisk:
     def __init__(self, mount: Path) -> None:
         self.mount = mount
 
-    def fill(self) -> None:
-        """Every byte taken (a file that grows until the file system refuses it)."""
+    def fill(self, leave: int = 0) -> None:
+        """Every byte taken but `leave` (a file that grows until the file system refuses it, or has that left)."""
         chunk = b"\0" * (64 << 10)
         with open(self.mount / FILLER, "ab", buffering=0) as filler:
             for size in (len(chunk), 4096, 1):
                 with contextlib.suppress(OSError):
-                    while True:
+                    while not leave or self.free_bytes() >= leave + size:
                         filler.write(chunk[:size])
 
     def empty(self) -> None:

@@ -25,8 +25,9 @@ line and in no file (harness/spec/secrets.py). What it sees of the ranks is harn
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does. It
 keeps a private directory (HARNESS_AGENT_DIR in the node's environment, removed at the end, or by the
 next agent on the host when this one was SIGKILLed) that holds HOOK as sitecustomize.py
-(harness.node.rank_hook: the node's setup line puts the directory first on PYTHONPATH) and the sockets
-on which the ranks serve their Flight Recorder (harness.node.collectives).
+(harness.node.rank_hook: the node's setup line puts the directory first on PYTHONPATH), the sockets
+on which the ranks serve their Flight Recorder (harness.node.collectives), and torchrun's log files
+(TORCHRUN_LOG_DIR).
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
 STARTED_POLL = 0.5  # seconds between looks for the node's ranks, until they exist (Kind.STARTED)
 READ_BYTES = 1 << 16  # a pipe's capacity: one read takes all the node wrote meanwhile
+# torchrun's --log-dir, as its environment twin: where its workers' output goes before torchrun echoes it (--tee). The
+# agent's directory, so that no rank writes to the run's record (the record's disk may be full) nor to a folder that
+# outlives the node; a job's own PET_LOG_DIR, or --log-dir in its arguments, still wins.
+TORCHRUN_LOG_DIR = "PET_LOG_DIR"
+FREE_SECONDS = 1.0  # how often what torchrun has read of those files is given back to the file system
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+BLOCK = 4096
 
 
 class Agent:
@@ -78,8 +86,9 @@ class Agent:
         self.link = ControllerLink(run_id, Link(0, 1), self.directory)
         self._name()
         self.observer = RankObserver(run_id, self.directory, unhooked, self.say)
-        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
-        hooked = {"HARNESS_AGENT_DIR": self.directory, "HARNESS_AGENT_PID": str(os.getpid())} if self.directory else {}
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us are re-parented to us
+        hooked = {"HARNESS_AGENT_DIR": self.directory, "HARNESS_AGENT_PID": str(os.getpid()),
+                  TORCHRUN_LOG_DIR: os.path.join(self.directory, "torchrun")} if self.directory else {}
         self.standing_by = threading.Event()  # a standby: no samples until the GO word
         self.stop_asked = False  # the controller said TERM or KILL: its node is not held when it goes
         if standby:
@@ -233,8 +242,17 @@ class Agent:
         if self.watch > 0:
             threading.Thread(target=self.observer.sample_every, args=(self.watch, self.ended), daemon=True).start()
 
+    def _free_read_output(self) -> None:
+        """What torchrun has echoed of its workers' output given back, every FREE_SECONDS while the node runs."""
+        if self.directory is None:
+            return
+        logs, freed = os.path.join(self.directory, "torchrun"), dict[str, int]()
+        while not self.ended.wait(FREE_SECONDS):
+            free_what_was_read(logs, self.child.pid, freed)
+
     def run(self) -> int:
         self._pump.start()
+        threading.Thread(target=self._free_read_output, daemon=True).start()
         threading.Thread(target=self.obey_controller, daemon=True).start()
         if not self.standing_by.is_set():
             self._sample()
@@ -260,6 +278,39 @@ class Agent:
         self.link.close()
         if self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def free_what_was_read(logs: str, reader: int, freed: dict[str, int]) -> None:
+    """The blocks of the files under logs (torchrun's copies of its workers' output) that reader (torchrun: --tee
+    tails each file and echoes what it reads) has read, given back to the file system: a chatty job then takes no
+    more of the node's disk than torchrun has yet to echo. Each file keeps its size, a hole where it was read
+    (fallocate's PUNCH_HOLE; where the file system has none, the file stays whole). freed: path -> bytes freed."""
+    try:
+        descriptors = os.listdir(f"/proc/{reader}/fd")
+    except OSError:
+        return
+    for fd in descriptors:
+        try:
+            path = os.readlink(f"/proc/{reader}/fd/{fd}")
+            if not path.startswith(logs + os.sep):
+                continue
+            with open(f"/proc/{reader}/fdinfo/{fd}", encoding="ascii") as info:
+                fields = dict(line.split(":", 1) for line in info if ":" in line)
+            read = int(fields["pos"]) // BLOCK * BLOCK
+            if int(fields["flags"], 8) & os.O_ACCMODE != os.O_RDONLY or read <= freed.get(path, 0):
+                continue
+            file = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                if _libc.fallocate(file, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, read) == 0:
+                    freed[path] = read
+            finally:
+                os.close(file)
+        except (OSError, KeyError, ValueError):
+            continue
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
 
 
 def _private_directory(hook: str, standby: str = "") -> tuple[str | None, str]:

@@ -129,13 +129,14 @@ def resolve_nproc(spec: JobSpec, gpus: list[int | None], where: list[str]) -> in
 
 
 def torchrun_flags(
-    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, log_dir: str | None = None,
-    attempt: int = 0, master_port: int | str | None = None,
+    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, attempt: int = 0,
+    master_port: int | str | None = None,
 ) -> list[str]:
     """torchrun's own flags for one node (without the interpreter or the entrypoint).
 
     `--tee=3` is what makes torchrun apply the rank prefix (LOG_LINE_PREFIX_ENV): it echoes each
-    worker's tee'd log lines.
+    worker's tee'd log lines. Where those files go is the node agent's choice, not the plan's (its private
+    directory, through PET_LOG_DIR: harness/node/agent.py), so that no rank writes to the run's record.
     torchrun's own restarts stay off (`--max-restarts=0`): they restart one node's workers, which a
     static rendezvous cannot take back; the harness restarts the whole job instead (spec `restarts`),
     each attempt with a rendezvous id of its own. master_port: the spec's (None), or where the port is only
@@ -151,10 +152,7 @@ def torchrun_flags(
             f"--rdzv-id={run_id}" + (f"-{attempt}" if attempt else ""),
             f"--rdzv-conf=join_timeout={int(spec.timeouts.rendezvous)}",
         ]
-    args += ["--max-restarts=0", "--tee=3"]
-    if log_dir is not None:
-        args.append(f"--log-dir={log_dir}/node{node_rank}")
-    return args
+    return [*args, "--max-restarts=0", "--tee=3"]
 
 
 def entrypoint_args(spec: JobSpec) -> list[str]:
@@ -170,12 +168,11 @@ def entrypoint_args(spec: JobSpec) -> list[str]:
 
 
 def torchrun_args(
-    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, log_dir: str | None = None,
-    attempt: int = 0,
+    spec: JobSpec, *, run_id: str, master_addr: str, nproc: int, node_rank: int | str, attempt: int = 0,
 ) -> list[str]:
     """torchrun's flags for one node, then the entrypoint (without the interpreter)."""
     return torchrun_flags(spec, run_id=run_id, master_addr=master_addr, nproc=nproc, node_rank=node_rank,
-                          log_dir=log_dir, attempt=attempt) + entrypoint_args(spec)
+                          attempt=attempt) + entrypoint_args(spec)
 
 
 def interface_env(interface: str | None) -> dict[str, str]:
@@ -263,14 +260,13 @@ def simulated_hosts(nnodes: int) -> list[str]:
 
 def plan_local(
     spec: JobSpec, *, run_id: str, python: str, gpu_ids: Sequence[str] = (), local_cpus: int = 1,
-    log_dir: str | None = None, attempt: int = 0, cwd: str | None = None, hosts: Sequence[str] | None = None,
+    attempt: int = 0, cwd: str | None = None, hosts: Sequence[str] | None = None,
 ) -> Plan:
     """nnodes torchrun agents on this machine, rendezvousing on 127.0.0.1 like a real cluster.
 
     The simulated nodes share this machine's cores, so each worker gets its share of OMP threads
     (torchrun sets 1 only for nodes with several workers), and its GPUs (gpu_ids: the devices this
-    machine shows, see split_local_gpus); a job's env still wins. log_dir keeps torchrun's per-worker
-    files inside the run directory instead of /tmp. cwd: the launch directory, every node's workdir
+    machine shows, see split_local_gpus); a job's env still wins. cwd: the launch directory, every node's workdir
     (or the base of their own, spec.simulated.workdir; a relative script stays the launch directory's).
     hosts: the simulated nodes' names in node-rank order (default: simulated_hosts), one node each:
     fewer than spec.nnodes when the job goes on without lost ones (restarts.min_nnodes).
@@ -290,7 +286,7 @@ def plan_local(
             host=names[rank], address=LOCAL_MASTER, node_rank=rank, nproc=nproc, workdir=workdirs[rank],
             argv=(python, "-m", TORCHRUN_MODULE,
                   *torchrun_args(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank,
-                                log_dir=log_dir, attempt=attempt)),
+                                attempt=attempt)),
             env={"OMP_NUM_THREADS": str(max(1, local_cpus // (spec.nnodes * nproc)))}
             | _visible_devices(devices[rank])
             | node_env(spec, run_id=run_id, master_addr=LOCAL_MASTER, nproc=nproc, node_rank=rank, attempt=attempt,

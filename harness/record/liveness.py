@@ -27,10 +27,18 @@ def controller_alive(state: RunState) -> bool:
 
 def live_status(state: RunState, run: RunDir | None = None) -> RunStatus:
     """What the record says, except that a running run whose controller is gone is unwatched while its agents
-    may hold it (run: its directory, whose last write is when the controller was last seen), lost after."""
+    may hold it (run: its directory, where the controller was last seen: last_seen), lost after."""
     if state.status is RunStatus.RUNNING and not controller_alive(state):
         return RunStatus.UNWATCHED if unwatched_for(state, run) is not None else RunStatus.LOST
     return state.status
+
+
+def last_seen(state: RunState, run: RunDir) -> float:
+    """When the run's controller was last seen alive: its health watch's last tick (health.json's time, written twice
+    a second while it watches an attempt), else the last write of its record. Not the folder's newest file: nothing
+    but the controller writes there, but a `harness stacks` or `stop` asks there too."""
+    health = run.read_health(state.attempt)
+    return health.t if health is not None and health.t is not None else run.last_written() or state.started_at
 
 
 def unwatched_for(state: RunState, run: RunDir | None) -> float | None:
@@ -38,8 +46,7 @@ def unwatched_for(state: RunState, run: RunDir | None) -> float | None:
     run's while a process of it runs, another's within supervision.grace (None: they hold nothing now)."""
     if state.grace <= 0 or state.mode not in ("local", "ssh", "k8s") or run is None:
         return None
-    seen = run.last_written() or state.started_at
-    since = max(0.0, time.time() - seen)
+    since = max(0.0, time.time() - last_seen(state, run))
     if state.mode == "local":
         return since if run_processes(state.run_id) else None
     return since if since < state.grace else None

@@ -118,11 +118,6 @@ class RunDir:
         return self.path / f"plan{_attempt_suffix(attempt)}.txt"
 
     @property
-    def backend_logs(self) -> Path:
-        """Logs a backend keeps of its own (torchrun's per-worker files on local nodes)."""
-        return self.path / "torchrun"
-
-    @property
     def stacks(self) -> Path:
         """Stacks read from the ranks: attempt-N/ for a hang, and what `harness stacks` asked for."""
         return self.path / "stacks"

@@ -274,8 +274,7 @@ class _BackendRun(_TargetRun):
         self.down |= set(self.hosts_out.kept_out)
         unfit: dict[str, str] = {}
         try:
-            self.plan = _ready_plan(self.backend, self.spec, run_id, run_dir(runs_root, run_id).backend_logs, first,
-                                    self.down, self.out, unfit)
+            self.plan = _ready_plan(self.backend, self.spec, run_id, first, self.down, self.out, unfit)
         finally:
             self._keep_out(unfit)
         self.nnodes, self.world_size = self.plan.nnodes, self.plan.world_size
@@ -294,7 +293,7 @@ class _BackendRun(_TargetRun):
             raise HarnessError(f"run {run.run_id}: cannot read the plan of its attempt {state.attempt} "
                                f"({run.plan_json(state.attempt)}): {exc}") from None
         others = set(machines) - set(state.hosts) if machines else self.down
-        self.plan = self.backend.plan(self.spec.at_port(recorded["master_port"]), run.run_id, run.backend_logs,
+        self.plan = self.backend.plan(self.spec.at_port(recorded["master_port"]), run.run_id,
                                       state.attempt, frozenset(others))
         if (planned := [n.host for n in self.plan.nodes]) != state.hosts:
             raise HarnessError(f"run {run.run_id}: its attempt {state.attempt} runs on {', '.join(state.hosts)}, but "
@@ -368,7 +367,7 @@ class _BackendRun(_TargetRun):
             began = time.time()
             unfit: dict[str, str] = {}
             try:
-                plan = _ready_plan(backend, spec, run.run_id, run.backend_logs, plan.attempt + 1, down, out, unfit)
+                plan = _ready_plan(backend, spec, run.run_id, plan.attempt + 1, down, out, unfit)
             except (CheckFailed, NoSpareHosts) as exc:
                 reason = f"attempt {plan.attempt + 1} could not start: {exc}"
                 break
@@ -480,14 +479,14 @@ class _SchedulerRun(_TargetRun):
                          f"{self.state.run_id}` cancels it")
 
 
-def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, attempt: int, down: set[str],
+def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, attempt: int, down: set[str],
                 out: Terminal, unfit: dict[str, str]) -> Plan:
     """Plan on the hosts not down and check them; a host that fails the check is down too and a spare
     takes its place, until the check passes or no spare is left (the check's report is then the error).
     With no spare left the plan has fewer nodes as restarts.min_nnodes allows (the planner's
     take_healthy), and the check gets the spec on that many nodes. unfit gets the hosts whose machine
     failed the check (CheckFailed.unfit), to be kept out of later runs too."""
-    plan = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
+    plan = backend.plan(spec, run_id, attempt, frozenset(down))
     while True:
         try:
             return backend.check(plan, spec.at_nnodes(plan.nnodes))
@@ -497,7 +496,7 @@ def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, log_dir: Path, att
             down |= exc.hosts
             unfit.update(exc.unfit)
             try:
-                again = backend.plan(spec, run_id, log_dir, attempt, frozenset(down))
+                again = backend.plan(spec, run_id, attempt, frozenset(down))
             except NoSpareHosts as none_left:
                 raise CheckFailed(f"{exc}\n{none_left}", exc.hosts) from None
             instead = "a spare host takes its place" if again.nnodes == plan.nnodes else "no spare is left"
@@ -557,6 +556,10 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     sup.say(f"{which}{'taking back ' if taking_back else ''}{plan.nnodes} node(s) x {plan.nproc_per_node} "
             f"process(es) on {hosts}, master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
     started = started_at or time.time()
+    if before and before[-1].failures and taking_back is None:  # the run's recovery figure, said as soon as it is known
+        failed = before[-1]
+        sup.health_loop.on_first_step = lambda progress: sup.say(
+            f"attempt {plan.attempt} {restart_of(failed, started, _joined(sup), progress, furthest).describe()}")
     over = threading.Event()
     warming = threading.Thread(target=_stand_by, args=(backend, spec, plan, standby, sup, over), daemon=True)
     warm: list[str] = []
@@ -595,8 +598,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
             RunStatus.SUCCEEDED
     previous_failure = before[-1].failures[0] if before and before[-1].failures else None
     progress = sup.health_loop.track_progress([])
-    joined = [at for live in sup.nodes for at in live.joined.values()]
-    restart = restart_of(before[-1], started, joined, progress, furthest) if previous_failure else None
+    restart = restart_of(before[-1], started, _joined(sup), progress, furthest) if previous_failure else None
     return Attempt(
         attempt=plan.attempt, hosts=[n.host for n in plan.nodes], status=status, started_at=started, ended_at=ended,
         nodes=[recorded_node(r, run, plan.attempt) for r in sup.nodes], failures=failures,
@@ -609,6 +611,11 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         nnodes=plan.nnodes, world_size=plan.world_size, health=sup.health_loop.events, progress=progress,
         restart=restart, warm=warm,
     )
+
+
+def _joined(sup: Supervisor) -> list[float]:
+    """When each rank of the attempt joined its process group, as far as seen."""
+    return [at for live in sup.nodes for at in live.joined.values()]
 
 
 def _not_distributed(attempt: Attempt) -> str | None:

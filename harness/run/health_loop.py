@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView
 from harness.health.rank_stack import RankStack, ranks_text
@@ -51,6 +52,7 @@ class HealthLoop:
         self.started_at = time.time()  # when this loop began: the rendezvous deadline counts from it
         self.attempt_started_at = self.started_at  # the attempt's start (earlier, for an attempt taken back)
         self.progress: Progress | None = None  # the attempt's steps so far
+        self.on_first_step: Callable[[Progress], None] | None = None  # told once, when the attempt's first step comes
         self.hang: Verdict | None = None  # the job hung: who it is about
         self.hang_at: float | None = None
         self.ended = threading.Event()  # every node has ended: the loop ends at once, not at its next tick
@@ -161,7 +163,10 @@ class HealthLoop:
         slow = self.judge.slow_ranks() if self.judge is not None else {}
         ranks = {rank: rank_row(live, views.get(rank), live.activity.get(rank), now)
                  for live in self.nodes for rank in live.node.ranks}
+        stepped = self.progress is not None
         self.track_progress([row.step_rate for row in ranks.values() if row.step_rate is not None])
+        if not stepped and self.progress is not None and self.on_first_step is not None:
+            self.on_first_step(self.progress)
         self.run.write_health(LiveHealth(
             attempt=self.attempt, t=now, slow={rank: round(waited, 1) for rank, waited in slow.items()},
             hang=f"hang: {self.hang.text}" if self.hang else None, ranks=dict(sorted(ranks.items())),

@@ -113,8 +113,7 @@ class Backend(Protocol):
 
     name: str  # recorded as the run's mode: "local", "ssh"
 
-    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
-             down: frozenset[str] = frozenset()) -> Plan:
+    def plan(self, spec: JobSpec, run_id: str, attempt: int = 0, down: frozenset[str] = frozenset()) -> Plan:
         """The exact per-node commands on this backend (pure apart from facts read once: GPUs, DNS), for
         attempt number `attempt`, on hosts other than `down` (spares take their place; NoSpareHosts
         when too few are left). A backend with one machine has no hosts to avoid."""

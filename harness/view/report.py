@@ -25,6 +25,7 @@ from harness.record.schema import (
     FailureKind,
     HealthEvent,
     HealthEventKind,
+    Progress,
     RecordedNode,
     RunState,
     RunStatus,
@@ -34,6 +35,7 @@ from harness.record.timeline import RankPoint, Sample, read_timeline
 from harness.view.charts import Dot, Mark, Row, Segments, Span, StepAxis, TimeAxis, legend, line_chart, rows_chart
 from harness.view.stacks import kept_stacks
 from harness.view.status import (
+    ended_after,
     ending_words,
     health_lines,
     node_failures,
@@ -156,17 +158,23 @@ def _header(r: _Run) -> str:
     return "".join(parts)
 
 
+def _progress(r: _Run) -> dict[int, tuple[float, Progress]]:
+    """Each attempt's start and steps, where `harness status` reads them: the attempts of the summary, or a running
+    attempt's health.json. Not the timeline, which lacks what came while the record could not be written."""
+    if r.summary is not None:
+        return {a.attempt: (a.started_at, a.progress) for a in r.summary.attempts if a.progress is not None}
+    health = r.run.read_health(r.state.attempt)
+    if health is None or health.progress is None:
+        return {}
+    return {r.state.attempt: (health.started_at or r.state.started_at, health.progress)}
+
+
 def _first_steps(r: _Run) -> str:
-    """When a step was first known: the first sample of timeline.jsonl where any rank's step is, in seconds after
-    the run started (a later attempt's: after that attempt started, where the summary says when); "": never."""
-    starts = {a.attempt: a.started_at for a in r.summary.attempts} if r.summary else {}
-    seen: dict[int, float] = {}
-    for sample in r.samples:
-        if sample.attempt not in seen and any(point.step is not None for point in sample.ranks.values()):
-            seen[sample.attempt] = sample.t
-    return "; ".join(f"{t - r.state.started_at:.1f} s after the run started" if attempt == 0 else
-                     f"attempt {attempt}: {t - starts[attempt]:.1f} s after it started"
-                     for attempt, t in seen.items() if attempt == 0 or attempt in starts)
+    """When each attempt's first step line came, in seconds after the run started (a later attempt's: after that
+    attempt started); "": never."""
+    return "; ".join(f"{progress.first_at - r.state.started_at:.1f} s after the run started" if attempt == 0 else
+                     f"attempt {attempt}: {progress.first_at - started:.1f} s after it started"
+                     for attempt, (started, progress) in _progress(r).items())
 
 
 def _attempts(r: _Run) -> str:
@@ -244,9 +252,9 @@ def _plots(r: _Run) -> str:
     samples = r.samples
     if not r.run.timeline.exists():
         return head + (f"<p>No plots: this run has no {r.run.timeline.name} (runs recorded before the harness kept "
-                       f"one have none).</p></section>")
+                       f"one have none).</p>{_recorded_step_rate(r)}</section>")
     if not samples:
-        return head + f"<p>No plots: {r.run.timeline.name} holds no sample yet.</p></section>"
+        return head + f"<p>No plots: {r.run.timeline.name} holds no sample yet.</p>{_recorded_step_rate(r)}</section>"
     kept = samples[::math.ceil(len(samples) / MAX_SAMPLES)]
     ranks = sorted({rank for sample in kept for rank in sample.ranks})
     key = legend({i: f"rank {rank}" for i, rank in enumerate(ranks)})
@@ -262,6 +270,8 @@ def _plots(r: _Run) -> str:
         if values:
             chart = line_chart(r.axis, series, marks, plot.y_max or max(*values, plot.least), plot.y_text)
             parts.append(f'<div id="{plot.key}"><h3>{escape(plot.title)}</h3>{chart}{key}</div>')
+        elif plot.measure is _step_rate and (recorded := _recorded_step_rate(r)):
+            parts.append(recorded)
         elif plot.missing:
             parts.append(f"<p>No plot of {escape(plot.missing)}.</p>")
     if len(kept) < len(samples):
@@ -292,6 +302,19 @@ def _step_rate(point: RankPoint, before: RankPoint | None, seconds: float) -> fl
     if before is None or point.step is None or before.step is None or seconds <= 0 or point.step < before.step:
         return None
     return (point.step - before.step) / seconds
+
+
+def _recorded_step_rate(r: _Run) -> str:
+    """The step rate chart where the timeline has none (its samples lost in a gap of the record): each attempt's mean,
+    from its first step line to its last, as the attempts record them; "": none recorded either."""
+    spans = [[(r.since(progress.first_at), rate), (r.since(progress.last_at), rate)]
+             for _, progress in _progress(r).values() if progress.last_at > progress.first_at
+             and (rate := (progress.last_step - progress.first_step) / (progress.last_at - progress.first_at)) >= 0]
+    if not spans:
+        return ""
+    chart = line_chart(r.axis, [spans], [], max(1.0, *(rate for span in spans for _, rate in span)), "{:g}".format)
+    key = legend({0: "each attempt's mean, from its first step line to its last (the timeline has no step of it)"})
+    return f'<div id="step-rate"><h3>Step rate (steps/s)</h3>{chart}{key}</div>'
 
 
 def _time_spent(r: _Run) -> str:
@@ -426,7 +449,8 @@ def _node_table(r: _Run, nodes: Sequence[RecordedNode], failures: list[Failure],
     failed = node_failures(failures)
     return _table(["node", "host", "ranks", "end", "after", "log"],
                   [[f"node{n.node_rank}", n.host, ", ".join(map(str, n.ranks)),
-                    recorded_end(n, failed.get(n.node_rank), status), f"{n.duration_s} s", str(node_log(r.run, n))]
+                    recorded_end(n, failed.get(n.node_rank), status), f"{ended_after(n, failed.get(n.node_rank))} s",
+                    str(node_log(r.run, n))]
                    for n in nodes])
 
 

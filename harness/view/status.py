@@ -83,6 +83,9 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
                              for rank, host in enumerate(state.hosts)})
         if status is RunStatus.RUNNING and state.metrics:
             lines.append(f"  metrics: {state.metrics}")
+        if status is RunStatus.UNWATCHED and (since := unwatched_for(state, run)) is not None and \
+                (held := run.read_health(state.attempt)) is not None and held.progress is not None:
+            lines.append(f"  progress: {unwatched_progress_words(held.progress, since)}")
         if status is RunStatus.RUNNING and (health := run.read_health(state.attempt)) is not None:
             now = time.time()
             if health.progress is not None:
@@ -95,7 +98,8 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
         lines += [_attempt_line(attempt, len(summary.world_sizes) > 1) for attempt in summary.attempts]
     failed = node_failures(summary.attempts[-1].failures if summary.attempts else [])
     lines += node_lines({n.node_rank: (n.host, recorded_end(n, failed.get(n.node_rank), summary.status),
-                                       node_log(run, n), f" after {n.duration_s} s") for n in summary.nodes})
+                                       node_log(run, n), f" after {ended_after(n, failed.get(n.node_rank))} s")
+                         for n in summary.nodes})
     failure = summary.first_failure
     if failure:
         lines.append(f"  first failure: node{failure.node_rank} ({failure.host}), "
@@ -131,6 +135,21 @@ def progress_words(progress: Progress, running: bool) -> str:
         text += f", about {_duration(left)} left"
     elif total and progress.rate == 0:
         text += ", not moving: no time left can be told"
+    return text
+
+
+def unwatched_progress_words(progress: Progress, since: float) -> str:
+    """An unwatched run's steps: where they were when its controller was last seen, since seconds ago, and where the
+    rate seen then puts them now (its nodes train on; their lines reach the record once a controller attaches):
+    `step 40/200 (20%) when last watched 12 s ago; at 2.5 steps/s about step 70 now, about 52 s left`."""
+    total = progress.total
+    text = f"step {progress.last_step}" + (f"/{total} ({100 * progress.last_step / total:.0f}%)" if total else "") + \
+        f" when last watched {since:.0f} s ago"
+    if progress.rate:
+        now = progress.last_step + progress.rate * since
+        text += f"; at {progress.rate:.3g} steps/s about step {min(now, total or now):.0f} now"
+        if (left := progress.left_s()) is not None:
+            text += f", about {_duration(max(0.0, left - since))} left"
     return text
 
 
@@ -235,6 +254,12 @@ def _verdict_lines(summary: RunSummary) -> list[str]:
     return [f"  at {time.strftime('%H:%M:%S', time.localtime(event.at))}"
             + (f" (attempt {attempt.attempt})" if len(summary.attempts) > 1 else "") + f": {event.text}"
             for attempt in summary.attempts for event in attempt.health]
+
+
+def ended_after(node: RecordedNode, failure: Failure | None) -> float:
+    """The seconds after its attempt's start that a node's end says: its failure's (the one figure the stream and
+    the record give it: a hang's is when it was found), else when the node ended."""
+    return failure.after_s if failure is not None else node.duration_s
 
 
 def recorded_end(node: RecordedNode, failure: Failure | None, status: RunStatus) -> str:

@@ -56,6 +56,9 @@ def assert_hang_recorded(run, runs: Path, culprit: int | None) -> dict:
     assert_nothing_left(run.run_id)
     status = harness("status", run.run_id, "--runs-dir", str(runs))
     assert "hang" in status.stdout, status.stdout
+    # One figure for the hang, the stream's and status's: when it was found.
+    said = f"hung after {failure['after_s']} s"
+    assert said in run.output and re.findall(r"hung after [\d.]+ s", status.stdout) == [said], status.stdout
     return summary
 
 

@@ -206,16 +206,31 @@ def test_a_killed_controllers_nodes_train_on_unwatched_and_attach_takes_them_bac
     run.wait_for(r"\[rank0\]: epoch 1/2 step 10/32 ")
     assert f"should this controller be lost, the nodes run on for 300 s (supervision.grace): `harness attach " \
            f"{run.run_id}` takes them back" in run.output, run.output
+    health = run.runs_dir / run.run_id / "health.json"
+    while '"progress": {' not in (health.read_text() if health.exists() else ""):  # the controller has seen a step
+        time.sleep(0.05)
     # Stopped first, so that what rank 0 says next is in flight (in the pipe, unread) when it is killed.
+    lost_at = time.time()  # the controller's last sight of the run: its health watch ticks no more
     os.kill(run.proc.pid, signal.SIGSTOP)
-    tee = next((run.runs_dir / run.run_id / "torchrun" / "node0").glob("*/attempt_0/0/stdout.log"))
+    agent = control_socket(run.run_id, "0", "0", tempfile.gettempdir())
+    assert agent is not None
+    assert not (run.runs_dir / run.run_id / "torchrun").exists(), "the ranks' output went to the run's record"
+    tee = next((Path(agent).parent / "torchrun").glob("*/attempt_0/0/stdout.log"))
     while "epoch 1/2 step 12/32 " not in tee.read_text():  # torchrun's own copy of the rank's output
         time.sleep(0.05)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.finish()
     runs = ["--runs-dir", str(run.runs_dir)]
-    status = harness("status", run.run_id, *runs).stdout
-    assert status.startswith(f"run {run.run_id}: running, unwatched for "), status
+    for later in ("12", "16"):  # the seconds since the loss, counted as the nodes train on (not since their last line)
+        while f"epoch 1/2 step {later}/32 " not in tee.read_text():
+            time.sleep(0.05)
+        asked = time.time()
+        status = harness("status", run.run_id, *runs).stdout
+        unwatched = re.match(rf"run {run.run_id}: running, unwatched for (\d+) s ", status)
+        assert unwatched and asked - lost_at - 2 <= int(unwatched[1]) <= time.time() - lost_at + 2, (status, lost_at)
+        # where the record last saw it, and where that rate puts it now
+        assert re.search(r"^  progress: step \d+/64 \(\d+%\) when last watched \d+ s ago; at [\d.]+ steps/s about "
+                         r"step \d+ now, about \d+ s left$", status, re.M), status
     assert f"held up to 300 s: `harness attach {run.run_id}`)" in status, status
     for node in (0, 1):
         assert f"  node{node} on sim{node}: running, held by its node agent until a controller takes it back" in status

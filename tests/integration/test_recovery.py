@@ -49,9 +49,14 @@ def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted
     assert re.search(r"attempt 0 on sim0, sim1: failed \(infra: node1 on sim1, rank 1 killed by "
                      r"SIGKILL\)", status.stdout), status.stdout
     assert_restart_told(first, second, status.stdout)
-    # One recovery figure: the stream's, goodput's restarting and the report's are the record's.
+    # One recovery figure: the stream's, goodput's restarting and the report's are the record's; the stream says it
+    # as soon as attempt 1's first step comes, not only at the run's end.
     recovered = second["restart"]["total_s"]
     assert f"harness: attempt 1 on sim0, sim1, recovered in {recovered} s: succeeded" in run.output, run.output
+    said = next(i for i, line in enumerate(run.lines)
+                if line.startswith(f"harness: attempt 1 recovered in {recovered:.2f} s (stop "))
+    last_step = max(i for i, line in enumerate(run.lines) if line.startswith("[node0] [rank0]: epoch 2/2 step "))
+    assert said < last_step, run.output
     assert summary["goodput"]["seconds"]["restarting"] == pytest.approx(recovered, abs=0.1), summary["goodput"]
     assert harness("report", run.run_id, "--runs-dir", str(run.runs_dir)).returncode == 0
     assert f"recovered in {recovered:.2f} s (stop " in (run_path / "report.html").read_text()

@@ -33,6 +33,7 @@ from harness.record.schema import (
     FailureKind,
     HealthEvent,
     HealthEventKind,
+    Progress,
     RecordedNode,
     RunState,
     RunStatus,
@@ -368,11 +369,30 @@ def test_a_damaged_kept_stack_is_said_so(tmp_path: Path) -> None:
     assert f"attempt 0: the stacks kept in <code>{run.hang_stacks(0)}</code> cannot be read (" in page
 
 
-def test_the_header_says_when_the_first_step_came(tmp_path: Path) -> None:
-    """From timeline.jsonl's first sample with a step: 3 s after the start; a later attempt's after its own start."""
-    assert "<dt>first step</dt><dd>3.0 s after the run started</dd>" in html_report(_hung(tmp_path))
-    page = html_report(_ended(tmp_path / "restarted"))
+def with_progress(run: RunDir, *steps: tuple[float, int, float, int]) -> RunDir:
+    """run's attempts with the steps their lines said, as the controller records them: (first_at, first_step, last_at,
+    last_step) each, from T0; and no timeline, as after a gap of the record that lasted their whole training."""
+    summary = run.read_summary()
+    assert summary is not None
+    attempts = [replace(a, progress=Progress(first, T0 + at, last, T0 + last_at))
+                for a, (at, first, last_at, last) in zip(summary.attempts, steps, strict=True)]
+    run.write_summary(replace(summary, attempts=attempts))
+    run.timeline.unlink()
+    return run
+
+
+def test_the_header_says_when_the_first_step_came_and_the_step_rate_is_drawn_without_a_timeline(
+        tmp_path: Path) -> None:
+    """Where `harness status` reads them: the attempts' steps, 3 s after the start; a later attempt's after its own
+    start. The timeline lost every step of them (a gap of the record), so each attempt's mean rate is drawn."""
+    assert "<dt>first step</dt><dd>3.0 s after the run started</dd>" in \
+        html_report(with_progress(_hung(tmp_path), (3, 7, 3, 7)))
+    page = html_report(with_progress(_ended(tmp_path / "restarted"), (2, 0, 7, 50), (15, 10, 20, 30)))
     assert "<dt>first step</dt><dd>2.0 s after the run started; attempt 1: 1.0 s after it started</dd>" in page
+    assert "no rank's step is known" not in page
+    chart = _chart(page, "step-rate")
+    assert "each attempt&#x27;s mean" in chart, chart
+    assert len(re.findall(r"<polyline ", chart)) == 2, "a line of 10 steps/s, then one of 4 steps/s"
 
 
 # --- where the time went, and the lines' loss and throughput --------------------------------------------------

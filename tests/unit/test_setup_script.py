@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.node.agent import remove_orphaned
+from harness.node.agent import free_what_was_read, remove_orphaned
 from harness.node.proctable import start_ticks
 from harness.plan.setup_script import setup_id, setup_script, with_setup
 from harness.targets.boot import source
@@ -93,3 +93,33 @@ def test_an_agent_removes_the_directories_of_agents_that_were_killed_and_keeps_t
         (directory / "sitecustomize.py").write_text("")
     remove_orphaned(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])
+
+
+def test_what_torchrun_has_read_of_its_workers_output_is_given_back_and_the_rest_kept(tmp_path):
+    """A reader (torchrun tailing a worker's stdout.log, here a process reading it) at 600 KB of 1 MB: the blocks
+    before it are freed, the file keeps its size and the unread part; a file it writes, or reads elsewhere, is
+    left whole."""
+    logs = tmp_path / "torchrun"
+    tee, other = logs / "run_x" / "attempt_0" / "0" / "stdout.log", tmp_path / "elsewhere.log"
+    tee.parent.mkdir(parents=True)
+    data = bytes(range(256)) * 4096
+    for path in (tee, other):
+        path.write_bytes(data)
+    reader = subprocess.Popen([sys.executable, "-c", "import sys\nfiles = [open(p, 'rb', buffering=0) for p in sys.argv[1:]]\n"
+                               "for f in files: f.read(600_000)\nprint('read', flush=True)\nsys.stdin.read()",
+                               str(tee), str(other)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == "read\n"
+        with open(logs / "written.log", "wb") as written:  # this process's write: never freed
+            written.write(data)
+            freed: dict[str, int] = {}
+            free_what_was_read(str(logs), reader.pid, freed)
+            free_what_was_read(str(logs), os.getpid(), freed)
+    finally:
+        reader.communicate("")
+    kept = 600_000 // 4096 * 4096
+    assert freed == {str(tee): kept}
+    assert tee.stat().st_size == len(data) and tee.read_bytes()[kept:] == data[kept:]
+    assert tee.read_bytes()[:kept] == bytes(kept), "the freed blocks read as a hole"
+    assert tee.stat().st_blocks * 512 <= len(data) - kept + 4096
+    assert other.read_bytes() == data and (logs / "written.log").read_bytes() == data

@@ -275,8 +275,7 @@ class PodsBackend:
         return [Host(name=p.pod, address=p.address, python=p.python, workdir=p.workdir, gpus=spec.resources.gpus)
                 for p in pods]
 
-    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
-             down: frozenset[str] = frozenset()) -> Plan:
+    def plan(self, spec: JobSpec, run_id: str, attempt: int = 0, down: frozenset[str] = frozenset()) -> Plan:
         """The first attempt waits for the job's pods as long as a rendezvous may take (scheduling, image
         pulls); a later one for recreated pods up to k8s.rejoin seconds, then goes on with those there."""
         wait = spec.timeouts.rendezvous if self._first else self.rejoin

@@ -91,8 +91,7 @@ class LocalBackend:
     def machines(self) -> dict[str, str]:
         return {}  # one machine: its simulated nodes are never kept out
 
-    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
-             down: frozenset[str] = frozenset()) -> Plan:
+    def plan(self, spec: JobSpec, run_id: str, attempt: int = 0, down: frozenset[str] = frozenset()) -> Plan:
         """The job's simulated nodes other than down (nodes whose agent was lost): there are no spares, so
         the attempt runs on fewer of them as restarts.min_nnodes allows."""
         names = take_healthy(spec, simulated_hosts(spec.nnodes), down, what="simulated node", pool="the job's")
@@ -100,9 +99,7 @@ class LocalBackend:
         if spec.master_port == "auto":  # picked anew for every attempt: the last one's may still be held
             spec = spec.at_port(free_port())
         return plan_local(spec, run_id=run_id, python=python, gpu_ids=local_gpu_ids(spec),
-                          local_cpus=len(os.sched_getaffinity(0)),
-                          log_dir=str(log_dir.resolve()) if log_dir is not None else None, attempt=attempt,
-                          cwd=os.getcwd(), hosts=names)
+                          local_cpus=len(os.sched_getaffinity(0)), attempt=attempt, cwd=os.getcwd(), hosts=names)
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """A missing script, module or data path fails before any node starts, not as N identical

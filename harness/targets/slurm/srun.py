@@ -132,8 +132,7 @@ class SrunBackend:
     def machines(self) -> dict[str, str]:
         return {name: slurm_machine(name) for name in self.allocation.nodes}
 
-    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
-             down: frozenset[str] = frozenset()) -> Plan:
+    def plan(self, spec: JobSpec, run_id: str, attempt: int = 0, down: frozenset[str] = frozenset()) -> Plan:
         nodes = self.allocation.nodes
         if (error := self.allocation.too_small(spec.nnodes)) is not None:
             raise error

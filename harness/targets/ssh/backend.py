@@ -233,8 +233,7 @@ class SSHBackend:
         self._opened: dict[str, Connection] = {}
         self._standbys = Standbys()
 
-    def plan(self, spec: JobSpec, run_id: str, log_dir: Path | None = None, attempt: int = 0,
-             down: frozenset[str] = frozenset()) -> Plan:
+    def plan(self, spec: JobSpec, run_id: str, attempt: int = 0, down: frozenset[str] = frozenset()) -> Plan:
         return self.pinned_plan(spec, run_id, job_hosts(spec, self.inventory, down), attempt)
 
     def machines(self) -> dict[str, str]:
