@@ -100,10 +100,17 @@ env:
 """
 SCRIPT = REPO / "tests" / "scripts" / "ddp_sum.py"
 STOP_GRACE = 3.0  # the spec's default timeouts.stop_grace, which ddp_job keeps
+# testbed/standin's torch, first on a job's PYTHONPATH: torchrun's place taken by a launcher that forks its ranks, a
+# process group whose collectives wait at node 0, no torch import anywhere. For what the harness does around a job
+# (supervision, stops, records, views), where torch's own behaviour is not what is tested: a launch then costs the
+# harness's processes, not four torch imports. tests/scripts/ddp_sum.py runs on either.
+STANDIN_ENV = {"PYTHONPATH": f"{REPO / 'testbed' / 'standin' / 'shim'}:{REPO}"}
 
 
-def ddp_job(write_yaml, nproc: int = 1, **env: str) -> Path:
-    """A job running tests/scripts/ddp_sum.py on 2 nodes; env tunes its pace and failures."""
+def ddp_job(write_yaml, nproc: int = 1, standin: bool = False, **env: str) -> Path:
+    """A job running tests/scripts/ddp_sum.py on 2 nodes; env tunes its pace and failures; standin: on the stand-in
+    torch (STANDIN_ENV)."""
+    env = (STANDIN_ENV if standin else {}) | env
     lines = "\n".join(f"  {k}: '{v}'" for k, v in env.items()) or "  {}"
     text = JOB.format(nproc=nproc, port=free_port(), script=SCRIPT, env=lines)
     return write_yaml(text.replace("env:\n  {}", "env: {}"))

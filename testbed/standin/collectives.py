@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -48,6 +49,11 @@ def init_process_group(backend: str = "gloo", **_: Any) -> None:
     connection.settimeout(None)
     connection.sendall(f"hello {rank}\n".encode())
     _groups.append(_Group(rank, world_size, connection))
+    if os.environ.get("TORCH_CPP_LOG_LEVEL", "").upper() == "INFO":  # as torch's store client says it joined
+        now = time.time()
+        print(f"[I{time.strftime('%m%d %H:%M:%S', time.localtime(now))}.{int(now % 1 * 1e6):06d} socket.cpp:955] "
+              f"[c10d] The client socket has connected to [{address[0]}]:{address[1]} on SocketImpl(fd=3)",
+              file=sys.stderr, flush=True)
 
 
 def is_initialized() -> bool:

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                    MASTER_ADDR=addr, MASTER_PORT=str(port),
                    TORCHELASTIC_RUN_ID=os.environ.get("HARNESS_RUN_ID", "none"))
         args = [string.Template(a).safe_substitute(local_rank=local_rank) for a in flags.script_args]
-        ranks.append(_Rank(rank, _fork(env, flags.module, flags.script, args),
+        ranks.append(_Rank(rank, local_rank, _fork(env, flags.module, flags.script, args),
                            template.safe_substitute(rank=rank, local_rank=local_rank).encode()))
     if node_rank == 0:  # after the forks: a rank must not inherit a thread
         Coordinator(port, world_size)
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
 class _Rank:
     """A rank this launcher forked: its pid, and the read ends of its stdout and stderr."""
 
-    def __init__(self, rank: int, started: tuple[int, int, int], prefix: bytes) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, local_rank: int, started: tuple[int, int, int], prefix: bytes) -> None:
+        self.rank, self.local_rank = rank, local_rank
         self.pid, self.stdout, self.stderr = started
         self.prefix = prefix
         self.code: int | None = None
@@ -210,10 +210,21 @@ def _supervise(ranks: list[_Rank]) -> int:
             time.sleep(0.1)
         for rank in ranks:
             if rank.poll() not in (None, 0):
-                print(f"torchrun (stand-in): rank {rank.rank} exited with code {rank.code}", file=sys.stderr,
-                      flush=True)
+                _report(rank)
                 _end(ranks, 1)
     return 0
+
+
+def _report(rank: _Rank) -> None:
+    """torchrun's own report of its first failed worker (its elastic agent's error line, then ChildFailedError's
+    root cause), in the words the harness reads it by."""
+    now = time.time()
+    stamp = time.strftime("%m%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1e6):06d}"
+    print(f"E{stamp} {os.getpid()} torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: "
+          f"{rank.code}) local_rank: {rank.local_rank} (pid: {rank.pid}) of binary: {sys.executable}\n"
+          f"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n{'=' * 60}\n"
+          f"Root Cause (first observed failure):\n[0]:\n  rank      : {rank.rank} (local_rank: {rank.local_rank})\n"
+          f"  exitcode  : {rank.code} (pid: {rank.pid})\n{'=' * 60}", file=sys.stderr, flush=True)
 
 
 def _write(out: IO[bytes], prefix: bytes, lines: list[bytes]) -> None:

@@ -172,7 +172,7 @@ def test_stop_and_status_from_another_terminal(write_yaml, launch):
     """`harness stop` (SIGTERM to the controller), the one stop path that Ctrl-C shares (unit/test_stop_signals.py:
     both signals; unit/test_runs.py: what status says of each). Meanwhile another local user cannot reach a rank's
     hook, whose socket is in its agent's private directory (docs/security.md)."""
-    run = launch(job(write_yaml, STEPS="100000", STEP_SECONDS="0.05", AWAIT_RANK_HOOK="1"))
+    run = launch(job(write_yaml, standin=True, STEPS="100000", STEP_SECONDS="0.05", AWAIT_RANK_HOOK="1"))
     hook = run.wait_for(r"\[rank0\]: rank 0: rank hook at (\S+)").group(1)
     run.wait_for(r"\[rank0\]: step 5 ")
     reach = f"import socket; socket.socket(socket.AF_UNIX).connect({hook!r})"

@@ -7,6 +7,9 @@ harness's rank hook serves in it (its socket exists), and says where, so that a 
 with the rank, or tries it.
 SHOW_SECRET=NAME: each rank says the sha256 of its env's NAME (not the value) and in how many processes' command
 lines that value is, read from /proc while the job runs.
+On the stand-in torch of testbed/standin (its shim first on PYTHONPATH: ddp_job(standin=True)), where torch's own
+behaviour is not what a test is about, the same lines at the same pace for no torch import: each step an
+all_reduce of a number, and a loss and weights every rank shares.
 """
 
 import glob
@@ -18,6 +21,49 @@ import time
 
 import torch
 import torch.distributed as dist
+
+try:
+    from torch import nn
+except ImportError:  # the stand-in torch: no tensors
+    nn = None
+
+TARGET = [1.0, -2.0, 3.0, 0.5]
+
+
+class Linear:
+    """A linear model fit to TARGET by DDP: each step's loss, and the weights at the end."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world, self.rank = world, rank
+        torch.manual_seed(0)
+        self.model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.target = torch.tensor(TARGET)
+
+    def step(self, step: int) -> float:
+        g = torch.Generator().manual_seed(step * self.world + self.rank)
+        x = torch.randn(32, 4, generator=g)
+        loss = ((self.model(x).squeeze(1) - x @ self.target) ** 2).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+    def weights(self) -> list[float]:
+        return self.model.module.weight.detach().flatten().tolist()
+
+
+class StandIn:
+    """The stand-in's: a collective per step, as DDP's all-reduce of the gradients."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        pass
+
+    def step(self, step: int) -> float:
+        return dist.all_reduce(1.0 / (step + 1))
+
+    def weights(self) -> list[float]:
+        return TARGET
 
 
 def show_secret(rank: int, name: str) -> None:
@@ -52,10 +98,7 @@ def main() -> None:
     fail_rank = int(os.environ.get("FAIL_RANK", "-1"))
     fail_at = int(os.environ.get("FAIL_AT_STEP", "-1"))
     hang_at = int(os.environ.get("HANG_AT_STEP", "-1"))
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    target = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    model = (StandIn if nn is None else Linear)(world, rank)
     print(f"rank {rank}/{world} up on {socket.gethostname()}; args={sys.argv[1:]}", flush=True)
     for step in range(steps):
         if rank == fail_rank and step == fail_at:
@@ -63,17 +106,11 @@ def main() -> None:
             sys.exit(int(os.environ.get("FAIL_CODE", "1")))
         if rank != fail_rank and step == hang_at:
             time.sleep(3600)
-        g = torch.Generator().manual_seed(step * world + rank)
-        x = torch.randn(32, 4, generator=g)
-        loss = ((model(x).squeeze(1) - x @ target) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = model.step(step)
         if (rank == 0 or os.environ.get("EVERY_RANK_SAYS_STEPS") == "1") and step % 5 == 0:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+            print(f"step {step} loss {loss:.4f}", flush=True)
         time.sleep(pause)
-    weights = model.module.weight.detach().flatten()
-    print(f"rank {rank} final loss {loss.item():.4f} weights {weights.tolist()}", flush=True)
+    print(f"rank {rank} final loss {loss:.4f} weights {model.weights()}", flush=True)
     dist.destroy_process_group()
 
 
