@@ -5,6 +5,7 @@ library only: a rank costs a bare Python, not a torch import."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -78,8 +79,12 @@ def barrier() -> None:
 
 
 def destroy_process_group() -> None:
+    """Leave the group (a rank that ends without it is a dead one to its peers)."""
     if _groups:
-        _groups.pop().connection.close()
+        connection = _groups.pop().connection
+        with contextlib.suppress(OSError):
+            connection.sendall(b"bye\n")
+        connection.close()
 
 
 def _joined() -> _Group:

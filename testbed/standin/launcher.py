@@ -29,8 +29,9 @@ TERM_SECONDS = 5.0  # ranks left to end after SIGTERM before SIGKILL, as torchru
 
 class Coordinator:
     """Node 0's side of every collective: a rank's `SEQ` line waits until all world_size ranks have sent it,
-    then each gets `SEQ` back. A rank that leaves while a collective is pending resets everyone's connection,
-    as gloo's peers see a dead rank."""
+    then each gets `SEQ` back. A rank that ends without leaving the group (`bye`: its destroy_process_group) breaks
+    it, as gloo's peers see a dead rank: every rank's connection is reset then, and any that comes to a collective
+    later. A connection that says nothing (a probe of the port, as a pod's wait for its master) is no rank."""
 
     def __init__(self, port: int, world_size: int) -> None:
         self.world_size = world_size
@@ -39,6 +40,8 @@ class Coordinator:
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.pending: dict[int, list[socket.socket]] = {}
         self.partial: dict[socket.socket, bytes] = {}
+        self.members: set[socket.socket] = set()  # ranks that said hello and have not left
+        self.broken = False  # a rank died: the group is gone
         threading.Thread(target=self._serve, name="standin-coordinator", daemon=True).start()
 
     def _serve(self) -> None:
@@ -57,18 +60,27 @@ class Coordinator:
         except OSError:
             data = b""
         if not data:
+            died = connection in self.members
             self._drop(connection)
-            if any(self.pending.values()):
-                for waiting in list(self.partial):
-                    self._drop(waiting)
+            if died:
+                self.broken = True
+                for other in list(self.partial):
+                    self._drop(other)
             return
         *lines, self.partial[connection] = (self.partial[connection] + data).split(b"\n")
         for line in lines:
             self._arrive(connection, line)
 
     def _arrive(self, connection: socket.socket, line: bytes) -> None:
-        if not line.isdigit():
-            return  # the rank's hello
+        if line.startswith(b"hello "):
+            self.members.add(connection)
+            return
+        if line == b"bye":
+            self.members.discard(connection)
+            return
+        if self.broken or not line.isdigit():
+            self._drop(connection)
+            return
         seq = int(line)
         waiting = self.pending.setdefault(seq, [])
         waiting.append(connection)
@@ -81,6 +93,7 @@ class Coordinator:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(connection)
         self.partial.pop(connection, None)
+        self.members.discard(connection)
         for waiting in self.pending.values():
             if connection in waiting:
                 waiting.remove(connection)

@@ -25,6 +25,7 @@ from testbed.cluster import Cluster, missing_support, namespace_cluster
 from testbed.podman_config import IMAGE, image_store
 
 from conftest import (
+    REPO,
     SCRIPT,
     SECRET_NAME,
     STOP_GRACE,
@@ -41,7 +42,8 @@ from conftest import (
 
 @pytest.fixture(scope="module")
 def podman_cluster() -> Iterator[Cluster]:
-    """Two hosts with podman and the image, and a workdir the image's uid 1000 may write to."""
+    """Two hosts with podman and the image, and a workdir the image's uid 1000 may write to, holding the job's
+    script and testbed/standin (the workdir is all a container mounts: standin_env)."""
     if reason := missing_support():
         pytest.skip(reason)
     for tool in ("podman", "buildah", "debootstrap", "nsenter"):
@@ -51,11 +53,20 @@ def podman_cluster() -> Iterator[Cluster]:
     workdir.mkdir(mode=0o777)
     workdir.chmod(0o777)
     shutil.copy(SCRIPT, workdir / SCRIPT.name)
+    shutil.copytree(REPO / "testbed" / "standin", workdir / "testbed" / "standin",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "testbed" / "__init__.py", workdir / "testbed")
     try:
         with namespace_cluster(2, workdir=workdir, image_store=store) as cluster:
             yield cluster
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def standin_env(cluster: Cluster) -> dict[str, str]:
+    """conftest.STANDIN_ENV as the containers see it: the stand-in torch from the workdir's copy of testbed/standin,
+    the image's own harness beside it (the image is built from this checkout)."""
+    return {"PYTHONPATH": f"{cluster.workdir / 'testbed' / 'standin' / 'shim'}:{cluster.workdir}"}
 
 
 def container_job(path: Path, extra: str = "", **env: str) -> Path:
@@ -132,15 +143,14 @@ def test_two_hosts_train_inside_the_image(podman_cluster, launch, tmp_path):
     assert_all_gone(podman_cluster, run.run_id)
 
 
-def test_the_workers_run_in_the_image_and_harness_stop_removes_every_container(podman_cluster, launch, tmp_path):
-    """The workers' interpreter is the image's /opt/venv python, in a container the engine lists; `harness
-    stop` (the stop path Ctrl-C shares) ends the run and leaves no container."""
-    run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05"),
-                 *hosts_args(podman_cluster, tmp_path))
+def test_harness_stop_removes_every_container(podman_cluster, launch, tmp_path):
+    """`harness stop` (the stop path Ctrl-C shares) ends the run, whose containers the hosts' engines listed, and
+    leaves no container. On the stand-in torch (standin_env): the stop is the harness's and the engine's, not
+    torch's; test_a_rank_failure_stops_the_other_hosts_container shows real workers in the image's interpreter."""
+    run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05",
+                               **standin_env(podman_cluster)), *hosts_args(podman_cluster, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
-    assert not Path("/opt/venv").exists()
     for rank, host in ((0, "h1"), (1, "h2")):
-        assert Path(f"/proc/{worker_pid(run.run_id, rank)}/root/opt/venv/bin/python").exists()
         assert containers(podman_cluster, host) == [f"harness-{run.run_id}-node{rank}"]
     stopped = harness("stop", run.run_id, "--runs-dir", str(run.runs_dir))
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
@@ -150,9 +160,15 @@ def test_the_workers_run_in_the_image_and_harness_stop_removes_every_container(p
 
 
 def test_a_rank_failure_stops_the_other_hosts_container(podman_cluster, launch, tmp_path):
+    """The workers' interpreter is the image's /opt/venv python, in a container the engine lists; rank 1 SIGKILLed:
+    the run fails at once with that rank's exit, and the other host's container is stopped, not left to run."""
     run = launch(container_job(tmp_path / "job.yaml", STEPS="100000", STEP_SECONDS="0.05", HANG_AT_STEP="150"),
                  *hosts_args(podman_cluster, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
+    assert not Path("/opt/venv").exists()
+    for rank, host in ((0, "h1"), (1, "h2")):
+        assert Path(f"/proc/{worker_pid(run.run_id, rank)}/root/opt/venv/bin/python").exists()
+        assert containers(podman_cluster, host) == [f"harness-{run.run_id}-node{rank}"]
     os.kill(worker_pid(run.run_id, 1), signal.SIGKILL)
     assert run.finish(timeout=60) == 1, run.output
     summary = run.summary()
@@ -165,8 +181,9 @@ def test_a_rank_failure_stops_the_other_hosts_container(podman_cluster, launch, 
 def test_a_killed_controllers_containers_run_on_and_attach_over_ssh_takes_them_back(podman_cluster, launch, tmp_path):
     """SIGKILL of the controller: each host's agent holds its node, its container training on, until `harness
     attach` logs in to each host again and takes the run back through the agent's control socket; the run ends
-    as if nothing had happened, every container removed."""
-    run = launch(container_job(tmp_path / "job.yaml", STEPS="200", STEP_SECONDS="0.05"),
+    as if nothing had happened, every container removed. On the stand-in torch (standin_env): what holds the node is
+    the harness's agent and the engine, not torch."""
+    run = launch(container_job(tmp_path / "job.yaml", STEPS="200", STEP_SECONDS="0.05", **standin_env(podman_cluster)),
                  *hosts_args(podman_cluster, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
     run_id = run.run_id

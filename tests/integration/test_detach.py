@@ -1,7 +1,8 @@
 """`harness launch --detach` in every form a job takes (a spec file, a script, a module, with and without the
 script's arguments after `--`): the launch returns while the job still runs, the run whose id it prints is the
 one that runs and ends, the script gets exactly its own arguments, and nothing else is left in the runs
-directory or the index of runs. (Stopping a detached run: test_launch_local.py, test_runs_anywhere.py.)"""
+directory or the index of runs. On the stand-in torch (testbed/standin): the probe uses none, and detaching is the
+harness's. (Stopping a detached run: test_runs_anywhere.py.)"""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from conftest import assert_nothing_left, harness, leftover, listening_ports
+from conftest import STANDIN_ENV, assert_nothing_left, harness, leftover, listening_ports
 
-LAUNCH_TIMEOUT = 300  # four launches at once, each importing torch for its preflight, on 2 busy cores
+LAUNCH_TIMEOUT = 300  # a limit for a hung launch, not a guard: four launches at once on 2 busy cores
 # Each rank writes what it was given to <run id>.argv in the launch directory (HARNESS_RUN_ID names the run that
 # really runs), then waits for <run id>.go: until the test writes it, the run cannot have ended.
 PROBE = """\
@@ -29,7 +30,9 @@ while not os.path.exists(run + ".go"):
         sys.exit("never told to go")
     time.sleep(0.05)
 """
-JOB = "name: probe\nnnodes: 1\nbackend: gloo\nentrypoint:\n  script: probe.py\n  args: [--steps, '5', two words]\n"
+JOB = ("name: probe\nnnodes: 1\nbackend: gloo\nentrypoint:\n  script: probe.py\n  args: [--steps, '5', two words]\n"
+       f"env: {{PYTHONPATH: '{STANDIN_ENV['PYTHONPATH']}'}}\n")
+STANDIN = ["--env", f"PYTHONPATH={STANDIN_ENV['PYTHONPATH']}"]  # a script launch's words for the stand-in
 # Each form: the words after `harness launch`, and the arguments the script must see.
 FORMS = {
     "spec-file": (["job.yaml"], ["--steps", "5", "two words"]),
@@ -54,8 +57,9 @@ def test_every_launch_form_detaches_and_runs_the_run_it_names(tmp_path):
     def launch(form: str) -> tuple[str, object]:
         words, _ = FORMS[form]
         env = base | {"XDG_STATE_HOME": str(tmp_path / form / "state")}  # each form's own index of runs
-        return form, harness("launch", "--detach", "--runs-dir", str(tmp_path / form / "runs"), *words, cwd=tmp_path,
-                             env=env, timeout=LAUNCH_TIMEOUT)
+        standin = [] if form == "spec-file" else STANDIN  # a spec file's job has it in its env
+        return form, harness("launch", "--detach", "--runs-dir", str(tmp_path / form / "runs"), *standin, *words,
+                             cwd=tmp_path, env=env, timeout=LAUNCH_TIMEOUT)
 
     with ThreadPoolExecutor(len(FORMS)) as pool:
         launched = dict(pool.map(launch, FORMS))

@@ -82,8 +82,8 @@ RUN: dict[str, Expect] = {
     "make k8s JOB=jobs/cifar.yaml": Expect(),
     # docs/payload.md
     "torchrun --nproc-per-node=2 -m harness.payload.train --data digits --model small --epochs 3 --batch-size 32": Expect(),
-    "python -m harness.payload.train --data synthetic --subset 2048 --model small --epochs 1 --batch-size 128": Expect(),
-    "torchrun --nproc-per-node=2 -m harness.payload.train --data synthetic --subset 4096 --model small --strategy fsdp "
+    "python -m harness.payload.train --data synthetic --subset 512 --model small --epochs 1 --batch-size 128": Expect(),
+    "torchrun --nproc-per-node=2 -m harness.payload.train --data synthetic --subset 1024 --model small --strategy fsdp "
     "--global-batch 256 --batch-size 64 --epochs 1 --ckpt-dir ckpt-fsdp --resume": Expect(),
 }
 

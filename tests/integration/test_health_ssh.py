@@ -1,11 +1,15 @@
-"""The health watch on real SSH hosts (sshd in network namespaces, gloo across them): a job that stops
-making progress is called hung within health.stall seconds and a few more, every rank's stack is read
-on its own host with py-spy and kept, the verdict names who the hang is about, and the job is stopped
-with nothing left on any host (the rules of the verdict: harness/health/judge.py)."""
+"""The health watch on real SSH hosts (sshd in network namespaces): a job that stops making progress is called
+hung within health.stall seconds and a few more, every rank's stack is read on its own host with py-spy and kept,
+the verdict names who the hang is about, and the job is stopped with nothing left on any host (the rules of the
+verdict: harness/health/judge.py). The partition runs torch and gloo across the hosts (a real all_reduce cut, each
+rank's wait read through torch's frames to the user's line); the asleep and the stopped rank run on the stand-in torch
+(testbed/standin/rank.py), as what they test is the watch, py-spy on the rank's host and the verdict's words about
+that rank, not torch."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from testbed.cluster import Cluster
 
-from conftest import REPO, assert_nothing_left, free_port, worker_pid
+from conftest import REPO, STANDIN_ENV, assert_nothing_left, free_port, worker_pid
 
 STALL = 10  # health.stall of these jobs
 # Seconds from the fault to the verdict, on a busy 2-core machine: a guard, not a speed (bench 9, simulated nodes:
@@ -24,17 +28,29 @@ DETECT_WITHIN = STALL + 15
 SCRIPT = REPO / "tests" / "scripts" / "health_steps.py"
 SHOWN = "tests/scripts/health_steps.py"  # the script as the verdict names it: relative to the ranks' workdir
 VERDICT = r"^harness: hang: (no progress for .*?)(?: \(stacks in (\S+)/\))?$"
+STANDIN_RANK = REPO / "testbed" / "standin" / "rank.py"  # the stand-in's rank: steps, each an all_reduce; a hang
+STANDIN_COLLECTIVES = REPO / "testbed" / "standin" / "collectives.py"  # where a stand-in rank waits in a collective
 
 
-def _line_of(text: str) -> int:
-    """The line of the helper script that holds text (the verdict names frames by line)."""
-    return next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if text in line)
+def _line_of(text: str, script: Path = SCRIPT) -> int:
+    """The line of a script that holds text (the verdict names frames by line)."""
+    return next(n for n, line in enumerate(script.read_text().splitlines(), 1) if text in line)
 
 
 def _job(write_yaml, **env: str) -> Path:
     lines = "".join(f"  {key}: '{value}'\n" for key, value in env.items()) or "  {}\n"
     return write_yaml(f"name: health\nnnodes: 2\nnproc_per_node: 1\nbackend: gloo\nmaster_port: {free_port()}\n"
                       f"entrypoint: {{script: {SCRIPT}}}\nenv:\n{lines}health: {{stall: {STALL}}}\n")
+
+
+def _standin_job(write_yaml, *args: str) -> Path:
+    """STANDIN_RANK with args on the stand-in torch, every rank saying each step (`epoch 1/1 step N/...`), 20 a
+    second."""
+    argv = json.dumps(["--steps", "100000", "--step-seconds", "0.05", *args])
+    return write_yaml(f"name: health\nnnodes: 2\nnproc_per_node: 1\nbackend: gloo\nmaster_port: {free_port()}\n"
+                      f"entrypoint: {{script: {STANDIN_RANK}, args: {argv}}}\n"
+                      f"env: {{PYTHONPATH: '{STANDIN_ENV['PYTHONPATH']}'}}\nhealth: {{stall: {STALL}}}\n")
+
 
 
 def _ssh_args(cluster: Cluster, tmp_path: Path) -> list[str]:
@@ -110,19 +126,20 @@ def test_a_data_plane_partition_is_a_hang_blamed_on_the_network(cluster2, write_
 
 
 def test_a_rank_asleep_in_its_step_is_named_with_its_line(cluster2, write_yaml, launch, tmp_path):
-    """Rank 1 (on h2) sleeps in its data loading while rank 0 waits for it in all_reduce: the verdict
-    says which collective rank 0 waits in, and that rank 1 has not reached it, at its own line of the script."""
-    run = launch(_job(write_yaml, SLEEP_RANK="1", SLEEP_AT_STEP="25"), *_ssh_args(cluster2, tmp_path))
-    run.wait_for(r"\[node1\] \[rank1\]: rank 1 sleeping in its step 25", timeout=180)
+    """Rank 1 (on h2) sleeps in its data loading at step 25 while rank 0 waits for it in that step's all_reduce: the
+    verdict says which collective rank 0 waits in, and that rank 1 has not reached it, at its own line of the
+    script."""
+    run = launch(_standin_job(write_yaml, "--hang-rank", "1", "--hang-step", "25"), *_ssh_args(cluster2, tmp_path))
+    run.wait_for(r"\[node1\] \[rank1\]: epoch 1/1 step 24/", timeout=180)  # its last step: then it sleeps
     asleep, asleep_wall = time.monotonic(), time.time()
     verdict, after = _detected(run, asleep)
     assert after < DETECT_WITHIN, f"hang seen {after:.1f} s after rank 1 fell asleep"  # guard: see DETECT_WITHIN
     assert run.finish(timeout=60) == 1, run.output
-    sleep, all_reduce = _line_of("time.sleep(3600)"), _line_of("dist.all_reduce(batch)")
-    seq = re.search(r"all_reduce #(\d+)", verdict.group(1)).group(1)
+    sleep, waits = _line_of("time.sleep(3600)", STANDIN_RANK), _line_of(".readline()", STANDIN_COLLECTIVES)
+    shown, collectives = STANDIN_RANK.relative_to(REPO), STANDIN_COLLECTIVES.relative_to(REPO)  # from the workdir
     assert verdict.group(1) == (
-        f"no progress for {STALL} s: rank 0 waits in all_reduce #{seq} at {SHOWN}:{all_reduce} in train_step; "
-        f"rank 1 (node1 on h2) has not reached #{seq}, at {SHOWN}:{sleep} in fetch_batch: time.sleep(3600)"), run.output
+        f"no progress for {STALL} s: rank 0 waits in all_reduce #25 at {collectives}:{waits} in _collective; "
+        f"rank 1 (node1 on h2) has not reached #25, at {shown}:{sleep} in fetch_batch: time.sleep(3600)"), run.output
 
     summary = run.summary()
     failure = summary["first_failure"]
@@ -134,7 +151,7 @@ def test_a_rank_asleep_in_its_step_is_named_with_its_line(cluster2, write_yaml, 
     assert run.output.count(verdict.group(1)) == 1, "the verdict is said once"
     stacks = run.runs_dir / run.run_id / "stacks" / "attempt-0"
     asleep_stack = (stacks / "rank1.txt").read_text()
-    assert f"fetch_batch ({SHOWN}:{sleep})\n        time.sleep(3600)" in asleep_stack, asleep_stack
+    assert f"fetch_batch ({shown}:{sleep})\n        time.sleep(3600)" in asleep_stack, asleep_stack
     assert "all_reduce" in (stacks / "rank0.txt").read_text()
     assert_nothing_left(run.run_id, within=15)
     cluster2.assert_only_sshd_left(within=15)
@@ -142,8 +159,8 @@ def test_a_rank_asleep_in_its_step_is_named_with_its_line(cluster2, write_yaml, 
 
 def test_a_stopped_rank_s_stack_is_read(cluster2, write_yaml, launch, tmp_path):
     """Rank 1 on h2 stopped (SIGSTOP): the verdict names it as stopped and says where, from its stack."""
-    run = launch(_job(write_yaml), *_ssh_args(cluster2, tmp_path))
-    run.wait_for(r"\[node0\] \[rank0\]: step 20 ", timeout=120)
+    run = launch(_standin_job(write_yaml), *_ssh_args(cluster2, tmp_path))
+    run.wait_for(r"\[node0\] \[rank0\]: epoch 1/1 step 20/", timeout=120)
     pid = worker_pid(run.run_id, 1)
     os.kill(pid, signal.SIGSTOP)
     verdict, after = _detected(run, time.monotonic())
@@ -155,4 +172,4 @@ def test_a_stopped_rank_s_stack_is_read(cluster2, write_yaml, launch, tmp_path):
     assert stopped.startswith(f"rank 1 (node1 on h2), pid {pid}, stopped (SIGSTOP)\n"), stopped
     assert_nothing_left(run.run_id, within=15)
     cluster2.assert_only_sshd_left(within=15)
-    assert "(no stack" not in verdict.group(1) and f"({SHOWN}:" in stopped, stopped
+    assert "(no stack" not in verdict.group(1) and f"({STANDIN_RANK.relative_to(REPO)}:" in stopped, stopped

@@ -4,7 +4,6 @@ nothing outlives the run, the program's own exit code is reported, refusals are 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import stat
 import subprocess
@@ -16,14 +15,14 @@ from harness.node.proctable import is_alive, start_ticks
 from harness.record.index import index_dir
 
 from conftest import DEMO_JOB as JOB
-from conftest import REPO, assert_nothing_left, ddp_job, harness
+from conftest import REPO, SCRIPT, assert_nothing_left, assert_only_the_jobs_lines, ddp_job, harness
 
 
 def test_a_daemon_that_drops_the_run_id_does_not_outlive_the_run(write_yaml, launch, tmp_path):
+    """On the stand-in torch: the daemon is the script's, its sweep the harness's."""
     pid_file = tmp_path / "daemon.pid"
-    text = ddp_job(write_yaml).read_text().replace(str(REPO / "tests" / "scripts" / "ddp_sum.py"),
-                                                   str(REPO / "tests" / "scripts" / "escape.py"))
-    text = re.sub(r"env:.*", f"env: {{DAEMON_PID_FILE: '{pid_file}'}}", text.replace("nnodes: 2", "nnodes: 1"))
+    text = ddp_job(write_yaml, standin=True, DAEMON_PID_FILE=str(pid_file)).read_text()
+    text = text.replace(str(SCRIPT), str(REPO / "tests" / "scripts" / "escape.py")).replace("nnodes: 2", "nnodes: 1")
     run = launch(write_yaml(text))
     assert run.finish() == 0, run.output
     pid = int(pid_file.read_text())
@@ -36,17 +35,23 @@ def test_a_daemon_that_drops_the_run_id_does_not_outlive_the_run(write_yaml, lau
 
 
 def test_a_programs_own_exit_code_is_the_reported_one_and_its_record_is_its_owners_alone(write_yaml, launch):
-    """The record, in a runs directory everyone may enter, under umask 022: the run's folder 0700, its files 0600,
-    the index of runs 0700; another local user reads none of it (its spec and plan hold the job's env)."""
+    """On real torch: rank 1's code, 3, read from torchrun's own report of its failure, while rank 0 waits for it in
+    the step's all_reduce; rank 1 fails once the rank hook's server (torch's own) is up in it and ends with it, and the
+    stream holds the job's lines and the harness's, none of torchrun's or torch's. The record, in a runs directory
+    everyone may enter, under umask 022: the run's folder 0700, its files 0600, the index of runs 0700; another
+    local user reads none of it (its spec and plan hold the job's env)."""
     shared = Path(tempfile.mkdtemp(prefix="harness-perm-"))
     shared.chmod(0o755)
     umask = os.umask(0o022)
     try:
-        run = launch(ddp_job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="2", FAIL_CODE="3"), runs_dir=shared / "runs")
+        run = launch(ddp_job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="2", FAIL_CODE="3", AWAIT_RANK_HOOK="1"),
+                     runs_dir=shared / "runs")
     finally:
         os.umask(umask)
     try:
         assert run.finish() == 1, run.output
+        assert_only_the_jobs_lines(run.output)
+        assert "[c10d] Server exited" in (shared / "runs" / run.run_id / "node1.log").read_text(), "the server was up"
         failure = run.summary()["first_failure"]
         assert (failure["rank"], failure["rank_exit_code"], failure["description"]) == (1, 3, "exit code 3")
         assert "FAILED: first failure on node 1 (sim1, global rank 1): exit code 3" in run.output

@@ -33,6 +33,7 @@ from testbed.kubelet import (
 from conftest import (
     REPO,
     SECRET_NAME,
+    STANDIN_ENV,
     assert_nothing_left,
     assert_secret_kept,
     free_port,
@@ -278,10 +279,11 @@ def test_supervised_a_rank_asleep_is_named_and_the_hang_fails_the_job_as_the_inf
 def test_supervised_a_program_failure_fails_the_job_at_once(cluster2, tmp_path):
     """A rank's own exit 1, not covered by restarts.on: the controller exits 1, the rule that fails the Job
     (Kubernetes never retries a bug); the worker pods are dismissed. The worker pods take a secret from the
-    namespace's Secret: every rank has it, and neither the manifests nor the run's record hold it."""
+    namespace's Secret: every rank has it, and neither the manifests nor the run's record hold it. On the stand-in
+    torch (the job's env): it reports a failed rank in torchrun's words, and torch's part is not what is tested."""
     secret = f"hf_{secrets.token_hex(12)}"
     objects = user_job(tmp_path / "project", "core", REPO / "tests/scripts/ddp_sum.py", "{max: 2, on: infra}",
-                       secret, FAIL_RANK="1", FAIL_AT_STEP="3")
+                       secret, FAIL_RANK="1", FAIL_AT_STEP="3", **STANDIN_ENV)
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster2,
@@ -301,9 +303,10 @@ def test_supervised_a_program_failure_fails_the_job_at_once(cluster2, tmp_path):
 def test_supervised_deleting_every_pod_is_a_stop(cluster2, tmp_path):
     """`kubectl exec <controller> -- harness status|stacks latest` answer while it runs; `kubectl delete -f k8s/`:
     SIGTERM to every pod at once, SIGKILL after its grace period: the controller stops every rank and records
-    the run as stopped; nothing is left running."""
+    the run as stopped; nothing is left running. On the stand-in torch (the job's env): its launcher passes SIGTERM
+    on as torchrun does, and the ranks' stacks are their script's; torch's part is not what is tested."""
     objects = user_job(tmp_path / "project", "jobset", REPO / "tests/scripts/ddp_sum.py", "{max: 2, on: any}",
-                       STEPS="100000", STEP_SECONDS="0.05")
+                       STEPS="100000", STEP_SECONDS="0.05", **STANDIN_ENV)
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster2) as pods:

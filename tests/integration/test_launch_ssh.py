@@ -1,4 +1,6 @@
-"""SSH launch on real hosts: sshd in network namespaces, torchrun + gloo across them."""
+"""SSH launch on real hosts: sshd in network namespaces, torchrun + gloo across them. Where the test is about the
+SSH supervision around a job (a killed worker, grace, a lost connection, stop), not torch, the job runs on the
+stand-in torch (ddp_job(standin=True)); test_two_hosts_train_over_gloo keeps torchrun and gloo across hosts real."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def ssh_args(cluster: Cluster, tmp_path: Path, *extra: str) -> list[str]:
     return ["--hosts", str(hosts), "--known-hosts", str(cluster.known_hosts), *extra]
 
 
+
 def test_two_hosts_train_over_gloo(cluster2, write_yaml, launch, tmp_path):
     """Over one SSH connection per host: the preflight gate's, the port pick's and the nodes' in one. With a secret
     from the launching environment (the hosts' logins have none), which reaches the ranks and nothing else."""
@@ -55,7 +58,9 @@ def test_two_hosts_train_over_gloo(cluster2, write_yaml, launch, tmp_path):
 
 
 def test_sigkill_of_a_worker_stops_the_other_host_within_5_s(cluster2, write_yaml, launch, tmp_path):
-    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05", HANG_AT_STEP="150"),
+    """On the stand-in torch: the harness's record of the killed worker and its stop of the other host are what is
+    tested, not gloo's error in the peer."""
+    run = launch(ddp_job(write_yaml, standin=True, STEPS="100000", STEP_SECONDS="0.05", HANG_AT_STEP="150"),
                  *ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
     os.kill(worker_pid(run.run_id, 1), signal.SIGKILL)
@@ -68,9 +73,10 @@ def test_sigkill_of_a_worker_stops_the_other_host_within_5_s(cluster2, write_yam
 
 
 def test_a_dead_controllers_remote_nodes_stop_once_their_grace_has_passed(cluster2, write_yaml, launch, tmp_path):
-    """Nobody attaches: each host's agent holds its node for supervision.grace, then stops it."""
+    """Nobody attaches: each host's agent holds its node for supervision.grace, then stops it (on the stand-in torch:
+    the agents' grace is what is tested)."""
     grace = 2
-    job = ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05")
+    job = ddp_job(write_yaml, standin=True, STEPS="100000", STEP_SECONDS="0.05")
     job.write_text(job.read_text() + f"supervision: {{grace: {grace}}}\n")
     run = launch(job, *ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
@@ -95,8 +101,8 @@ def test_a_dropped_connection_is_made_again_and_the_run_goes_on(cluster2, write_
     """Kill the sshd process serving h2's session, stopped for a while first: its agent holds its node, the
     controller logs in again and takes it back through the relay, and the agent sends again what the controller
     missed (what was in flight in sshd): no restart, every line once.
-    `harness stop` then still reaches h2 over the new link."""
-    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05", EVERY_RANK_SAYS_STEPS="1"),
+    `harness stop` then still reaches h2 over the new link. On the stand-in torch: the link, not torch, is tested."""
+    run = launch(ddp_job(write_yaml, standin=True, STEPS="100000", STEP_SECONDS="0.05", EVERY_RANK_SAYS_STEPS="1"),
                  *ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[rank1\]: step 5 ")
     listener = cluster2.host("h2").sshd
@@ -125,8 +131,9 @@ def test_a_dropped_connection_is_made_again_and_the_run_goes_on(cluster2, write_
 
 
 def test_stop_from_another_terminal_reaches_every_host(cluster2, write_yaml, launch, tmp_path):
-    """`harness stop` (SIGTERM to the controller), the one stop path that Ctrl-C shares (unit/test_stop_signals.py)."""
-    run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
+    """`harness stop` (SIGTERM to the controller), the one stop path that Ctrl-C shares (unit/test_stop_signals.py);
+    on the stand-in torch, as the stop is the harness's."""
+    run = launch(ddp_job(write_yaml, standin=True, STEPS="100000", STEP_SECONDS="0.05"), *ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[rank1\]: ")
     run.wait_for(r"\[rank0\]: step 5 ")
     assert {p for p in leftover(run.run_id)} & set(cluster2.pids("h2"))  # really running on h2
@@ -154,7 +161,8 @@ def test_failed_preflight_starts_nothing(cluster2, write_yaml, launch, tmp_path)
 def test_two_ssh_hosts_on_one_machine_pass_preflight_and_launch(cluster2, write_yaml, tmp_path):
     """sshd on 127.0.0.1 and 127.0.0.2, as people try before a cluster (here inside h1, which is one machine):
     preflight passes data_plane (loopback's MTU, 65536, is more than a datagram holds) and resolve (loopback
-    is right when every host is this machine), and launch starts without --skip-preflight."""
+    is right when every host is this machine), and launch starts without --skip-preflight (the job on the stand-in
+    torch: preflight and the start are tested here, not gloo)."""
     h1 = cluster2.host("h1")
     config = tmp_path / "loopback_sshd_config"
     config.write_text((cluster2.dir / "h1_sshd_config").read_text().replace(
@@ -168,7 +176,7 @@ def test_two_ssh_hosts_on_one_machine_pass_preflight_and_launch(cluster2, write_
         hosts.write_text(yaml.safe_dump(inventory, sort_keys=False))
         known = tmp_path / "known_hosts"
         known.write_text(f"127.0.0.1 {h1.host_key}\n127.0.0.2 {h1.host_key}\n")
-        job = ddp_job(write_yaml, STEPS="10")
+        job = ddp_job(write_yaml, standin=True, STEPS="10")
         in_h1 = cluster2.login(h1, [sys.executable, "-m", "harness.cli"])
         for _ in range(100):  # sshd listening
             if subprocess.run(cluster2.login(h1, ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.2/22"]),

@@ -1,7 +1,8 @@
 """A real Prometheus (Debian's package, started here on loopback ports) scrapes a running 2-node x 2-rank job's
 metrics (--metrics-port) and answers, through its HTTP API, every rank's step rate and the run's state as the
 run really was; the same run's `harness status` tells the time left within 20% of what it was, and its
-summary's buckets add up to its wall time. (Nothing listens unless asked: test_detach.py.)"""
+summary's buckets add up to its wall time. The job runs on the stand-in torch (testbed/standin): what is measured
+is the harness's, from the ranks' lines; Prometheus is real. (Nothing listens unless asked: test_detach.py.)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 
 from conftest import (
     REPO,
+    STANDIN_ENV,
     Launch,
     assert_nothing_left,
     assert_only_the_jobs_lines,
@@ -31,23 +33,21 @@ from conftest import (
 STEP_S = 0.25
 STEPS = 40  # per epoch, two epochs: 20 s of steps at the script's own pace
 # Every rank paces its steps by the clock (not by work: a busy machine slows work, not a deadline), prints its
-# progress as the payload does, and keeps in step with the others through an all_reduce. And lines that name a step
+# progress as the payload does, and keeps in step with the others through a barrier. And lines that name a step
 # without being one: where it resumed, a checkpoint of rank 0's after every tenth step, an exception's text.
 SCRIPT = textwrap.dedent(f"""
     import time
-    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     print("resume: no checkpoint yet, from step 0", flush=True)
-    t = torch.ones(1)
     pace = time.monotonic()
     for epoch in range(1, 3):
         for step in range(1, {STEPS} + 1):
             pace += {STEP_S}
             time.sleep(max(0.0, pace - time.monotonic()))
-            dist.all_reduce(t)
+            dist.barrier()
             print(f"epoch {{epoch}}/2 step {{step}}/{STEPS} loss {{1 / (step + epoch):.4f}}", flush=True)
             if rank == 0 and step % 10 == 0:
                 print(f"checkpoint: step {{(epoch - 1) * {STEPS} + step}} saved in 0.000 s", flush=True)
@@ -144,7 +144,7 @@ def test_prometheus_scrapes_every_ranks_step_rate_and_the_runs_state(tmp_path, p
     port = free_port()
     server = prometheus(port)
     run = Launch(tmp_path / "train.py", tmp_path / "runs", "--nnodes", "2", "--nproc-per-node", "2",
-                 "--metrics-port", str(port), cwd=tmp_path)
+                 "--metrics-port", str(port), "--env", f"PYTHONPATH={STANDIN_ENV['PYTHONPATH']}", cwd=tmp_path)
     try:
         run.wait_for(r"^\[node0\] \[rank0\]: epoch 1/2 step 12/")
         run_id = run.run_id

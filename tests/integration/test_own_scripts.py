@@ -1,4 +1,6 @@
-"""Bring your own script: scripts written the way public DDP examples are, through `harness launch` for real."""
+"""Bring your own script: scripts written the way public DDP examples are, through `harness launch` for real. Where
+what is tested is the harness's part (the arguments it gives, the directories) rather than torch's, the job runs on the
+stand-in torch (conftest.STANDIN_ENV)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,15 @@ from pathlib import Path
 
 from harness.run.worker_output import NO_CUDA_HINT
 
-from conftest import REPO, assert_nothing_left, free_port, harness
+from conftest import REPO, STANDIN_ENV, assert_nothing_left, free_port, harness
 
 SCRIPTS = REPO / "tests" / "scripts"
+STANDIN = f"env: {{PYTHONPATH: '{STANDIN_ENV['PYTHONPATH']}'}}\n"  # a job's line that puts it on the stand-in torch
 
 
-def own_job(write_yaml, script: str, *, nproc: int = 1, extra: str = "") -> Path:
+def own_job(write_yaml, script: str, *, nproc: int = 1, extra: str = "", standin: bool = False) -> Path:
     return write_yaml(f"name: byo\nnnodes: 2\nnproc_per_node: {nproc}\nbackend: gloo\nmaster_port: {free_port()}\n"
-                      f"entrypoint:\n  script: {SCRIPTS / script}\n{extra}")
+                      f"entrypoint:\n  script: {SCRIPTS / script}\n{extra}{STANDIN if standin else ''}")
 
 
 def test_a_script_that_hard_codes_nccl_fails_with_the_hint_on_a_cpu_machine(write_yaml, launch):
@@ -56,9 +59,11 @@ def test_a_distributed_run_is_seen_joining_and_torchs_info_log_stays_out_of_the_
 
 
 def test_local_rank_arg_gives_every_worker_its_own_local_rank(write_yaml, launch):
-    """2 nodes x 2 processes: each worker gets --local_rank=<its LOCAL_RANK> before the job's args."""
+    """2 nodes x 2 processes: each worker gets --local_rank=<its LOCAL_RANK> before the job's args. On the stand-in
+    torch: the argument is the harness's, and the stand-in torchrun fills in its ${local_rank} as torchrun does
+    (string.Template)."""
     job = own_job(write_yaml, "byo_local_rank_arg.py", nproc=2,
-                  extra="  local_rank_arg: --local_rank\n  args: [--epochs, 3]\n")
+                  extra="  local_rank_arg: --local_rank\n  args: [--epochs, 3]\n", standin=True)
     run = launch(job)
     assert run.finish() == 0, run.output
     got = sorted(re.findall(r"\[rank(\d)\]: rank \1 got --local_rank (\d) epochs 3", run.output))
@@ -93,12 +98,13 @@ def test_a_deep_traceback_is_reported_by_the_users_own_frame(write_yaml, launch)
 
 
 def test_simulated_nodes_can_each_have_a_working_directory(write_yaml, launch, tmp_path):
-    """Both nodes write out/node.txt by the same relative name; with own workdirs the files stay apart."""
+    """Both nodes write out/node.txt by the same relative name; with own workdirs the files stay apart (the script
+    imports no torch, and torchrun is the stand-in's)."""
     script = tmp_path / "write_own.py"
     script.write_text("import os, pathlib\npathlib.Path('out').mkdir(exist_ok=True)\n"
                       "pathlib.Path('out/node.txt').write_text(os.environ['NODE_RANK'] + ' ' + os.getcwd())\n")
     job = write_yaml(f"name: own-dirs\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\n"
-                     f"entrypoint: {{script: write_own.py}}\nsimulated: {{workdir: 'nodes/n{{node_rank}}'}}\n")
+                     f"entrypoint: {{script: write_own.py}}\nsimulated: {{workdir: 'nodes/n{{node_rank}}'}}\n{STANDIN}")
     rendered = json.loads(harness("render", str(job), "--format", "json", cwd=tmp_path).stdout)
     assert [n["workdir"] for n in rendered["nodes"]] == [str(tmp_path / "nodes/n0"), str(tmp_path / "nodes/n1")]
     assert all(str(script) in n["argv"] for n in rendered["nodes"]), "the script stays the launch directory's"

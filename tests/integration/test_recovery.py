@@ -1,5 +1,9 @@
 """Runs that survive failures, for real: restarts on simulated nodes, and lost hosts replaced by spares
-on a namespace cluster (the rules they follow: tests/unit/test_recovery_rules.py)."""
+on a namespace cluster (the rules they follow: tests/unit/test_recovery_rules.py). What the harness does around
+a failure (restarts, spares, fewer nodes, backoff, stops, a lost controller, a cut link) runs on the stand-in torch
+of testbed/standin (sum_job): torch's own behaviour is not what those tests are about. Real torch stays where it
+is: the payload's bitwise resumes and elastic math, gloo's words for a peer that went away, a real collective
+mismatch."""
 
 from __future__ import annotations
 
@@ -15,7 +19,17 @@ import pytest
 from harness.record.schema import RESTART_PHASES
 from testbed.cluster import Cluster
 
-from conftest import SCRIPT, STOP_GRACE, Launch, agent_pid, assert_nothing_left, free_port, harness, worker_pid
+from conftest import (
+    SCRIPT,
+    STANDIN_ENV,
+    STOP_GRACE,
+    Launch,
+    agent_pid,
+    assert_nothing_left,
+    free_port,
+    harness,
+    worker_pid,
+)
 from payload_procs import losses, weights
 from resume_job import KILL_AT, assert_same_weights, final_weights, payload_job
 
@@ -92,9 +106,15 @@ def assert_resumed_just_in_time(run: Launch, failed: dict) -> None:
                      rf"ckpt-{resumed[2]}\.jit\.pt \(\S", log), log
 
 
-def sum_job(write_yaml, restarts: str, nnodes: int = 2, **env: str) -> Path:
-    """tests/scripts/ddp_sum.py on simulated nodes, with a restarts section."""
-    lines = "".join(f"  {k}: '{v}'\n" for k, v in env.items())
+# Rank 1 fails at step 3 while rank 0 waits there outside any collective: on the stand-in, a rank in a collective
+# whose peer ends fails within milliseconds, and its node could be seen failing before rank 1's own failure is.
+FAILS = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "HANG_AT_STEP": "3"}
+
+
+def sum_job(write_yaml, restarts: str, nnodes: int = 2, standin: bool = True, **env: str) -> Path:
+    """tests/scripts/ddp_sum.py with a restarts section; standin: on the stand-in torch (STANDIN_ENV), which these
+    tests of the harness's recovery need no more than its steps, exits and a peer's loss."""
+    lines = "".join(f"  {k}: '{v}'\n" for k, v in ((STANDIN_ENV if standin else {}) | env).items())
     return write_yaml(f"name: sum\nnnodes: {nnodes}\nbackend: gloo\nmaster_port: {free_port()}\n"
                       f"entrypoint: {{script: {SCRIPT}}}\nenv:\n{lines}restarts: {restarts}\n")
 
@@ -127,7 +147,10 @@ def test_a_lost_simulated_node_without_a_spare_leaves_the_job_on_fewer_nodes(wri
 
 
 def test_a_program_error_is_not_retried_under_on_infra(write_yaml, launch):
-    run = launch(sum_job(write_yaml, "{max: 2, on: infra, backoff: 0}", FAIL_RANK="1", FAIL_AT_STEP="3"))
+    """Rank 1 exits 1: a program failure, not restarted under on: infra. On real torch: what rank 0 says next is gloo's
+    own words for a peer that ended (the stand-in's only resets the connection), held back from the stream."""
+    run = launch(sum_job(write_yaml, "{max: 2, on: infra, backoff: 0}", standin=False, FAIL_RANK="1",
+                         FAIL_AT_STEP="3"))
     assert run.finish(timeout=120) == 1, run.output
     summary = run.summary()
     assert len(summary["attempts"]) == 1 and summary["attempts"][0]["kind"] == "program"
@@ -163,7 +186,7 @@ def test_a_collective_mismatch_is_a_program_failure_named_and_not_retried_under_
 
 
 def test_on_any_retries_a_program_error_then_names_both_failures(write_yaml, launch):
-    run = launch(sum_job(write_yaml, "{max: 1, on: any, backoff: 0.2}", FAIL_RANK="1", FAIL_AT_STEP="3"))
+    run = launch(sum_job(write_yaml, "{max: 1, on: any, backoff: 0.2}", **FAILS))
     assert run.finish(timeout=120) == 1, run.output
     summary = run.summary()
     assert [(a["attempt"], a["kind"], a["failures"][0]["rank"]) for a in summary["attempts"]] == [
@@ -213,7 +236,7 @@ def test_a_killed_controller_never_taken_back_ends_a_restartable_run_after_its_g
 
 
 def test_stop_during_the_backoff_starts_nothing_more(write_yaml, launch):
-    run = launch(sum_job(write_yaml, "{max: 2, on: any, backoff: 300}", FAIL_RANK="1", FAIL_AT_STEP="3"))
+    run = launch(sum_job(write_yaml, "{max: 2, on: any, backoff: 300}", **FAILS))
     run.wait_for(r"harness: attempt 0 failed at the program level .*; restart 1 of 2 in 300 s")
     asked = time.monotonic()
     stopped = harness("stop", run.run_id, "--runs-dir", str(run.runs_dir))
@@ -266,7 +289,8 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_ends_bitwise_equal(uni
 
 def assert_kept_out_of_the_next_run(cluster: Cluster, lost: Launch, tmp_path: Path) -> None:
     """The lost h2 is kept out of the next run too (its cool-down: restarts.cooldown), which says so and runs on
-    h1 and h3 without trying it; `harness hosts` lists it with the reason, and brings it back."""
+    h1 and h3 without trying it (on the stand-in torch: which hosts it runs on is the harness's); `harness hosts`
+    lists it with the reason, and brings it back."""
     assert re.search(r"harness: h2 is kept out of later runs until \d{4}-\d\d-\d\d \d\d:\d\d \(restarts.cooldown\); "
                      r"`harness hosts --release h2` brings it back", lost.output), lost.output
     listed = harness("hosts").stdout
@@ -274,7 +298,7 @@ def assert_kept_out_of_the_next_run(cluster: Cluster, lost: Launch, tmp_path: Pa
                      listed, re.MULTILINE), listed
     job = tmp_path / "sum.yaml"
     job.write_text(f"name: sum\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\nentrypoint: {{script: {SCRIPT}}}\n"
-                   f"env: {{STEPS: '3'}}\n")
+                   f"env: {{STEPS: '3', PYTHONPATH: '{STANDIN_ENV['PYTHONPATH']}'}}\n")
     hosts = ["--hosts", str(tmp_path / "hosts.yaml"), "--known-hosts", str(cluster.known_hosts)]
     after = harness("launch", str(job), *hosts, "--runs-dir", str(tmp_path / "runs"), timeout=180)
     assert after.returncode == 0, after.stdout + after.stderr
@@ -318,7 +342,8 @@ def test_a_host_cut_off_for_10_s_is_linked_again_and_one_cut_off_for_good_is_rep
     the controller links h2's node again through a new login once it answers, and its agent sends again what the
     controller missed: no restart, no line lost. For good: the tries end (relink_window: 10 s here) and h2 counts as
     down, its spare takes its place; h2's agent, hearing nothing from the controller, holds its node for
-    supervision.grace, then stops it by itself."""
+    supervision.grace, then stops it by itself. On the stand-in torch: its ranks' collectives wait on a TCP
+    connection to node 0, as gloo's do, which is all of the job the cut meets."""
     cluster = doomed_cluster3
     job = sum_job(write_yaml, "{max: 1, backoff: 0.5}\ntimeouts: {connect: 3}\nsupervision: {grace: 10}",
                   STEPS="200", STEP_SECONDS="0.05", EVERY_RANK_SAYS_STEPS="1")

@@ -1,5 +1,6 @@
 """A launch keeps what ran: runs/<id>/entrypoint.json fingerprints the script as the run began, so an
-edit after the run does not change what the record says."""
+edit after the run does not change what the record says. On the stand-in torch (testbed/standin): the script uses
+none, and the record is the harness's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from conftest import assert_nothing_left, free_port
+from conftest import STANDIN_ENV, assert_nothing_left, free_port
 
 SCRIPT = "print('trained', flush=True)\n"
 
@@ -22,6 +23,7 @@ def test_a_launch_records_its_scripts_fingerprint(write_yaml, launch, tmp_path: 
         backend: gloo
         master_port: {free_port()}
         entrypoint: {{script: src/train.py}}
+        env: {{PYTHONPATH: '{STANDIN_ENV["PYTHONPATH"]}'}}
     """)
     run = launch(job, cwd=tmp_path)
     assert run.finish() == 0, run.output

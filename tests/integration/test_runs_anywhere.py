@@ -1,6 +1,6 @@
 """Runs are found from any directory: launched under one directory's ./runs, listed, shown and stopped
 from another through the user's index of runs; --runs-dir and HARNESS_RUNS_DIR still name the one
-directory to use."""
+directory to use. The jobs run on the stand-in torch (testbed/standin): where a run is found is the harness's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import STATE_HOME, assert_nothing_left, harness, leftover
 from conftest import ddp_job as job
 
-LAUNCH_TIMEOUT = 300  # the launch's own preflight imports torch: slow on a busy machine
+LAUNCH_TIMEOUT = 300  # a limit for a hung launch, not a guard: seconds each, longer on a busy machine
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -30,7 +30,8 @@ def _dirs(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_run_is_listed_and_shown_from_another_directory(write_yaml, tmp_path):
     here, elsewhere = _dirs(tmp_path)
-    done = harness("launch", str(job(write_yaml, STEPS="6")), cwd=here, env=_env(), timeout=LAUNCH_TIMEOUT)
+    done = harness("launch", str(job(write_yaml, standin=True, STEPS="6")), cwd=here, env=_env(),
+                   timeout=LAUNCH_TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "warning" not in done.stderr, done.stderr
     run_id = re.search(r"harness: run (\S+): ", done.stdout).group(1)
@@ -54,8 +55,8 @@ def test_a_run_is_listed_and_shown_from_another_directory(write_yaml, tmp_path):
 
 def test_a_detached_run_is_stopped_from_another_directory(write_yaml, tmp_path):
     here, elsewhere = _dirs(tmp_path)
-    started = harness("launch", str(job(write_yaml, STEPS="100000", STEP_SECONDS="0.05")), "--detach", cwd=here,
-                      env=_env(), timeout=LAUNCH_TIMEOUT)
+    spec = job(write_yaml, standin=True, STEPS="100000", STEP_SECONDS="0.05")
+    started = harness("launch", str(spec), "--detach", cwd=here, env=_env(), timeout=LAUNCH_TIMEOUT)
     assert started.returncode == 0, started.stdout + started.stderr
     run_id = re.search(r"run (\S+) started in the background", started.stdout).group(1)
     try:
@@ -92,8 +93,8 @@ def test_a_launch_goes_on_when_the_index_cannot_be_written(write_yaml, tmp_path)
     afile = tmp_path / "afile"
     afile.write_text("x")
     here, _ = _dirs(tmp_path)
-    done = harness("launch", str(job(write_yaml, STEPS="6")), cwd=here, env=_env(XDG_STATE_HOME=str(afile)),
-                   timeout=LAUNCH_TIMEOUT)
+    done = harness("launch", str(job(write_yaml, standin=True, STEPS="6")), cwd=here,
+                   env=_env(XDG_STATE_HOME=str(afile)), timeout=LAUNCH_TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
     run_id = re.search(r"harness: run (\S+): ", done.stdout).group(1)
     warnings = [line for line in done.stderr.splitlines() if "warning" in line]

@@ -8,6 +8,7 @@ of the run that never stopped.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from harness.payload import checkpoint
 
-from payload_procs import clean_env, job, losses, run, torchrun, weights
+from payload_procs import clean_env, job, losses, run, single, torchrun, weights
 
 pytestmark = pytest.mark.xdist_group("test_payload_elastic")  # one worker runs the references once
 
@@ -28,15 +29,27 @@ ELASTIC = ["--data", "synthetic", "--model", "small", "--norm", "group", "--subs
            "--global-batch", "64", "--batch-size", "32", "--log-every", "1", "--ckpt-every", "4"]
 
 
+@dataclass(frozen=True)
+class Unbroken:
+    """A 2-rank run never stopped: its losses, its final weights, its --ckpt-dir (the FSDP run's only)."""
+
+    losses: dict[int, float]
+    weights: dict[str, torch.Tensor]
+    ckpt: Path
+
+
 @pytest.fixture(scope="module")
-def unbroken(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[int, float], dict]]:
-    """Per strategy: the losses and final weights of a 2-rank run never stopped."""
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Unbroken]:
+    """Per strategy, the 2-rank run that the stopped, killed and resized runs must match. The FSDP run also keeps its
+    sharded checkpoints (writing them changes no step), which test_a_checkpoint_of_the_other_strategy_is_named_not_skipped
+    resumes with the other strategy."""
     found = {}
     for strategy in ("ddp", "fsdp"):
         root = tmp_path_factory.mktemp(f"unbroken-{strategy}")
+        kept = ["--ckpt-dir", str(root / "ckpt")] if strategy == "fsdp" else []
         run(torchrun() + ELASTIC + ["--strategy", strategy, "--losses", str(root / "losses.jsonl"),
-                                    "--save-final", str(root / "final.pt")], env=ONE_THREAD)
-        found[strategy] = losses(root / "losses.jsonl"), weights(root / "final.pt")
+                                    "--save-final", str(root / "final.pt"), *kept], env=ONE_THREAD)
+        found[strategy] = Unbroken(losses(root / "losses.jsonl"), weights(root / "final.pt"), root / "ckpt")
     return found
 
 
@@ -75,17 +88,20 @@ def test_fsdp_killed_while_writing_its_shards_resumes_bitwise(unbroken, tmp_path
     resumed = run(torchrun() + args, env=ONE_THREAD)
     assert "resume: epoch 1/2 step 8/16 (global step 8)" in resumed.output, resumed.output
     assert not (ckpt / f".{stalled.name}.tmp").exists()
-    expected_losses, expected_weights = unbroken["fsdp"]
-    assert losses(tmp_path / "losses.jsonl") == expected_losses
+    expected = unbroken["fsdp"]
+    assert losses(tmp_path / "losses.jsonl") == expected.losses
     final = weights(tmp_path / "final.pt")
-    assert final.keys() == expected_weights.keys()
-    assert [k for k in final if not torch.equal(final[k], expected_weights[k])] == []
+    assert final.keys() == expected.weights.keys()
+    assert [k for k in final if not torch.equal(final[k], expected.weights[k])] == []
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("strategy,before,after", [("ddp", 1, 2), ("fsdp", 2, 1)])
 def test_a_checkpoint_resumes_on_another_world_size_with_the_same_losses(unbroken, tmp_path: Path, strategy: str,
                                                                          before: int, after: int) -> None:
+    """Both directions and both strategies in two runs: DDP grows from the checkpoint of one rank that accumulated
+    two micro-batches a step; FSDP shrinks, one rank reading both ranks' shards and accumulating. The other two
+    pairs run no other code of the payload's: a DDP checkpoint is one file whatever the world size, and DCP
+    reshards either way."""
     ckpt, curve = tmp_path / "ckpt", tmp_path / "losses.jsonl"
     args = [*ELASTIC, "--strategy", strategy, "--ckpt-dir", str(ckpt), "--losses", str(curve)]
     run(torchrun(before) + args + ["--max-steps", "10"], env=ONE_THREAD)
@@ -95,13 +111,13 @@ def test_a_checkpoint_resumes_on_another_world_size_with_the_same_losses(unbroke
     assert f"resume: world size {before} -> {after}; the same steps continue: global batch 64 = {after} rank(s) x " \
            f"{split}" in resumed.output, resumed.output
     assert re.search(r"^resume: epoch 1/2 step 10/16 \(global step 10\)", resumed.output, re.M), resumed.output
-    expected_losses, expected_weights = unbroken[strategy]
+    expected = unbroken[strategy]
     got = losses(curve)
-    assert list(got) == list(expected_losses) == list(range(1, 33))
-    gaps = [abs(got[s] - expected_losses[s]) for s in got]
+    assert list(got) == list(expected.losses) == list(range(1, 33))
+    gaps = [abs(got[s] - expected.losses[s]) for s in got]
     assert max(gaps) <= 1e-4, gaps
     final = weights(tmp_path / "final.pt")
-    assert max((final[k] - expected_weights[k]).abs().max().item() for k in final) <= 1e-4
+    assert max((final[k] - expected.weights[k]).abs().max().item() for k in final) <= 1e-4
 
 
 def test_a_world_size_that_does_not_divide_the_global_batch_is_refused(tmp_path: Path) -> None:
@@ -113,12 +129,12 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused(tmp_path:
            "divides it (1, 3, 7, 9, 21, 63), or start afresh with another --global-batch" in started.output
 
 
-def test_a_checkpoint_of_the_other_strategy_is_named_not_skipped(tmp_path: Path) -> None:
-    args = ["--data", "synthetic", "--model", "small", "--subset", "256", "--batch-size", "32", "--epochs", "1",
-            "--max-steps", "2", "--ckpt-dir", str(tmp_path / "ckpt")]
-    run(torchrun() + args + ["--strategy", "fsdp"])
-    with job(torchrun() + args + ["--resume"]) as started:
+def test_a_checkpoint_of_the_other_strategy_is_named_not_skipped(unbroken) -> None:
+    """The unbroken FSDP run's sharded checkpoints, resumed with --strategy ddp: refused by name. One process, no
+    torchrun: the newest checkpoint is chosen and judged before any process group or model exists."""
+    ckpt = unbroken["fsdp"].ckpt
+    with job([*single(), *ELASTIC, "--ckpt-dir", str(ckpt), "--resume"]) as started:
         code = started.finish(120)
-    assert code != 0
-    assert f"error: the newest checkpoint in {tmp_path / 'ckpt'}, ckpt-00000002, was written with --strategy fsdp; " \
+    assert code == 2, started.output
+    assert f"error: the newest checkpoint in {ckpt}, ckpt-00000032, was written with --strategy fsdp; " \
            f"resume it with --strategy fsdp, or start afresh in another --ckpt-dir" in started.output
