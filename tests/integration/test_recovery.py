@@ -40,6 +40,21 @@ def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted
     run = launch(payload_job(tmp_path / "job", ckpt_every=0, standby=0))
     run.wait_for(KILL_AT, timeout=180)
     os.kill(worker_pid(run.run_id, 1), signal.SIGKILL)
+    # Attempt 1's warm rank 0 frozen after its first step until the health watch has sampled both warm ranks: its 53
+    # steps may otherwise end within the second before the first sample, on a quiet machine.
+    resumed = run.wait_for(r"\[rank0\]: resume: epoch 1/2 step ", timeout=180)
+    run.wait_for(r"\[rank0\]: epoch \d/2 step \d+/32 ", after=resumed)
+    frozen = worker_pid(run.run_id, 0)
+    os.kill(frozen, signal.SIGSTOP)
+    timeline, deadline = run.runs_dir / run.run_id / "timeline.jsonl", time.monotonic() + 60
+    try:
+        while not (watched := any(t["attempt"] == 1 and set(t["ranks"]) == {"0", "1"}
+                                  for t in map(json.loads, timeline.read_text().splitlines()))) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    assert watched, "warm ranks are watched too"
     assert run.finish(timeout=300) == 0, run.output
     assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
     summary = run.summary()
@@ -52,8 +67,6 @@ def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted
     assert second["warm"] == ["sim0", "sim1"] and "harness: sim0, sim1 started warm" in run.output, run.output
     assert "not warm" not in run.output, run.output  # every worker of attempt 1 was a warm one
     run_path = run.runs_dir / run.run_id
-    timeline = [json.loads(line) for line in (run_path / "timeline.jsonl").read_text().splitlines()]
-    assert any(t["attempt"] == 1 and set(t["ranks"]) == {"0", "1"} for t in timeline), "warm ranks are watched too"
     plan = json.loads((run_path / "plan.attempt1.json").read_text())
     assert plan["attempt"] == 1 and {n["env"]["HARNESS_ATTEMPT"] for n in plan["nodes"]} == {"1"}
     first_log = (run_path / "node0.log").read_text()  # the first attempt's log is kept
