@@ -12,7 +12,7 @@ def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:
     resized = len(summary.world_sizes) > 1
     if len(summary.attempts) > 1:
         for attempt in summary.attempts:
-            recovered = f", recovered in {attempt.recover_s} s" if attempt.recover_s is not None else ""
+            recovered = f", recovered in {attempt.recover_s:.2f} s" if attempt.recover_s is not None else ""
             how = f"failed on {attempt.failures[0].describe(verdict_said=True)}" if attempt.failures else \
                 attempt.status.value
             how += f"; ended by {attempt.ended_by}" if attempt.ended_by else ""

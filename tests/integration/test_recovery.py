@@ -79,7 +79,7 @@ def test_a_killed_worker_restarts_the_job_which_ends_bitwise_equal(uninterrupted
     # One recovery figure: the stream's, goodput's restarting and the report's are the record's; the stream says it
     # as soon as attempt 1's first step comes, not only at the run's end.
     recovered = second["restart"]["total_s"]
-    assert f"harness: attempt 1 on sim0, sim1, recovered in {recovered} s: succeeded" in run.output, run.output
+    assert f"harness: attempt 1 on sim0, sim1, recovered in {recovered:.2f} s: succeeded" in run.output, run.output
     said = next(i for i, line in enumerate(run.lines)
                 if line.startswith(f"harness: attempt 1 recovered in {recovered:.2f} s (stop "))
     last_step = max(i for i, line in enumerate(run.lines) if line.startswith("[node0] [rank0]: epoch 2/2 step "))
