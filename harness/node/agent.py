@@ -61,6 +61,8 @@ TORCHRUN_LOG_DIR = "PET_LOG_DIR"
 FREE_SECONDS = 1.0  # how often what torchrun has read of those files is given back to the file system
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 BLOCK = 4096
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
 
 
 class Agent:
@@ -308,9 +310,6 @@ def free_what_was_read(logs: str, reader: int, freed: dict[str, int]) -> None:
         except (OSError, KeyError, ValueError):
             continue
 
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
 
 
 def _private_directory(hook: str, standby: str = "") -> tuple[str | None, str]:
