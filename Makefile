@@ -67,7 +67,7 @@ test-image: setup test-packages
 	tests/image/build.sh
 
 # pytest-xdist: a worker more than there are cores, at most 4 (most integration tests wait on their jobs, so
-# one more keeps the cores busy: 13.5 min against 14.5 with a worker per core on 2 cores); the tests that share
+# one more keeps the cores busy: 13.5 min against 14.5 with a worker per core on 2 cores, for the suite of November 2026); the tests that share
 # a costly cluster or reference run stay on one worker (tests/conftest.py).
 WORKERS := $(shell n=$$(nproc); echo $$(( n + 1 < 4 ? n + 1 : 4 )))
 PARALLEL := --numprocesses=$(WORKERS) --dist=loadgroup
