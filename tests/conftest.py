@@ -46,6 +46,10 @@ REPO = Path(__file__).resolve().parent.parent
 STATE_HOME = tempfile.mkdtemp(prefix="harness-test-state-")
 os.environ["XDG_STATE_HOME"] = STATE_HOME
 atexit.register(shutil.rmtree, STATE_HOME, ignore_errors=True)
+# torchrun started by hand keeps its logs in $TMPDIR/torchelastic_* and never removes them: the tests that start
+# it give it this folder, removed with the session's state.
+BY_HAND_TMPDIR = os.path.join(STATE_HOME, "tmp")
+os.mkdir(BY_HAND_TMPDIR)
 
 
 def _ephemeral_start() -> int:

@@ -16,7 +16,7 @@ import torch
 
 from harness.node.proctable import is_alive
 
-from conftest import Streamed, free_port
+from conftest import BY_HAND_TMPDIR, Streamed, free_port
 
 PY = sys.executable
 TORCHRUN_VARS = (
@@ -24,7 +24,7 @@ TORCHRUN_VARS = (
 )
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("PET_")}
-    return env | {"PYTHONUNBUFFERED": "1", "HARNESS_BACKEND": "gloo"} | extra
+    return env | {"PYTHONUNBUFFERED": "1", "HARNESS_BACKEND": "gloo", "TMPDIR": BY_HAND_TMPDIR} | extra
 
 
 def torchrun(nproc: int = 2, nnodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:

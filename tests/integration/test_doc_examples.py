@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import BY_HAND_TMPDIR, REPO
 
 PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "benchmarks.md")]
 COPIED = ("Makefile", "pyproject.toml", "requirements.lock", "hosts.example.yaml", "jobs", "k8s")
@@ -300,6 +300,7 @@ def environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HARNESS_RUNS_DIR", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["CUDA_VISIBLE_DEVICES"] = ""
+    env["TMPDIR"] = BY_HAND_TMPDIR
     return env
 
 

@@ -23,7 +23,7 @@ from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job
 from testbed.cluster import Cluster
 
-from conftest import SCRIPT, assert_nothing_left, ddp_job, free_port
+from conftest import BY_HAND_TMPDIR, SCRIPT, assert_nothing_left, ddp_job, free_port
 
 
 def _ssh_args(cluster: Cluster, tmp_path: Path, **inventory: Any) -> list[str]:
@@ -69,7 +69,7 @@ def test_torchrun_by_hand_fails_on_its_defaults_and_the_harness_launch_succeeds(
                     str(SCRIPT)]
         with (tmp_path / f"by-hand-{host.name}.log").open("wb") as log:
             started.append(subprocess.Popen(cluster.login(host, torchrun), stdout=log, stderr=subprocess.STDOUT,
-                                            env=os.environ | {"STEPS": "5"}, start_new_session=True))
+                                            env=os.environ | {"STEPS": "5", "TMPDIR": BY_HAND_TMPDIR}, start_new_session=True))
     try:
         deadline = time.monotonic() + 240
         while all(p.poll() is None for p in started) and time.monotonic() < deadline:
