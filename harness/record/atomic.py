@@ -22,11 +22,18 @@ def file_mode(folder: Path) -> int:
 def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
     """Readers (another terminal, kubectl) never see a half-written file, and a failure loses nothing. mode: the
     file's permissions (None: what the umask gives a new file: a manifest, a saved spec, for others to read too)."""
+    write_bytes_atomic(path, text.encode(), mode)
+
+
+def write_bytes_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    """As write_text_atomic. Safe in a folder others can write (the job's volume): the partial file gets a fresh
+    random name, created exclusively (a link planted there is never followed), and the rename replaces whatever
+    is at path, a link too, without following it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, 0o666 & ~UMASK if mode is None else mode)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
