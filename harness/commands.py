@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from harness.errors import HarnessError, UsageError
-from harness.record.atomic import write_text_atomic
+from harness.record.atomic import write_bytes_atomic, write_text_atomic
 from harness.record.index import find_run
 from harness.record.rundir import check_run_id, new_run_id, run_dir, runs_root
 from harness.record.schema import FailureKind, Origin
@@ -364,7 +364,7 @@ def k8s_controller(args: argparse.Namespace) -> int:
     the volume while that run's agents hold its nodes (supervision.grace), else starts a run."""
     from harness.record.liveness import left_by_a_lost_controller
     from harness.run import controller
-    from harness.targets.k8s.pods import PodLink, PodsBackend, share_tools
+    from harness.targets.k8s.pods import PodLink, PodsBackend
     from harness.targets.k8s.supervised import INFRA_EXIT
     from harness.view.metrics import EVERY_INTERFACE, serving_metrics
 
@@ -389,6 +389,19 @@ def k8s_controller(args: argparse.Namespace) -> int:
     summary = run.read_summary()
     failed_by = summary.attempts[-1].kind if summary is not None and summary.attempts else None
     return INFRA_EXIT if code == 1 and failed_by in (FailureKind.INFRA, FailureKind.HANG) else code
+
+
+def share_tools(directory: Path) -> None:
+    """py-spy (a static binary: it runs in any image), from the controller's image onto the job's volume, where
+    every worker pod finds it on its PATH (node/pod.py --tools): the ranks' stacks without it in the job's image.
+    Every pod of the job can write there: the copy follows no link planted in its way (write_bytes_atomic)."""
+    from harness.node.ranks import py_spy_path
+
+    found = py_spy_path()
+    if found is None:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(directory / "py-spy", Path(found).read_bytes(), 0o755)
 
 
 def _new_link_key(path: Path) -> bytes:

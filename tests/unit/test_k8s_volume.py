@@ -7,8 +7,8 @@ import os
 import stat
 from pathlib import Path
 
+from harness.commands import share_tools
 from harness.node.ranks import py_spy_path
-from harness.targets.k8s.pods import share_tools
 
 
 def test_py_spy_is_shared_on_the_volume_without_following_a_planted_link(tmp_path: Path) -> None:

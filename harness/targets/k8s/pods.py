@@ -25,12 +25,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from harness.node.pod import CONTROLLER_PROOF, HELLO, POD_PROOF, PROOF_SECONDS, proof, proven, read_line
-from harness.node.ranks import py_spy_path
 from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
-from harness.record.atomic import write_bytes_atomic
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.agent_link import (
@@ -220,17 +217,6 @@ class PodAgentNode(AgentNode):
     def end(self) -> None:
         super().end()
         self._link.close()
-
-
-def share_tools(directory: Path) -> None:
-    """py-spy (a static binary: it runs in any image), from the controller's image onto the job's volume, where
-    every worker pod finds it on its PATH (node/pod.py --tools): the ranks' stacks without it in the job's image.
-    Every pod of the job can write there: the copy follows no link planted in its way (write_bytes_atomic)."""
-    found = py_spy_path()
-    if found is None:
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(directory / "py-spy", Path(found).read_bytes(), 0o755)
 
 
 class PodsBackend:
