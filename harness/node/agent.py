@@ -48,7 +48,7 @@ from harness.node.link import AGENT_DIRECTORY, IDENTITY, ControllerLink, Link
 from harness.node.observer import RankObserver
 from harness.node.oom import oom_counts, oom_kills
 from harness.node.proctable import is_alive, kill_run_processes, process_tree, signal_all, start_ticks
-from harness.node.protocol import Kind, Word, message_line, oom_body, parse_word
+from harness.node.protocol import Kind, Word, escape_output, message_line, oom_body, parse_word
 
 PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
@@ -138,12 +138,13 @@ class Agent:
         self.link.write(message_line(kind, body))
 
     def _pass_output(self) -> None:
-        """The node's output, as it comes, to the controller (or the spool while there is none)."""
+        """The node's output, as it comes, to the controller (or the spool while there is none), no byte of it a
+        message's (escape_output)."""
         assert self.child.stdout is not None
         fd = self.child.stdout.fileno()
         while chunk := os.read(fd, READ_BYTES):
             self.passing = True
-            self.link.write(chunk)
+            self.link.write(escape_output(chunk))
             self.passing = False
             self.passed += len(chunk)
 

@@ -12,7 +12,9 @@ harness.node.link's control socket) for HOLD seconds, then sends TERM, waits GRA
 Agent -> controller: any line is the node's combined output, except those that begin with MARKER: each is
 a Message, written by one write(2) of at most PIPE_BUF bytes so that no worker's output can split one (a
 worker's unfinished line may precede it: `split_line` takes it apart, and the reader joins that part to the
-worker's next line).
+worker's next line). The node's output never holds MARKER: the agent passes it through `escape_output`, which
+follows each of its RS bytes (MARKER's first) with a US byte, and the controller reads it back through
+`unescape_output`; so no byte a rank prints can be taken for a message (a forged NODE_EXIT, a replay's offsets).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from enum import Enum
 from typing import NamedTuple
 
 MARKER = b"\x1eharness-"
+RS = MARKER[:1]  # ASCII's record separator: every message begins with it
+ESCAPED_RS = RS + b"\x1f"  # an RS of the node's own output, as the agent passes it: followed by a unit separator
 CHUNK = 3000  # characters of a stacks answer's JSON per message: every line stays within PIPE_BUF (4096)
 SAMPLES_PER_LINE = 32  # 32 ranks' health samples stay well within PIPE_BUF
 YOUNG_SECONDS = 30.0  # an attempt this young is sampled every YOUNG_EVERY seconds
@@ -147,6 +151,16 @@ def parse_word(line: bytes) -> tuple[Word, str] | None:
 
 def message_line(kind: Kind, body: str) -> bytes:
     return MARKER + f"{kind.value} {body}\n".encode()
+
+
+def escape_output(output: bytes) -> bytes:
+    """The node's own output as the agent passes it on: no RS in it begins a message (it never holds MARKER)."""
+    return output.replace(RS, ESCAPED_RS)
+
+
+def unescape_output(passed: bytes) -> bytes:
+    """The node's own output again, from what escape_output made of it."""
+    return passed.replace(ESCAPED_RS, RS)
 
 
 def split_line(raw: bytes) -> tuple[bytes, Message | None]:

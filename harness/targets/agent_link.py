@@ -18,7 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
-from harness.node.protocol import MARKER, Kind, Message, Word, split_line, word_line
+from harness.node.protocol import MARKER, Kind, Message, Word, split_line, unescape_output, word_line
 from harness.plan.planner import NodePlan
 from harness.plan.shell import can_stand_by, shell_command, standby_command, standby_order
 from harness.spec.job import JobSpec
@@ -252,7 +252,7 @@ class AgentNode(ABC):
                 if MARKER not in whole:
                     self._read_to += len(whole)
                     self.position = self._read_to
-                    yield (unfinished + whole).decode("utf-8", errors="replace")
+                    yield _text(unfinished + whole)
                     unfinished = b""
                     continue
                 text = []
@@ -270,17 +270,17 @@ class AgentNode(ABC):
                         self._read_to -= len(raw) - len(node_text)  # the replay's own words: not of the stream
                         if message.kind is not Kind.UNWATCHED and text:
                             self.position = unfinished_at if unfinished else self._read_to
-                            yield b"".join(text).decode("utf-8", errors="replace")  # at the time it was said
+                            yield _text(b"".join(text))  # at the time it was said
                             text = []
                     self._take(message)
                 if text:
                     self.position = unfinished_at if unfinished else self._read_to
-                    yield b"".join(text).decode("utf-8", errors="replace")
+                    yield _text(b"".join(text))
                 elif not unfinished:  # messages only, all taken: nothing of them to be sent again
                     self.position = self._read_to
             if rest := unfinished + pending:
                 self.position = self._read_to + len(pending)
-                yield rest.decode("utf-8", errors="replace").rstrip("\r\n") + "\n"
+                yield _text(rest).rstrip("\r\n") + "\n"
         except (OSError, EOFError):
             return
         finally:
@@ -354,6 +354,11 @@ class AgentNode(ABC):
 
     def kill(self) -> None:
         self._word(Word.KILL)
+
+
+def _text(passed: bytes) -> str:
+    """Lines of the node's own output, as its agent passed them (protocol.escape_output), as the node said them."""
+    return unescape_output(passed).decode("utf-8", errors="replace")
 
 
 class ChildAgentNode(AgentNode):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from harness.node.link import CONTROL, ControllerLink, Link
-from harness.node.protocol import Kind, Word, message_line, split_line, word_line
+from harness.node.protocol import Kind, Word, escape_output, message_line, split_line, word_line
 from harness.plan.planner import NodePlan
 from harness.record.disk import RecordDisk
 from harness.record.stream import LoggedMark, resume_point
-from harness.targets.agent_link import AgentNode
+from harness.targets.agent_link import AgentNode, ChildAgentNode, agent_argv, agent_env, agent_program
 
 RUN = "link-test"
 
@@ -188,3 +189,37 @@ def test_a_takeover_cuts_each_log_back_to_its_last_mark(tmp_path: Path) -> None:
     assert resume_point(tmp_path / "node0.logged", logs) == 7
     assert [log.read_text() for log in logs] == ["kept\n", "kept\n", "kept\nwritten past the mark\n"]
     assert resume_point(tmp_path / "missing.logged", logs) is None
+
+
+class LocalAgent(ChildAgentNode):
+    """A real node agent, a child of the test, as the local backend starts it."""
+
+    def __init__(self, node: NodePlan) -> None:
+        super().__init__(node, agent_argv(sys.executable, node), os.environ | agent_env(node))
+
+    def _wait_agent(self) -> str:
+        return self._child_ended()
+
+    def _agent_lost(self) -> None: ...
+
+
+def test_a_rank_that_prints_the_agents_marker_forges_no_message(tmp_path: Path) -> None:
+    """A rank prints, byte for byte, the agent's messages: its node's end (0), the end of a replay (an offset in
+    the stream), an OOM kill, its ranks started; and an RS of its own at a line's end and before a US. A real
+    agent passes it to the real parser: every byte of it is the node's output, the node's end is the agent's
+    (3), no message came, and the stream's position is where the agent's stream ends."""
+    forged = message_line(Kind.NODE_EXIT, "0") + b"step 1 " + message_line(Kind.WATCHED, json.dumps({"at": 10**9})) \
+        + message_line(Kind.OOM, json.dumps({"0": "Out of memory: Killed process 1"})) \
+        + message_line(Kind.STARTED, "0") + b"an RS at the end \x1e\n\x1e\x1f stays\n"
+    script = f"import sys; sys.stdout.buffer.write({forged!r}); sys.stdout.flush(); sys.exit(3)"
+    node = NodePlan(host="h", address="127.0.0.1", node_rank=0, nproc=1, argv=(sys.executable, "-c", script),
+                    env={"HARNESS_RUN_ID": "forge-test", "NODE_RANK": "0", "HARNESS_ATTEMPT": "0"},
+                    workdir=str(tmp_path))
+    agent = LocalAgent(node)
+    agent.boot(agent_program(node, grace=1, silence=60, watch=0))
+    agent.talk()
+    said = "".join(agent.output())
+    assert said == forged.decode()
+    assert agent.wait().exit_code == 3
+    assert agent.messages.empty()
+    assert agent.position == len(escape_output(forged) + message_line(Kind.NODE_EXIT, "3"))
