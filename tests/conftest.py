@@ -104,6 +104,24 @@ env:
 {env}
 """
 SCRIPT = REPO / "tests" / "scripts" / "ddp_sum.py"
+
+
+def attack_store(run_dir: Path, marker: Path) -> str:
+    """Another local user's attack on the run's rendezvous store (tests/scripts/store_attack.py), while the run runs,
+    where its torchrun's command line says the store is: its one line, `refused ...` or `set ...`; marker: the file a
+    pickle it set would create, once loaded."""
+    argv = json.loads((run_dir / "plan.json").read_text())["nodes"][0]["argv"]
+    flags = dict(re.findall(r"^--([\w-]+)=(.*)$", "\n".join(argv), re.M))
+    host, port = flags["rdzv-endpoint"].rsplit(":", 1) if "rdzv-endpoint" in flags else \
+        (flags["master-addr"], flags["master-port"])
+    attack = subprocess.run(["setpriv", "--reuid=12345", "--regid=12345", "--clear-groups", sys.executable,
+                             str(REPO / "tests" / "scripts" / "store_attack.py"), str(marker), host, port,
+                             *([flags["rdzv-id"]] if "rdzv-id" in flags else [])],
+                            capture_output=True, text=True, timeout=120)
+    assert attack.returncode == 0, attack.stderr
+    return attack.stdout.strip()
+
+
 STOP_GRACE = 3.0  # the spec's default timeouts.stop_grace, which ddp_job keeps
 # testbed/standin's torch, first on a job's PYTHONPATH: torchrun's place taken by a launcher that forks its ranks, a
 # process group whose collectives wait at node 0, no torch import anywhere. For what the harness does around a job

@@ -114,14 +114,14 @@ class LiveNode:
 
     def take(self, raw: str, quiet_cpp_info: bool = False, at: float = 0.0) -> tuple[str, bool]:
         """A line of the node's output as it is logged (one rank prefix), and whether the live stream
-        shows it: not the rank hook's worker server's lines, nor torch's C++ INFO lines when they are the
-        harness's own watch (quiet_cpp_info), nor
-        torchrun's own C++ log lines with their exception dumps (its store client's, e.g. a peer's agent
-        that left first at the end of a run), nor torchrun's ChildFailedError report: the harness reports
-        what they mean. Notes which ranks joined the rendezvous store, and when (at: the line's arrival)."""
+        shows it: not torch's lines of the harness's own doing (worker_output.is_harness_doing), nor torch's
+        C++ INFO lines when they are the harness's own watch (quiet_cpp_info), nor torchrun's own C++ log lines
+        with their exception dumps (its store client's, e.g. a peer's agent that left first at the end of a
+        run), nor torchrun's ChildFailedError report: the harness reports what they mean. Notes which ranks
+        joined the rendezvous store, and when (at: the line's arrival)."""
         line = worker_output.normalize(raw)
-        if worker_output.is_rank_hook_server(line):
-            return line, False  # the harness's own rank hook: in the node's log only
+        if worker_output.is_harness_doing(line):
+            return line, False  # the harness's own rank hook, its own network: in the node's log only
         # An INFO line of torchrun's own may begin an exception dump too (a c10d rendezvous store's).
         self.in_agent_cpp_log = worker_output.is_agent_cpp_log(line) or \
             (self.in_agent_cpp_log and worker_output.continues_cpp_dump(line))

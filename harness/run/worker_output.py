@@ -25,6 +25,10 @@ CPP_INFO = re.compile(r"^(\[rank\d+\]: )?\[I\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+
 RANK_HOOK_SERVER = re.compile(r"^(\[rank\d+\]: ?)?\[W\d{4} [^]]*WorkerServer\.cpp:\d+\] \[c10d\] (Server listening "
                               r"to UNIX \S*/harness-agent-\S*|WorkerServer destructor called without shutdown|Server "
                               r"shutting down|Server exited)$")
+# The store names each client it accepts by a reverse lookup of its address; in the simulated nodes' own network
+# (targets/local/private_net.py) no name server answers, and torch warns at every connection: the harness's doing.
+UNNAMED_STORE_CLIENT = re.compile(r"^(\[rank\d+\]: ?)?\[W\d{4} [^]]*socket\.cpp:\d+\] \[c10d\] The hostname of the "
+                                  r"client socket cannot be retrieved\. err=-3$")
 # torchrun's own C++ log lines (no rank prefix: its agent's store client and rendezvous), and the exception
 # dumps that follow one: `Exception raised from ...`, `frame #N: ...`, `<omitting python frames>`, a blank.
 AGENT_CPP_LOG = re.compile(r"^\[[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+\] ")
@@ -57,6 +61,14 @@ NO_CUDA_HINT = ("the script asks for CUDA and this machine has none; the job's `
                 "backend or device the script hard-codes: run it on GPU hosts, or let the script choose gloo and "
                 "the CPU when CUDA is missing (torch.cuda.is_available(), or HARNESS_BACKEND)")
 
+# What a rank that reaches for another host says when there is no route: e.g. a download, a logging service.
+NO_NETWORK = re.compile(r"Temporary failure in name resolution|Network is unreachable|\[Errno 101\]|"
+                        r"Name or service not known|No route to host")
+NO_NETWORK_HINT = ("a rank could not reach another host: simulated nodes run in a network of their own, which reaches "
+                   "no other host (simulated.network: private keeps the job's store from the machine's other users); "
+                   "fetch what the job downloads before the launch (`harness prepare`), or set simulated: {network: "
+                   "host} (its store is then open to every user of this machine); on hosts, check their DNS and routes")
+
 
 def normalize(line: str) -> str:
     """One rank prefix, however many torch and torchrun added."""
@@ -73,9 +85,10 @@ def is_cpp_info(line: str) -> bool:
     return CPP_INFO.match(line) is not None
 
 
-def is_rank_hook_server(line: str) -> bool:
-    """A line of the worker server the harness's rank hook started in the rank."""
-    return RANK_HOOK_SERVER.match(line) is not None
+def is_harness_doing(line: str) -> bool:
+    """A line torch says of what the harness did, never of the job: the worker server the harness's rank hook
+    started in the rank, and the store's clients unnamed in the job's own network."""
+    return RANK_HOOK_SERVER.match(line) is not None or UNNAMED_STORE_CLIENT.match(line) is not None
 
 
 def is_agent_cpp_log(line: str) -> bool:
@@ -169,4 +182,7 @@ def cpp_exception(lines: Sequence[str]) -> str | None:
 
 def hint(lines: Iterable[str]) -> str | None:
     """One line of advice for a failure whose signature is known."""
-    return NO_CUDA_HINT if any(NO_CUDA.search(line) for line in lines) else None
+    seen = list(lines)
+    if any(NO_CUDA.search(line) for line in seen):
+        return NO_CUDA_HINT
+    return NO_NETWORK_HINT if any(NO_NETWORK.search(line) for line in seen) else None

@@ -698,10 +698,15 @@ class Simulated(StrictModel):
     name (a checkpoint, a log) do not collide as they would not on separate machines. Unset, the
     nodes share the launch directory. python: the interpreter every node's torchrun (and so every
     rank) runs with, e.g. a virtual environment's bin/python that has the job's own packages; unset,
-    the harness's own."""
+    the harness's own. network: private (the default), a network of the launch's own where loopback is the only
+    interface, so that no other user of the machine reaches the job's rendezvous store, which has no
+    authentication (targets/local/private_net.py); the job then reaches no other host either. host: this
+    machine's network, for a job that downloads or logs to a service while it runs; its store is then open to
+    every user of the machine, and `rdzv: c10d`, whose store holds pickles torchrun loads, is refused."""
 
     workdir: Annotated[str, PlainValidator(_node_workdir)] | None = None
     python: Annotated[str, PlainValidator(_interpreter)] | None = None
+    network: Literal["private", "host"] = "private"
 
     def interpreter(self, cwd: str, default: str) -> str:
         """python as a path on this machine (default when unset): `~` expanded, a relative path taken

@@ -30,6 +30,7 @@ from conftest import (
     assert_nothing_left,
     assert_only_the_jobs_lines,
     assert_secret_kept,
+    attack_store,
     harness,
     leftover,
     stragglers_s,
@@ -148,9 +149,10 @@ def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
     is 1). Rank 1 fails once the rank hook's server is up in it (and ends with it): the stream holds the job's
     lines and the harness's, nothing else. On the stand-in torch: what is tested is the harness's supervision and
     its words; the same failure on real torch (torchrun's report read, torch's server's lines kept out of the
-    stream): test_hostile_launches.py's exit code test."""
+    stream): test_hostile_launches.py's exit code test. Before it fails, rank 1 reaches for another host: the
+    nodes' own network has no route, and the failure's hint says so."""
     run = launch(job(write_yaml, standin=True, FAIL_RANK="1", FAIL_AT_STEP="3", FAIL_CODE="3", HANG_AT_STEP="3",
-                     STEPS="1000", AWAIT_RANK_HOOK="1"))
+                     STEPS="1000", AWAIT_RANK_HOOK="1", REACH_OUT="1"))
     assert run.finish() == 1, run.output
     assert_only_the_jobs_lines(run.output)
     summary = run.summary()
@@ -158,6 +160,9 @@ def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
     assert (summary["status"], failure["node_rank"], failure["rank"], failure["exit_code"], failure["rank_exit_code"]) \
         == ("failed", 1, 1, 1, 3)
     assert any("failing on purpose" in line for line in failure["last_lines"])
+    assert "[rank1]: rank 1 could not reach 192.0.2.1: [Errno 101] Network is unreachable" in run.output
+    assert failure["hint"].startswith("a rank could not reach another host: simulated nodes run in a network of "
+                                      "their own"), failure
     assert stragglers_s(summary) < 5.0, summary  # guard: ~0.5 s on a loaded 2-core machine, not rank 0's hour
     assert "harness: node1 on sim1 failed (rank 1 exit code 3); stopping the other nodes" in run.output
     assert "FAILED: first failure on node 1 (sim1, global rank 1): exit code 3" in run.output
@@ -208,7 +213,8 @@ def test_a_killed_controllers_nodes_train_on_unwatched_and_attach_takes_them_bac
     """The payload job's controller SIGKILLed at step 10: each agent holds its node (supervision.grace), which trains
     on while no controller watches, and `harness status` says so; `harness attach` takes the run back and it ends as
     if nothing had happened: one attempt, the final weights bitwise equal to the uninterrupted run's, every step line
-    of rank 0 in the logs once (those in flight at the kill sent again), the time unwatched in the record."""
+    of rank 0 in the logs once (those in flight at the kill sent again), the time unwatched in the record. Meanwhile
+    another local user reaches neither the job's store nor its agent's socket (docs/security.md)."""
     run = launch(payload_job(tmp_path / "job"))
     run.wait_for(r"\[rank0\]: epoch 1/2 step 10/32 ")
     assert f"should this controller be lost, the nodes run on for 300 s (supervision.grace): `harness attach " \
@@ -227,6 +233,8 @@ def test_a_killed_controllers_nodes_train_on_unwatched_and_attach_takes_them_bac
         time.sleep(0.05)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.finish()
+    # The job's own network outlives its controller: another local user still cannot reach the job's store.
+    assert attack_store(run.runs_dir / run.run_id, tmp_path / "pwned").startswith("refused 127.0.0.1:")
     runs = ["--runs-dir", str(run.runs_dir)]
     for later in ("12", "16"):  # the seconds since the loss, counted as the nodes train on (not since their last line)
         while f"epoch 1/2 step {later}/32 " not in tee.read_text():

@@ -1,6 +1,6 @@
 """A user's own script launched as with torchrun, without a job spec: on simulated nodes and on SSH hosts,
-saved as a spec that launches the same job, on ports nobody holds (two default jobs side by side), and a
-held port refused before anything starts. What these launches show is the harness's, so they run on the stand-in
+saved as a spec that launches the same job, two jobs on one port in networks of their own, and a held port
+refused before anything starts where the job shares this machine's network. What these launches show is the harness's, so they run on the stand-in
 torch (testbed/standin, its shim first on the nodes' PYTHONPATH by --env), all but the one whose point is torch's
 own output (its c10d rendezvous, its worker server's lines)."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -17,7 +18,15 @@ from harness.node.freeport import ephemeral_start
 from harness.spec.job import load_job
 from testbed.cluster import Cluster
 
-from conftest import STANDIN_ENV, Launch, assert_nothing_left, assert_only_the_jobs_lines, harness
+from conftest import (
+    STANDIN_ENV,
+    Launch,
+    Streamed,
+    assert_nothing_left,
+    assert_only_the_jobs_lines,
+    attack_store,
+    harness,
+)
 
 # A user's script: it knows nothing of the harness. Each rank says its rank once every rank has joined the
 # process group (a barrier: gloo's, or the stand-in's). Given a --meet file, rank 0 waits there until every
@@ -131,51 +140,81 @@ def test_a_module_runs_with_dash_m_and_c10d_rendezvous(tmp_path: Path) -> None:
     """On real torch. With c10d, torchrun's own store logs an INFO line and a C++ exception dump (its IPv6 bind fails
     on the port it tries first): the node log keeps them, the stream does not show them. A script that never
     destroys its process group: the stream holds its lines and the harness's, nothing else (torch's worker server,
-    which the rank hook started, says at its end that it exited: in the node log only)."""
+    which the rank hook started, says at its end that it exited: in the node log only). While rank 0 waits for a
+    second job (--meet), another local user tries the c10d store the way issue 67 did, to have torchrun load a
+    pickle of its own: the simulated nodes' own network keeps it out."""
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     (tmp_path / "mypkg" / "train.py").write_text(SCRIPT)
-    result = harness("launch", "-m", "mypkg.train", "--nnodes", "2", "--rdzv-backend", "c10d", "--runs-dir",
-                     str(tmp_path / "runs"), "--", "--lr", "3", "--until-hook", "--no-destroy", cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert_only_the_jobs_lines(result.stdout)
+    meet = tmp_path / "meet"
+    run = Streamed([sys.executable, "-m", "harness.cli", "launch", "-m", "mypkg.train", "--nnodes", "2",
+                    "--rdzv-backend", "c10d", "--runs-dir", str(tmp_path / "runs"), "--", "--lr", "3", "--until-hook",
+                    "--no-destroy", "--meet", str(meet), "--jobs", "2"], cwd=tmp_path)
+    try:
+        run_id = run.wait_for(r"harness: run (\S+): ").group(1)
+        run.wait_for(r"\[rank0\]: rank 0/2 lr 3.0 port")
+        while not meet.exists() or not meet.read_text():
+            time.sleep(0.05)
+        assert attack_store(tmp_path / "runs" / run_id, tmp_path / "pwned").startswith("refused 127.0.0.1:")
+        with meet.open("a") as handle:
+            handle.write("the other job\n")
+        assert run.finish(timeout=300) == 0, run.output
+    finally:
+        run.kill_group()
+    assert not (tmp_path / "pwned").exists()
+    output = run.output
+    assert_only_the_jobs_lines(output)
     run_dir = next((tmp_path / "runs").iterdir())
     assert "[c10d] Server exited" in (run_dir / "node0.log").read_text(), "the rank hook's server was up"
-    assert len(re.findall(r"rank \d/2 lr 3.0 port", result.stdout)) == 2, result.stdout
-    assert re.search(r"run train-\S+ succeeded", result.stdout)
-    assert "frame #" not in result.stdout and "Exception raised from" not in result.stdout, result.stdout
+    assert len(re.findall(r"rank \d/2 lr 3.0 port", output)) == 2, output
+    assert re.search(r"run train-\S+ succeeded", output)
+    assert "frame #" not in output and "Exception raised from" not in output, output
 
 
-def test_two_jobs_with_default_settings_run_side_by_side(tmp_path: Path) -> None:
+def test_two_jobs_on_one_port_that_this_machine_holds_run_side_by_side(tmp_path: Path) -> None:
+    """Simulated nodes run in a network of their launch's own (targets/local/private_net.py): a port something
+    holds on this machine is free there, and two jobs on the same port run at once."""
     script = _script(tmp_path)
     meet = tmp_path / "meet"
-    runs = [Launch(script, tmp_path / "runs", "--nnodes", "2", *STANDIN, "--", "--lr", "1", "--meet", str(meet),
-                   "--jobs", "2", cwd=tmp_path) for _ in range(2)]
-    try:
-        assert [run.finish(timeout=300) for run in runs] == [0, 0], [run.output for run in runs]
-    finally:
-        for run in runs:
-            run.cleanup()
-    ports = {_plan(run)["master_port"] for run in runs}
-    assert len(ports) == 2  # each picked its own
-    assert all(re.search(r"met \['\d+', '\d+'\]", run.output) for run in runs)  # both were up at once
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        runs = [Launch(script, tmp_path / "runs", "--nnodes", "2", "--master-port", port, *STANDIN, "--", "--lr", "1",
+                       "--meet", str(meet), "--jobs", "2", cwd=tmp_path) for _ in range(2)]
+        try:
+            assert [run.finish(timeout=300) for run in runs] == [0, 0], [run.output for run in runs]
+        finally:
+            for run in runs:
+                run.cleanup()
+    assert {_plan(run)["master_port"] for run in runs} == {int(port)}
+    assert all(f"met ['{port}', '{port}']" in run.output for run in runs)  # both were up at once
 
 
-def test_a_held_port_is_refused_before_any_node_starts(tmp_path: Path) -> None:
-    script = _script(tmp_path)
+def test_a_held_port_is_refused_before_any_node_starts_where_the_job_shares_this_machines_network(
+        tmp_path: Path) -> None:
+    """simulated.network: host, for a job that reaches other hosts while it runs: the store is open to this
+    machine's users (said), a port held here is refused at once, and c10d (its store holds pickles) is refused."""
+    _script(tmp_path)
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
         started = time.monotonic()
-        result = harness("launch", str(script), "--nnodes", "2", "--master-port", str(port), "--runs-dir",
-                         str(tmp_path / "runs"), "--", "--lr", "1", cwd=tmp_path)
+        job = tmp_path / "job.yaml"
+        job.write_text(f"name: shared\nnnodes: 2\nmaster_port: {port}\nentrypoint: {{script: train.py, args: "
+                       f"[--lr, '1']}}\nsimulated: {{network: host}}\n")
+        result = harness("launch", str(job), "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
         took = time.monotonic() - started
+        job.write_text(job.read_text() + "rdzv: c10d\n")
+        c10d = harness("launch", str(job), "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"master_port {port} is in use on this machine" in result.stderr
     assert "leave master_port out" in result.stderr and "Traceback" not in result.stdout + result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert took < 60  # guard: refused at once, not after the nodes' rendezvous timed out (900 s)
+    assert c10d.returncode == 1 and "rdzv: c10d needs the job's own network, and simulated.network is host" in \
+        c10d.stderr, c10d.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no run was made
 
 

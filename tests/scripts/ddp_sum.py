@@ -5,6 +5,8 @@ there (like a long step or a stuck read) so that only the supervisor can end the
 STEP_SECONDS set the pace; rank 0 says every fifth step (every rank: EVERY_RANK_SAYS_STEPS=1). AWAIT_RANK_HOOK=1: each rank waits, once its process group exists, until the
 harness's rank hook serves in it (its socket exists), and says where, so that a test sees the hook's server end
 with the rank, or tries it.
+REACH_OUT=1: the failing rank first reaches for another host as a download would, only where no packet can leave
+(a network without routes, the simulated nodes' own), and says the error it got.
 SHOW_SECRET=NAME: each rank says the sha256 of its env's NAME (not the value) and in how many processes' command
 lines that value is, read from /proc while the job runs.
 On the stand-in torch of testbed/standin (its shim first on PYTHONPATH: ddp_job(standin=True)), where torch's own
@@ -82,6 +84,17 @@ def show_secret(rank: int, name: str) -> None:
           f"in {seen} command lines", flush=True)
 
 
+def reach_out(rank: int) -> None:
+    with open("/proc/net/route") as routes:  # this process's network's: a header alone where it has no route
+        if routes.read().splitlines()[1:]:
+            print(f"rank {rank}: this network has routes: not reaching out", flush=True)
+            return
+    try:
+        socket.create_connection(("192.0.2.1", 443), timeout=5).close()  # TEST-NET-1: never a real host
+    except OSError as exc:
+        print(f"rank {rank} could not reach 192.0.2.1: {exc}", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -102,6 +115,8 @@ def main() -> None:
     print(f"rank {rank}/{world} up on {socket.gethostname()}; args={sys.argv[1:]}", flush=True)
     for step in range(steps):
         if rank == fail_rank and step == fail_at:
+            if os.environ.get("REACH_OUT") == "1":
+                reach_out(rank)
             print(f"rank {rank} failing on purpose at step {step}", flush=True)
             sys.exit(int(os.environ.get("FAIL_CODE", "1")))
         if rank != fail_rank and step == hang_at:

@@ -217,6 +217,17 @@ def test_the_rank_hooks_worker_server_never_reaches_the_stream_whatever_the_log_
         "only the server's own words are left out"
 
 
+def test_the_stores_unnamed_clients_in_the_jobs_own_network_never_reach_the_stream():
+    """In the simulated nodes' own network no name server answers the store's reverse lookup of each client
+    (torch 2.15's words); another warning of the same file is the job's to see."""
+    unnamed = ("[rank0]: [W1202 02:55:34.718929804 socket.cpp:207] [c10d] The hostname of the client socket cannot be "
+               "retrieved. err=-3")
+    block = live().take_block(f"{unnamed}\n[rank0]: step 1\n", at=1.0)
+    assert block.shown == "[rank0]: step 1\n" and unnamed in block.logged
+    other = "[rank0]: [W1202 02:55:34.718929804 socket.cpp:207] [c10d] The client socket has failed to connect"
+    assert live().take_block(other + "\n", 1.0).shown == other + "\n"
+
+
 class _Blocking(io.StringIO):
     """A terminal that hangs until released, as a paused SSH session does."""
 

@@ -1,6 +1,7 @@
 """Local backend: simulated nodes, each a torchrun agent on this machine under the node agent.
 
-The nodes rendezvous on 127.0.0.1 exactly as a real cluster does. Each agent is a child of the
+The nodes rendezvous on 127.0.0.1 exactly as a real cluster does, in a network of the launch's own
+(private_net.py: no other user of the machine reaches the job's store). Each agent is a child of the
 controller with a pipe on its stdin: when the controller dies, even by SIGKILL, the kernel closes
 that pipe and the agent stops its node, as an SSH host's agent does when its connection drops.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from harness.node.freeport import free_port, is_free
@@ -28,6 +29,7 @@ from harness.targets.agent_link import (
     start_all,
 )
 from harness.targets.base import CheckFailed, NodeProcess, WorkdirCheck
+from harness.targets.local.private_net import PrivateNetwork
 
 
 def local_gpu_ids(spec: JobSpec) -> list[str]:
@@ -52,10 +54,13 @@ def local_gpu_ids(spec: JobSpec) -> list[str]:
 class LocalAgentNode(ChildAgentNode):
     """The agent as a child process of the controller."""
 
-    def __init__(self, node: NodePlan, python: str, relay: bool = False) -> None:
-        """relay: to the node's agent, which lost its controller (harness.node.link), instead of a new agent."""
+    def __init__(self, node: NodePlan, python: str, relay: bool = False, network: PrivateNetwork | None = None) -> None:
+        """relay: to the node's agent, which lost its controller (harness.node.link; its socket is a file, reached
+        from any network), instead of a new agent; network: the launch's, where a new agent starts (None: this
+        machine's)."""
+        agent = agent_argv(python, node)
         # Not the relay: it has no node identity, or its agent's sweep of the node would end it before its last word.
-        super().__init__(node, relay_argv(python, node) if relay else agent_argv(python, node),
+        super().__init__(node, relay_argv(python, node) if relay else network.enter(agent) if network else agent,
                          os.environ if relay else os.environ | agent_env(node))
 
     def _wait_agent(self) -> str:
@@ -87,6 +92,26 @@ class LocalBackend:
         self.python = python
         self._check = check
         self._standbys = Standbys()
+        self._network = PrivateNetwork(python)
+        self._private = True  # the job's choice (simulated.network), taken at its first plan
+        self._said_open = False
+        self._say: Callable[[str], None] = lambda line: None
+
+    def announce_to(self, say: Callable[[str], None]) -> None:
+        """A store open to the machine's users is said in the run's stream (base.Announcing)."""
+        self._say = say
+
+    def _own_network(self, spec: JobSpec) -> PrivateNetwork | None:
+        """The launch's network for the job's nodes; None where they share this machine's (said once)."""
+        self._private = spec.simulated.network == "private"
+        if self._private and self._network.available():
+            return self._network
+        if not self._said_open:
+            self._said_open = True
+            why = self._network.reason if self._private else "simulated.network is host"
+            self._say(f"the job's rendezvous store is open to every user of this machine ({why}): torch's store "
+                      f"has no authentication (docs/security.md)")
+        return None
 
     def machines(self) -> dict[str, str]:
         return {}  # one machine: its simulated nodes are never kept out
@@ -96,8 +121,9 @@ class LocalBackend:
         the attempt runs on fewer of them as restarts.min_nnodes allows."""
         names = take_healthy(spec, simulated_hosts(spec.nnodes), down, what="simulated node", pool="the job's")
         python = spec.simulated.interpreter(os.getcwd(), self.python)
+        network = self._own_network(spec)
         if spec.master_port == "auto":  # picked anew for every attempt: the last one's may still be held
-            spec = spec.at_port(free_port())
+            spec = spec.at_port(network.free_port() if network else free_port())
         return plan_local(spec, run_id=run_id, python=python, gpu_ids=local_gpu_ids(spec),
                           local_cpus=len(os.sched_getaffinity(0)), attempt=attempt, cwd=os.getcwd(), hosts=names)
 
@@ -106,10 +132,17 @@ class LocalBackend:
         tracebacks: the check handed in (preflight's fast checks), in every node's working directory (a
         relative script is the launch directory's). A master_port that something holds fails here too,
         not as torch's EADDRINUSE traceback after a peer seemed lost."""
-        if spec.master_port != "auto" and not is_free(port := spec.master_port):
-            raise CheckFailed(f"master_port {port} is in use on this machine (`ss -ltnp 'sport = :{port}'` "
-                              f"names what listens there), nothing was started -> fix: leave master_port out (or "
-                              f"set it to auto) to have a free port picked, or set another")
+        network = self._own_network(spec)
+        if spec.rdzv == "c10d" and network is None:
+            why = self._network.reason or "simulated.network is host"
+            raise CheckFailed(f"rdzv: c10d needs the job's own network, and {why}: torch's c10d rendezvous loads "
+                              f"pickles from its store, which any user of this machine could then write; nothing "
+                              f"was started -> fix: rdzv: static (the default; it loads none)")
+        if spec.master_port != "auto" and not (network.is_free if network else is_free)(port := spec.master_port):
+            where = "in the job's network (an earlier attempt's store)" if network else "on this machine"
+            raise CheckFailed(f"master_port {port} is in use {where} (`ss -ltnp 'sport = :{port}'` names what "
+                              f"listens there), nothing was started -> fix: leave master_port out (or set it to "
+                              f"auto) to have a free port picked, or set another")
         if self._check is not None:
             checked = local_spec(spec, os.getcwd())
             for workdir in _workdirs(plan):
@@ -121,7 +154,8 @@ class LocalBackend:
         return start_all(plan.nodes, self._agent, spec, self._standbys, secret_values(spec), held=True)
 
     def _agent(self, node: NodePlan) -> LocalAgentNode:
-        return LocalAgentNode(node, self.python)
+        network = self._network if self._private and self._network.available() else None
+        return LocalAgentNode(node, self.python, network=network)
 
     def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
         return attach_all(plan.nodes, lambda node: LocalAgentNode(node, self.python, relay=True), resume)
@@ -134,6 +168,7 @@ class LocalBackend:
 
     def stand_down(self) -> None:
         self._standbys.stand_down()
+        self._network.close()
 
     def close(self) -> None:
         """Nothing to release: each agent's pipes close when it ends (standbys stay for the next attempt)."""
