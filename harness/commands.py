@@ -364,7 +364,7 @@ def k8s_controller(args: argparse.Namespace) -> int:
     the volume while that run's agents hold its nodes (supervision.grace), else starts a run."""
     from harness.record.liveness import left_by_a_lost_controller
     from harness.run import controller
-    from harness.targets.k8s.pods import PodLink, PodsBackend
+    from harness.targets.k8s.pods import PodLink, PodsBackend, WorkerPods
     from harness.targets.k8s.supervised import INFRA_EXIT
     from harness.view.metrics import EVERY_INTERFACE, serving_metrics
 
@@ -375,7 +375,9 @@ def k8s_controller(args: argparse.Namespace) -> int:
     run = left or run_dir(root, new_run_id(spec.name))
     if tools := os.environ.get("HARNESS_K8S_TOOLS"):
         share_tools(Path(tools))
-    backend = PodsBackend(PodLink(spec.k8s.port, _new_link_key(Path(os.environ["HARNESS_K8S_LINK_KEY"]))),
+    link = PodLink(spec.k8s.port, _new_link_key(Path(os.environ["HARNESS_K8S_LINK_KEY"])), run.run_id,
+                   WorkerPods.of(spec))
+    backend = PodsBackend(link,
                           os.environ.get("HARNESS_K8S_CODE") or None, spec.k8s.rejoin,
                           stopped=run.stop_marker.exists,  # the pod's preStop hook: `harness stop`
                           held=run.read_state().hosts if left else ())

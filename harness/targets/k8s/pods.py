@@ -1,13 +1,13 @@
 """Inside a Kubernetes cluster: the run's controller in a pod of its own, the job's worker pods its nodes.
 
 The worker pods dial the controller (node/pod.py `serve`, from the job's ConfigMap: the pods' image needs no
-harness) and each keeps one connection waiting, once each end has proved it holds the run's key (node/pod.py
-says how; a connection that fails is refused and said, and is sent nothing); a node of an attempt is a node
-agent the controller starts
-on such a connection, which then carries the agent's stdin and stdout as an SSH channel does. The pods are
-the inventory: those connected, in completion-index order, the first nnodes the job's and the rest spares; a
-pod Kubernetes recreated (deleted, evicted, its node lost) dials in under its new name and is a new host. The
-pods stay up between attempts, so a restart starts its ranks in place, warm where a standby waits.
+harness) and each keeps one connection waiting, once each end has proved it holds the run's key and the pod is
+who it says it is (node/pod.py says how, PodLink what is checked; a connection that fails is refused and said,
+and is sent nothing); every message on it is sealed (node/pod.py's Channel). A node of an attempt is a node agent
+the controller starts on such a connection, which then carries the agent's stdin and stdout as an SSH channel
+does. The pods are the inventory: those connected, in completion-index order, the first nnodes the job's and
+the rest spares; a pod Kubernetes recreated (deleted, evicted, its node lost) dials in under its new name and is a
+new host. The pods stay up between attempts, so a restart starts its ranks in place, warm where a standby waits.
 
 The agents hold their nodes for supervision.grace when the controller is lost (its pod evicted, its Kubernetes
 node gone): the pods dial the controller's Service again, and the Job's new controller pod takes the run on the
@@ -17,7 +17,9 @@ volume back (harness k8s-controller), on a session of each of its pods that runs
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
+import re
 import secrets
 import socket
 import sys
@@ -25,13 +27,25 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from harness.node.pod import CONTROLLER_PROOF, HELLO, POD_PROOF, PROOF_SECONDS, proof, proven, read_line
+from harness.node.pod import (
+    CONTROLLER_PROOF,
+    HELLO,
+    KEPT_REFUSALS,
+    POD_PROOF,
+    PROOF_SECONDS,
+    REFUSAL_CHARS,
+    Channel,
+    Handshake,
+    keep_alive,
+    message,
+    read_line,
+)
 from harness.plan.planner import NodePlan, Plan, plan_hosts, take_healthy
 from harness.spec.inventory import Host
 from harness.spec.job import JobSpec
 from harness.targets.agent_link import (
-    READ_BYTES,
     AgentNode,
     Standbys,
     agent_argv,
@@ -41,9 +55,14 @@ from harness.targets.agent_link import (
     start_all,
 )
 from harness.targets.base import NodeProcess
+from harness.targets.k8s.manifests import object_names
+from harness.targets.k8s.supervised import WORKER, worker_names
 
 HELLO_SECONDS = 10.0  # a connection that has not said who it is by then is not one of our pods
 SAY_EVERY = 30.0  # how often the controller says which pods it still waits for
+FACT_CHARS = 4096  # the longest fact a pod's hello may hold (a name, a path)
+GENERATED_BASE = 58  # Kubernetes' longest generateName: a pod's name is that and 5 random characters
+_SUFFIX = re.compile(r"[a-z0-9]{5}")
 
 
 @dataclass(frozen=True)
@@ -58,20 +77,64 @@ class PodHello:
     workdir: str
     address: str
 
+    @classmethod
+    def read(cls, facts: dict[str, Any], address: str) -> PodHello:
+        """The hello's facts, each of its type and at most FACT_CHARS; ValueError for any other."""
+        strings = [facts.get(name) for name in ("pod", "machine", "python", "workdir", "nonce")]
+        if not all(isinstance(fact, str) and len(fact) <= FACT_CHARS for fact in strings) or \
+                type(facts.get("index")) is not int:
+            raise ValueError("not a pod's hello")
+        return cls(facts["pod"], facts["index"], facts["machine"], facts["python"], facts["workdir"], address)
+
+
+@dataclass(frozen=True)
+class WorkerPods:
+    """Who the job's worker pods are: indexes 0 to count - 1, each pod named as the Job controller names an
+    Indexed Job's (`<Job>-<index>-` and 5 random characters, the Job's name cut so that the index stays), by the
+    workers' Job of either flavor."""
+
+    jobs: tuple[str, ...]
+    count: int
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> WorkerPods:
+        """The workers' Job as supervised.py names it: core's `<job>-node`, JobSet's `<jobset>-node-0`."""
+        names = object_names(spec)
+        return cls((worker_names(spec, names["job"]), f"{names['jobset']}-{WORKER}-0"), spec.nnodes + spec.k8s.spares)
+
+    def pod_name(self, job: str, index: int) -> str:
+        """The generateName of the Job's pod of index (what its name is, less the 5 random characters)."""
+        tail = f"-{index}-"
+        return job[:GENERATED_BASE - len(tail)] + tail
+
+    def has(self, pod: str, index: int) -> bool:
+        """Whether pod is a name the Job's pod of that index may have."""
+        return 0 <= index < self.count and _SUFFIX.fullmatch(pod[-5:]) is not None and \
+            any(pod[:-5] == self.pod_name(job, index) for job in self.jobs)
+
 
 class PodLink:
     """The controller's end of the pods' connections: a listening socket, and each pod's waiting one. key: the
-    run's, which every pod proves it holds (and the controller too, to it). say: where the link's own words go
-    (a connection refused), until announce_to gives it the run's stream."""
+    run's, which every pod proves it holds (and the controller too, to it); run_id: the run the controller serves,
+    bound into every proof; workers: the pods it expects. say: where the link's own words go (a connection
+    refused), until announce_to gives it the run's stream.
 
-    def __init__(self, port: int, key: bytes, host: str = "0.0.0.0") -> None:
+    A pod that proves the key is then checked against who it says it is, since any holder of the key (every
+    process of every pod of the job) could say anything: its name must be that of a pod of its index; a name
+    connected already is that pod's from its address alone; an address connected already is that pod's alone (but
+    loopback: the controller's own pod, or a test's machine, where every pod may share one); an index connected
+    already is its pod's alone. A connection is refused, and said, for the first that fails."""
+
+    def __init__(self, port: int, key: bytes, run_id: str, workers: WorkerPods, host: str = "0.0.0.0") -> None:
         self._server = socket.create_server((host, port), backlog=1024, reuse_port=False)
-        self._key = key
+        self._key, self._run_id, self._workers = key, run_id, workers
         self._said: list[str] = []  # what was said before the run's stream existed, said again into it
         self.say: Callable[[str], None] = self._said.append
-        self._waiting: dict[str, tuple[PodHello, socket.socket]] = {}
+        self._waiting: dict[str, tuple[PodHello, Channel]] = {}
+        self._connected: dict[str, tuple[PodHello, list[Channel]]] = {}  # every pod's sessions, waiting ones too
+        self._refusals: set[str] = set()  # the identities refused so far: each said once, not at every retry
         self._changed = threading.Condition()
-        self._closed = False
+        self._dismissed: int | None = None  # the exit code every pod is sent once the run is over
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -89,54 +152,99 @@ class PodLink:
             say(line)
 
     def _greet(self, link: socket.socket, address: str) -> None:
-        """A pod's hello, then the proofs both ways (node/pod.py); only a pod that proved it holds the run's key is
-        offered, and nothing but the controller's own proof is ever sent to one that did not."""
+        """A pod's hello, then the proofs both ways (node/pod.py); only a pod that proved it holds the run's key,
+        and is who it says it is (_who_not), is offered, and nothing but the controller's own proof is ever sent to
+        one that did not (to a key holder refused for who it says it is: the refusal, sealed)."""
         try:
+            keep_alive(link)
             line, _ = read_line(link, HELLO_SECONDS)
-            if not line.startswith(HELLO):
+            facts = message(line, HELLO)
+            pod = PodHello.read(facts, address)
+            refused = facts.get("refused") or []
+            if not isinstance(refused, list):
                 raise ValueError("not a pod's hello")
-            facts = json.loads(line[len(HELLO):])
-            pod = PodHello(str(facts["pod"]), int(facts["index"]), str(facts["machine"]), str(facts["python"]),
-                           str(facts["workdir"]), address)
-            asked, mine = str(facts["nonce"]), secrets.token_hex(16)
-            link.sendall((CONTROLLER_PROOF + json.dumps({"nonce": mine, "proof": proof(
-                self._key, "controller", asked, mine, pod.pod)}) + "\n").encode())
-            line, _ = read_line(link, PROOF_SECONDS)
-            answer = json.loads(line.removeprefix(POD_PROOF)) if line.startswith(POD_PROOF) else {}
-            proved = proven(self._key, answer.get("proof"), "pod", mine, asked, pod.pod)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            mine = secrets.token_hex(16)
+            handshake = Handshake(self._key, line, mine, self._run_id)
+            link.sendall((CONTROLLER_PROOF + json.dumps({"nonce": mine, "run": self._run_id,
+                                                         "proof": handshake.proof("controller")}) + "\n").encode())
+            line, rest = read_line(link, PROOF_SECONDS)
+        except (OSError, ValueError):
             link.close()
             return
+        try:
+            proved = handshake.proven("pod", message(line, POD_PROOF).get("proof"))
+        except ValueError:
+            proved = False
         if not proved:
             link.close()
             self.say(f"refused a worker pod's connection from {address} (it says it is pod {pod.pod}, index "
                      f"{pod.index}): its proof of the run's key did not match; it was sent nothing")
             return
-        for refusal in facts.get("refused") or []:
-            self.say(f"pod {pod.pod} refused a controller that answered it: {str(refusal)[:300]}")
-        link.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for refusal in refused[-KEPT_REFUSALS:]:
+            self.say(f"pod {pod.pod} refused a controller that answered it: {str(refusal)[:REFUSAL_CHARS]}")
+        channel = handshake.channel(link, "controller", lambda reason: self.say(
+            f"refused a message from pod {pod.pod} ({address}): {reason}; the link is closed and nothing it carried "
+            f"was acted on"), rest)
         with self._changed:
-            if self._closed:
-                link.close()
-                return
-            old = self._waiting.pop(pod.pod, None)
-            self._waiting[pod.pod] = (pod, link)
-            self._changed.notify_all()
+            dismissed, why_not = self._dismissed, self._who_not(pod)
+            if dismissed is None and why_not is None:
+                old = self._waiting.pop(pod.pod, None)
+                self._waiting[pod.pod] = (pod, channel)
+                self._connected = {name: entry for name, entry in self._connected.items() if self._open(name)}
+                self._connected[pod.pod] = (pod, [*self._open(pod.pod), channel])
+                self._changed.notify_all()
+        if dismissed is not None:
+            self._dismiss(channel, dismissed)
+            return
+        if why_not is not None:
+            self._refuse(pod, channel, why_not)
+            return
         if old is not None:
-            old[1].close()
-        self._watch(pod.pod, link)
+            old[1].abort()
+        self._watch(pod.pod, channel)
 
-    def _watch(self, pod: str, link: socket.socket) -> None:
+    def _open(self, pod: str) -> list[Channel]:
+        """The pod's sessions still open (under the lock)."""
+        return [channel for channel in self._connected.get(pod, (None, []))[1] if channel.open]
+
+    def _who_not(self, pod: PodHello) -> str | None:
+        """Why a pod that proved the run's key is not who it says it is (None: nothing says it is not; under the
+        lock)."""
+        if not self._workers.has(pod.pod, pod.index):
+            names = " or ".join(f"{self._workers.pod_name(job, pod.index)}xxxxx" for job in self._workers.jobs)
+            return f"{pod.pod} is not a name of the job's worker pod of index {pod.index} ({names}, index 0 to " \
+                   f"{self._workers.count - 1})"
+        for other, _ in (self._connected[name] for name in list(self._connected) if self._open(name)):
+            if other.pod == pod.pod and other.address != pod.address:
+                return f"pod {pod.pod} is connected from {other.address}"
+            if other.pod != pod.pod and other.address == pod.address and \
+                    not ipaddress.ip_address(pod.address).is_loopback:
+                return f"{pod.address} is pod {other.pod}'s address, and that pod is connected"
+            if other.pod != pod.pod and other.index == pod.index:
+                return f"index {pod.index} is pod {other.pod}'s, connected from {other.address}"
+        return None
+
+    def _refuse(self, pod: PodHello, channel: Channel, why_not: str) -> None:
+        """A key holder that is not who it says it is: told why (it proved the key: the refusal is sealed), closed,
+        and said once."""
+        with contextlib.suppress(OSError):
+            channel.send_message(json.dumps({"refused": f"it holds the run's key, but {why_not}"}).encode())
+        channel.close()
+        line = (f"refused a worker pod's connection from {pod.address} (it says it is pod {pod.pod}, index "
+                f"{pod.index}): it holds the run's key, but {why_not}; it was sent nothing else")
+        with self._changed:
+            said, self._refusals = line in self._refusals, self._refusals | {line}
+        if not said:
+            self.say(line)
+
+    def _watch(self, pod: str, channel: Channel) -> None:
         """A waiting connection that closes (its pod ended: deleted, evicted) is no longer offered. The pod
         says nothing on it until it is a session: any byte means it is one now, no longer ours to watch."""
-        try:
-            closed = not link.recv(1, socket.MSG_PEEK)
-        except OSError:
-            closed = True
-        if closed:
+        if channel.peer_closed():
             with self._changed:
-                if self._waiting.get(pod, (None, None))[1] is link:
+                if self._waiting.get(pod, (None, None))[1] is channel:
                     del self._waiting[pod]
+                    channel.abort()
                     self._changed.notify_all()
 
     def pods(self) -> list[PodHello]:
@@ -164,7 +272,7 @@ class PodLink:
                     said = time.monotonic()
                 self._changed.wait(min(left, SAY_EVERY, 1.0))
 
-    def take(self, pod: str) -> socket.socket:
+    def take(self, pod: str) -> Channel:
         """The pod's waiting connection, now a session (the pod dials the next one)."""
         with self._changed:
             found = self._waiting.pop(pod, None)
@@ -175,33 +283,37 @@ class PodLink:
     def dismiss(self, code: int) -> None:
         """The run is over: every pod ends with code, and no new connection is taken."""
         with self._changed:
-            self._closed = True
+            self._dismissed = code
             waiting, self._waiting = list(self._waiting.values()), {}
         self._server.close()
-        for _, link in waiting:
-            with contextlib.suppress(OSError):
-                link.sendall(json.dumps({"exit": code}).encode() + b"\n")
-            link.close()
+        for _, channel in waiting:
+            self._dismiss(channel, code)
+
+    @staticmethod
+    def _dismiss(channel: Channel, code: int) -> None:
+        with contextlib.suppress(OSError):
+            channel.send_message(json.dumps({"exit": code}).encode())
+        channel.close()
 
 
 class PodAgentNode(AgentNode):
     """A node agent in a worker pod, on one of its connections."""
 
-    def __init__(self, node: NodePlan, link: socket.socket, argv: list[str], env: Mapping[str, str]) -> None:
+    def __init__(self, node: NodePlan, link: Channel, argv: list[str], env: Mapping[str, str]) -> None:
         super().__init__(node)
         self._link = link
         self._ended = threading.Event()
-        link.sendall(json.dumps({"run": argv, "env": dict(env)}).encode() + b"\n")
+        link.send_message(json.dumps({"run": argv, "env": dict(env)}).encode())
 
     def _chunks(self) -> Iterator[bytes]:
         try:
-            while chunk := self._link.recv(READ_BYTES):
+            while chunk := self._link.recv():
                 yield chunk
         finally:
             self._ended.set()
 
     def _send(self, data: bytes) -> None:
-        self._link.sendall(data)
+        self._link.send(data)
 
     def running(self) -> bool:
         return not self._ended.is_set()
