@@ -14,13 +14,14 @@ from pathlib import Path
 from harness import __version__
 from harness.preflight.remote import Link, on_hosts
 from harness.preflight.table import Check, Status
+from harness.record.atomic import make_folders
 
 SHARE_FIX = "give --runs-dir on a file system that this machine and the nodes share (a Slurm submit directory is)"
 
 
 def batch_job_checks(links: Mapping[str, Link], runs: Path, timeout: float) -> list[Check]:
     runs = runs.resolve()
-    runs.mkdir(parents=True, exist_ok=True)
+    make_folders(runs, 0o700)  # the runs directory a launch makes: as private
     token = runs / f".preflight-{secrets.token_hex(4)}"
     token.write_text(f"{token.name}\n")
     version = "import harness; print(harness.__version__)"

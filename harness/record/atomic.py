@@ -1,5 +1,6 @@
 """Writing a file so that no reader (another terminal, kubectl, a node) ever sees half of it, and a
-failure loses nothing: the run record, manifests, a saved job spec."""
+failure loses nothing: the run record, manifests, a saved job spec; and the record's folders, made with the
+permissions asked for whatever the umask."""
 
 from __future__ import annotations
 
@@ -17,6 +18,26 @@ def file_mode(folder: Path) -> int:
         return folder.stat().st_mode & 0o666
     except OSError:
         return 0o600
+
+
+def folder_mode(folder: Path) -> int:
+    """The permissions of the folders in a record's folder: its own (0700 in a private one)."""
+    try:
+        return folder.stat().st_mode & 0o777
+    except OSError:
+        return 0o700
+
+
+def make_folders(path: Path, mode: int) -> None:
+    """path and each missing folder above it, each with exactly mode: mkdir's mode is the umask's to cut, so a umask
+    of 002 or 000 would leave them open to the group or to everyone. One that exists is left as it is."""
+    missing = [folder for folder in [path, *path.parents] if not folder.exists()]
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=mode)
+        except FileExistsError:  # made meanwhile (another launch): theirs as it is
+            continue
+        os.chmod(folder, mode)
 
 
 def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:

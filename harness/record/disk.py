@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Self
 
-from harness.record.atomic import file_mode, write_text_atomic
+from harness.record.atomic import file_mode, folder_mode, make_folders, write_text_atomic
 
 RESERVE_BYTES = 4 << 20  # kept aside for the record's own files: a summary of 1,024 ranks is a few hundred KiB
 RESERVE_FILE = ".reserve-{pid}"  # each controller's own (a batch step's and the launch following it share a folder)
@@ -68,6 +68,7 @@ class RecordDisk:
         self._reserved = False
         self._reserve = folder / RESERVE_FILE.format(pid=os.getpid())
         self.mode = file_mode(folder)
+        self.folder_mode = folder_mode(folder)
 
     @property
     def incomplete(self) -> str | None:
@@ -99,7 +100,7 @@ class RecordDisk:
         """A file of the record written whole (atomically), or left as it was and the failure said; the first
         failure gives the reserve back, and the write is tried once more in its room."""
         def attempt() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_folders(path.parent, self.folder_mode)
             write_text_atomic(path, text, self.mode)
 
         with self.writing(what):
@@ -180,7 +181,7 @@ class RecordFile:
 
     def _opened(self, flags: int) -> int:
         if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_folders(self.path.parent, self.disk.folder_mode)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, self.disk.mode)
         return self._fd
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError, short_repr
-from harness.record.atomic import UMASK, file_mode, write_text_atomic
+from harness.record.atomic import file_mode, folder_mode, make_folders, write_text_atomic
 from harness.record.disk import RecordDisk
 from harness.record.schema import (
     Attempt,
@@ -24,6 +23,7 @@ from harness.record.schema import (
 )
 from harness.record.stream import mark_file, node_file, resume_point
 from harness.record.timeline import Sample, append_sample, sample_line
+from harness.record.trust import check_runs_dir, shared_with
 
 DEFAULT_RUNS_DIR = "runs"
 # What new_run_id makes (a job name, a time, a random suffix) and nothing that could leave the runs
@@ -212,21 +212,24 @@ class RunDir:
         """A file of the run, whole or not at all, as private as the run's folder (file_mode); through its disk
         where there is one."""
         if self.disk is None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_folders(path.parent, folder_mode(self.path))
             write_text_atomic(path, text, file_mode(self.path))
         else:
             self.disk.write(path, text, what)
 
 
 def make_run_folder(path: Path) -> None:
-    """A run's folder, its owner's alone (0700: its spec, env, logs and stacks are nobody else's), unless the runs
-    directory is shared with a group on purpose (group-writable or setgid: HARNESS_RUNS_DIR on a group volume):
-    then the group's too, as far as the umask allows. FileExistsError where it exists."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    shared = path.parent.stat().st_mode & (stat.S_IWGRP | stat.S_ISGID)
-    mode = 0o770 & ~UMASK if shared else 0o700
-    path.mkdir(mode=mode)
-    os.chmod(path, mode)  # mkdir's mode is the umask's to cut: the group's bits of a shared one are chosen here
+    """A run's folder, its owner's alone (0700: its spec, env, logs and stacks are nobody else's) whatever the umask,
+    in a runs directory no one else can change (trust.check_runs_dir; one the harness makes is 0700 too). Where the
+    runs directory is shared with a group on purpose (HARNESS_RUNS_GROUP names its group), the group may read it
+    (0750), never write it. FileExistsError where it exists."""
+    make_folders(path.parent, 0o700)
+    check_runs_dir(path.parent)
+    shared = shared_with(path.parent.stat())
+    path.mkdir(mode=0o700)
+    if shared is not None:
+        os.chown(path, -1, shared)
+    os.chmod(path, 0o700 if shared is None else 0o750)  # mkdir's mode is the umask's to cut
 
 
 def _attempt_suffix(attempt: int) -> str:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from harness.record.atomic import make_folders
 from harness.record.disk import AppendedFile, RecordDisk, RecordFile
 
 STAMP_WIDTH = len("2026-01-01T00:00:00.000000Z")
@@ -93,7 +94,7 @@ class StreamRecord:
     def __init__(self, folder: Path, harness_file: str = HARNESS_FILE, disk: RecordDisk | None = None) -> None:
         self.folder = folder
         self.disk = disk or RecordDisk(folder.parent)
-        folder.mkdir(exist_ok=True)
+        make_folders(folder, self.disk.folder_mode)
         self._harness = self.disk.appended(folder / harness_file, "the harness's log")
         self._lock = threading.Lock()
 

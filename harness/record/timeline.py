@@ -6,10 +6,13 @@ while the run runs, for `harness report`'s plots."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harness.record.atomic import file_mode
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,10 @@ class Sample:
 
 
 def append_sample(path: Path, sample: Sample) -> None:
-    """One line, in one write: a reader sees whole lines, or a last one cut short by a crash."""
-    with open(path, "a", encoding="utf-8") as file:
+    """One line, in one write: a reader sees whole lines, or a last one cut short by a crash. A new file is as
+    private as its run's folder (file_mode), whatever the umask."""
+    with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(path.parent)), "a",
+              encoding="utf-8") as file:
         file.write(sample_line(sample))
 
 

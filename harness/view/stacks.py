@@ -14,6 +14,7 @@ from pathlib import Path
 from harness.errors import UsageError
 from harness.health.rank_stack import RankStack, grouped
 from harness.plan.planner import Node
+from harness.record.atomic import file_mode, folder_mode, make_folders
 from harness.record.liveness import controller_alive, live_status
 from harness.record.rundir import RunDir, new_stacks_tag
 from harness.record.schema import RunStatus
@@ -31,9 +32,9 @@ def run_stacks(run: RunDir, timeout: float = ANSWER_SECONDS) -> str:
         raise UsageError(f"run {run.run_id}: {state.mode.capitalize()} job {state.scheduler_job} has not started its "
                          f"nodes yet (`harness status {run.run_id}`)")
     tag = new_stacks_tag()
-    run.stacks.mkdir(exist_ok=True)
+    make_folders(run.stacks, folder_mode(run.path))
     request = run.stacks / f"request-{tag}"
-    request.touch()
+    request.touch(mode=file_mode(run.path))
     deadline = time.monotonic() + timeout
     while request.exists():
         if time.monotonic() > deadline or not controller_alive(state):

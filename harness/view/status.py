@@ -40,10 +40,14 @@ def _age(seconds: float) -> str:
 
 def runs_table(lookup: RunsLookup) -> str:
     """One line per run, oldest first; a run whose record cannot be read is listed with the reason. A WHERE
-    column, when some run lives outside the runs directory (found through the index), says where each does."""
+    column, when some run lives outside the runs directory (found through the index), says where each does. Other
+    users' runs there are counted, never listed (record/trust.py)."""
     entries = lookup.runs()
+    others = len(lookup.others())
+    note = f"({others} run(s) of other users there are not listed: harness shows and acts on runs of your own only)\n" \
+        if others else ""
     if not entries:
-        return f"no runs in {lookup.searched}; {lookup.hint}\n"
+        return f"no runs in {lookup.searched}; {lookup.hint}\n" + note
     places = [lookup.elsewhere(entry.run) for entry in entries]
     where = any(places)
     lines = [f"{'RUN ID':<44} {'STATUS':<12} {'NODES':>5} {'STARTED':>8} {'DURATION':>9}" + ("  WHERE" * where)]
@@ -61,7 +65,7 @@ def runs_table(lookup: RunsLookup) -> str:
             line = (f"{entry.run.run_id:<44} {live_status(state, entry.run).value:<12} {state.nnodes:>5} "
                     f"{_age(now - state.started_at) + ' ago':>8} {duration:>8.1f}s")
         lines.append(line + (f"  {place or lookup.root}/" * where) + (f"  {entry.problem}" if entry.problem else ""))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + note
 
 
 def run_details(run: RunDir, width: int = UNCUT) -> str:

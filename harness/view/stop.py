@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from harness.node.proctable import kill_run_processes
+from harness.record.atomic import file_mode
 from harness.record.liveness import controller_alive, elsewhere
 from harness.record.rundir import RunDir
 from harness.record.schema import RunStatus
@@ -27,12 +28,12 @@ def stop_run(run: RunDir, timeout: float, scheduler_for: Callable[[str], Schedul
     if elsewhere(state) and state.scheduler_job is not None:
         scheduler = scheduler_for(state.mode)
         if scheduler.describe(state.scheduler_job).state == "RUNNING":
-            run.stop_marker.touch()
+            run.stop_marker.touch(mode=file_mode(run.path))
             scheduler.stop(state.scheduler_job)  # SIGTERM to the controller in the job's batch step
             return _ended(run, timeout, lambda: run.read_state().status is RunStatus.RUNNING,
                           f"the controller in {state.mode.capitalize()} job {state.scheduler_job}")
     elif controller_alive(state):
-        run.stop_marker.touch()
+        run.stop_marker.touch(mode=file_mode(run.path))
         os.kill(state.controller.pid, signal.SIGTERM)
         return _ended(run, timeout, lambda: controller_alive(state), f"controller {state.controller.pid}")
     ended_at = run.last_written() or time.time()  # a lost run ended when it last wrote, unless something ran on

@@ -37,12 +37,13 @@ def test_a_daemon_that_drops_the_run_id_does_not_outlive_the_run(write_yaml, lau
 def test_a_programs_own_exit_code_is_the_reported_one_and_its_record_is_its_owners_alone(write_yaml, launch):
     """On real torch: rank 1's code, 3, read from torchrun's own report of its failure, while rank 0 waits for it in
     the step's all_reduce; rank 1 fails once the rank hook's server (torch's own) is up in it and ends with it, and the
-    stream holds the job's lines and the harness's, none of torchrun's or torch's. The record, in a runs directory
-    everyone may enter, under umask 022: the run's folder 0700, its files 0600, the index of runs 0700; another
-    local user reads none of it (its spec and plan hold the job's env)."""
+    stream holds the job's lines and the harness's, none of torchrun's or torch's. The record, in a folder everyone
+    may enter, under umask 000 (what 002 leaves open, and more): the runs directory the harness makes and the run's
+    folder 0700, their folders 0700 and files 0600, the index of runs 0700; another local user reads none of it, nor
+    which runs there are (its spec and plan hold the job's env)."""
     shared = Path(tempfile.mkdtemp(prefix="harness-perm-"))
     shared.chmod(0o755)
-    umask = os.umask(0o022)
+    umask = os.umask(0o000)
     try:
         run = launch(ddp_job(write_yaml, FAIL_RANK="1", FAIL_AT_STEP="2", FAIL_CODE="3", AWAIT_RANK_HOOK="1"),
                      runs_dir=shared / "runs")
@@ -57,16 +58,18 @@ def test_a_programs_own_exit_code_is_the_reported_one_and_its_record_is_its_owne
         assert "FAILED: first failure on node 1 (sim1, global rank 1): exit code 3" in run.output
         assert_nothing_left(run.run_id)
         folder = shared / "runs" / run.run_id
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(index_dir().stat().st_mode) == 0o700
-        written = [p for p in [*folder.iterdir(), *(folder / "logs").rglob("*")] if p.is_file()]
+        folders = [shared / "runs", folder, *(p for p in folder.rglob("*") if p.is_dir()), index_dir()]
+        assert {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in folders} == {str(p): "0o700" for p in folders}
+        written = [p for p in folder.rglob("*") if p.is_file()]
         assert {p.name for p in written} >= {"spec.yaml", "plan.txt", "state.json", "summary.json", "node1.log",
                                               "harness.log"}
-        modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+        modes = {str(p.relative_to(folder)): oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
         assert set(modes.values()) == {"0o600"}, modes
         other = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
         assert subprocess.run([*other, "cat", str(folder / "spec.yaml")], capture_output=True).returncode != 0
         assert subprocess.run([*other, "ls", str(folder)], capture_output=True).returncode != 0
-        assert subprocess.run([*other, "ls", str(shared / "runs")], capture_output=True).returncode == 0  # it can
+        assert subprocess.run([*other, "ls", str(shared / "runs")], capture_output=True).returncode != 0
+        assert subprocess.run([*other, "ls", str(shared)], capture_output=True).returncode == 0  # where it may look
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 
