@@ -373,6 +373,7 @@ class Pod:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.waiting: Channel | None = None  # the connection waiting for the controller's word
+        self.serving: str | None = None  # the run whose controller this pod last proved, said when it changes
 
     @property
     def peer(self) -> str:
@@ -413,7 +414,8 @@ class Pod:
             link.sendall(said + b"\n")
             line, rest = read_line(link, PROOF_SECONDS)
             answer = message(line, CONTROLLER_PROOF)
-            handshake = Handshake(key, said, str(answer.get("nonce", "")), str(answer.get("run", "")))
+            run = str(answer.get("run", ""))
+            handshake = Handshake(key, said, str(answer.get("nonce", "")), run)
             proved = handshake.proven("controller", answer.get("proof"))
             if proved:
                 link.sendall((POD_PROOF + json.dumps({"proof": handshake.proof("pod")}) + "\n").encode())
@@ -430,6 +432,9 @@ class Pod:
             link.close()
             return None
         self.refused = []
+        if self.serving != run:
+            print(f"harness pod: serving run {run}'s controller at {self.peer} ({address})", flush=True)
+            self.serving = run
         return handshake.channel(link, "pod", lambda reason: self.refuse(address, reason, "the link is closed and "
                                                                           "nothing it carried is run"), rest)
 

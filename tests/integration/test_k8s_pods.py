@@ -136,6 +136,21 @@ print(json.dumps({"first": first.decode(), "rest": rest.decode()}))
 """
 
 
+KEY_HOLDER = """
+import json, socket, sys
+from harness.node.pod import CONTROLLER_PROOF, HELLO, POD_PROOF, Handshake, message, read_line
+host, port, key_path, pod = sys.argv[1:]
+link = socket.create_connection((host, int(port)))
+said = (HELLO + json.dumps({"pod": pod, "index": 0, "machine": "kube-node-2", "python": "python",
+                            "workdir": "/workspace", "nonce": "n"})).encode()
+link.sendall(said + b"\\n")
+answer = message(read_line(link, 30)[0], CONTROLLER_PROOF)
+handshake = Handshake(open(key_path, "rb").read(), said, answer["nonce"], answer["run"])
+link.sendall((POD_PROOF + json.dumps({"proof": handshake.proof("pod")}) + "\\n").encode())
+print(json.dumps([m.decode() for m in iter(handshake.channel(link, "pod", print).recv, b"")]))
+"""
+
+
 def impostor_controller(planted: Path) -> tuple[socket.socket, threading.Thread]:
     """A controller without the run's key, where a pod dials: it answers with a false proof, then an order."""
     server = socket.create_server(("0.0.0.0", 0))
@@ -159,7 +174,8 @@ def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place
     controller's pod lost with its node: the Job's next controller pod takes the same run back, its ranks never
     stopped. The run ends bitwise equal to the unbroken one; `kubectl exec` into the controller answers status and logs.
     Beside them, rogues on the pods' network: a process on h3 dialing the controller as pod 0 is refused and
-    sent nothing; a pod whose Service name leads to a controller without the run's key runs nothing it sends."""
+    sent nothing; one there that holds the run's key and says it is a pod of index 0 is refused (its address is pod
+    2's); a pod whose Service name leads to a controller without the run's key runs nothing it sends."""
     objects, workspace = supervised_job(tmp_path, "core", spares=1)
     planted = tmp_path / "planted"
     with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster3) as pods:
@@ -177,6 +193,18 @@ def test_supervised_pods_restart_in_place_and_a_spare_takes_a_deleted_pods_place
             heard["rest"] == "", heard  # the controller's proof, then nothing: no command, no env
         wait_for_line(pods, "controller", rf"^harness: refused a worker pod's connection from "
                                           rf"{cluster3.hosts[2].address} \(it says it is pod {workers[0]}, index 0\)", 60)
+        # A process of pod 2 (its setup's dependency, say) that holds the run's key and says it is a pod of index 0:
+        # the key is not who it is; its address is pod 2's.
+        holder = f"{pods.worker_prefix}-0-rogue"
+        wait_for_line(pods, workers[2], rf"^harness pod: serving run {run_id}'s controller at ", 60)
+        told = subprocess.run(cluster3.login(cluster3.hosts[2], [sys.executable, "-c", KEY_HOLDER, cluster3.gateway,
+                                                                 port, str(workspace / ".harness/link-key"), holder]),
+                              capture_output=True, text=True, timeout=60)
+        why = f"{cluster3.hosts[2].address} is pod {workers[2]}'s address, and that pod is connected"
+        assert json.loads(told.stdout) == [json.dumps({"refused": f"it holds the run's key, but {why}"})], told
+        wait_for_line(pods, "controller", rf"^harness: refused a worker pod's connection from "
+                                          rf"{cluster3.hosts[2].address} \(it says it is pod {holder}, index 0\): it "
+                                          rf"holds the run's key, but {re.escape(why)}; it was sent nothing else$", 60)
         impostor, answered = impostor_controller(planted)
         fooled = pods.worker(1, dials=(cluster3.gateway, impostor.getsockname()[1]))
         wait_for_line(pods, fooled, r"^harness pod: refused the controller at \S+ \(\S+\): its proof of the run's "

@@ -201,6 +201,7 @@ def test_a_keyless_relay_passes_both_proofs_but_reads_nothing_of_a_session_and_c
     assert relay.seen.count(b"HARNESS-POD-PROOF ") >= 1  # it saw the handshake: it is where the pod dials
     assert not [secret for secret in (private, marker, word, word[::-1]) if secret.encode() in relay.seen]
     assert controller.said == [] and not pod.said("harness pod: refused")
+    assert f"harness pod: serving run {RUN}'s controller at 127.0.0.1:{relay.port} (127.0.0.1)" in pod.lines
     controller.link.dismiss(0)
     assert pod.process.wait(timeout=30) == 0
 

@@ -214,12 +214,15 @@ class PodLink:
             names = " or ".join(f"{self._workers.pod_name(job, pod.index)}xxxxx" for job in self._workers.jobs)
             return f"{pod.pod} is not a name of the job's worker pod of index {pod.index} ({names}, index 0 to " \
                    f"{self._workers.count - 1})"
-        for other, _ in (self._connected[name] for name in list(self._connected) if self._open(name)):
+        others = [hello for name, (hello, _) in self._connected.items() if self._open(name)]
+        for other in others:
             if other.pod == pod.pod and other.address != pod.address:
                 return f"pod {pod.pod} is connected from {other.address}"
+        for other in others:
             if other.pod != pod.pod and other.address == pod.address and \
                     not ipaddress.ip_address(pod.address).is_loopback:
                 return f"{pod.address} is pod {other.pod}'s address, and that pod is connected"
+        for other in others:
             if other.pod != pod.pod and other.index == pod.index:
                 return f"index {pod.index} is pod {other.pod}'s, connected from {other.address}"
         return None
