@@ -118,7 +118,7 @@ def bounded_json(text: str) -> Any:
             if depth > MAX_DEPTH:
                 raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels, deeper than any of the protocol's")
         elif token.group() in ("]", "}"):
-            depth -= 1
+            depth = max(depth - 1, 0)
     return json.loads(text)
 
 
