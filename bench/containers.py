@@ -47,7 +47,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         tmp = Path(scratch)
         workdir = tmp / "workdir"
         workdir.mkdir(mode=0o777)
-        workdir.chmod(0o777)  # the image runs as uid 1000
+        workdir.chmod(0o777)  # the image runs as uid 10001
         with cluster_module.Cluster(2, workdir=workdir, image_store=store) as cluster:
             hosts = cluster.write_inventory(tmp / "hosts.yaml")
             bare = write_job(tmp / "bare.yaml", "module", "harness.payload.train", PAYLOAD_ARGS, {})

@@ -21,7 +21,7 @@ from harness.spec.job import SLURM_OPTIONS
 
 # What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir,
 # and the job spec it saved already).
-_NOT_RERUN = {"detach", "run_id", "runs_dir", "save_job"}
+_NOT_RERUN = {"detach", "detached_controller", "run_id", "runs_dir", "save_job"}
 # How every verb that takes a run names it (record/index.py RunsLookup.find resolves it).
 RUN_HELP = "a run id as `harness status` lists it, a unique prefix of one, or `latest` for the newest run"
 RUNS_DIR_HELP = ("where run records live (default: $HARNESS_RUNS_DIR, else ./runs); without either, the verbs "
@@ -281,6 +281,8 @@ def _launch_verb(verbs: Verbs, job: argparse.ArgumentParser, runs_dir: argparse.
     launch.add_argument("--detach", action="store_true",
                         help="run in the background: the run outlives this terminal; see status/stop")
     launch.add_argument("--run-id", help=argparse.SUPPRESS)
+    # Not for users: the controller a detached launch starts (run/detach.py), its --env pairs on its stdin.
+    launch.add_argument("--detached-controller", action="store_true", help=argparse.SUPPRESS)
     launch.add_argument("--no-collapse", action="store_true",
                         help=f"show every rank's line on the terminal as it is; without it, a job of more than "
                              f"{COLLAPSE_ABOVE} ranks has identical lines from several ranks within "
@@ -438,17 +440,23 @@ def main(argv: list[str] | None = None) -> int:
         verb = args.verbs.choices[args.verb]
         unknown = f"unrecognized arguments: {' '.join(passthrough)}{_meant_flag(verb, passthrough)}"
         if args.verb in ("launch", "render") and (args.module or not str(args.job).endswith((".yaml", ".yml"))):
+            from harness.spec.secrets import shown_words
+
             fixed = ["harness", args.verb, *command_line(verb, args, _NOT_RERUN), "--", *passthrough, *script_args]
-            verb.error(f"{unknown}; the script's own arguments go after `--`: {shlex.join(fixed)}")
+            verb.error(f"{unknown}; the script's own arguments go after `--`: {shlex.join(shown_words(fixed))}")
         verb.error(unknown)
     if args.verb in ("launch", "render"):
         if args.job is None and args.module is None and script_args:
             args.job = script_args.pop(0)
         args.script_args = script_args
     args.passthrough = passthrough
-    args.rerun = [args.verb, *command_line(args.verbs.choices[args.verb], args, _NOT_RERUN)]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if getattr(args, "detached_controller", False):
+            from harness.run.detach import env_pairs_from
+
+            args.env = [*args.env, *env_pairs_from(sys.stdin)]
+        args.rerun = [args.verb, *command_line(args.verbs.choices[args.verb], args, _NOT_RERUN)]
         return int(func(args))
     except HarnessError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)

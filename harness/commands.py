@@ -10,6 +10,7 @@ import resource
 import secrets
 import shlex
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from harness.record.rundir import check_run_id, new_run_id, run_dir, runs_root
 from harness.record.schema import FailureKind, Origin
 from harness.spec.from_flags import ScriptFlags, spec_from_flags, spec_yaml, with_spec_file_flags
 from harness.spec.job import SLURM_OPTIONS, JobSpec, Slurm, load_job
-from harness.spec.secrets import secret_values
+from harness.spec.secrets import env_apart, secret_values, shown_words
 from harness.targets.base import Backend, Scheduler
 
 
@@ -71,7 +72,7 @@ def job_of(args: argparse.Namespace) -> Job:
                         master_port=args.master_port, rdzv=args.rdzv, backend=args.backend,
                         max_restarts=args.max_restarts, env=args.env, stall=args.stall, slow=args.slow,
                         metrics_port=args.metrics_port, metrics_address=args.metrics_address)
-    command = shlex.join(["harness", *args.rerun])
+    command = shlex.join(shown_words(["harness", *args.rerun]))  # kept and shown: secret-looking --env values masked
     if args.module is None and args.job is not None and args.job.endswith((".yaml", ".yml")):
         refused = flags.given(script_only=True) + (["--save-job"] if args.save_job else [])
         if refused or args.script_args:
@@ -88,10 +89,9 @@ def job_of(args: argparse.Namespace) -> Job:
     if args.job is not None and args.module is not None:
         raise UsageError(f"give a script ({args.job}) or -m {args.module}, not both")
     spec = spec_from_flags(flags)
-    text = spec_yaml(flags, command, args.save_job)
     if args.save_job is not None:
-        _save_job(Path(args.save_job), text)
-    return Job(spec, text, command)
+        _save_job(Path(args.save_job), spec_yaml(flags, command, args.save_job), env_apart(spec.env)[1])
+    return Job(spec, spec_yaml(flags, command), command)
 
 
 def write_file(path: Path, text: str, what: str = "", make_folder: bool = False) -> None:
@@ -104,11 +104,16 @@ def write_file(path: Path, text: str, what: str = "", make_folder: bool = False)
         raise HarnessError(f"{what}cannot write {path}: {exc.strerror}") from None
 
 
-def _save_job(path: Path, text: str) -> None:
+def _save_job(path: Path, text: str, secret_looking: Iterable[str]) -> None:
+    """secret_looking: the --env names whose values the file does not hold (it takes them from secrets:)."""
     if path.exists():
         raise UsageError(f"--save-job {path}: the file exists; remove it or name another (it is never overwritten)")
     write_file(path, text, "--save-job: ")
-    print(f"wrote {path}; launch it again with: harness launch {path}", file=sys.stderr)
+    exported = " ".join(f"{name}=..." for name in secret_looking)
+    print(f"wrote {path}; launch it again with: " + (f"export {exported}; " if exported else "") +
+          f"harness launch {path}" + (" (the values of --env names that look secret are not in the file: it takes "
+                                      "them from the launching environment, secrets:)" if exported else ""),
+          file=sys.stderr)
 
 
 def render(args: argparse.Namespace) -> int:
@@ -118,8 +123,13 @@ def render(args: argparse.Namespace) -> int:
         raise UsageError("--unsupervised is for --target k8s")
     job = job_of(args)
     spec = job.spec
-    if args.target in ("k8s", "slurm"):
-        _note_clear_secrets(spec, "the manifests" if args.target == "k8s" else "the batch script")
+    if args.target == "k8s":
+        _note_secret_env(spec, "harness render: env.{name} looks like a secret, and the manifests hold its value in "
+                               "clear: move it to secrets: (docs/security.md)")
+    if args.target == "slurm":
+        _note_secret_env(spec, "harness render: env.{name} looks like a secret: the batch script holds no value of it "
+                               "and takes {name} from the environment sbatch runs in (export it before sbatch), or "
+                               "move it to secrets: (docs/security.md)")
     if args.target == "k8s":
         _write_manifests(args, job)
         if args.unsupervised or not spec.k8s.supervised:  # supervised pods go on with fewer as any supervised nodes
@@ -165,7 +175,7 @@ def _note_fixed_size(spec: JobSpec, target: str, verb: str) -> None:
 def _rendered_by(args: argparse.Namespace, job: Job) -> str | None:
     """The command that renders this again, for the header of what render writes, where the spec came from
     flags (a script); None for a spec file, whose header names the file."""
-    return None if job.source == args.job else shlex.join(["harness", *args.rerun])
+    return None if job.source == args.job else job.source
 
 
 def _write_manifests(args: argparse.Namespace, job: Job) -> None:
@@ -189,13 +199,11 @@ def _write_manifests(args: argparse.Namespace, job: Job) -> None:
         print(f"the pods need the job's secrets; create them first: {command}")
 
 
-def _note_clear_secrets(spec: JobSpec, where: str) -> None:
-    """A value that looks like a secret but is written in env: what is rendered holds it in clear."""
-    from harness.spec.secrets import looks_secret
-
-    for name in (name for name in spec.env if looks_secret(name)):
-        print(f"harness render: env.{name} looks like a secret, and {where} hold its value in clear: move it to "
-              f"secrets: (docs/security.md)", file=sys.stderr)
+def _note_secret_env(spec: JobSpec, said: str) -> None:
+    """A value that looks like a secret but is written in env: said once per name on the terminal (said, with the
+    name as {name}), never its value."""
+    for name in env_apart(spec.env)[1]:
+        print(said.format(name=name), file=sys.stderr)
 
 
 def with_slurm_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:
@@ -226,19 +234,21 @@ def launch(args: argparse.Namespace) -> int:
     open_files_as_allowed()
     job = job_of(args)
     spec = with_slurm_flags(job.spec, args)
+    if not args.detached_controller:  # the launch that started this controller said it on its terminal
+        where = "this command line (and so your shell's history)" if job.source != args.job else job.source
+        _note_secret_env(spec, f"harness: env.{{name}} looks like a secret: the harness shows it as *** and puts it "
+                               f"on no command line, but {where} holds it in clear; secrets: takes it from your "
+                               f"environment or a file instead (docs/security.md#secrets)")
     root = runs_root(args.runs_dir)
     if args.target == "slurm" and args.hosts:
         raise UsageError("--hosts is for SSH hosts; with --target slurm, Slurm picks the nodes")
     target = _target(args, spec)
     secret_values(spec)  # each is there to read: a missing one fails here, before anything starts
     if args.detach and not isinstance(target, Scheduler):
-        from harness.run.detach import start_detached
+        from harness.run.detach import controller_argv, start_detached
 
         run = run_dir(root, new_run_id(spec.name))
-        # Its own options right after the verb: args.rerun may end with `-- SCRIPT ARGS`, all the script's.
-        verb, *words = args.rerun
-        argv = [sys.executable, "-m", "harness.cli", verb, f"--runs-dir={root}", f"--run-id={run.run_id}", *words]
-        return start_detached(argv, run)
+        return start_detached(controller_argv(args.rerun, root, run.run_id), run, args.env)
     run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
     if isinstance(target, Scheduler):  # the controller in the job's batch step serves them
         return controller.launch(target, spec, job.text, job.source, root, run_id, detach=args.detach,

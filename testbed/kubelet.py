@@ -14,8 +14,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from harness.targets.k8s.objects import COMPLETION_INDEX
+from harness.targets.k8s.objects import COMPLETION_INDEX, TMP_DIR
 from testbed.cluster import Cluster
+
+SHARED_PATHS = (TMP_DIR, "/dev/shm")  # an emptyDir here is played by this machine's own directory
 
 
 def by_kind(objects: list[dict]) -> dict[str, dict]:
@@ -57,12 +59,17 @@ def kubelet_expand(text: str, env: dict[str, str]) -> str:
 
 def materialize(objects: list[dict], root: Path) -> dict[str, str]:
     """What the kubelet writes for the pod's ConfigMap volume: every item's value at its path under the
-    mount, here under root. Returns mount path -> the directory standing for it."""
+    mount, here under root; and an empty directory under root for each emptyDir but those at a path every process
+    of this machine has alike (/tmp, /dev/shm), which stand for themselves. Returns mount path -> the directory
+    standing for it."""
     configmap = by_kind(objects)["ConfigMap"]
     pod = job_spec(objects)["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {}
     for mount in pod["containers"][0]["volumeMounts"]:
+        if "emptyDir" in volumes[mount["name"]] and mount["mountPath"] not in SHARED_PATHS:
+            (local := root / mount["mountPath"].lstrip("/")).mkdir(parents=True, exist_ok=True)
+            mounts[mount["mountPath"]] = str(local)
         source = volumes[mount["name"]].get("configMap")
         if source is None:
             continue

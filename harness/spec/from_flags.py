@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from harness.errors import UsageError, short_repr
 from harness.spec.job import Health, JobSpec
+from harness.spec.secrets import env_apart
 
 # Each ScriptFlags field that a flag sets: the spec's key path it lands at, and the flag (errors name it).
 FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -140,8 +141,20 @@ def _flag_error(exc: ValidationError, flags: ScriptFlags, within: tuple[str, ...
 
 
 def spec_yaml(flags: ScriptFlags, command: str, path: str | None = None) -> str:
-    """The spec as a file (at path, when it is saved: `harness launch PATH` then runs the same job).
-    command: how it was made."""
-    body = yaml.safe_dump(spec_data(flags), sort_keys=False, default_flow_style=False, allow_unicode=True)
+    """The spec as a file. command: how it was made, as the harness shows it (spec/secrets.shown_words). path: where
+    it is saved (--save-job), to be launched again (`harness launch PATH`): that file holds no value of an --env name
+    that looks secret, and takes each from the launching environment instead (secrets:, spec/secrets.py)."""
+    data = spec_data(flags)
+    secret_looking: dict[str, str] = {}
+    if path is not None and "env" in data:
+        plain, secret_looking = env_apart(data.pop("env"))
+        at = list(data).index("entrypoint") + 1  # the reference's key order: env and secrets after the entrypoint
+        both: dict[str, dict[str, str | None]] = {"env": dict(plain)} if plain else {}
+        both |= {"secrets": dict.fromkeys(secret_looking)} if secret_looking else {}
+        data = dict(list(data.items())[:at]) | both | dict(list(data.items())[at:])
+    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
     again = f"# Launch with: harness launch {path}  (every key: docs/job-spec.md)\n" if path else ""
+    if secret_looking:
+        again += (f"# {', '.join(secret_looking)}: given by --env, and written nowhere: each is read from the "
+                  f"environment `harness launch` runs in (export it first; docs/security.md#secrets)\n")
     return f"# Made by: {command}\n{again}{body}"

@@ -536,6 +536,14 @@ def _storage_class(value: Any) -> str:
     return value
 
 
+def _namespace(value: Any) -> str:
+    """k8s.namespace: a namespace's name is a DNS-1123 label."""
+    if not isinstance(value, str) or len(value) > 63 or not DNS1123_LABEL.fullmatch(value):
+        raise ValueError(f"expected the name of a Kubernetes namespace (a DNS-1123 label such as ml-jobs: lower-case "
+                         f"letters, digits and '-', at most 63 characters), got {short_repr(value)}")
+    return value
+
+
 class ControllerRequests(StrictModel):
     """What the scheduler sets aside for the controller pod (and a ResourceQuota's requests.* count): little, as
     it mostly waits on its pods' streams."""
@@ -582,7 +590,9 @@ class Kubernetes(StrictModel):
     metrics_from: the labels of the pods in the job's namespace that may scrape the controller's metrics
     (health.metrics_port), which the NetworkPolicy opens to them alone (unset: to nobody). storage_class: the
     StorageClass of the job's volume (unset: the cluster's default class); access_mode: how its pods mount it,
-    ReadWriteMany (from any node) or ReadWriteOnce (from one node, where every pod of the job is then put)."""
+    ReadWriteMany (from any node) or ReadWriteOnce (from one node, where every pod of the job is then put).
+    namespace: the namespace every object of the render names (unset: none, so they go where `kubectl apply -n`
+    or the context's namespace says)."""
 
     supervised: bool = True
     controller_image: str | None = None
@@ -593,6 +603,7 @@ class Kubernetes(StrictModel):
     metrics_from: dict[str, str] | None = None
     storage_class: Annotated[str, PlainValidator(_storage_class)] | None = None
     access_mode: Annotated[AccessMode, PlainValidator(_access_mode)] = "ReadWriteMany"
+    namespace: Annotated[str, PlainValidator(_namespace)] | None = None
 
     @field_validator("controller_image")
     @classmethod

@@ -8,7 +8,8 @@ On Kubernetes the pods take them from a Secret (targets/k8s), so nothing here ru
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -17,19 +18,65 @@ from harness.spec.job import JobSpec
 from harness.spec.yamlsource import located
 
 MASK = "***"
-SECRET_WORDS = ("PASSWORD", "SECRET")  # anywhere in a name
-SECRET_ENDINGS = ("_TOKEN", "_KEY")
+# Words that name a secret wherever they stand in a name, even run together with others (DBPASSWORD, CLIENTSECRET,
+# OPENAI_APIKEY): none of them is part of an innocent word.
+SECRET_WORDS = ("SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "PRIVKEY", "APIKEY")
+# Words that name a secret only as a whole part of a name (the parts between `_`, `-` or `.`): as a piece of a
+# longer part they are innocent (KEYBOARD, PATH, AUTHOR, PASSES, BYPASS, SESSIONS is not SESSION).
+SECRET_PARTS = frozenset({
+    "TOKEN", "TOKENS",  # HF_TOKEN, AWS_SESSION_TOKEN (a part ending in TOKEN too: GHTOKEN; not TOKENIZERS_...)
+    "KEY", "KEYS",  # WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, SSH_PRIVATE_KEY (AWS_ACCESS_KEY_ID too: a *** costs little)
+    "PAT",  # a personal access token: GITHUB_PAT, GH_PAT
+    "AUTH", "OAUTH",  # HF_AUTH, GITHUB_OAUTH: a bearer value
+    "PASS",  # DB_PASS, SMTP_PASS
+    "PWD",  # MYSQL_PWD, DB_PWD; but a name that is PWD alone is the shell's working directory (and OLDPWD one part)
+    "CREDS",  # DB_CREDS (CREDENTIALS is a SECRET_WORD)
+    "COOKIE", "COOKIES",  # a session cookie: YT_COOKIE
+    "SESSION",  # AOC_SESSION, OP_SESSION_ACCOUNT: a session's value is a bearer credential
+})
+NAME_PARTS = re.compile(r"[^A-Z0-9]+")
 
 
 def looks_secret(name: str) -> bool:
-    """An env name a value is hidden by when shown: *_TOKEN, *_KEY, *PASSWORD*, *SECRET*."""
+    """Whether an env name's value is hidden wherever the harness shows it or runs it: its name holds a word of
+    SECRET_WORDS anywhere, or one of SECRET_PARTS as a whole part (a part ending in TOKEN too), case aside. Wide on
+    purpose: a name taken for a secret that is not one costs a `***` where the harness shows it and a line at launch;
+    a secret taken for a plain value would be written in clear."""
     upper = name.upper()
-    return upper.endswith(SECRET_ENDINGS) or any(word in upper for word in SECRET_WORDS)
+    if any(word in upper for word in SECRET_WORDS):
+        return True
+    parts = [part for part in NAME_PARTS.split(upper) if part]
+    if parts == ["PWD"]:
+        return False
+    return any(part in SECRET_PARTS or part.endswith("TOKEN") for part in parts)
 
 
 def shown_env(env: Mapping[str, str]) -> dict[str, str]:
     """env as the harness shows it: the values of names that look secret masked."""
     return {key: MASK if looks_secret(key) else value for key, value in env.items()}
+
+
+def env_apart(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """env as (the entries a command line may hold, those whose names look secret): the latter reach a process
+    through its environment alone, as a secret's value does."""
+    plain = {key: value for key, value in env.items() if not looks_secret(key)}
+    return plain, {key: value for key, value in env.items() if key not in plain}
+
+
+def shown_words(words: Sequence[str]) -> list[str]:
+    """A harness command line as the harness shows or keeps it (a run's `# Made by:` header, a render's header, a
+    usage error's suggestion): the value of each `--env NAME=VALUE` (or `--env=NAME=VALUE`) before `--` whose NAME
+    looks secret masked. After `--` the words are the script's own, which the plan shows as they are."""
+    shown: list[str] = []
+    for at, word in enumerate(words):
+        if word == "--":
+            return shown + list(words[at:])
+        pair = word.removeprefix("--env=") if word.startswith("--env=") else \
+            word if at and words[at - 1] == "--env" else None
+        name = pair.partition("=")[0] if pair is not None else ""
+        shown.append(word[:len(word) - len(pair)] + f"{name}={MASK}" if pair is not None and looks_secret(name)
+                     else word)
+    return shown
 
 
 def secret_values(spec: JobSpec, environ: Mapping[str, str] = os.environ) -> dict[str, str]:

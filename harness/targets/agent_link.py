@@ -17,11 +17,13 @@ import subprocess
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 
 from harness.node.protocol import MARKER, Kind, Message, Word, split_line, unescape_output, word_line
 from harness.plan.planner import NodePlan
 from harness.plan.shell import can_stand_by, shell_command, standby_command, standby_order
 from harness.spec.job import JobSpec
+from harness.spec.secrets import env_apart
 from harness.targets.base import NodeProcess, Outcome
 from harness.targets.boot import BOOT, shipped, source
 
@@ -47,13 +49,15 @@ def agent_program(node: NodePlan, grace: float, silence: float, watch: float, ho
     word from the controller after which the agent takes it for gone; hold: how long it then holds its node for
     another (supervision.grace; 0: it stops it at once); watch: seconds between its health samples (0: none);
     standby: the node's torchrun and workers started to wait for its order (Standbys); secrets: values for the
-    node's environment that go nowhere else (spec/secrets.py)."""
-    command = standby_command(node) if standby else shell_command(node)
+    node's environment that go nowhere else (spec/secrets.py). The node's env values whose names look secret go with
+    them, not on the node's line: the agent runs that line as `sh -c LINE`, whose command line any user may read."""
+    plain, hidden = env_apart(node.env)
+    command = standby_command(replace(node, env=plain)) if standby else shell_command(replace(node, env=plain))
     if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
                              shlex.join(node.cleanup), RANK_HOOK, STANDBY if standby else "",
-                             json.dumps(dict(secrets or {})), f"{hold:g}"])
+                             json.dumps(hidden | dict(secrets or {})), f"{hold:g}"])
 
 
 def relay_argv(python: str, node: NodePlan) -> list[str]:

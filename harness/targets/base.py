@@ -158,6 +158,9 @@ class Submission:
     world_size: int
     others: dict[str, str] = field(default_factory=dict)  # further files the job reads from the run directory
     notes: tuple[str, ...] = ()  # what the run says before it submits (e.g. the nodes it excludes, and why)
+    # Variables the submission adds to the submitting environment, which the scheduler hands the job: values no file
+    # of the job may hold (env values whose names look secret, spec/secrets.py). Never shown.
+    environment: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def files(self) -> dict[str, str]:

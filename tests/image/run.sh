@@ -5,7 +5,7 @@
 #
 # Proves: the Dockerfile builds (multi-stage, cache and secret mounts, the .dockerignore allowlist);
 # pyproject's pins install from requirements.lock, and torch really reports the CUDA and NCCL
-# versions the labels claim (the build checks both itself); the image runs as uid 1000 with
+# versions the labels claim (the build checks both itself); the image runs as uid 10001 with
 # `python`, `harness` and the locked `py-spy` on PATH; `harness launch jobs/smoke.yaml` (2 nodes,
 # gloo, CPU) succeeds inside it; no build-time pip setting, CA bundle or local index is left in it.
 # Cannot prove: anything about python:3.11-slim-bookworm itself (it cannot be pulled here; the base
@@ -80,7 +80,7 @@ expected = {"harness." + arg.removesuffix("_VERSION").lower(): value
             for arg, value in pins.expected_labels(lock).items()} | {"harness.python": "3.11"}
 wrong = {key: (labels.get(key), value) for key, value in expected.items() if labels.get(key) != value}
 assert not wrong, f"labels (found, expected): {wrong}"
-assert config["User"] == "1000:1000" and config["Entrypoint"] == ["harness"], config
+assert config["User"] == "10001:10001" and config["Entrypoint"] == ["harness"], config
 assert config["WorkingDir"] == "/workspace", config
 ' "$repo" "$1"
 }
@@ -91,7 +91,7 @@ labels_and_config() {
 
 user_and_path() {
     [ "$(in_image sh -c 'id -u; command -v python; command -v harness; pwd; test -w . && echo writable')" \
-        = "$(printf '1000\n/opt/venv/bin/python\n/opt/venv/bin/harness\n/workspace\nwritable')" ]
+        = "$(printf '10001\n/opt/venv/bin/python\n/opt/venv/bin/harness\n/workspace\nwritable')" ]
 }
 
 # buildah leaves an empty directory where a --volume was mounted; anything more would be a leak.
@@ -139,8 +139,8 @@ smoke_job() {
 # ("terminate called without an active exception").
 RUN_FLAGS=(--isolation chroot --hostname harness-node)
 ctr=$(bah from --pull=never --add-host harness-node:127.0.0.1 --name "harness-image-test-$$" "$IMAGE")
-check "labels equal the pins in requirements.lock; user 1000:1000, entrypoint harness" labels_and_config
-check "runs as uid 1000 in a writable /workspace; python and harness from /opt/venv" user_and_path
+check "labels equal the pins in requirements.lock; user 10001:10001, entrypoint harness" labels_and_config
+check "runs as uid 10001 in a writable /workspace; python and harness from /opt/venv" user_and_path
 check "no pip config, secret, pip cache, local index or build tree left in the image" nothing_of_the_build_left
 check "the base's own CA bundle is untouched by the build's cacert secret" base_ca_bundle_intact
 check "harness --version and python -m harness.node.pod run" cli_and_pod
@@ -160,7 +160,7 @@ podman_inspect() {
 }
 
 podman_user() {
-    [ "$(podman run --rm --entrypoint id "$IMAGE" -u)" = 1000 ]
+    [ "$(podman run --rm --entrypoint id "$IMAGE" -u)" = 10001 ]
 }
 
 # `podman run --rm IMAGE launch jobs/smoke.yaml`, as a user types it, in a private network namespace.
@@ -175,8 +175,25 @@ podman_smoke() {
         && [ -z "$(podman ps --all --quiet)" ]
 }
 
-check "podman image inspect: labels equal the pins; user 1000:1000, entrypoint harness" podman_inspect
-check "podman run: the image's default user is uid 1000" podman_user
+# As the rendered Kubernetes pods run (harness/targets/k8s/objects.py hardened): the root file system read-only, an
+# emptyDir (a directory of mode 0777, as the kubelet makes one) at /tmp and at HOME, the job's volume at /workspace.
+podman_read_only_root() {
+    local pod=$work/pod
+    mkdir -p "$pod/tmp" "$pod/home" "$pod/workspace"
+    cp -r "$repo/jobs" "$pod/workspace/"
+    chmod 0777 "$pod/tmp" "$pod/home" "$pod/workspace"
+    unshare --net sh -c 'ip link set lo up && exec "$@"' sh podman run --rm --network=host \
+        --hostname harness-node --add-host harness-node:127.0.0.1 --read-only --read-only-tmpfs=false \
+        -v "$pod/tmp:/tmp" -v "$pod/home:/home/harness" -e HOME=/home/harness -v "$pod/workspace:/workspace" \
+        "$IMAGE" launch jobs/smoke.yaml | tee "$work/read-only-smoke.log"
+    [ "${PIPESTATUS[0]}" = 0 ] && grep -q "harness: run .* succeeded" "$work/read-only-smoke.log" \
+        && ! grep -q "cannot register run" "$work/read-only-smoke.log" \
+        && ! podman run --rm --read-only --read-only-tmpfs=false --entrypoint touch "$IMAGE" /opt/venv/x 2>/dev/null
+}
+
+check "podman image inspect: labels equal the pins; user 10001:10001, entrypoint harness" podman_inspect
+check "podman run: the image's default user is uid 10001" podman_user
 check "podman run --rm IMAGE launch jobs/smoke.yaml exits 0 and leaves no container" podman_smoke
+check "the smoke job runs as the pods do: a read-only root, /tmp and HOME emptyDirs" podman_read_only_root
 echo "image-test: $passed passed, $failed failed"
 [ "$failed" = 0 ]

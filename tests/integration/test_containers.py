@@ -42,7 +42,7 @@ from conftest import (
 
 @pytest.fixture(scope="module")
 def podman_cluster() -> Iterator[Cluster]:
-    """Two hosts with podman and the image, and a workdir the image's uid 1000 may write to, holding the job's
+    """Two hosts with podman and the image, and a workdir the image's uid 10001 may write to, holding the job's
     script and testbed/standin (the workdir is all a container mounts: standin_env)."""
     if reason := missing_support():
         pytest.skip(reason)

@@ -7,8 +7,8 @@ harness's rank hook serves in it (its socket exists), and says where, so that a 
 with the rank, or tries it.
 REACH_OUT=1: the failing rank first reaches for another host as a download would, only where no packet can leave
 (a network without routes, the simulated nodes' own), and says the error it got.
-SHOW_SECRET=NAME: each rank says the sha256 of its env's NAME (not the value) and in how many processes' command
-lines that value is, read from /proc while the job runs.
+SHOW_DIGEST=NAME[,NAME...]: each rank says, for each NAME, the sha256 of its env's NAME (not the value) and in how
+many processes' command lines that value is, read from /proc while the job runs.
 On the stand-in torch of testbed/standin (its shim first on PYTHONPATH: ddp_job(standin=True)), where torch's own
 behaviour is not what a test is about, the same lines at the same pace for no torch import: each step an
 all_reduce of a number, and a loss and weights every rank shares.
@@ -104,7 +104,7 @@ def main() -> None:
         while not os.path.exists(hook) and time.monotonic() < deadline:
             time.sleep(0.05)
         print(f"rank {rank}: rank hook at {hook}", flush=True)
-    if name := os.environ.get("SHOW_SECRET"):
+    for name in filter(None, os.environ.get("SHOW_DIGEST", "").split(",")):
         show_secret(rank, name)
     steps = int(os.environ.get("STEPS", "20"))
     pause = float(os.environ.get("STEP_SECONDS", "0"))

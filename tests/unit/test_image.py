@@ -20,6 +20,7 @@ import pytest
 from harness.errors import UsageError
 from harness.plan.planner import plan_local
 from harness.spec.job import load_job
+from harness.targets.k8s.objects import IMAGE_UID
 from harness.targets.ssh.container import Mount, container_argv, container_name, remove_argv, shm_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,11 +147,12 @@ def test_dockerfile_installs_only_from_pyproject_and_the_lock():
     assert "pyproject.toml requirements.lock" in copied
 
 
-def test_base_is_an_arg_and_the_image_runs_as_uid_1000_with_the_cli_as_entrypoint():
+def test_base_is_an_arg_and_the_image_runs_as_the_pods_high_uid_with_the_cli_as_entrypoint():
     steps = instructions()
     assert label_args()["BASE"] == "python:3.11-slim-bookworm"
     assert [rest for i, rest in steps if i == "FROM"] == ["${BASE} AS build", "${BASE}"]
-    assert [rest for i, rest in steps if i == "USER"] == ["1000:1000"]
+    assert [rest for i, rest in steps if i == "USER"] == [f"{IMAGE_UID}:{IMAGE_UID}"]  # the rendered pods' user
+    assert IMAGE_UID > 10000, "none of a host's own users (from 1000)"
     assert [rest for i, rest in steps if i == "ENTRYPOINT"] == ['["harness"]']
     assert [rest for i, rest in steps if i == "WORKDIR"][-1] == "/workspace"
     labels = " ".join(rest for i, rest in steps if i == "LABEL")

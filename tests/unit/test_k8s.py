@@ -41,7 +41,7 @@ from harness.targets.k8s.manifests import (
     object_names,
     render_manifests,
 )
-from harness.targets.k8s.objects import MIN_KUBERNETES
+from harness.targets.k8s.objects import IMAGE_UID, MIN_KUBERNETES
 from harness.targets.k8s.supervised import CONTROLLER, INFRA_EXIT, PROGRAM_EXIT, RUNS_DIR, WORKER
 from testbed.kubelet import by_kind, in_pod, job_spec, jobs_by_name, materialize, pod_dns
 
@@ -119,7 +119,7 @@ def test_strict_schema_validation(source, flavor, write_yaml, tmp_path):
         assert by_kind(objects)["ConfigMap"]["binaryData"]
     else:
         objects = cifar(flavor)
-    kinds = {"core": ["Service", "Job"], "jobset": ["JobSet"]}[flavor]
+    kinds = {"core": ["Service", "Job"], "jobset": ["JobSet"]}[flavor] + ["NetworkPolicy"]
     assert [o["kind"] for o in objects] == ["ConfigMap", "PersistentVolumeClaim", *kinds]
     assert schema_problems(objects, NEWEST) == []
 
@@ -338,7 +338,7 @@ def test_objects_agree_with_each_other():
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
     assert pod["spec"]["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] == 0
-    assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"] == 1000
+    assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"] == IMAGE_UID
     assert job["spec"]["podFailurePolicy"] == POD_FAILURE_POLICY
     assert env["HARNESS_ATTEMPT"]["value"] == "0"  # no restarts: backoffLimit 0, nothing recreates the Job
     port = service["spec"]["ports"][0]["port"]
@@ -367,7 +367,8 @@ def test_the_jobset_runs_the_core_job():
     expected = yaml.safe_load(core_text)
     env = expected["template"]["spec"]["containers"][0]["env"]
     env.remove({"name": "HARNESS_ATTEMPT", "value": "0"})
-    env.insert(1, {"name": "HARNESS_ATTEMPT", "valueFrom": {"fieldRef": {"fieldPath": RESTART_ATTEMPT}}})
+    node_rank = next(at for at, entry in enumerate(env) if entry["name"] == "NODE_RANK")
+    env.insert(node_rank + 1, {"name": "HARNESS_ATTEMPT", "valueFrom": {"fieldRef": {"fieldPath": RESTART_ATTEMPT}}})
     assert job_spec(jobset) == expected
 
 
@@ -542,7 +543,8 @@ def test_cli_renders_the_jobset_flavor(write_yaml, tmp_path):
                                                                        "Job", "Job", "NetworkPolicy", "NetworkPolicy"]
     bare = render_in(tmp_path, str(path), "--target", "k8s", "--flavor", "jobset", "--unsupervised")
     assert bare.stdout.startswith(f"# Rendered by `harness render {path} --target k8s --flavor jobset --unsupervised`")
-    assert [o["kind"] for o in yaml.safe_load_all(bare.stdout)] == ["ConfigMap", "PersistentVolumeClaim", "JobSet"]
+    assert [o["kind"] for o in yaml.safe_load_all(bare.stdout)] == ["ConfigMap", "PersistentVolumeClaim", "JobSet",
+                                                                    "NetworkPolicy"]
     refused = harness("render", str(path), "--unsupervised")
     assert refused.returncode == 2 and "--unsupervised is for --target k8s" in refused.stderr
 
@@ -681,7 +683,7 @@ def test_supervised_objects_pass_the_api_schemas_and_agree_with_each_other(flavo
     assert worker["command"] == ["python", "-I", "/etc/harness/pod.py"] and worker["image"] == spec.image
     dialed, port = worker["args"][1], int(worker["args"][2])
     assert worker["args"][0] == "serve" and port == 29444 == lead["ports"][0]["containerPort"]
-    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in worker["env"]} == \
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in worker["env"] if "valueFrom" in e} == \
         {"POD_NAME": "metadata.name", "POD_INDEX": COMPLETION_INDEX, "NODE_NAME": "spec.nodeName"}
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == "8"
     controller_labels = controller["template"]["metadata"]["labels"]
@@ -708,3 +710,29 @@ def test_supervised_objects_pass_the_api_schemas_and_agree_with_each_other(flavo
         [(["workers"], [{"port": port, "protocol": "TCP"}])]
     assert [[chosen(peer) for peer in rule["from"]] for rule in to_workers["ingress"]] == [[["controller"], ["workers"]]]
     assert all("ports" not in rule for rule in to_workers["ingress"]), "the workers' collectives use any port"
+
+
+@pytest.mark.parametrize("flavor", ["core", "jobset"])
+def test_unsupervised_pods_are_reached_by_the_jobs_own_pods_alone_on_any_port(flavor, write_yaml):
+    """torch's store has no authentication: one NetworkPolicy lets only the job's own pods reach them, on every
+    port (the store's, and gloo's and NCCL's, which are ephemeral); there is no metrics port (no harness runs
+    there). Chosen by labels: the job's pods match, another job's in the namespace do not. With k8s.namespace,
+    the policy is in it, as every object is, and the API's schemas take them."""
+    objects = docs(small(write_yaml, extra="k8s: {namespace: ml-jobs}\n"), flavor)
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    assert len(policies) == 1 and schema_problems(objects, NEWEST) == []
+    assert {o["metadata"]["namespace"] for o in objects} == {"ml-jobs"}
+    policy = policies[0]["spec"]
+    own = job_spec(objects)["template"]["metadata"]["labels"]
+    other = job_spec(docs(small(write_yaml, name="other"), flavor))["template"]["metadata"]["labels"]
+
+    def chosen(selector: dict) -> list[str]:
+        return [name for name, pod in (("own", own), ("other", other))
+                if selector["matchLabels"].items() <= pod.items()]
+
+    assert chosen(policy["podSelector"]) == ["own"] and policy["policyTypes"] == ["Ingress"]
+    assert [[(chosen(peer["podSelector"]), sorted(peer)) for peer in rule["from"]] for rule in policy["ingress"]] == \
+        [[(["own"], ["podSelector"])]]
+    assert all("ports" not in rule for rule in policy["ingress"]), "the collectives' data plane uses any port"
+    ports = {p["containerPort"] for c in job_spec(objects)["template"]["spec"]["containers"] for p in c["ports"]}
+    assert ports == {29500}, "the store's port alone is named: nothing serves metrics"

@@ -3,7 +3,8 @@ pod shares, then the pods. Supervised (the default, k8s.supervised): the harness
 pods (supervised.py). Unsupervised: pods that run torchrun bare, in one of two flavors around the same Indexed
 Job of nnodes pods: core, a headless Service and the Indexed Job, core objects only; jobset, the same Job as
 the one replicatedJob of a JobSet (jobset.x-k8s.io/v1alpha2), which restarts the whole group up to
-restarts.max times (it needs the JobSet controller installed in the cluster).
+restarts.max times (it needs the JobSet controller installed in the cluster). Either with a NetworkPolicy: torch's
+store has no authentication, so only the job's own pods may reach them.
 
 Bare pods run the same torchrun arguments and env contract as every other backend (plan.torchrun_args and
 plan.node_env); values known only in the pod (node rank, restart attempt) come from the downward API.
@@ -43,12 +44,15 @@ from harness.targets.k8s.objects import (
     Shipped,
     disrupted,
     hardened,
+    in_namespace,
     labels,
+    network_policy,
     on_the_volumes_node,
     placement_note,
     pod_resources,
     secret_commands,
     secret_env,
+    selector,
     short,
     volume_claim,
 )
@@ -108,10 +112,6 @@ def object_names(spec: JobSpec) -> dict[str, str]:
 def _escape(value: str) -> str:
     """The kubelet expands $(VAR) in command, args and env; `$$` is its escape for a literal `$`."""
     return value.replace("$", "$$").replace(_RANK_SENTINEL, "$(NODE_RANK)")
-
-
-def _selector(names: dict[str, str]) -> dict[str, str]:
-    return {"app.kubernetes.io/instance": names["job"], "app.kubernetes.io/component": CONTAINER}
 
 
 def _container(spec: JobSpec, run_id: str, master: str, nproc: int, downward: dict[str, str]) -> dict[str, Any]:
@@ -182,7 +182,8 @@ def _indexed_job_spec(spec: JobSpec, names: dict[str, str], nproc: int, shipped:
 
 
 def _core(spec: JobSpec, names: dict[str, str], nproc: int, shipped: Shipped) -> list[dict[str, Any]]:
-    """A headless Service for the pods' DNS names and the bare Job (no restarts: HARNESS_ATTEMPT is 0)."""
+    """A headless Service for the pods' DNS names, the bare Job (no restarts: HARNESS_ATTEMPT is 0) and the
+    NetworkPolicy that lets the job's own pods alone reach them."""
     common = labels(names)
     service = {
         "apiVersion": "v1", "kind": "Service",
@@ -190,7 +191,7 @@ def _core(spec: JobSpec, names: dict[str, str], nproc: int, shipped: Shipped) ->
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": _selector(names),
+            "selector": selector(names),
             "ports": [{"name": "rendezvous", "port": planned_port(spec), "targetPort": planned_port(spec),
                        "protocol": "TCP"}],
         },
@@ -202,7 +203,14 @@ def _core(spec: JobSpec, names: dict[str, str], nproc: int, shipped: Shipped) ->
         "spec": _indexed_job_spec(spec, names, nproc, shipped, master=master, subdomain=names["service"],
                                   downward={"NODE_RANK": COMPLETION_INDEX}),
     }
-    return [service, job]
+    return [service, job, _own_pods_only(names)]
+
+
+def _own_pods_only(names: dict[str, str]) -> dict[str, Any]:
+    """The job's pods reached by the job's own pods alone, on any port: torchrun's store (the rendezvous port) and
+    its collectives' data plane (gloo's and NCCL's sockets, on ephemeral ports of each pod). There is no metrics
+    port: nothing of the harness runs in these pods."""
+    return network_policy(names, CONTAINER, [{"from": [{"podSelector": {"matchLabels": selector(names)}}]}])
 
 
 def _failure_rules(spec: JobSpec) -> list[dict[str, Any]]:
@@ -354,10 +362,24 @@ def render_manifests(spec: JobSpec, spec_text: str, flavor: Flavor = "core", *, 
     shipped = Shipped(items, {CODE_DIGEST: _code_digest(code)} if code else {})
     if spec.k8s.supervised if supervised is None else supervised:
         render = supervised_jobset if flavor == "jobset" else supervised_core
-        return [configmap, pvc, *render(spec, names, shipped, CODE_DIR if code else None)]
-    if flavor == "jobset":
-        return [configmap, pvc, _jobset(spec.script_under(CODE_DIR), names, nproc, shipped)]
-    return [configmap, pvc, *_core(spec.script_under(CODE_DIR), names, nproc, shipped)]
+        objects = render(spec, names, shipped, CODE_DIR if code else None)
+    elif flavor == "jobset":
+        objects = [_jobset(spec.script_under(CODE_DIR), names, nproc, shipped), _own_pods_only(names)]
+    else:
+        objects = _core(spec.script_under(CODE_DIR), names, nproc, shipped)
+    return in_namespace([configmap, pvc, *objects], spec.k8s.namespace)
+
+
+def pin_note(image: str) -> str:
+    """What a render's header says of an image named by tag ("" for one named by digest): a tag names whatever
+    was pushed under it last, and each pod pulls the image when it starts, so the pods of one job may run different
+    images; a digest names one image. Tags are taken, as people write them, and the header says how to pin one."""
+    if "@" in image:
+        return ""
+    name = image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
+    return (f"# The image {image} is named by a tag, which may name another image by the time a pod pulls it;\n"
+            f"# pin it with `image: {name}@sha256:DIGEST`, DIGEST as `docker buildx imagetools inspect {image}` "
+            f"prints it.\n")
 
 
 class _PlainDumper(yaml.SafeDumper):
@@ -390,9 +412,13 @@ def manifests_yaml(spec: JobSpec, spec_text: str, source: str, flavor: Flavor = 
         f"harness render {source} --target k8s" + (f" --flavor {flavor}" if flavor != "core" else "") + \
         (" --unsupervised" if supervised is False else "")
     header = f"# Rendered by `{command}`; do not edit, re-render. For Kubernetes {MIN_KUBERNETES} or newer.\n"
+    header += f"# Namespace {spec.k8s.namespace}, which every object names.\n" if spec.k8s.namespace else \
+        "# No namespace named: the objects go to kubectl's (-n NAME, else the context's); k8s.namespace names one.\n"
     header += "".join(f"# Needs its secrets in the namespace first: {line}\n" for line in secret_commands(spec))
-    pods = 1 + spec.nnodes + spec.k8s.spares if (spec.k8s.supervised if supervised is None else supervised) \
-        else spec.nnodes
+    is_supervised = spec.k8s.supervised if supervised is None else supervised
+    images = dict.fromkeys([spec.image, *([spec.k8s.controller_image] if is_supervised else [])])
+    header += "".join(pin_note(image) for image in images if image)
+    pods = 1 + spec.nnodes + spec.k8s.spares if is_supervised else spec.nnodes
     if note := placement_note(spec, pods):
         header += f"# {note}.\n"
     docs = [yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120)

@@ -18,7 +18,12 @@ CODE_SUBDIR = "code"
 CODE_DIR = f"{SPEC_DIR}/{CODE_SUBDIR}"  # the shipped code: not under WORKDIR, which the volume hides
 POD_SCRIPT = f"{SPEC_DIR}/pod.py"  # what a worker pod runs: node/pod.py, standard library only
 CONTAINER = "torchrun"
-IMAGE_UID = 1000  # docker/Dockerfile's user; fsGroup makes the shared volume writable for it
+# docker/Dockerfile's user: above the uids a node's own users have (from 1000), so that a process that escaped its
+# container is none of theirs; fsGroup makes the shared volume writable for it.
+IMAGE_UID = 10001
+# What a pod may write besides its volumes: the root file system is read-only, these are emptyDirs of the pod's own.
+TMP_DIR = "/tmp"  # torchrun's, the node agents' and torch's temporary files and caches
+HOME_DIR = "/home/harness"  # the image's user's home, HOME in every container: ~/.cache, ~/.triton, the index of runs
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 # The oldest Kubernetes that takes every render as written: the API's schemas before 1.29 require onPodConditions
@@ -71,7 +76,9 @@ def secret_commands(spec: JobSpec) -> list[str]:
     for name in spec.secrets:
         ref = spec.secret_key(name)
         keys.setdefault(ref.secret, []).append(ref.key)
-    return [f"kubectl create secret generic {secret} " + " ".join(f"--from-literal={key}=..." for key in names)
+    create = f"kubectl create secret generic -n {spec.k8s.namespace}" if spec.k8s.namespace else \
+        "kubectl create secret generic"
+    return [f"{create} {secret} " + " ".join(f"--from-literal={key}=..." for key in names)
             for secret, names in keys.items()]
 
 
@@ -125,15 +132,49 @@ def placement_note(spec: JobSpec, pods: int) -> str | None:
             f"node, which needs room for every one of them")
 
 
+def in_namespace(objects: list[dict[str, Any]], namespace: str | None) -> list[dict[str, Any]]:
+    """Every object naming namespace (None: none, so that they go where `kubectl apply -n` or the context's says;
+    kubectl refuses an object that names another namespace than -n)."""
+    if namespace is None:
+        return objects
+    return [obj | {"metadata": {"name": obj["metadata"]["name"], "namespace": namespace, **obj["metadata"]}}
+            for obj in objects]
+
+
 def hardened(pod: dict[str, Any]) -> dict[str, Any]:
-    """A pod spec as the Pod Security Standard "restricted" has it (a namespace that enforces it admits the pods):
-    the image's user, never root, the runtime's seccomp profile; in each container no privilege escalation and no
-    capability (py-spy reads the ranks as their own user: the agent is their ptracer); no service-account token,
-    since nothing in the pods talks to the API. fsGroup makes the shared volume writable for the user."""
-    container_security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    """A pod spec as the Pod Security Standard "restricted" has it (a namespace that enforces it admits the pods),
+    and as a policy scanner would: the image's user (a high uid, never root), the runtime's seccomp profile; in
+    each container no privilege escalation and no capability (py-spy reads the ranks as their own user: the agent
+    is their ptracer), a read-only root file system with an emptyDir of the pod's own for temporary files
+    (TMP_DIR) and for HOME (HOME_DIR, unless the job's env sets HOME); no service-account token, since nothing in
+    the pods talks to the API. fsGroup makes the shared volume writable for the user."""
+    container_security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                          "readOnlyRootFilesystem": True}
+    writable = [{"name": "tmp", "mountPath": TMP_DIR}, {"name": "home", "mountPath": HOME_DIR}]
+    home = [{"name": "HOME", "value": HOME_DIR}]
     return pod | {
         "automountServiceAccountToken": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID,
                             "fsGroup": IMAGE_UID, "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container | {"securityContext": container_security} for container in pod["containers"]],
+        "containers": [container | {
+            "env": (home if all(entry["name"] != "HOME" for entry in container["env"]) else []) + container["env"],
+            "volumeMounts": [*container["volumeMounts"], *writable],
+            "securityContext": container_security} for container in pod["containers"]],
+        "volumes": [*pod["volumes"], *({"name": mount["name"], "emptyDir": {}} for mount in writable)],
+    }
+
+
+def selector(names: dict[str, str], component: str = CONTAINER) -> dict[str, str]:
+    """The labels that choose the job's pods of one component (every pod of the job has them: labels())."""
+    return {"app.kubernetes.io/instance": names["job"], "app.kubernetes.io/component": component}
+
+
+def network_policy(names: dict[str, str], component: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ingress to the job's pods of component: only what ingress allows, where the cluster's network plugin enforces
+    NetworkPolicy. Pods are told apart by their labels, which a pod of the same namespace can copy."""
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": f"{names['job']}-{component}", "labels": labels(names, component)},
+        "spec": {"podSelector": {"matchLabels": selector(names, component)}, "policyTypes": ["Ingress"],
+                 "ingress": ingress},
     }

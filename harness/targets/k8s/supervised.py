@@ -35,9 +35,11 @@ from harness.targets.k8s.objects import (
     disrupted,
     hardened,
     labels,
+    network_policy,
     on_the_volumes_node,
     pod_resources,
     secret_env,
+    selector,
     short,
 )
 
@@ -181,27 +183,13 @@ def _network_policies(spec: JobSpec, names: dict[str, str]) -> list[dict[str, An
     pods alone (their rendezvous and collectives). Pods are told apart by their labels, which a pod of the same
     namespace can copy: the policies narrow who can reach the pods; the pod link's proofs hold without them
     (node/pod.py)."""
-    workers = {"podSelector": {"matchLabels": _selector(names, WORKER)}}
+    workers = {"podSelector": {"matchLabels": selector(names, WORKER)}}
     ingress: list[dict[str, Any]] = [{"from": [workers], "ports": [{"port": spec.k8s.port, "protocol": "TCP"}]}]
     if spec.health.metrics_port is not None and spec.k8s.metrics_from:
         ingress.append({"from": [{"podSelector": {"matchLabels": spec.k8s.metrics_from}}],
                         "ports": [{"port": spec.health.metrics_port, "protocol": "TCP"}]})
-    own = [{"podSelector": {"matchLabels": _selector(names, component)}} for component in (CONTROLLER, WORKER)]
-    return [_policy(names, CONTROLLER, ingress), _policy(names, WORKER, [{"from": own}])]
-
-
-def _policy(names: dict[str, str], component: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
-    """Ingress to the job's pods of component: only what ingress allows."""
-    return {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"name": f"{names['job']}-{component}", "labels": labels(names, component)},
-        "spec": {"podSelector": {"matchLabels": _selector(names, component)}, "policyTypes": ["Ingress"],
-                 "ingress": ingress},
-    }
-
-
-def _selector(names: dict[str, str], component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/instance": names["job"], "app.kubernetes.io/component": component}
+    own = [{"podSelector": {"matchLabels": selector(names, component)}} for component in (CONTROLLER, WORKER)]
+    return [network_policy(names, CONTROLLER, ingress), network_policy(names, WORKER, [{"from": own}])]
 
 
 def supervised_core(spec: JobSpec, names: dict[str, str], shipped: Shipped,
@@ -214,7 +202,7 @@ def supervised_core(spec: JobSpec, names: dict[str, str], shipped: Shipped,
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": _selector(names, CONTROLLER),
+            "selector": selector(names, CONTROLLER),
             "ports": [{"name": "link", "port": spec.k8s.port, "targetPort": spec.k8s.port, "protocol": "TCP"}],
         },
     }

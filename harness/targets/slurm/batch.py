@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from decimal import Decimal
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from harness.plan.planner import (
 )
 from harness.plan.setup_script import setup_script, with_setup
 from harness.spec.job import SLURM_OPTIONS, JobSpec, quantity_value
+from harness.spec.secrets import env_apart
 
 _NODE, _MASTER, _JOB, _ATTEMPT, _PORT = "\0node\0", "\0master\0", "\0job\0", "\0attempt\0", "\0port\0"
 _SHELL = {_NODE: '"$SLURM_NODEID"', _MASTER: '"$MASTER_ADDR"', _JOB: '"$SLURM_JOB_ID"', _PORT: '"$MASTER_PORT"',
@@ -84,6 +85,15 @@ def _secret_exports(spec: JobSpec) -> list[str]:
                          f'(secrets.{name}): export it before sbatch}}"')
         lines.append(f"export {name}")
     return ["", "# secrets: the values are never in this script", *lines] if lines else []
+
+
+def _secret_looking_exports(names: Iterable[str]) -> list[str]:
+    """Each env name that looks secret (spec/secrets.py) taken from the environment sbatch ran in, as a secret from
+    the environment is: the script holds no value of it."""
+    lines = [line for name in names for line in (
+        f'{name}="${{{name}:?is not set in the environment sbatch ran in (env.{name} looks like a secret, so this '
+        f'script holds no value of it): export it before sbatch}}"', f"export {name}")]
+    return ["", "# env values that look like secrets: never in this script", *lines] if lines else []
 
 
 BATCH_LOG = "slurm-%j.log"  # the batch step's own output in a launch's run directory (%j: the job id)
@@ -147,8 +157,9 @@ def batch_script(spec: JobSpec, source: str, command: str | None = None) -> str:
     flags = torchrun_flags(spec, run_id=run_id, master_addr=_MASTER, nproc=nproc, node_rank=_NODE, master_port=port)
     launcher = with_setup([spec.slurm.python, "-m", TORCHRUN_MODULE, *flags], setup_script(spec.setup, spec.data_paths))
     per_node = {k: v for k, v in env.items() if _NODE in v}  # set in each task from SLURM_NODEID
+    secret_looking = env_apart(spec.env)[1]
     exports = [f"export {k}={_word(v)}" for k, v in env.items() if k not in per_node and v != _PORT
-               and k != "MASTER_ADDR"]
+               and k != "MASTER_ADDR" and k not in secret_looking]
     most = spec.restarts.max
     srun = f"srun --nodes={spec.nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
     lines = [
@@ -177,6 +188,7 @@ def batch_script(spec: JobSpec, source: str, command: str | None = None) -> str:
         "export MASTER_ADDR",
         *(_free_port(spec.slurm.python) if port else []),
         *exports,
+        *_secret_looking_exports(secret_looking),
         *_secret_exports(spec),
         "",
         "# What every node runs; $SLURM_NODEID is each task's own. torchrun would die of the time-limit",

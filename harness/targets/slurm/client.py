@@ -6,6 +6,7 @@ stops and cancels it through this client; the batch step's controller requeues i
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,12 +72,14 @@ class SlurmClient:
 
     env: Mapping[str, str] | None = None
 
-    def _run(self, argv: Sequence[str], stdin: str | None = None, cwd: Path | None = None) -> \
-            subprocess.CompletedProcess[str]:
+    def _run(self, argv: Sequence[str], stdin: str | None = None, cwd: Path | None = None,
+             environment: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """environment: variables added to the command's environment."""
+        env = None if self.env is None and not environment else \
+            dict(os.environ if self.env is None else self.env) | dict(environment or {})
         try:
             return subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=CLIENT_TIMEOUT,
-                                  env=None if self.env is None else dict(self.env), cwd=cwd,
-                                  stdin=None if stdin is not None else subprocess.DEVNULL)
+                                  env=env, cwd=cwd, stdin=None if stdin is not None else subprocess.DEVNULL)
         except FileNotFoundError:
             raise HarnessError(f"{argv[0]} not found: --target slurm runs where Slurm's commands are (a login "
                                f"node of the cluster)") from None
@@ -96,8 +99,9 @@ class SlurmClient:
             raise CheckFailed(f"Slurm refuses the job: {self._said(result)} (checked with `sbatch --test-only`; "
                               f"see nnodes, resources and slurm: in the job, and `sinfo` for what the cluster has)")
 
-    def submit(self, script: Path, cwd: Path | None = None) -> int:
-        result = self._run(["sbatch", "--parsable", str(script)], cwd=cwd)
+    def submit(self, script: Path, cwd: Path | None = None, environment: Mapping[str, str] | None = None) -> int:
+        """environment: variables added to the environment sbatch passes on to the job (its default, --export=ALL)."""
+        result = self._run(["sbatch", "--parsable", str(script)], cwd=cwd, environment=environment)
         if result.returncode != 0:
             raise HarnessError(f"sbatch {script} failed: {self._said(result)}")
         return int(result.stdout.strip().split(";")[0])

@@ -20,7 +20,7 @@ from harness.spec.job import JobSpec
 from harness.targets.base import JobStatus, Submission
 from harness.targets.slurm.batch import batch_log, controller_script
 from harness.targets.slurm.client import SlurmClient
-from harness.targets.slurm.job_file import job_json
+from harness.targets.slurm.job_file import job_environment, job_json
 
 
 class SbatchScheduler:
@@ -39,11 +39,11 @@ class SbatchScheduler:
         script = controller_script(spec, source, run_path.resolve(), sys.executable, exclude=list(self.kept_out))
         self.client.check(script)
         return Submission(text=script, file_name="job.sbatch", nnodes=spec.nnodes, world_size=spec.nnodes * nproc,
-                          others={"job.json": job_json(spec)},
+                          others={"job.json": job_json(spec)}, environment=job_environment(spec),
                           notes=tuple(f"{said} (sbatch --exclude)" for said in self.kept_out.values()))
 
     def submit(self, submission: Submission, path: Path) -> str:
-        return str(self.client.submit(path))
+        return str(self.client.submit(path, environment=submission.environment))
 
     def describe(self, job_id: str) -> JobStatus:
         job = self.client.job(int(job_id))

@@ -109,7 +109,7 @@ def container_argv(
     - env (names) is passed by name (--env KEY), each value taken from the engine's own environment, which
       the node's line and its agent set (a secret's, spec/secrets.py): the engine's command line, which `ps`
       shows every user for the whole run, holds no value;
-    - user (e.g. "1001:1001") runs the job as the owner of workdir instead of the image's uid 1000;
+    - user (e.g. "1001:1001") runs the job as the owner of workdir instead of the image's uid 10001;
     - interactive keeps the container's stdin open (a preflight script arrives on it).
     """
     if not argv:
