@@ -11,9 +11,10 @@ APT_PACKAGES := openssh-server openssh-client iproute2 iptables
 # at boot); buildah and debootstrap build the image (tests/image/), podman runs it on the namespace hosts; jq is
 # piped into by an example of docs/cli.md that tests/integration/test_doc_examples.py runs; prometheus scrapes a
 # running job's metrics in tests/integration/test_metrics.py (started there on a loopback port);
-# chromium-headless-shell draws a `harness report` page into a PNG (tests/integration/test_launch_local.py).
+# chromium-headless-shell draws a `harness report` page into a PNG (tests/integration/test_launch_local.py); strace
+# sees every command line a launch starts (tests/integration/test_script_launch.py).
 TEST_APT_PACKAGES := slurmctld slurmd slurm-client munge buildah debootstrap podman runc conmon catatonit jq prometheus \
-	chromium-headless-shell
+	chromium-headless-shell strace
 JOB ?=
 HOSTS ?=
 

@@ -302,18 +302,21 @@ class SlurmCluster:
         logs = ("daemon.out", "slurmd.log", "slurmctld.log", "munged.log")
         return "\n".join(_tail(self.dir / name / log) for log in logs if (self.dir / name / log).exists())
 
-    def run(self, argv: Sequence[str], *, timeout: float = 60, check: bool = True,
-            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-        """Run a Slurm client command (sbatch, srun, squeue, scontrol, scancel, sinfo) against this cluster."""
-        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=self.env,
-                                cwd=cwd or self.dir, stdin=subprocess.DEVNULL)
+    def run(self, argv: Sequence[str], *, timeout: float = 60, check: bool = True, cwd: Path | None = None,
+            environment: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client command (sbatch, srun, squeue, scontrol, scancel, sinfo) against this cluster;
+        environment: variables added to its environment."""
+        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                                env=self.env | (environment or {}), cwd=cwd or self.dir, stdin=subprocess.DEVNULL)
         if check and result.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout}{result.stderr}")
         return result
 
-    def sbatch(self, *args: str, cwd: Path | None = None) -> int:
-        """Submit a batch job (`sbatch ARGS`, e.g. `--wrap=...` or a script path) and return its id."""
-        return int(self.run(["sbatch", "--parsable", *args], cwd=cwd).stdout.strip().split(";")[0])
+    def sbatch(self, *args: str, cwd: Path | None = None, environment: dict[str, str] | None = None) -> int:
+        """Submit a batch job (`sbatch ARGS`, e.g. `--wrap=...` or a script path) and return its id; environment:
+        variables added to the environment sbatch runs in, which it hands the job."""
+        return int(self.run(["sbatch", "--parsable", *args], cwd=cwd, environment=environment).stdout.strip()
+                   .split(";")[0])
 
     def job_state(self, job_id: int) -> str:
         """PENDING, RUNNING, COMPLETED, CANCELLED, ... (finished jobs are kept for MinJobAge=300 s)."""

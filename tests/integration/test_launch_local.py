@@ -33,6 +33,7 @@ from conftest import (
     attack_store,
     harness,
     leftover,
+    secret_looking_env,
     stragglers_s,
     with_secret,
 )
@@ -44,18 +45,24 @@ CHROMIUM = "chromium-headless-shell"  # the Makefile's TEST_APT_PACKAGES install
 
 def test_two_nodes_train_over_gloo(write_yaml, launch, tmp_path):
     """With a secret from a file of the user's, which every rank has and nothing the harness writes or runs shows;
-    and a value that looks secret written in env, which the run's spec and plans show as ***. Every rank waits for
-    the rank hook's worker server (torch's own) to serve in it: the stream holds the job's lines and the harness's,
-    none of torch's."""
-    spec, secret = with_secret(job(write_yaml, nproc=2, STEPS="12", WANDB_API_KEY="wandb-in-clear",
-                                   AWAIT_RANK_HOOK="1"), f"{{file: {tmp_path / 'hf-token'}}}")
+    and values that look secret written in env (one of each kind of name, conftest.SECRET_LOOKING), which every rank
+    has too, in no command line while it runs, and which the run's spec and plans show as ***: launch says once of
+    each that it looks like a secret. Every rank waits for the rank hook's worker server (torch's own) to serve in
+    it: the stream holds the job's lines and the harness's, none of torch's."""
+    env = secret_looking_env()
+    spec, secret = with_secret(job(write_yaml, nproc=2, STEPS="12", AWAIT_RANK_HOOK="1", SHOW_DIGEST=",".join(env),
+                                   **env), f"{{file: {tmp_path / 'hf-token'}}}")
     (tmp_path / "hf-token").write_text(secret + "\n")
     run = launch(spec)
     assert run.finish() == 0, run.output
     assert_only_the_jobs_lines(run.output)
     assert_secret_kept(secret, run.output, 4, run.runs_dir)
+    for name, value in env.items():
+        assert_secret_kept(value, run.output, 4, run.runs_dir, name=name)
+        assert run.output.count(f"harness: env.{name} looks like a secret: the harness shows it as *** and puts it on "
+                                f"no command line, but {spec} holds it in clear; secrets: takes it from") == 1
     shown = [(run.runs_dir / run.run_id / name).read_text() for name in ("spec.yaml", "plan.txt", "plan.json")]
-    assert all("***" in text and "wandb-in-clear" not in text for text in shown), shown
+    assert all(text.count("***") >= len(env) for text in shown), shown
     weights = set(re.findall(r"\[node(\d)\] \[rank(\d)\]: rank \2 final loss \S+ weights (\[.*\])", run.output))
     assert {(n, r) for n, r, _ in weights} == {("0", "0"), ("0", "1"), ("1", "2"), ("1", "3")}, run.output
     assert len({w for _, _, w in weights}) == 1, "DDP replicas diverged"

@@ -6,6 +6,7 @@ own output (its c10d rendezvous, its worker server's lines)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import socket
@@ -26,6 +27,7 @@ from conftest import (
     assert_only_the_jobs_lines,
     attack_store,
     harness,
+    secret_looking_env,
 )
 
 # A user's script: it knows nothing of the harness. Each rank says its rank once every rank has joined the
@@ -33,9 +35,9 @@ from conftest import (
 # job that shares the file has come up (two jobs side by side prove they ran at once). --until-hook keeps it
 # up until the harness's rank hook has started its worker server in this rank (its socket exists: a test
 # waits for the event, not for a time); it ends with destroy_process_group() as the README's example does,
-# unless --no-destroy.
+# unless --no-destroy. --show-env NAME,...: each rank says the sha256 of each variable's value.
 SCRIPT = textwrap.dedent("""
-    import argparse, os, sys, time
+    import argparse, hashlib, os, sys, time
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser()
@@ -44,9 +46,13 @@ SCRIPT = textwrap.dedent("""
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--until-hook", action="store_true")
     parser.add_argument("--no-destroy", action="store_true")
+    parser.add_argument("--show-env", default="")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     dist.barrier()
+    for name in filter(None, args.show_env.split(",")):
+        digest = hashlib.sha256(os.environ[name].encode()).hexdigest()[:16]
+        print(f"rank {dist.get_rank()}: {name} sha256 {digest}", flush=True)
     print(f"rank {dist.get_rank()}/{dist.get_world_size()} lr {args.lr} port {os.environ['MASTER_PORT']}", flush=True)
     if args.meet and dist.get_rank() == 0:
         with open(args.meet, "a") as handle:
@@ -80,10 +86,19 @@ def _plan(run: Launch) -> dict:
 
 def test_a_script_runs_on_two_simulated_nodes_with_one_command(tmp_path: Path) -> None:
     """The stream holds the script's lines and the harness's own, nothing else (torch's own lines kept out, its
-    worker server's among them: the c10d test below, on real torch)."""
-    script = _script(tmp_path)
-    run = Launch(script, tmp_path / "runs", "--nnodes", "2", "--nproc-per-node", "2", *STANDIN, "--", "--lr", "0.1",
-                 cwd=tmp_path)
+    worker server's among them: the c10d test below, on real torch). With values that look secret given by --env
+    (conftest.SECRET_LOOKING): every rank has them, and under strace, which sees every program the launch starts
+    with its whole command line however briefly it lives, no command line ever held one (the node's line, `sh -c`
+    and its `exec env K=V`, holds the others); the run's spec.yaml, its `# Made by:` header and its plans show ***,
+    and launch says once of each that it looks like a secret. The render that saves the job (--save-job) holds none
+    either."""
+    script, env = _script(tmp_path), secret_looking_env()
+    given = [*STANDIN, *(f"--env={name}={value}" for name, value in env.items())]
+    execs = tmp_path / "execve.log"
+    run = Launch(script, tmp_path / "runs", "--nnodes", "2", "--nproc-per-node", "2", *given, "--", "--lr", "0.1",
+                 "--show-env", ",".join(env), cwd=tmp_path,
+                 traced_by=["strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=execve", "-e", "signal=none",
+                            "-s", "1000000", "-o", str(execs)])
     try:
         assert run.finish() == 0, run.output
     finally:
@@ -91,18 +106,36 @@ def test_a_script_runs_on_two_simulated_nodes_with_one_command(tmp_path: Path) -
     assert_only_the_jobs_lines(run.output)
     ranks = sorted(re.findall(r"\[rank(\d)\]: rank \1/4 lr 0.1 port (\d+)", run.output))
     assert [r for r, _ in ranks] == ["0", "1", "2", "3"], run.output
+    typed, *started = execs.read_text().splitlines()  # the user's own command line, then every one the launch ran
+    assert "harness.cli" in typed and all(value in typed for value in env.values())
+    traced = "\n".join(started)
+    assert "harness-agent" in traced and f'"PYTHONPATH={STANDIN_ENV["PYTHONPATH"]}"' in traced  # the nodes' lines ran
+    assert not [name for name, value in env.items() if value in traced], "a value was on a command line"
+    run_dir = run.runs_dir / run.run_id
+    for name, value in env.items():
+        digest = hashlib.sha256(value.encode()).hexdigest()[:16]
+        assert sum(f"[rank{rank}]: rank {rank}: {name} sha256 {digest}" in run.output for rank in range(4)) == 4
+        assert run.output.count(f"harness: env.{name} looks like a secret: the harness shows it as *** and puts it on "
+                                f"no command line, but this command line (and so your shell's history) holds it in "
+                                f"clear") == 1
+        assert f"--env={name}=***" in (run_dir / "spec.yaml").read_text().splitlines()[0]
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and any(v.encode() in p.read_bytes() for v in env.values())]
     plan = _plan(run)
     assert {port for _, port in ranks} == {str(plan["master_port"])}
     assert 20000 <= plan["master_port"] < ephemeral_start()  # auto: picked below the ephemeral range
-    kept = load_job(run.runs_dir / run.run_id / "spec.yaml")  # the spec the flags made, kept with the run
+    kept = load_job(run_dir / "spec.yaml")  # the spec the flags made, kept with the run
     assert (kept.name, kept.nnodes, kept.nproc_per_node, kept.entrypoint.script, kept.entrypoint.args) == \
-        ("train", 2, 2, str(script), ["--lr", "0.1"])
+        ("train", 2, 2, str(script), ["--lr", "0.1", "--show-env", ",".join(env)])
     # The run's plan.txt is exactly what render prints for that run: the commands that ran.
-    rendered = harness("render", str(script), "--nnodes", "2", "--nproc-per-node", "2", *STANDIN, "--runs-dir",
-                       str(run.runs_dir), "--run-id", run.run_id, "--master-port", str(plan["master_port"]), "--",
-                       "--lr", "0.1", cwd=tmp_path)
+    rendered = harness("render", str(script), "--nnodes", "2", "--nproc-per-node", "2", *given, "--runs-dir",
+                       str(run.runs_dir), "--run-id", run.run_id, "--master-port", str(plan["master_port"]),
+                       "--save-job", str(tmp_path / "job.yaml"), "--", "--lr", "0.1", "--show-env", ",".join(env),
+                       cwd=tmp_path)
     assert rendered.returncode == 0, rendered.stderr
-    assert rendered.stdout == (run.runs_dir / run.run_id / "plan.txt").read_text()
+    assert rendered.stdout == (run_dir / "plan.txt").read_text()
+    saved = (tmp_path / "job.yaml").read_text()
+    assert not [name for name, value in env.items() if value in saved + rendered.stderr]
+    assert list(load_job(tmp_path / "job.yaml").secrets) == list(env)
     assert_nothing_left(run.run_id)
 
 

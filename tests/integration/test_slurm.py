@@ -28,7 +28,17 @@ from harness.targets.slurm.client import SlurmClient
 from harness.targets.slurm.srun import slurm_machine
 from testbed.slurm_cluster import SlurmCluster
 
-from conftest import REPO, SCRIPT, Launch, Streamed, assert_secret_kept, harness, with_secret, worker_pid
+from conftest import (
+    REPO,
+    SCRIPT,
+    Launch,
+    Streamed,
+    assert_secret_kept,
+    harness,
+    secret_looking_env,
+    with_secret,
+    worker_pid,
+)
 from resume_job import assert_same_weights, final_weights, payload_job
 from slurm_job import sum_job
 
@@ -54,10 +64,11 @@ def _slurm_nodes_back() -> Iterator[None]:
             bring_back(hosts_file(), entry.name)
 
 
-def submit(cluster: SlurmCluster, script: str, tmp_path: Path) -> int:
+def submit(cluster: SlurmCluster, script: str, tmp_path: Path, environment: dict[str, str] | None = None) -> int:
+    """environment: variables added to the environment sbatch runs in (and hands the job)."""
     path = tmp_path / "job.sbatch"
     path.write_text(script)
-    return cluster.sbatch(f"--output={tmp_path}/slurm-%j.out", str(path))
+    return cluster.sbatch(f"--output={tmp_path}/slurm-%j.out", str(path), environment=environment)
 
 
 def ended(cluster: SlurmCluster, job_id: int, timeout: float = 240) -> dict[str, str]:
@@ -74,15 +85,21 @@ def shown_job(cluster: SlurmCluster, job_id: int) -> dict[str, str]:
 
 def test_plain_sbatch_runs_the_rendered_script_as_a_two_node_gloo_job(slurm_cluster, write_yaml, tmp_path):
     """master_port auto: the batch script picks the port on the master node. A secret from a file: the script reads it
-    where it runs, and holds no value, nor does Slurm's state."""
-    job, secret = with_secret(Path(sum_job(write_yaml, port="auto", STEPS="10")), f"{{file: {tmp_path / 'hf-token'}}}")
+    where it runs, and holds no value, nor does Slurm's state. Values that look secret written in env: the script
+    holds none, and takes each from the environment sbatch ran in."""
+    env = secret_looking_env()
+    job, secret = with_secret(Path(sum_job(write_yaml, port="auto", STEPS="10", SHOW_DIGEST=",".join(env), **env)),
+                              f"{{file: {tmp_path / 'hf-token'}}}")
     (tmp_path / "hf-token").write_text(secret)
-    job_id = submit(slurm_cluster, batch_script(load_job(job), "job.yaml"), tmp_path)
+    job_id = submit(slurm_cluster, batch_script(load_job(job), "job.yaml"), tmp_path, env)
     fields = ended(slurm_cluster, job_id)
     output = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output
     assert_secret_kept(secret, output, 2, slurm_cluster.dir)
     assert secret not in (tmp_path / "job.sbatch").read_text()
+    for name, value in env.items():
+        assert_secret_kept(value, output, 2, name=name)
+        assert value not in (tmp_path / "job.sbatch").read_text()
     args = "['--tag', 'two words', \"it's\", '$HOME', '${local_rank}', 'a\"b']"
     assert f"[node0] [rank0]: rank 0/2 up on n1; args={args}" in output, output
     assert f"[node1] [rank1]: rank 1/2 up on n2; args={args}" in output, output
@@ -140,14 +157,21 @@ def job_id_of(run: Launch) -> int:
 def test_launch_submits_follows_and_streams_every_node(slurm_cluster, write_yaml, launch_slurm, tmp_path):
     """With the job's setup run once in the workdir both nodes share, before torchrun; and a secret from a file of
     the user's, read by the batch step: every rank has it, and neither the run's record nor Slurm's state holds it.
+    Values that look secret written in env: every rank has them too, and no file of the run (job.json, job.sbatch,
+    spec.yaml, the plans) holds one: they travel in the job's environment, as a secret from the environment does.
     On the stand-in torch: submission, streaming and records are the harness's, not torch's."""
     setup = "setup: ['echo $SLURM_NODEID >> setup-ran', mkdir -p data]\ndata_paths: [data]\n"
-    job, secret = with_secret(Path(sum_job(write_yaml, workdir=tmp_path, tail=setup, standin=True, STEPS="10")),
-                              f"{{file: {tmp_path / 'hf-token'}}}")
+    env = secret_looking_env()
+    job, secret = with_secret(Path(sum_job(write_yaml, workdir=tmp_path, tail=setup, standin=True, STEPS="10",
+                                           SHOW_DIGEST=",".join(env), **env)), f"{{file: {tmp_path / 'hf-token'}}}")
     (tmp_path / "hf-token").write_text(secret)
     run = launch_slurm(job, "--time", "00:05:00")
     assert run.finish(timeout=240) == 0, run.output
     assert_secret_kept(secret, run.output, 2, run.runs_dir, slurm_cluster.dir)
+    for name, value in env.items():
+        assert_secret_kept(value, run.output, 2, run.runs_dir, name=name)
+        assert run.output.count(f"harness: env.{name} looks like a secret: ") == 1, run.output
+    assert json.loads((run.runs_dir / run.run_id / "job.json").read_text())["env_from_environment"] == list(env)
     assert len((tmp_path / "setup-ran").read_text().split()) == 1, run.output
     assert run.output.count("harness setup: done before") == 1, run.output
     job_id = job_id_of(run)
