@@ -381,7 +381,8 @@ def k8s_controller(args: argparse.Namespace) -> int:
     open_files_as_allowed()
     spec = load_job(args.job)
     root = runs_root(args.runs_dir)
-    left = left_by_a_lost_controller(root, spec.name, "k8s")
+    left = left_by_a_lost_controller(root, spec.name, "k8s", spec.supervision.grace,
+                                     lambda line: print(f"harness: {line}", file=sys.stderr, flush=True))
     run = left or run_dir(root, new_run_id(spec.name))
     if tools := os.environ.get("HARNESS_K8S_TOOLS"):
         share_tools(Path(tools))

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from harness.errors import UsageError
 from harness.node.proctable import is_alive, run_processes
 from harness.record.index import list_runs
 from harness.record.rundir import RunDir
 from harness.record.schema import RunState, RunStatus
+from harness.record.trust import check_run_folder
+
+# How far ahead of this machine's clock another machine's may be: a controller's last sign of life later than that
+# was written by no controller (a record planted with a time to come would be held for good).
+CLOCK_SKEW = 30.0
 
 
 def elsewhere(state: RunState) -> bool:
@@ -46,7 +53,10 @@ def unwatched_for(state: RunState, run: RunDir | None) -> float | None:
     run's while a process of it runs, another's within supervision.grace (None: they hold nothing now)."""
     if state.grace <= 0 or state.mode not in ("local", "ssh", "k8s") or run is None:
         return None
-    since = max(0.0, time.time() - last_seen(state, run))
+    since = time.time() - last_seen(state, run)
+    if since < -CLOCK_SKEW:
+        return None
+    since = max(0.0, since)
     if state.mode == "local":
         return since if run_processes(state.run_id) else None
     return since if since < state.grace else None
@@ -57,14 +67,30 @@ def has_ended(run: RunDir) -> bool:
     return live_status(run.read_state(), run) not in (RunStatus.RUNNING, RunStatus.UNWATCHED)
 
 
-def left_by_a_lost_controller(root: Path, name: str, mode: str) -> RunDir | None:
+def left_by_a_lost_controller(root: Path, name: str, mode: str, grace: float,
+                              say: Callable[[str], None] = lambda line: None) -> RunDir | None:
     """The newest run of job `name` on target `mode` under root that its record says runs, whose nodes its agents
-    may still hold (unwatched_for): where a target runs one controller at a time (a Kubernetes Job's controller
-    pod), a new one finds there the run its lost predecessor left, to take back."""
+    may still hold: where a target runs one controller at a time (a Kubernetes Job's controller pod), a new one finds
+    there the run its lost predecessor left, to take back. Only a record the caller may believe (trust.py: its own,
+    in a runs directory no one else may write), its controller last seen within grace (the caller's own
+    supervision.grace, not the record's) and not later than now (CLOCK_SKEW); say: why a running record of the job is
+    not taken back."""
     for entry in reversed(list_runs(root)):
         state = entry.state
-        if state is not None and (state.name, state.mode, state.status) == (name, mode, RunStatus.RUNNING) and \
-                unwatched_for(state, entry.run) is not None:
-            return entry.run
+        if state is None or (state.name, state.mode, state.status) != (name, mode, RunStatus.RUNNING):
+            continue
+        seen = last_seen(state, entry.run)
+        if seen > time.time() + CLOCK_SKEW:
+            say(f"run {state.run_id} is not taken back: its record says its controller was last seen "
+                f"{seen - time.time():.0f} s from now, a time no controller wrote")
+            continue
+        since = unwatched_for(state, entry.run)
+        if since is None or since >= grace:
+            continue
+        try:
+            check_run_folder(entry.run.path, state.run_id)
+        except UsageError as refused:
+            say(f"run {state.run_id} is not taken back: {refused}")
+            continue
+        return entry.run
     return None
-
