@@ -20,7 +20,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -106,17 +106,18 @@ env:
 SCRIPT = REPO / "tests" / "scripts" / "ddp_sum.py"
 
 
-def attack_store(run_dir: Path, marker: Path) -> str:
+def attack_store(run_dir: Path, marker: Path, login: Callable[[list[str]], list[str]] = list) -> str:
     """Another local user's attack on the run's rendezvous store (tests/scripts/store_attack.py), while the run runs,
     where its torchrun's command line says the store is: its one line, `refused ...` or `set ...`; marker: the file a
-    pickle it set would create, once loaded."""
+    pickle it set would create, once loaded; login: the attack's argv as it runs on the store's host (testbed's
+    Cluster.login; this machine's by default)."""
     argv = json.loads((run_dir / "plan.json").read_text())["nodes"][0]["argv"]
     flags = dict(re.findall(r"^--([\w-]+)=(.*)$", "\n".join(argv), re.M))
     host, port = flags["rdzv-endpoint"].rsplit(":", 1) if "rdzv-endpoint" in flags else \
         (flags["master-addr"], flags["master-port"])
-    attack = subprocess.run(["setpriv", "--reuid=12345", "--regid=12345", "--clear-groups", sys.executable,
-                             str(REPO / "tests" / "scripts" / "store_attack.py"), str(marker), host, port,
-                             *([flags["rdzv-id"]] if "rdzv-id" in flags else [])],
+    attack = subprocess.run(login(["setpriv", "--reuid=12345", "--regid=12345", "--clear-groups", sys.executable,
+                                   str(REPO / "tests" / "scripts" / "store_attack.py"), str(marker), host, port,
+                                   *([flags["rdzv-id"]] if "rdzv-id" in flags else [])]),
                             capture_output=True, text=True, timeout=120)
     assert attack.returncode == 0, attack.stderr
     return attack.stdout.strip()

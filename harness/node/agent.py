@@ -49,6 +49,7 @@ from harness.node.observer import RankObserver
 from harness.node.oom import oom_counts, oom_kills
 from harness.node.proctable import is_alive, kill_run_processes, process_tree, signal_all, start_ticks
 from harness.node.protocol import Kind, Word, escape_output, message_line, oom_body, parse_word
+from harness.node.store_port import keep_store, release_store
 
 PR_SET_CHILD_SUBREAPER = 36
 SWEEP_SECONDS = 2.0  # how long KILL keeps sweeping for processes that appear while it kills
@@ -70,7 +71,7 @@ class Agent:
 
     def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, watch: float,
                  command: str, cleanup: str, hook: str, standby: str = "", secrets: dict[str, str] | None = None,
-                 hold: float = 0.0) -> None:
+                 hold: float = 0.0, store_port: int | None = None) -> None:
         self.run_id = run_id
         self.node_rank = node_rank
         self.attempt = attempt
@@ -95,6 +96,11 @@ class Agent:
         self.stop_asked = False  # the controller said TERM or KILL: its node is not held when it goes
         if standby:
             self.standing_by.set()
+        self.store_port = store_port  # the node hosts the job's store there, kept from the host's other users
+        if store_port is not None:
+            why_open = keep_store(run_id, store_port)
+            self.say(Kind.STORE, why_open or "")
+            self.store_port = None if why_open else store_port
         self.child = subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True,
                                       stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -276,6 +282,8 @@ class Agent:
 
     def end(self, code: int) -> None:
         """The node's end said, and kept for a controller to take while one may come; then nothing is left."""
+        if self.store_port is not None:
+            release_store(self.run_id, self.store_port)
         self.say(Kind.NODE_EXIT, str(code))
         self.await_delivery()
         self.link.close()
@@ -343,14 +351,14 @@ def remove_orphaned(parent: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby, secrets, hold = argv[:12]
+    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby, secrets, hold, store = argv[:13]
     if "SLURM_STEP_ID" in os.environ:
         # Slurm's time-limit warning reaches every process of the step (scancel --signal=USR1): the training
         # processes catch it and checkpoint; the agent and torchrun (which inherits this) must live on.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup, hook,
-                      standby, json.loads(secrets), float(hold))
+                      standby, json.loads(secrets), float(hold), int(store) if store else None)
     except OSError as exc:
         sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
         sys.stdout.flush()

@@ -74,6 +74,9 @@ class Kind(str, Enum):  # noqa: UP042 - as Word
     UNWATCHED = "unwatched"
     AT = "at"  # `T`: what follows, up to the next AT, was said at T by the node's clock (while unwatched)
     WATCHED = "watched"  # `JSON` {"at"}: what was kept is all here: the rest is live, from `at` in the stream
+    # `` (empty): the node's rendezvous store is kept from its host's other users (harness.node.store_port); else why
+    # not, in words. Said once, before the node's command starts, by the agent of a node that hosts the store.
+    STORE = "store"
 
 
 # A STACKS answer under this rank is the node's launcher's, sent where the node has no ranks yet: its torchrun (or

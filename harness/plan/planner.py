@@ -67,6 +67,9 @@ class NodePlan(Node):
     interface: str | None = None  # pinned for gloo and NCCL (see interface_env)
     setup: str | None = None  # the job's setup: script, run in workdir with env before argv (setup_script.py)
     secrets: tuple[str, ...] = ()  # env names whose values the agent gets at the start (spec/secrets.py), not env
+    # The node hosts the job's rendezvous store on this port, which its agent keeps from the host's other users
+    # (node/store_port.py): the master host's node, where the job's processes are the agent's user's.
+    store_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -347,10 +350,11 @@ def pinned_interface(spec: JobSpec, host: Host, found: Mapping[str, str]) -> str
 
 
 def plan_hosts(spec: JobSpec, hosts: list[Host], *, run_id: str, master_ip: str, attempt: int = 0,
-               interfaces: Mapping[str, str] | None = None) -> Plan:
+               interfaces: Mapping[str, str] | None = None, shared_hosts: bool = True) -> Plan:
     """One node per host, hosts[0] the master: fewer than spec.nnodes when the job goes on without lost
     hosts (restarts.min_nnodes). master_ip is its address already resolved to an IP; interfaces: what
-    preflight found (see pinned_interface)."""
+    preflight found (see pinned_interface); shared_hosts: other users may log in to the hosts (not pods: the job's
+    store is kept from them, NodePlan.store_port)."""
     try:
         ipaddress.ip_address(master_ip)
     except ValueError:
@@ -360,17 +364,18 @@ def plan_hosts(spec: JobSpec, hosts: list[Host], *, run_id: str, master_ip: str,
     setup = setup_script(spec.setup, spec.data_paths, rank_hook=True)
     return Plan(run_id, spec.name, master_ip, planned_port(spec), spec.nnodes, nproc, tuple(
         _host_node(spec, host, rank, nproc, run_id, master_ip, attempt, pinned_interface(spec, host, interfaces or {}),
-                   setup)
+                   setup, guard_store=shared_hosts and rank == 0)
         for rank, host in enumerate(hosts)
     ), attempt)
 
 
 def _host_node(spec: JobSpec, host: Host, rank: int, nproc: int, run_id: str, master_ip: str,
-               attempt: int, interface: str | None, setup: str | None) -> NodePlan:
+               attempt: int, interface: str | None, setup: str | None, guard_store: bool) -> NodePlan:
     """torchrun with the host's Python (argv[0]); the SSH backend may wrap it in a container."""
     args = torchrun_args(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt)
     env = node_env(spec, run_id=run_id, master_addr=master_ip, nproc=nproc, node_rank=rank, attempt=attempt,
                    interface=interface, supervised=True)
     return NodePlan(host=host.name, address=host.address, node_rank=rank, nproc=nproc,
                     argv=(host.python, "-m", TORCHRUN_MODULE, *args), env=env, workdir=host.workdir, ssh=host,
-                    interface=interface, setup=setup, secrets=tuple(spec.secrets))
+                    interface=interface, setup=setup, secrets=tuple(spec.secrets),
+                    store_port=planned_port(spec) if guard_store else None)

@@ -18,7 +18,7 @@ from harness.health.rank_stack import number_ranges, ranks_text
 from harness.health.rendezvous import RendezvousVerdict
 from harness.health.verdict import Verdict
 from harness.node.protocol import Kind, parse_arrivals, parse_health, parse_oom
-from harness.plan.planner import Node
+from harness.plan.planner import Node, NodePlan
 from harness.record.rundir import RunDir
 from harness.record.stream import StreamRecord
 from harness.run.cascade import Cascade
@@ -36,6 +36,16 @@ MESSAGE_POLL_SECONDS = 0.05  # how soon a listener sees that its node ended and 
 # report comes last), and a loaded machine can keep a reader thread seconds behind its node.
 DRAIN_SECONDS = 10.0
 
+
+
+def store_words(node: NodePlan, why_open: str) -> str:
+    """What the agent that hosts the job's store found it could do (Kind.STORE): who can reach the store."""
+    where = f"the job's rendezvous store on {node.host}:{node.store_port}"
+    anyone = (f"every machine that reaches {node.host}:{node.store_port} can reach it: torch's store has no "
+              f"authentication (docs/security.md)")
+    if why_open:
+        return f"{where} is open to every user of {node.host} ({why_open}), and {anyone}"
+    return f"{where} admits no other user of {node.host} (an iptables rule while its node runs); {anyone}"
 
 class Supervisor:
     """grace: SIGTERM-to-SIGKILL seconds; terminal: the user's; log_file: where each node's lines go (None:
@@ -123,6 +133,8 @@ class Supervisor:
                     live.oom.update(parse_oom(message.body))
                 elif message.kind is Kind.STARTED and live.ranks_at is None:
                     live.ranks_at = time.time()
+                elif message.kind is Kind.STORE:
+                    self.say(store_words(process.node, message.body))
             except (ValueError, KeyError, TypeError):  # a damaged message is one lost sample, not a crash
                 continue
 

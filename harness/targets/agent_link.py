@@ -57,7 +57,8 @@ def agent_program(node: NodePlan, grace: float, silence: float, watch: float, ho
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
                              shlex.join(node.cleanup), RANK_HOOK, STANDBY if standby else "",
-                             json.dumps(hidden | dict(secrets or {})), f"{hold:g}"])
+                             json.dumps(hidden | dict(secrets or {})), f"{hold:g}",
+                             "" if node.store_port is None else str(node.store_port)])
 
 
 def relay_argv(python: str, node: NodePlan) -> list[str]:

@@ -72,8 +72,8 @@ class Runs(Protocol):
 
 
 def free_port_on(link: Runs, timeout: float) -> int:
-    """A port nobody holds on link's host, picked there (harness.node.freeport): `master_port: auto`."""
-    result = link.run(python_line(link.host.python, ["freeport"]), stdin=shipped("freeport", []), timeout=timeout)
+    """A port nobody holds on link's host, picked there (harness.node.store_port): `master_port: auto`."""
+    result = link.run(python_line(link.host.python, ["store_port"]), stdin=shipped("store_port", []), timeout=timeout)
     answer = result.stdout.strip().splitlines()[-1:] if result.status == 0 else []
     if not answer or not answer[0].isdigit():
         why = (result.stderr.strip().splitlines() or [f"exit status {result.status}"])[-1]

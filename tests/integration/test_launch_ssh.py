@@ -4,6 +4,7 @@ stand-in torch (ddp_job(standin=True)); test_two_hosts_train_over_gloo keeps tor
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ from conftest import (
     STOP_GRACE,
     assert_nothing_left,
     assert_secret_kept,
+    attack_store,
     ddp_job,
     harness,
     leftover,
@@ -60,10 +62,17 @@ def test_two_hosts_train_over_gloo(cluster2, write_yaml, launch, tmp_path):
 def test_sigkill_of_a_worker_stops_the_other_host_within_5_s(cluster2, write_yaml, launch, tmp_path):
     """On real torch: the record names the killed worker, not its peer that lost it. (The stand-in's process group
     breaks within milliseconds of a death, so the peer's end can reach the harness before the killed rank's node
-    reports it: a race of the stand-in's, not gloo's.)"""
+    reports it: a race of the stand-in's, not gloo's.) Meanwhile another user of the master host cannot reach the
+    job's store, which its agent (root there) keeps from them while the node runs, and the launch says so."""
     run = launch(ddp_job(write_yaml, STEPS="100000", STEP_SECONDS="0.05", HANG_AT_STEP="150"),
                  *ssh_args(cluster2, tmp_path))
     run.wait_for(r"\[rank0\]: step 5 ")
+    master = cluster2.hosts[0]
+    assert attack_store(run.runs_dir / run.run_id, tmp_path / "pwned", lambda argv: cluster2.login(master, argv)) \
+        .startswith(f"refused {master.address}:")
+    port = json.loads((run.runs_dir / run.run_id / "plan.json").read_text())["master_port"]
+    assert (f"harness: the job's rendezvous store on h1:{port} admits no other user of h1 (an iptables rule while its "
+            f"node runs); every machine that reaches h1:{port} can reach it") in run.output, run.output
     os.kill(worker_pid(run.run_id, 1), signal.SIGKILL)
     assert run.finish(timeout=30) == 1, run.output
     summary = run.summary()
@@ -71,6 +80,8 @@ def test_sigkill_of_a_worker_stops_the_other_host_within_5_s(cluster2, write_yam
     assert (failure["host"], failure["node_rank"], failure["rank"], failure["rank_exit_code"]) == ("h2", 1, 1, -9)
     assert stragglers_s(summary) < 5.0, summary  # guard: "within seconds": ~1 s quiet (bench 5), not left to run
     assert_nothing_left(run.run_id)
+    rules = subprocess.run(cluster2.login(master, ["iptables", "-S", "OUTPUT"]), capture_output=True, text=True)
+    assert rules.returncode == 0 and "harness-store" not in rules.stdout, rules.stdout  # gone with the node
 
 
 def test_a_dead_controllers_remote_nodes_stop_once_their_grace_has_passed(cluster2, write_yaml, launch, tmp_path):

@@ -15,7 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from harness.node.freeport import ephemeral_start
+from harness.node.store_port import ephemeral_start
 from harness.spec.job import load_job
 from testbed.cluster import Cluster
 

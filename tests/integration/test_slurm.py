@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from harness.node.collectives import done, read_trace
-from harness.node.freeport import ephemeral_start
 from harness.node.proctable import environ, run_processes
+from harness.node.store_port import ephemeral_start
 from harness.payload import checkpoint
 from harness.record.hosts_out import bring_back, hosts_file, hosts_out, take_out
 from harness.spec.job import load_job

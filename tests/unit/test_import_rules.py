@@ -178,7 +178,8 @@ def test_payload_imports_nothing_of_the_harness_outside_itself() -> None:
 
 
 def test_shipped_code_takes_its_siblings_along() -> None:
-    assert siblings("agent") == ("protocol", "link", "collectives", "gpu", "proctable", "ranks", "observer", "oom")
+    assert siblings("agent") == ("protocol", "link", "collectives", "gpu", "proctable", "ranks", "observer", "oom",
+                                 "store_port")
     assert siblings("link") == ("protocol",)
     assert siblings("proctable") == ()
     assert siblings("probe") == ("gpu", "proctable", "protocol", "ranks")

@@ -13,7 +13,7 @@ import pytest
 from harness import cli
 from harness.commands import Job, job_of
 from harness.errors import UsageError
-from harness.node.freeport import ephemeral_start
+from harness.node.store_port import ephemeral_start
 from harness.plan.planner import TORCHRUN_PORT
 from harness.spec.from_flags import ScriptFlags, job_name, spec_from_flags, spec_yaml
 from harness.spec.job import JobSpec, load_job

@@ -388,7 +388,8 @@ class PodsBackend:
         names = take_healthy(spec, list(by_name), down, what="pod", pool="the connected",
                              fix="see `kubectl get pods` for the job's pods that are not running")
         hosts = self._hosts(spec, [by_name[name] for name in names])
-        return plan_hosts(self.in_pods(spec), hosts, run_id=run_id, master_ip=hosts[0].address, attempt=attempt)
+        return plan_hosts(self.in_pods(spec), hosts, run_id=run_id, master_ip=hosts[0].address, attempt=attempt,
+                          shared_hosts=False)
 
     def check(self, plan: Plan, spec: JobSpec) -> Plan:
         """Nothing more to prove cheaply: each pod proved it runs by dialing in."""
@@ -407,7 +408,7 @@ class PodsBackend:
             return
         hosts = self._hosts(spec, pods)
         plan = plan_hosts(self.in_pods(spec).at_nnodes(len(hosts)), hosts, run_id=run_id,
-                          master_ip=hosts[0].address, attempt=attempt)
+                          master_ip=hosts[0].address, attempt=attempt, shared_hosts=False)
         self._standbys.stand_by(plan.nodes, self._agent, spec)
 
     def stand_down(self) -> None:

@@ -13,9 +13,9 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from harness.node.freeport import free_port, is_free
 from harness.node.gpu import driver_gpu_count
 from harness.node.proctable import kill_run_processes
+from harness.node.store_port import free_port, is_free
 from harness.plan.planner import NodePlan, Plan, local_spec, plan_local, simulated_hosts, take_healthy
 from harness.spec.job import JobSpec
 from harness.spec.secrets import secret_values

@@ -25,11 +25,11 @@ import sys
 import threading
 from pathlib import Path
 
-from harness.node.freeport import free_port, is_free
+from harness.node.store_port import free_port, is_free
 
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 # The holder runs the harness's own interpreter, isolated (-I -S) as the node agent is, with the harness's
-# folder on its path so that it can import this module and freeport (standard library only).
+# folder on its path so that it can import this module and store_port (standard library only).
 _ROOT = str(Path(__file__).resolve().parents[3])
 _HOLD = f"import sys; sys.path.insert(0, {_ROOT!r}); from harness.targets.local.private_net import hold; hold()"
 

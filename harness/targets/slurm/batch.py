@@ -21,7 +21,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from harness import __version__
-from harness.node import freeport
+from harness.node import store_port
 from harness.plan.planner import (
     LOG_LINE_PREFIX,
     LOG_LINE_PREFIX_ENV,
@@ -138,7 +138,7 @@ def sbatch_options(spec: JobSpec, log_dir: Path | None = None, nodes: int | None
 
 def _free_port(python: str) -> list[str]:
     """master_port: auto, picked where the batch script runs: the allocation's first node, the master."""
-    source = Path(freeport.__file__).read_text(encoding="utf-8")
+    source = Path(store_port.__file__).read_text(encoding="utf-8")
     return ["", "# master_port: auto: a port that nobody holds on the master (this node), picked now.",
             f"MASTER_PORT=$({_word(python)} - <<'END_OF_FREEPORT'", source.rstrip("\n"), "END_OF_FREEPORT", ")",
             'export MASTER_PORT PET_MASTER_PORT="$MASTER_PORT"']

@@ -153,5 +153,7 @@ def in_containers(plan: Plan, spec: JobSpec) -> Plan:
                               node.ssh.workdir, plan.run_id, node_rank=node.node_rank, gpus=bool(node.ssh.gpus),
                               shm_size=spec.resources.shm_size, engine=engine)
         cleanup = remove_argv(plan.run_id, node.node_rank, engine)
-        nodes.append(replace(node, argv=tuple(argv), cleanup=tuple(cleanup), setup=None))
+        # Its ranks run as the image's user, not the agent's: a rule admitting the agent's user alone would keep them
+        # from their own store (node/store_port.py), so the store is not kept from the host's users (security.md).
+        nodes.append(replace(node, argv=tuple(argv), cleanup=tuple(cleanup), setup=None, store_port=None))
     return replace(plan, nodes=tuple(nodes))
