@@ -10,6 +10,7 @@ from harness.run.worker_output import is_cpp_info, normalize, user_error
 from harness.spec.job import load_job
 from harness.targets.k8s.manifests import render_manifests
 from harness.targets.slurm.batch import batch_script
+from testbed.kubelet import job_spec
 
 
 def test_the_users_frame_is_the_innermost_outside_the_library():
@@ -53,7 +54,7 @@ def test_local_rank_arg_reaches_slurm_and_kubernetes_as_torchruns_macro(write_ya
                                "  script: /opt/code/train.py\n  local_rank_arg: --local_rank\n  args: [--lr, $x]\n"))
     script = batch_script(spec, "job.yaml")
     assert "  /opt/code/train.py '--local_rank=${local_rank}' --lr '$$x'\n" in script, script
-    container = render_manifests(spec, "", code={}, supervised=False)[-1]["spec"]["template"]["spec"]["containers"][0]
+    container = job_spec(render_manifests(spec, "", code={}, supervised=False))["template"]["spec"]["containers"][0]
     assert container["args"][-4:] == ["/opt/code/train.py", "--local_rank=$${local_rank}", "--lr", "$$$$x"]
 
 
