@@ -147,8 +147,9 @@ JOBS_OWN_LINE = re.compile(r"^\[node\d+\] \[rank\d+\]: (?!\[[IWEF]\d{4} \d\d:\d\
 def assert_only_the_jobs_lines(output: str) -> None:
     """Every line of a launch's stream is the job's own or the harness's own (`harness: ...`, and the indented
     lines its failure report quotes): nothing of the harness's machinery in the ranks (its rank hook's server),
-    no C++ log line of torch's."""
-    foreign = [line for line in output.splitlines()
+    no C++ log line of torch's. Lines end at newlines alone, as the stream's do (a rank may print a record separator
+    inside one: str.splitlines would break it there)."""
+    foreign = [line for line in output.removesuffix("\n").split("\n")
                if not (line.startswith(("harness: ", "    ")) or JOBS_OWN_LINE.match(line))]
     assert not foreign, "lines neither the job's nor the harness's:\n" + "\n".join(foreign)
 

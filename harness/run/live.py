@@ -67,6 +67,7 @@ class RankActivity:
 # torchrun's ChildFailedError report names the root-cause rank; use it when present.
 ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)")
 ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+LINE_END = re.compile(r"\r\n|\r|\n")  # where a line of the node's output ends (_lines)
 
 
 @dataclass
@@ -156,7 +157,7 @@ class LiveNode:
         logged: list[str] = []
         streamed: list[str] = []
         shown: list[str] = []
-        for raw in text.splitlines():
+        for raw in _lines(text):
             line, show = self.take(raw, quiet_cpp_info, at)
             logged.append(line)
             if not show:
@@ -263,7 +264,7 @@ def _number(found: re.Match[str], group: str) -> float | None:
 
 def _ranks_lines(text: str, search: Callable[[str], re.Match[str] | None]) -> Iterator[tuple[int, str, re.Match[str]]]:
     """Each rank's line of text that search finds, with its rank and the match."""
-    for line in text.splitlines():
+    for line in _lines(text):
         if (found := search(line)) and (rank := worker_output.rank_of(line)) is not None:
             yield rank, line, found
 
@@ -274,6 +275,16 @@ def _plain(text: str, count: int) -> bool:
     otherwise go the slow way, and come out the same)."""
     return text.startswith("[rank") and text.count("\n[rank") == count - 1 and "]: [" not in text and \
         "]:[" not in text and TRACEBACK not in text and "WorkerServer.cpp" not in text
+
+
+def _lines(text: str) -> list[str]:
+    """The lines of a block, as str.splitlines gives them but broken only where a terminal breaks one (\\n, \\r\\n,
+    and \\r, a progress bar's): str.splitlines breaks too at characters a rank may print inside a line (\\f, the
+    separators \\x1c-\\x1e, U+2028), which would leave the line's rest without its rank."""
+    lines = LINE_END.split(text)
+    if lines[-1] == "":
+        lines.pop()
+    return lines
 
 
 def _text(lines: list[str]) -> str:

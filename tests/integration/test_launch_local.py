@@ -19,6 +19,7 @@ from pathlib import Path
 
 from harness.node.link import control_socket
 from harness.node.proctable import command_line, run_processes
+from harness.node.protocol import Kind, message_line
 from harness.record.timeline import read_timeline
 from harness.view.charts import LEFT, RIGHT, WIDTH, TimeAxis, color
 
@@ -157,11 +158,17 @@ def test_failure_stops_every_node_within_5_seconds(write_yaml, launch):
     lines and the harness's, nothing else. On the stand-in torch: what is tested is the harness's supervision and
     its words; the same failure on real torch (torchrun's report read, torch's server's lines kept out of the
     stream): test_hostile_launches.py's exit code test. Before it fails, rank 1 reaches for another host: the
-    nodes' own network has no route, and the failure's hint says so."""
+    nodes' own network has no route, and the failure's hint says so; and it prints the node agent's messages, byte
+    for byte (its node's end with code 0, a replay's end, an OOM kill): they are its own lines, in its node's log as
+    it printed them, and none changes the run's end."""
     run = launch(job(write_yaml, standin=True, FAIL_RANK="1", FAIL_AT_STEP="3", FAIL_CODE="3", HANG_AT_STEP="3",
-                     STEPS="1000", AWAIT_RANK_HOOK="1", REACH_OUT="1"))
+                     STEPS="1000", AWAIT_RANK_HOOK="1", REACH_OUT="1", FORGE_MESSAGES="1"))
     assert run.finish() == 1, run.output
     assert_only_the_jobs_lines(run.output)
+    forged = [message_line(Kind.NODE_EXIT, "0"), message_line(Kind.WATCHED, json.dumps({"at": 10**9})),
+              message_line(Kind.OOM, json.dumps({"1": "Out of memory: Killed process 1"}))]
+    log = (run.runs_dir / run.run_id / "node1.log").read_text()
+    assert "".join(f"[rank1]: {line.decode()}" for line in forged) in log, log
     summary = run.summary()
     failure = summary["first_failure"]
     assert (summary["status"], failure["node_rank"], failure["rank"], failure["exit_code"], failure["rank_exit_code"]) \

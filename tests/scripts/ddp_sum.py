@@ -7,6 +7,9 @@ harness's rank hook serves in it (its socket exists), and says where, so that a 
 with the rank, or tries it.
 REACH_OUT=1: the failing rank first reaches for another host as a download would, only where no packet can leave
 (a network without routes, the simulated nodes' own), and says the error it got.
+FORGE_MESSAGES=1: the failing rank first prints FORGED, the node agent's messages as the agent writes them
+(harness/node/protocol.py: its marker, a kind, a body): its node's end with code 0, the end of a replay at an offset
+of its own, an OOM kill of itself; none may be taken for the agent's.
 SHOW_DIGEST=NAME[,NAME...]: each rank says, for each NAME, the sha256 of its env's NAME (not the value) and in how
 many processes' command lines that value is, read from /proc while the job runs.
 On the stand-in torch of testbed/standin (its shim first on PYTHONPATH: ddp_job(standin=True)), where torch's own
@@ -30,6 +33,8 @@ except ImportError:  # the stand-in torch: no tensors
     nn = None
 
 TARGET = [1.0, -2.0, 3.0, 0.5]
+FORGED = ('\x1eharness-node-exit 0\n\x1eharness-watched {"at": 1000000000}\n'
+          '\x1eharness-oom {"1": "Out of memory: Killed process 1"}\n')
 
 
 class Linear:
@@ -117,6 +122,8 @@ def main() -> None:
         if rank == fail_rank and step == fail_at:
             if os.environ.get("REACH_OUT") == "1":
                 reach_out(rank)
+            if os.environ.get("FORGE_MESSAGES") == "1":
+                print(FORGED, end="", flush=True)
             print(f"rank {rank} failing on purpose at step {step}", flush=True)
             sys.exit(int(os.environ.get("FAIL_CODE", "1")))
         if rank != fail_rank and step == hang_at:
