@@ -46,7 +46,8 @@ def _last_lines(path: os.PathLike[str], count: int) -> Iterator[str]:
             data = file.read()
     except FileNotFoundError:
         return
-    lines = data.decode("utf-8", errors="replace").splitlines(keepends=True)
+    # Split as bytes, at \n and \r alone: str.splitlines would cut a rank's line at a separator it printed (\x1e).
+    lines = [line.decode("utf-8", errors="replace") for line in data.splitlines(keepends=True)]
     if size > TAIL_BYTES:
         lines = lines[1:]  # the first may be cut
     yield from (line for line in lines[-count:] if line.endswith("\n"))

@@ -33,6 +33,7 @@ from harness.spec.job import Health
 from harness.spec.progress import LinePatterns
 from harness.targets.agent_link import AgentNode
 from harness.view.logs import Selection, duration, print_logs
+from harness.view.top import _last_lines
 
 from conftest import harness
 
@@ -120,6 +121,20 @@ def test_a_big_block_keeps_its_last_lines_in_the_tail():
     assert list(node.tail) == lines[-TAIL_KEPT:]
     node.take_block(text(lines[:2]), at=2.0)
     assert list(node.tail) == lines[-TAIL_KEPT + 2:] + lines[:2]
+
+
+def test_a_rank_line_holding_a_separator_stays_one_line_of_its_rank(tmp_path):
+    """A rank prints a record separator (the agent's messages begin with one), a form feed and U+2028 inside a line:
+    the line is logged, shown and tailed whole with its rank (str.splitlines would break it at each), slow path or
+    fast; `harness top` shows it whole from the node's log."""
+    odd = "[rank1]: \x1eharness-node-exit 0 \x0c page \u2028 done"
+    node = live()
+    block = node.take_block(text([odd, "[rank0]: [rank0]: doubled"]), at=1.0)  # the doubled prefix: the slow path
+    assert block.logged == block.shown == text([odd, "[rank0]: doubled"]) and node.tail[0] == odd
+    assert node.take_block(text([odd]), at=2.0).shown == text([odd])  # the fast path
+    log = tmp_path / "node1.log"
+    log.write_bytes(text([odd, "[rank1]: after"]).encode())
+    assert list(_last_lines(log, 2)) == [odd + "\n", "[rank1]: after\n"]
 
 
 def test_block_by_block_and_line_by_line_say_the_same():
