@@ -3,25 +3,32 @@
 Runs on a host with the inventory's `python:` (stdlib only). argv[1] is the answer marker,
 argv[2] the mode, argv[3] its JSON config; the answer is one JSON line after the marker.
 
-listen  {"ports": [0, 29500], "lifetime": s}: bind every port (0 = an ephemeral one, as gloo and
-        NCCL pick them), and the same UDP port where it is free, answer which ports it got, then serve
+listen  {"ports": [0, 29500], "lifetime": s, "keep": 29500?}: bind every port (0 = an ephemeral one, as gloo
+        and NCCL pick them), and the same UDP port where it is free, answer which ports it got, then serve
         until stdin closes or the lifetime ends. A client that says hello gets "ok" back, proving the
-        connection reached this listener; a datagram gets its size back.
+        connection reached this listener; a datagram gets its size back. keep: that port kept from the host's
+        other users as the job's agent keeps its store (store_port.keep_store), while it serves; the answer's
+        "kept" is null, or why not.
 connect {"targets": [{"id", "address", "port", "frame"?}], "timeout": s}: connect to every target at
         once and answer per target: ok, timeout (packets dropped), refused, no_route, no_reply or
         error. With "frame" (bytes, the sender's MTU), also send one datagram that fills such a frame
-        with don't-fragment set: "frame" ok, lost (the path is narrower: a black hole) or error.
+        with don't-fragment set: "frame" ok, lost (the path is narrower: a black hole) or error. With
+        "as_other_user", the connection is opened by another user of the host (nobody, where this runs as
+        root: "not_root" otherwise), as one who would reach the job's store.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import sys
 import threading
 import time
 from typing import Any
+
+from harness.node.store_port import keep_store, release_store
 
 HELLO = b"harness-preflight\n"
 REPLY = b"ok\n"
@@ -32,6 +39,7 @@ HEADERS = {socket.AF_INET: 28, socket.AF_INET6: 48}  # IP + UDP header bytes
 # Loopback's MTU (65536) is larger, and no datagram fills it.
 LARGEST = {socket.AF_INET: 65535, socket.AF_INET6: 65535 + 40}
 FRAME_TRIES = 3
+NOBODY = 65534
 
 
 def _bind(port: int, kind: int = socket.SOCK_STREAM) -> socket.socket:
@@ -116,7 +124,9 @@ def listen(config: dict[str, Any], marker: str) -> None:
             ephemeral = [int(n) for n in handle.read().split()]
     except OSError:
         ephemeral = None
-    print(marker + json.dumps({"ports": answers, "ephemeral_range": ephemeral}), flush=True)
+    keep = config.get("keep")
+    kept = keep_store("preflight", keep) if keep else None
+    print(marker + json.dumps({"ports": answers, "ephemeral_range": ephemeral, "kept": kept}), flush=True)
     stop = threading.Event()
 
     def until_stdin_closes() -> None:
@@ -125,9 +135,48 @@ def listen(config: dict[str, Any], marker: str) -> None:
 
     threading.Thread(target=until_stdin_closes, daemon=True).start()
     stop.wait(config["lifetime"])
+    if keep and kept is None:
+        release_store("preflight", keep)
+
+
+def _connect_as_other_user(target: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """The connection opened by a forked child that is nobody: no interpreter to start, no module to import from
+    files root may keep from nobody; the child only connects and writes its outcome."""
+    result = {"id": target["id"], "status": "not_root", "detail": "only root may connect as another user"}
+    if os.geteuid() != 0:
+        return result
+    "".encode("idna")  # the codec a connection to a str address needs, loaded while root may read it
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                socket.create_connection((target["address"], target["port"]), timeout=timeout).close()
+                said = "ok"
+            except ConnectionRefusedError:
+                said = "refused"
+            except TimeoutError:
+                said = "timeout"
+            except OSError as exc:
+                said = f"error {exc}"
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, encoding="utf-8") as answer:
+        said_words = answer.read().split(maxsplit=1) or ["error"]
+    os.waitpid(pid, 0)
+    result.update(status=said_words[0], detail=said_words[1] if len(said_words) > 1 else "")
+    return result
 
 
 def _connect(target: dict[str, Any], timeout: float) -> dict[str, Any]:
+    if target.get("as_other_user"):
+        return _connect_as_other_user(target, timeout)
     started = time.monotonic()
     result = {"id": target["id"], "status": "ok", "detail": ""}
     try:

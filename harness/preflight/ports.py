@@ -12,6 +12,7 @@ a drop (timeout) from a reject (refused) from a routing problem (no route).
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,7 @@ from harness.targets.host_command import RemoteTimeout
 
 CONNECT_TIMEOUT = 3.0
 MASTER = "master"
+OTHER_USER = "other user"  # another user of the master host, reaching for the job's store there
 
 _DESCRIBE = {
     "timeout": "timed out after {timeout:g}s (a firewall drops the packets)",
@@ -38,8 +40,8 @@ def _describe(result: dict[str, Any], timeout: float) -> str:
 
 
 def _listen(connection: Link, ports: list[int], lifetime: float, timeout: float,
-            started: dict[str, Process]) -> dict[str, Any]:
-    config = json.dumps({"ports": ports, "lifetime": lifetime})
+            started: dict[str, Process], keep: int | None = None) -> dict[str, Any]:
+    config = json.dumps({"ports": ports, "lifetime": lifetime, "keep": keep})
     process = start_script(connection, netcheck, ["listen", config], timeout=timeout)
     started[connection.host.name] = process
     return first_answer(process, timeout=timeout)
@@ -84,6 +86,7 @@ def network_checks(connections: Mapping[str, Link], master: str, master_port: in
     try:
         listening = on_hosts(lambda name: _listen(
             connections[name], [0, master_port] if name == master else [0], 4 * timeout + 30, timeout, started,
+            keep=master_port if name == master else None,
         ), names)
         data_ports = {n: a["ports"][0]["port"] for n, a in listening.items() if isinstance(a, dict)}
         udp = {n for n, a in listening.items() if isinstance(a, dict) and a["ports"][0].get("udp")}
@@ -100,17 +103,24 @@ def network_checks(connections: Mapping[str, Link], master: str, master_port: in
                       for dest, port in data_ports.items() if dest in peers for address in also.get(dest, [])]
             if master_bound and source != master:
                 found.append({"id": MASTER, "address": connections[master].peer_ip, "port": master_port})
+            if master_bound and source == master:
+                found.append({"id": OTHER_USER, "address": connections[master].peer_ip, "port": master_port,
+                              "as_other_user": True})
             return found
 
         reached = on_hosts(lambda name: run_script(
             connections[name], netcheck, ["connect", json.dumps({"targets": targets(name), "timeout": wait})],
             timeout=timeout + wait,
         ), names)
+        here = _reached_from_here(connections[master].peer_ip, master_port, wait) if master_bound else None
     finally:
         on_hosts(lambda name: _stop(started[name], timeout), list(started))
     results = {source: {r["id"]: r for r in answer["results"]} for source, answer in reached.items()
                if isinstance(answer, dict)}
     rows = [_master_row(master, master_port, master_answer)]
+    if master_bound and isinstance(master_answer, dict):
+        rows.append(_store_row(master, connections[master].peer_ip, master_port, master_answer.get("kept"),
+                               results.get(master, {}).get(OTHER_USER), here))
     rows += [_worker_row(name, master, master_port, master_bound, reached[name], results, connections, wait)
              for name in names if name != master]
     ephemeral = master_answer.get("ephemeral_range") if isinstance(master_answer, dict) else None
@@ -132,6 +142,32 @@ def _master_row(master: str, port: int, answer: dict[str, Any] | Exception | Non
         return Check(master, "master_port", Status.FAIL, f"cannot listen on port {port}: {error}",
                      "pick a master_port >= 1024 that the job's user may bind")
     return Check(master, "master_port", Status.PASS, f"port {port} is free on {master} (test listener bound)")
+
+
+def _reached_from_here(address: str, port: int, timeout: float) -> bool:
+    """Whether this machine, where preflight runs, reaches the master's store port: a machine outside the job
+    (unless it is one of its hosts too)."""
+    try:
+        socket.create_connection((address, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _store_row(master: str, address: str, port: int, kept: str | None, other: dict[str, Any] | None,
+               here: bool | None) -> Check:
+    """Who can reach the job's rendezvous store, which has no authentication, proved as the job's agent will keep
+    it: another user of the master host (refused where the rule holds), and this machine."""
+    machines = (f"any machine that reaches {address}:{port} reaches it (this one did)" if here else
+                f"this machine could not reach {address}:{port}: a firewall keeps some machines out")
+    if other is not None and other["status"] == "refused" and kept is None:
+        return Check(master, "store", Status.PASS, f"port {port}: another user of {master} (nobody) was refused, as "
+                     f"the job's agent keeps its store from them; {machines}")
+    why = kept or (f"another user of {master} connected" if other is None or other["status"] == "ok" else
+                   f"another user's connection: {other['status']} {other['detail']}".strip())
+    return Check(master, "store", Status.WARN, f"port {port} is open to every user of {master} ({why}); {machines}",
+                 "launch as root on the master host to have its agent keep the store from the host's other users "
+                 "(docs/security.md#torchs-rendezvous-store)")
 
 
 def _worker_row(source: str, master: str, port: int, master_bound: bool, answer: Any,

@@ -51,15 +51,22 @@ def _row(report: Report, host: str, check: str) -> Check:
 def test_healthy_two_hosts_full_with_collective_and_json(cluster2: Cluster, tmp_path: Path) -> None:
     report = _preflight(cluster2, tmp_path, collective=True)
     assert report.ok, report.render_table()
-    names = ["ssh", "fingerprint", "gpus", "shm", "disk", "stacks", "resolve", "interface", "master_port",
+    names = ["ssh", "fingerprint", "gpus", "shm", "disk", "stacks", "resolve", "interface", "master_port", "store",
              "data_plane", "defaults", "collective"]
     assert [c.name for c in report.checks if c.host == "h1"] == names
-    assert {c.status for c in report.checks} <= {Status.PASS, Status.SKIP}
+    assert {c.status for c in report.checks} <= {Status.PASS, Status.SKIP}, report.render_table()
     assert _row(report, "h2", "gpus").reason == "the job runs on CPU (backend gloo, resources.gpus 0); 0 GPUs found"
     assert re.fullmatch(r"all_reduce of 8 MiB over 2 ranks \(gloo\) verified: busbw [\d.]+ GB/s, algbw [\d.]+ GB/s, "
                         r"[\d.]+ ms", _row(report, "h1", "collective").reason)
     master = cluster2.host("h1").address
     assert _row(report, "h2", "master_port").reason.startswith(f"h2 -> h1 {master}:29500 connected")
+    # The job's store, kept as the launch's agent keeps it (root on h1), is refused to another user of h1 and not to
+    # this machine, which is not a job host: said plainly. No rule is left behind.
+    assert _row(report, "h1", "store").reason == (f"port 29500: another user of h1 (nobody) was refused, as the job's "
+                                                  f"agent keeps its store from them; any machine that reaches "
+                                                  f"{master}:29500 reaches it (this one did)")
+    rules = subprocess.run(cluster2.login("h1", ["iptables", "-S", "OUTPUT"]), capture_output=True, text=True)
+    assert rules.returncode == 0 and "harness-store" not in rules.stdout, rules.stdout
     data = json.loads(json.dumps(report.to_json()))
     assert set(data) == {"ok", "seconds", "job", "hosts", "checks", "fingerprint", "interfaces", "facts", "notes",
                          "failures"}
@@ -76,7 +83,7 @@ def test_healthy_two_hosts_full_with_collective_and_json(cluster2: Cluster, tmp_
     assert data["notes"] == []
     table = report.render_table()
     assert table.splitlines()[1].split() == ["HOST", "CHECK", "STATUS", "DETAIL"]
-    assert table.splitlines()[-1].startswith("PASSED: 24 checks")
+    assert table.splitlines()[-1].startswith("PASSED: 25 checks")
     # the agent's py-spy (the venv's, beside the inventory's python) read a process on each namespace host
     py_spy = str(Path(sys.executable).parent / "py-spy")
     for host in ("h1", "h2"):

@@ -183,7 +183,7 @@ def test_shipped_code_takes_its_siblings_along() -> None:
     assert siblings("link") == ("protocol",)
     assert siblings("proctable") == ()
     assert siblings("probe") == ("gpu", "proctable", "protocol", "ranks")
-    assert siblings("netcheck") == ()
+    assert siblings("netcheck") == ("store_port",)
     assert shipped("agent", ["x"]).count(b"\n") == 1, "the program must be one line: BOOT reads one"
 
 
