@@ -70,6 +70,9 @@ class NodePlan(Node):
     # The node hosts the job's rendezvous store on this port, which its agent keeps from the host's other users
     # (node/store_port.py): the master host's node, where the job's processes are the agent's user's.
     store_port: int | None = None
+    # Words before argv that put the node's torchrun, and so its ranks, where the target needs it, after its setup
+    # (simulated nodes: the launch's own network, targets/local/private_net.py). Set by the target as it starts it.
+    enter: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

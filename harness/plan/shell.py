@@ -32,7 +32,7 @@ def remote_command(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
 
 def shell_command(node: NodePlan) -> str:
     """One POSIX shell line that runs the node exactly as planned (its setup first); every word is quoted."""
-    return remote_command(with_setup(node.argv, node.setup), env=node.env, workdir=node.workdir)
+    return remote_command(with_setup((*node.enter, *node.argv), node.setup), env=node.env, workdir=node.workdir)
 
 
 # A standby's command: harness.node.standby, which its agent installs in its private directory (docs/recovery.md).
@@ -48,7 +48,7 @@ def can_stand_by(node: NodePlan) -> bool:
 def standby_command(node: NodePlan) -> str:
     """The node's line with torchrun waiting for its order (standby_order) instead of running: same
     directory, setup, interpreter and environment, so the imports it does early are the ones it would do."""
-    return remote_command(with_setup((node.argv[0], "-c", STANDBY_CODE), node.setup), env=node.env,
+    return remote_command(with_setup((*node.enter, node.argv[0], "-c", STANDBY_CODE), node.setup), env=node.env,
                           workdir=node.workdir)
 
 

@@ -66,8 +66,9 @@ NO_NETWORK = re.compile(r"Temporary failure in name resolution|Network is unreac
                         r"Name or service not known|No route to host")
 NO_NETWORK_HINT = ("a rank could not reach another host: simulated nodes run in a network of their own, which reaches "
                    "no other host (simulated.network: private keeps the job's store from the machine's other users); "
-                   "fetch what the job downloads before the launch (`harness prepare`), or set simulated: {network: "
-                   "host} (its store is then open to every user of this machine); on hosts, check their DNS and routes")
+                   "fetch what the job downloads in its `setup:` (which runs in this machine's network), or set "
+                   "simulated: {network: host} (its store is then open to every user of this machine); on hosts, check "
+                   "their DNS and routes")
 
 
 def normalize(line: str) -> str:

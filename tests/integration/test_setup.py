@@ -6,6 +6,7 @@ is not what is tested."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,19 +18,22 @@ from testbed.cluster import Cluster
 
 from conftest import assert_nothing_left, ddp_job
 
-MARK = "import os, sys; open('setup-ran', 'a').write(os.environ.get('NODE_RANK', '-') + ' ' + sys.executable + chr(10))"
+MARK = ("import os, sys; open('setup-ran', 'a').write(os.environ.get('NODE_RANK', '-') + ' ' + sys.executable + ' ' + "
+        "os.readlink('/proc/self/ns/net') + chr(10))")
 DATA = "data_paths: [data/answer]\n"
 COMMANDS = f'setup:\n  - python -c "{MARK}"\n  - mkdir -p data && echo 42 > data/answer\n'
 SETUP = DATA + COMMANDS
 
 
 def test_simulated_nodes_share_the_launch_directory_so_the_setup_runs_once(write_yaml, launch, tmp_path):
+    """The setup runs in this machine's network (a download works there), not the ranks' own (private_net.py)."""
     job = ddp_job(write_yaml, standin=True, STEPS="4")
     job.write_text(job.read_text() + SETUP)
     run = launch(job, cwd=tmp_path)
     assert run.finish() == 0, run.output
     ran = (tmp_path / "setup-ran").read_text().splitlines()
     assert len(ran) == 1 and ran[0].split()[1] in (sys.executable, f"{Path(sys.executable).parent}/python"), ran
+    assert ran[0].split()[2] == os.readlink("/proc/self/ns/net"), ran
     assert run.output.count("harness setup: running 2 command(s)") == 1, run.output
     assert run.output.count("harness setup: done before") == 1, run.output
     assert (tmp_path / "data/answer").read_text() == "42\n"

@@ -1,7 +1,7 @@
 """Local backend: simulated nodes, each a torchrun agent on this machine under the node agent.
 
-The nodes rendezvous on 127.0.0.1 exactly as a real cluster does, in a network of the launch's own
-(private_net.py: no other user of the machine reaches the job's store). Each agent is a child of the
+The nodes rendezvous on 127.0.0.1 exactly as a real cluster does, their torchruns and ranks in a network of the
+launch's own (private_net.py: no other user of the machine reaches the job's store). Each agent is a child of the
 controller with a pipe on its stdin: when the controller dies, even by SIGKILL, the kernel closes
 that pipe and the agent stops its node, as an SSH host's agent does when its connection drops.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from harness.node.gpu import driver_gpu_count
@@ -54,13 +55,10 @@ def local_gpu_ids(spec: JobSpec) -> list[str]:
 class LocalAgentNode(ChildAgentNode):
     """The agent as a child process of the controller."""
 
-    def __init__(self, node: NodePlan, python: str, relay: bool = False, network: PrivateNetwork | None = None) -> None:
-        """relay: to the node's agent, which lost its controller (harness.node.link; its socket is a file, reached
-        from any network), instead of a new agent; network: the launch's, where a new agent starts (None: this
-        machine's)."""
-        agent = agent_argv(python, node)
+    def __init__(self, node: NodePlan, python: str, relay: bool = False) -> None:
+        """relay: to the node's agent, which lost its controller (harness.node.link), instead of a new agent."""
         # Not the relay: it has no node identity, or its agent's sweep of the node would end it before its last word.
-        super().__init__(node, relay_argv(python, node) if relay else network.enter(agent) if network else agent,
+        super().__init__(node, relay_argv(python, node) if relay else agent_argv(python, node),
                          os.environ if relay else os.environ | agent_env(node))
 
     def _wait_agent(self) -> str:
@@ -151,11 +149,18 @@ class LocalBackend:
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         _workdirs(plan)
-        return start_all(plan.nodes, self._agent, spec, self._standbys, secret_values(spec), held=True)
+        return start_all(self._in_network(plan.nodes), self._agent, spec, self._standbys, secret_values(spec),
+                         held=True)
+
+    def _in_network(self, nodes: tuple[NodePlan, ...]) -> list[NodePlan]:
+        """Each node's torchrun, and so its ranks, in the launch's network; its agent and the job's setup: stay in
+        this machine's, so that a setup may download what the job needs (jobs/cifar.yaml's `harness prepare`)."""
+        if not (self._private and self._network.available()):
+            return list(nodes)
+        return [replace(node, enter=self._network.entry(node.argv[0])) for node in nodes]
 
     def _agent(self, node: NodePlan) -> LocalAgentNode:
-        network = self._network if self._private and self._network.available() else None
-        return LocalAgentNode(node, self.python, network=network)
+        return LocalAgentNode(node, self.python)
 
     def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
         return attach_all(plan.nodes, lambda node: LocalAgentNode(node, self.python, relay=True), resume)
@@ -164,7 +169,7 @@ class LocalBackend:
         """A standby for each simulated node that attempt would run."""
         plan = self.plan(spec, run_id, attempt=attempt, down=down)
         _workdirs(plan)
-        self._standbys.stand_by(plan.nodes, self._agent, spec, secret_values(spec))
+        self._standbys.stand_by(self._in_network(plan.nodes), self._agent, spec, secret_values(spec))
 
     def stand_down(self) -> None:
         self._standbys.stand_down()

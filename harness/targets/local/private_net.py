@@ -7,7 +7,8 @@ are the job's alone. A user other than root gets a user namespace too, mapping o
 `unshare --user --map-current-user` makes): no privilege is gained, and the agents keep the user's uid.
 
 One holder process per controller keeps the namespace and answers which ports are free inside it (only it can
-tell: the job's earlier attempts are the only listeners there); the agents join it with nsenter. The
+tell: the job's earlier attempts are the only listeners there); each node's torchrun joins it (entry), its
+agent and the job's `setup:` stay in this machine's network (a setup may download the job's data). The
 namespace lives as long as any process of the job is in it: a controller lost leaves its nodes running.
 Where no namespace can be made (user namespaces turned off), `reason` says why, and the store is open to every
 user of the machine, as under plain torchrun.
@@ -32,6 +33,15 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 # folder on its path so that it can import this module and store_port (standard library only).
 _ROOT = str(Path(__file__).resolve().parents[3])
 _HOLD = f"import sys; sys.path.insert(0, {_ROOT!r}); from harness.targets.local.private_net import hold; hold()"
+# Joins the holder's namespaces (argv: its pid, then user,net or net: a user namespace first), then execs the rest
+# of argv. A fresh interpreter is single-threaded, as joining a user namespace requires.
+_ENTER = """import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for kind in sys.argv[2].split(","):
+    if libc.setns(os.open(f"/proc/{sys.argv[1]}/ns/{kind}", os.O_RDONLY), 0) != 0:
+        sys.exit(f"harness: could not join the job's network ({kind}): {os.strerror(ctypes.get_errno())}")
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
 
 
 def loopback_up() -> None:
@@ -75,8 +85,8 @@ class PrivateNetwork:
         if self._holder is not None or self.reason is not None:
             return self._holder
         unshare = shutil.which("unshare")
-        if unshare is None or shutil.which("nsenter") is None:
-            self.reason = "util-linux's unshare and nsenter are not on PATH"
+        if unshare is None:
+            self.reason = "util-linux's unshare is not on PATH"
             return None
         user = ["--user", "--map-current-user"] if self._own_user() else []
         holder = subprocess.Popen([unshare, *user, "--net", "--", self._python, "-I", "-S", "-c", _HOLD],
@@ -114,15 +124,16 @@ class PrivateNetwork:
         answer = self._ask(f"free {port}")
         return answer == "yes" if answer else is_free(port)
 
-    def enter(self, argv: list[str]) -> list[str]:
-        """argv run inside the namespace (unchanged where there is none). nsenter execs argv in its own place:
-        the pid is argv's."""
+    def entry(self, python: str) -> tuple[str, ...]:
+        """The words that run a command inside the namespace (none where there is none): python (the node's own, so
+        that a setup that puts the interpreter of the command it runs first on PATH finds the job's) joins it and
+        execs the command in its own place: the pid is the command's."""
         with self._lock:
             holder = self._start()
         if holder is None:
-            return argv
-        user = [f"--user=/proc/{holder.pid}/ns/user", "--preserve-credentials"] if self._own_user() else []
-        return ["nsenter", *user, f"--net=/proc/{holder.pid}/ns/net", "--", *argv]
+            return ()
+        kinds = "user,net" if self._own_user() else "net"
+        return (python, "-I", "-S", "-c", _ENTER, str(holder.pid), kinds)
 
     def close(self) -> None:
         """End the holder: the namespace lives on while any node of the job is in it."""
