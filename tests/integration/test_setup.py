@@ -45,12 +45,16 @@ def test_simulated_nodes_share_the_launch_directory_so_the_setup_runs_once(write
 def test_offline_data_preparation_fails_the_launch_saying_what_to_do(write_yaml, launch, tmp_path):
     """jobs/cifar.yaml's setup, `harness prepare`, without network: the node's own `harness` (the job's
     Python first on PATH) says what it tried; nothing trains and nothing is left running. The torch that `harness
-    prepare` imports (harness.payload.data's) is the stand-in's here too."""
+    prepare` imports (harness.payload.data's) is the stand-in's here too. The job shares this machine's network
+    (simulated.network: host), and the launch says its store is then open to the machine's users."""
     job = ddp_job(write_yaml, standin=True)
     mirror = (tmp_path / "offline" / "cifar-10-python.tar.gz").as_uri()
-    job.write_text(job.read_text() + f"setup: [harness prepare --data-dir data/cifar10 --url {mirror}]\n")
+    job.write_text(job.read_text() + f"setup: [harness prepare --data-dir data/cifar10 --url {mirror}]\n"
+                                      f"simulated: {{network: host}}\n")
     run = launch(job, cwd=tmp_path)
     assert run.finish() == 1, run.output
+    assert run.output.count("harness: the job's rendezvous store is open to every user of this machine "
+                            "(simulated.network is host): torch's store has no authentication") == 1, run.output
     failure = run.summary()["first_failure"]
     assert failure["exit_code"] == 1, failure
     assert f"error: could not download {mirror}" in failure["last_lines"][-2], failure

@@ -92,23 +92,26 @@ class LocalBackend:
         self._standbys = Standbys()
         self._network = PrivateNetwork(python)
         self._private = True  # the job's choice (simulated.network), taken at its first plan
-        self._said_open = False
+        self._open: str | None = None  # what is said of a store open to the machine's users, once known
         self._say: Callable[[str], None] = lambda line: None
 
     def announce_to(self, say: Callable[[str], None]) -> None:
-        """A store open to the machine's users is said in the run's stream (base.Announcing)."""
+        """A store open to the machine's users is said in the run's stream (base.Announcing), once it has one: the
+        first plan comes before it."""
         self._say = say
+        if self._open is not None:
+            say(self._open)
 
     def _own_network(self, spec: JobSpec) -> PrivateNetwork | None:
         """The launch's network for the job's nodes; None where they share this machine's (said once)."""
         self._private = spec.simulated.network == "private"
         if self._private and self._network.available():
             return self._network
-        if not self._said_open:
-            self._said_open = True
+        if self._open is None:
             why = self._network.reason if self._private else "simulated.network is host"
-            self._say(f"the job's rendezvous store is open to every user of this machine ({why}): torch's store "
-                      f"has no authentication (docs/security.md)")
+            self._open = (f"the job's rendezvous store is open to every user of this machine ({why}): torch's store "
+                          f"has no authentication (docs/security.md#torchs-rendezvous-store)")
+            self._say(self._open)
         return None
 
     def machines(self) -> dict[str, str]:
