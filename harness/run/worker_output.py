@@ -25,8 +25,9 @@ CPP_INFO = re.compile(r"^(\[rank\d+\]: )?\[I\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+:\d+
 RANK_HOOK_SERVER = re.compile(r"^(\[rank\d+\]: ?)?\[W\d{4} [^]]*WorkerServer\.cpp:\d+\] \[c10d\] (Server listening "
                               r"to UNIX \S*/harness-agent-\S*|WorkerServer destructor called without shutdown|Server "
                               r"shutting down|Server exited)$")
-# The store names each client it accepts by a reverse lookup of its address; in the simulated nodes' own network
-# (targets/local/private_net.py) no name server answers, and torch warns at every connection: the harness's doing.
+# The store names each client it accepts by a reverse lookup of its address; where no name server answers (the
+# simulated nodes' own network, targets/local/private_net.py; hosts without reverse DNS) torch warns at every
+# connection: never the job's words, and in the job's own network the harness's doing.
 UNNAMED_STORE_CLIENT = re.compile(r"^(\[rank\d+\]: ?)?\[W\d{4} [^]]*socket\.cpp:\d+\] \[c10d\] The hostname of the "
                                   r"client socket cannot be retrieved\. err=-3$")
 # torchrun's own C++ log lines (no rank prefix: its agent's store client and rendezvous), and the exception

@@ -92,6 +92,8 @@ SLURM = "needs a Slurm cluster (tests/integration/test_slurm_cluster.py builds o
 KUBECTL = "needs a Kubernetes cluster and kubectl (tests/integration/test_k8s_pods.py runs the rendered pods' commands)"
 PROJECT = "runs in the reader's own project ~/proj, next to train.py, model.py and configs/ (tests/unit/test_k8s.py renders such a project)"
 IMAGE = "builds or runs the container image: root and docker, podman or buildah (make image-test, run by CI)"
+FIREWALL = ("an operator's firewall on the job's hosts, with their addresses (tests/integration/test_launch_ssh.py and "
+            "test_preflight.py prove the rule the harness sets itself)")
 
 # Commands not run here, each with the reason.
 NOT_RUN: dict[str, str] = {
@@ -157,6 +159,12 @@ NOT_RUN: dict[str, str] = {
     "make bench-quick": "root: sshd hosts in network namespaces, and the Slurm cluster's test packages",
     "make bench": "~12 min, root: sshd hosts in network namespaces, and the Slurm cluster's test packages",
     "make bench-gpu": "needs a CUDA GPU",
+    **{f"iptables -A INPUT -p tcp --dport {ports} {rule}": FIREWALL for ports, rule in [
+        ("29500", "-s 10.0.0.11 -j ACCEPT"), ("29500", "-s 10.0.0.12 -j ACCEPT"),
+        ("29500", "-j REJECT --reject-with tcp-reset"),
+        ("32768:60999", "-m conntrack --ctstate NEW -s 10.0.0.11 -j ACCEPT"),
+        ("32768:60999", "-m conntrack --ctstate NEW -s 10.0.0.12 -j ACCEPT"),
+        ("32768:60999", "-m conntrack --ctstate NEW -j REJECT --reject-with tcp-reset")]},
 }
 
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")

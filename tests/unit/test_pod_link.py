@@ -403,9 +403,10 @@ def test_an_order_nested_60000_deep_from_a_key_holder_is_refused_and_nothing_run
     threading.Thread(target=order, daemon=True).start()
     pod = pods(port, key_path, POD_0, 0)
     assert dialed.wait(timeout=30), pod.lines
-    assert f"harness pod: refused the controller at 127.0.0.1:{port} (127.0.0.1): an order the pod does not take " \
-           f"(JSON nested deeper than 4 levels, deeper than any of the protocol's); the link is closed and nothing " \
-           f"it carried is run" in pod.lines
+    refused = (f"harness pod: refused the controller at 127.0.0.1:{port} (127.0.0.1): an order the pod does not take "
+               f"(JSON nested deeper than 4 levels, deeper than any of the protocol's); the link is closed and nothing "
+               f"it carried is run")
+    assert _until(lambda: refused in pod.lines), pod.lines  # its line may reach the reader after its next dial
     assert pod.process.poll() is None
     server.close()
 
