@@ -64,12 +64,26 @@ def _readable_by_the_agent() -> None:
         pass  # no prctl here: the stacks need the rights docs/health.md names
 
 
+def _whole_lines() -> None:
+    """Unbuffered (PYTHONUNBUFFERED, which the plan sets so lines come as they happen), print() writes its text and
+    its newline in two writes; torchrun's tee reads a file's line to its end at once, so another stream's line
+    (torch's C++ warnings on stderr) can fall between the two and cut the rank's line in half. Line buffered, each
+    line is one write, still as it happens (and a progress bar's carriage return flushes as a newline does)."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False):
+            try:
+                stream.reconfigure(line_buffering=True, write_through=False)
+            except (AttributeError, ValueError, OSError):
+                pass  # a stream the script or its environment replaced: as it is
+
+
 def serve() -> None:
     """In a rank, the worker server once its process group is made (a thread that looks for it until then)."""
     directory, rank = os.environ.get("HARNESS_AGENT_DIR"), os.environ.get("RANK", "")
     if not directory or not rank.isdigit() or os.environ.get(OWNER) not in (None, str(os.getpid())):
         return
     os.environ[OWNER] = str(os.getpid())
+    _whole_lines()
     _readable_by_the_agent()
     threading.Thread(target=_serve, args=(directory, rank), name="harness-rank-hook", daemon=True).start()
 

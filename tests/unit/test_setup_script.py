@@ -4,6 +4,7 @@ it failed or changed (the same through `harness launch`: tests/integration/test_
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,29 @@ def test_the_rank_hook_goes_first_on_pythonpath_and_every_python_runs_it_then_th
                               env=env, capture_output=True, text=True, timeout=60, check=False)
         assert done.stdout.strip() == f"True 1 {threads}", done.stdout + done.stderr
     assert setup_script([]) is None, "no setup and no hook: the command runs as it is"
+
+
+def test_a_ranks_lines_are_written_whole_so_no_other_streams_line_falls_inside_one(tmp_path):
+    """Unbuffered, print() writes a line's text and its newline apart, and torchrun's tee once put torch's C++
+    warning between them (`...userpkg 1.0[rank1]: [W1202 ...] ...`). Each write of the rank is one message of a
+    SOCK_SEQPACKET socket given as its stdout and stderr: in a rank every line is one write, and a progress bar's
+    carriage return still comes at once; outside a rank Python's own buffering is untouched."""
+    agent_dir = tmp_path / "agent"
+    agent_dir.mkdir()
+    (agent_dir / "sitecustomize.py").write_text(source("rank_hook"))
+    script = "import sys\nprint('one line')\nprint('to stderr', file=sys.stderr)\nprint('10%', end='\\r')\nsys.stdin.read()"
+    for rank, writes in (("0", [b"one line\n", b"to stderr\n", b"10%\r"]), ("", [b"one line", b"\n"])):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {"PATH": "/usr/bin:/bin", "HARNESS_AGENT_DIR": str(agent_dir), "PYTHONUNBUFFERED": "1",
+               **({"RANK": rank} if rank else {})}
+        with theirs:
+            python = subprocess.Popen(with_setup([sys.executable, "-c", script], setup_script([], rank_hook=True)),
+                                      env=env, stdin=subprocess.PIPE, stdout=theirs, stderr=theirs)
+        with ours:
+            ours.settimeout(60)
+            got = [ours.recv(4096) for _ in writes]
+        python.communicate(b"", timeout=60)
+        assert got == writes, (rank, got)
 
 
 def test_an_agent_removes_the_directories_of_agents_that_were_killed_and_keeps_the_living_ones(tmp_path):
