@@ -272,6 +272,11 @@ class HealthJudge:
         return changes
 
     @_locked
+    def slow_since(self, rank: int) -> float | None:
+        """Since when the rank has been slow without a break (None: it is not now)."""
+        return self.ranks[rank].slow_since if rank in self.ranks else None
+
+    @_locked
     def slow_ranks(self) -> dict[int, float]:
         return {r: v.named_slow for r, v in self.ranks.items() if v.named_slow is not None}
 

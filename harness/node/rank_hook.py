@@ -14,6 +14,8 @@ Standard library only:
 torch is only ever taken from sys.modules, never imported here.
 """
 
+import contextlib
+import io
 import os
 import sys
 import threading
@@ -70,11 +72,9 @@ def _whole_lines() -> None:
     (torch's C++ warnings on stderr) can fall between the two and cut the rank's line in half. Line buffered, each
     line is one write, still as it happens (and a progress bar's carriage return flushes as a newline does)."""
     for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "write_through", False):
-            try:
+        if isinstance(stream, io.TextIOWrapper) and stream.write_through:  # not one the environment replaced
+            with contextlib.suppress(ValueError, OSError):
                 stream.reconfigure(line_buffering=True, write_through=False)
-            except (AttributeError, ValueError, OSError):
-                pass  # a stream the script or its environment replaced: as it is
 
 
 def serve() -> None:

@@ -8,6 +8,8 @@ steps that were not done again:
   taken out of training: training all the same, counted in the goodput;
 - checkpoint: the seconds the job's lines say its checkpoint saves took (health.checkpoint), taken out of the
   bucket they fell in (training, most likely);
+- slowed: what a slow rank cost while it was named slow, taken out of training: its seconds times the share of the
+  job's pace it lost (1 - pace since / pace before, health/slowdown.py);
 - redone: after a restart, the steps until the run is past the furthest step an earlier attempt reached;
 - hung: from the last progress (or the attempt's start, without any) to the hang's verdict;
 - restarting: from a fault (or the verdict) to the next attempt's first step: teardown, backoff, checks, start-up;
@@ -22,13 +24,14 @@ counts), are kept in that attempt's record: the run's one recovery figure."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.record.rundir import RunDir
 from harness.record.schema import (
     GOODPUT_BUCKETS,
     Attempt,
     Goodput,
+    HealthEvent,
     HealthEventKind,
     LiveHealth,
     Progress,
@@ -48,18 +51,60 @@ class AttemptTimes:
     hang_at: float | None = None
     fault_at: float | None = None
     unwatched_s: float = 0.0  # seconds it ran without a controller
+    slowed_s: float = 0.0  # what its slow ranks cost: seconds times the share of the pace lost
 
     @classmethod
     def of(cls, attempt: Attempt) -> AttemptTimes:
         hang = next((event.at for event in attempt.health if event.kind is HealthEventKind.HANG), None)
         fault = attempt.started_at + attempt.failures[0].after_s if attempt.failures else None
         unwatched = sum(max(0.0, u.attached_at - u.lost_at) for u in attempt.unwatched if u.lost_at is not None)
-        return cls(attempt.started_at, attempt.ended_at, attempt.progress, hang, fault, unwatched)
+        return cls(attempt.started_at, attempt.ended_at, attempt.progress, hang, fault, unwatched,
+                   slowed_seconds(attempt.health, fault or attempt.ended_at))
 
     @classmethod
     def running(cls, health: LiveHealth, now: float) -> AttemptTimes | None:
         """The running attempt, as health.json says it (None: a file without the attempt's start)."""
-        return None if health.started_at is None else cls(health.started_at, now, health.progress)
+        slowed = health.slowed
+        episode = [] if slowed is None else [HealthEvent(slowed.since, HealthEventKind.SLOW, "", slowed.rank, None,
+                                                         slowed.since, slowed.pace_before, slowed.pace_now)]
+        return None if health.started_at is None else cls(health.started_at, now, health.progress,
+                                                          slowed_s=slowed_seconds(episode, now))
+
+
+def slowed_seconds(events: Sequence[HealthEvent], end: float) -> float:
+    """What the attempt's slow ranks cost, from its health events: each slowness from its start to its rank's
+    recovery, the restart it caused, or end, times the share of the pace lost (the latest figures said of it);
+    overlapping ones counted once."""
+    episodes: dict[int, HealthEvent] = {}
+    spans: list[tuple[float, float, float]] = []  # since, until, share lost
+
+    def close(rank: int, at: float) -> None:
+        said = episodes.pop(rank)
+        if said.since is not None and said.pace_before and said.pace_now is not None:
+            spans.append((said.since, at, max(0.0, 1 - said.pace_now / said.pace_before)))
+
+    for event in sorted(events, key=lambda e: e.at):
+        if event.rank is None:
+            continue
+        if event.kind is HealthEventKind.SLOW and event.since is not None:
+            episodes[event.rank] = event
+        elif event.kind is HealthEventKind.WEIGHED and event.rank in episodes:
+            if event.pace_now is not None:
+                episodes[event.rank] = replace(episodes[event.rank], pace_before=event.pace_before,
+                                               pace_now=event.pace_now)
+            if event.acted:
+                close(event.rank, event.at)
+        elif event.kind is HealthEventKind.RECOVERED and event.rank in episodes:
+            close(event.rank, event.at)
+    for rank in list(episodes):
+        close(rank, end)
+    total, covered = 0.0, float("-inf")
+    for since, until, lost in sorted(spans):
+        begin = max(since, covered)
+        if until > begin:
+            total += (until - begin) * lost
+            covered = until
+    return total
 
 
 def time_spent(started_at: float, ended_at: float, attempts: Sequence[AttemptTimes], running: bool = False) -> Goodput:
@@ -88,6 +133,9 @@ def time_spent(started_at: float, ended_at: float, attempts: Sequence[AttemptTim
     unwatched = min(sum(attempt.unwatched_s for attempt in attempts), seconds["training"])
     seconds["training"] -= unwatched
     seconds["unwatched"] += unwatched
+    slowed = min(sum(attempt.slowed_s for attempt in attempts), seconds["training"])
+    seconds["training"] -= slowed
+    seconds["slowed"] += slowed
     saving = sum(attempt.progress.saving_s for attempt in attempts if attempt.progress is not None)
     for bucket in ("training", "redone", "ending", "restarting"):  # where the saves happened, most likely first
         moved = min(saving, seconds[bucket])

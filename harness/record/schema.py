@@ -38,11 +38,13 @@ class RunStatus(StrEnum):
 class FailureKind(StrEnum):
     """infra: the machines failed the program (a lost host or connection, a signal, a rendezvous that
     timed out); hang: the job made no progress for health.stall seconds and was stopped; program: the
-    program itself failed. restarts.on lists the kinds that are retried (spec.job.FAILURE_KINDS)."""
+    program itself failed; slow: a rank slowed the job, and a restart without its host cost less (the harness stopped
+    the job, health/slowdown.py). restarts.on lists the kinds that are retried (spec.job.RESTART_KINDS)."""
 
     INFRA = "infra"
     HANG = "hang"
     PROGRAM = "program"
+    SLOW = "slow"
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ class HealthEventKind(StrEnum):
     SLOW = "slow"  # a rank its peers wait for (waited: the percentage of the time they do)
     RECOVERED = "recovered"  # a rank named slow is no longer
     HANG = "hang"  # no progress for health.stall seconds: text is the verdict
+    WEIGHED = "weighed"  # a slowness that lasted health.slow_for weighed against a restart: text is the sum
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,10 @@ class HealthEvent:
     text: str  # as the stream said it
     rank: int | None = None
     waited: float | None = None
+    since: float | None = None  # slow, weighed: when the slowness began
+    pace_before: float | None = None  # slow, weighed: the job's steps per second before it, and since
+    pace_now: float | None = None
+    acted: bool | None = None  # weighed: the job was stopped to restart without the slow host
 
 
 @dataclass(frozen=True)
@@ -291,6 +298,16 @@ class RankRow:
 
 
 @dataclass(frozen=True)
+class Slowed:
+    """The job's pace before the slowness of a rank named slow began (since) and since then, steps per second."""
+
+    rank: int
+    since: float
+    pace_before: float | None
+    pace_now: float | None
+
+
+@dataclass(frozen=True)
 class LiveHealth:
     """health.json: the running attempt's health as the controller's health loop last judged it (t, by the
     controller's clock), for `harness status`, `harness top` and `harness report`: the ranks named slow (rank ->
@@ -303,6 +320,7 @@ class LiveHealth:
     ranks: dict[int, RankRow] = field(default_factory=dict)
     started_at: float | None = None  # the attempt's start (None in files written before it was kept)
     progress: Progress | None = None
+    slowed: Slowed | None = None  # what a rank named slow costs the job's pace now (None: none is)
 
 
 @dataclass(frozen=True)
@@ -316,7 +334,8 @@ class Goodput:
     goodput: float
 
 
-GOODPUT_BUCKETS = ("start-up", "training", "unwatched", "checkpoint", "redone", "hung", "restarting", "ending")
+GOODPUT_BUCKETS = ("start-up", "training", "unwatched", "checkpoint", "slowed", "redone", "hung", "restarting",
+                   "ending")
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ from typing import IO
 
 from harness.errors import HarnessError
 from harness.health.judge import HealthJudge
+from harness.health.slowdown import SlowPolicy
 from harness.node.proctable import start_ticks
-from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan
+from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan, take_healthy
 from harness.plan.render import render_json, render_text
 from harness.record.disk import RESERVE_BYTES, RecordDisk, size_text, space_text
 from harness.record.entrypoint import write_entrypoint_record
@@ -57,6 +58,7 @@ from harness.run.results import (
     failure_of,
     hang_failure,
     recorded_node,
+    slow_failure,
     stopped_status,
     summary_error,
     unjoined_failures,
@@ -330,7 +332,7 @@ class _BackendRun(_TargetRun):
                 else None
             attempt = _attempt(backend, plan, spec, run, stop, self.state.attempt_preflight_s, attempts, out, standby,
                                self._taking_back(run) if taken is not None else None,
-                               self.state.attempt_started_at)
+                               self.state.attempt_started_at, self._slow_policy(plan, attempts))
             taken = None
             attempts.append(replace(attempt, unwatched=[u for u in self.state.unwatched if u.attempt == plan.attempt],
                                     kept_out={name: f"{entry.reason} (run {entry.run_id})"
@@ -356,11 +358,13 @@ class _BackendRun(_TargetRun):
             if reason is not None:
                 break
             down |= set(attempts[-1].down)
-            delay = backoff_seconds(spec.restarts, len(attempts) - 1)
             cause = attempts[-1].failures[0]
-            out.say(f"attempt {plan.attempt} failed at the {attempts[-1].kind} level on {cause.host} "
-                      f"({cause.evidence}); restart {len(attempts)} of {spec.restarts.max} in {delay:g} s"
-                      + (f", without {', '.join(sorted(down))}" if down else ""))
+            slow = attempts[-1].kind is FailureKind.SLOW  # the harness's choice: no failure to back off from
+            delay = 0.0 if slow else backoff_seconds(spec.restarts, len(attempts) - 1)
+            out.say((f"attempt {plan.attempt} stopped for {cause.host}'s slowness" if slow else
+                     f"attempt {plan.attempt} failed at the {attempts[-1].kind} level on {cause.host} "
+                     f"({cause.evidence})") + f"; restart {len(attempts)} of {spec.restarts.max} in {delay:g} s"
+                    + (f", without {', '.join(sorted(down))}" if down else ""))
             attempts[-1] = replace(attempts[-1], backoff_s=delay)
             if stop.wait(delay):
                 break
@@ -377,6 +381,25 @@ class _BackendRun(_TargetRun):
             if stop.is_set():
                 break
         return attempts, reason
+
+    def _slow_policy(self, plan: Plan, attempts: list[Attempt]) -> SlowPolicy:
+        """What a slowness in plan's attempt is weighed against: a restart on the hosts left without the slow one
+        (a spare in its place, or fewer nodes as restarts.min_nnodes allows), and the run's measured recovery."""
+        spec, down, pool = self.spec, frozenset(self.down), self.backend.pool(self.spec)
+
+        def without(host: str) -> float | str:
+            try:
+                left = take_healthy(spec, pool, down | {host}, what="host", pool="the job's")
+            except NoSpareHosts:
+                return (f"no spare host is left and restarts.min_nnodes ({spec.fewest_nnodes}) does not allow fewer "
+                        f"than {plan.nnodes} nodes")
+            return min(1.0, len(left) / plan.nnodes)
+
+        done = len(attempts)
+        recovered = [a.recover_s for a in attempts if a.recover_s is not None]
+        return SlowPolicy(spec.health.slow_for, "slow" in spec.restarts.on,
+                          f"restarts.max: {spec.restarts.max}" if done >= spec.restarts.max else None, without,
+                          recovered[-1] if recovered else None)
 
     def _taking_back(self, run: RunDir) -> Callable[[Supervisor], None]:
         """What is done once the attached nodes' agents replayed what they kept: the time without a controller
@@ -528,12 +551,13 @@ def _stand_by(backend: Backend, spec: JobSpec, plan: Plan, down: frozenset[str],
 
 def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: threading.Event, preflight_s: float,
              before: list[Attempt], out: Terminal, standby: frozenset[str] | None = None,
-             taking_back: Callable[[Supervisor], None] | None = None, started_at: float | None = None) -> Attempt:
+             taking_back: Callable[[Supervisor], None] | None = None, started_at: float | None = None,
+             slow_policy: SlowPolicy | None = None) -> Attempt:
     """Start every node of plan (spec on the plan's nodes, which may be fewer than the job's), supervise
     them to their end, and say how this attempt went. standby: the hosts down, where the next attempt's
     standbys are to be started while this one runs (None: none). taking_back: the nodes run already, their
     controller lost: they are attached, not started, and this is told of it once the supervisor has them;
-    started_at: when the attempt started (None: now)."""
+    started_at: when the attempt started (None: now); slow_policy: what a lasting slowness is weighed against."""
     # The ranks' joining is seen at their start: not by a controller that takes a running attempt back.
     watched = all(STORE_WATCH_ENV.items() <= n.env.items() for n in plan.nodes) and taking_back is None
     furthest = max((a.progress.last_step for a in before if a.progress), default=None)
@@ -544,7 +568,8 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
                      if spec.health.watched else None, run=run,
                      attempt=plan.attempt, record=out.record, progress=spec.health.progress_pattern,
                      furthest=furthest,
-                     checkpoint=spec.health.checkpoint_pattern, rendezvous=spec.timeouts.rendezvous)
+                     checkpoint=spec.health.checkpoint_pattern, rendezvous=spec.timeouts.rendezvous,
+                     slow_policy=slow_policy if spec.health.slow > 0 else None)
     if taking_back is not None:  # its progress goes on from what its lost controller last recorded
         with contextlib.suppress(RecordError):
             recorded = run.read_health(plan.attempt)
@@ -589,12 +614,14 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     failures = [failure_of(f, started, ended) for f in found]
     if sup.hang is not None:
         failures.insert(0, hang_failure(sup.hang, sup.hang_at or started, sup.nodes, started))
+    if sup.slow_out is not None:
+        failures.insert(0, slow_failure(sup.slow_out, sup.nodes, started))
     if sup.unjoined is not None:
         failures[:0] = unjoined_failures(sup.unjoined, sup.nodes, started, sup.stopping_since or ended)
     if stop.is_set():
         status = stopped_status(run)
     else:
-        status = RunStatus.FAILED if sup.first_failure is not None or sup.hang or sup.unjoined else \
+        status = RunStatus.FAILED if sup.first_failure is not None or sup.hang or sup.unjoined or sup.slow_out else \
             RunStatus.SUCCEEDED
     previous_failure = before[-1].failures[0] if before and before[-1].failures else None
     progress = sup.health_loop.track_progress([])
@@ -602,7 +629,8 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
     return Attempt(
         attempt=plan.attempt, hosts=[n.host for n in plan.nodes], status=status, started_at=started, ended_at=ended,
         nodes=[recorded_node(r, run, plan.attempt) for r in sup.nodes], failures=failures,
-        kind=(FailureKind.HANG if sup.hang else FailureKind.INFRA if sup.unjoined else attempt_kind(found))
+        kind=(FailureKind.HANG if sup.hang else FailureKind.SLOW if sup.slow_out else FailureKind.INFRA
+              if sup.unjoined else attempt_kind(found))
         if status is RunStatus.FAILED else None,
         down=sorted({f.host for f in failures if f.host_down}), preflight_s=round(preflight_s, 3),
         teardown_s=round(ended - sup.stopping_since, 3) if sup.stopping_since else None,

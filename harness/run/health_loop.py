@@ -15,11 +15,12 @@ from collections.abc import Callable
 from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView
 from harness.health.rank_stack import RankStack, ranks_text
 from harness.health.rendezvous import RendezvousVerdict, rendezvous_verdict
+from harness.health.slowdown import Course, PaceHistory, Slowdown, SlowPolicy, decide, slowdown
 from harness.health.verdict import Ended, Verdict, hang_verdict
 from harness.node.protocol import sample_interval
 from harness.plan.planner import Node
 from harness.record.rundir import RunDir
-from harness.record.schema import HealthEvent, HealthEventKind, LiveHealth, Progress, RankRow
+from harness.record.schema import HealthEvent, HealthEventKind, LiveHealth, Progress, RankRow, Slowed
 from harness.record.timeline import RankPoint, Sample
 from harness.run.live import LiveNode, RankActivity
 from harness.run.output import Output
@@ -39,11 +40,12 @@ class HealthLoop:
     """judge: what decides (None: hangs and slow ranks are not watched, only `harness stacks` answered);
     run: where stacks, health.json and `harness stacks` requests live (None: nowhere); stopper: stops
     every node once a hang is found (and once the nodes are stopping, there is nothing more to judge);
-    furthest: the furthest step the run's earlier attempts reached (None: none), which this one redoes first."""
+    furthest: the furthest step the run's earlier attempts reached (None: none), which this one redoes first;
+    slow_policy: what a slowness that lasts is weighed against, and whether it is acted on (None: it is not weighed)."""
 
     def __init__(self, judge: HealthJudge | None, run: RunDir | None, attempt: int, nodes: list[LiveNode],
                  stacks: StackCapture, output: Output, stopper: Stopper, furthest: int | None = None,
-                 rendezvous: float | None = None) -> None:
+                 rendezvous: float | None = None, slow_policy: SlowPolicy | None = None) -> None:
         self.judge, self.run, self.attempt, self.nodes = judge, run, attempt, nodes
         self.stacks, self.output, self.stopper, self.furthest = stacks, output, stopper, furthest
         self.rendezvous = rendezvous  # seconds every node has to start its ranks (None: no deadline)
@@ -57,6 +59,13 @@ class HealthLoop:
         self.hang_at: float | None = None
         self.ended = threading.Event()  # every node has ended: the loop ends at once, not at its next tick
         self.events: list[HealthEvent] = []  # the verdicts, for the attempt's record
+        self.slow_policy = slow_policy
+        self.paces = PaceHistory()  # the job's furthest step over time: its pace before a slowness and since
+        self.slow_episodes: dict[int, float] = {}  # ranks named slow -> when their slowness began
+        self.weighed: set[int] = set()  # of those, the ones whose slowness was weighed (once each)
+        self.slow_out: HealthEvent | None = None  # the weighing that stopped the job to restart without a slow host
+        self.saved_step: int | None = None  # the furthest step when the job last said a checkpoint was saved
+        self._saved_s = 0.0
         self._sampled = 0.0
         self._captures = 0  # hang captures made (one may prove no hang: its ranks made progress meanwhile)
 
@@ -82,11 +91,22 @@ class HealthLoop:
             for live in self.nodes:
                 if live.outcome is not None:
                     self.judge.node_ended(live.node.node_rank)
-            for rank, waited in self.judge.slow_changes(time.time()):
-                words = self._slow_words(rank, waited)
+            now = time.time()
+            for rank, waited in self.judge.slow_changes(now):
+                slowed = None
+                if waited is not None:
+                    since = self.judge.slow_since(rank) or now
+                    self.slow_episodes[rank] = since
+                    slowed = slowdown(self.paces, since, now, self.attempt_started_at)
+                else:
+                    self.slow_episodes.pop(rank, None)
+                    self.weighed.discard(rank)
+                words = self._slow_words(rank, waited, slowed)
                 self.output.say(words)
                 kind = HealthEventKind.SLOW if waited is not None else HealthEventKind.RECOVERED
-                self.events.append(HealthEvent(time.time(), kind, words, rank, waited and round(waited, 1)))
+                self.events.append(HealthEvent(now, kind, words, rank, waited and round(waited, 1),
+                                               *_paces(slowed)))
+            self._weigh_slowness(now)
         if self.run is not None:
             self._write_health()
         if self.rendezvous is not None and self.unjoined is None and self.stopper.since is None:
@@ -114,16 +134,40 @@ class HealthLoop:
         self.output.say(f"rendezvous: {self.unjoined.text}")
         self.stopper.stop_all()
 
-    def _slow_words(self, rank: int, waited: float | None) -> str:
+    def _slow_words(self, rank: int, waited: float | None, slowed: Slowdown | None) -> str:
         node = self._node_of(rank)
         if waited is None:
             return f"rank {rank} ({node.label} on {node.host}) is no longer slow"
-        assert self.judge is not None
+        assert self.judge is not None and slowed is not None
         shown = self.judge.measures().get(rank, [])
         by = "; ".join(f"{round(measure.percent)}% by {MEASURE_WORDS[measure.by]}" for measure in shown[1:])
         return (f"slow: rank {rank} ({node.label} on {node.host}): its peers wait for it {round(waited)}% of the time "
                 f"(over the last {SLOW_WINDOW:g} s, by {MEASURE_WORDS[shown[0].by] if shown else 'CPU time'}"
-                f"{'; ' + by if by else ''})")
+                f"{'; ' + by if by else ''}); {slowed.words()}")
+
+    def _weigh_slowness(self, now: float) -> None:
+        """A slowness that lasted health.slow_for, weighed once: its cost by the job's end against a restart
+        without the slow host (health/slowdown.py); the sum said either way, and acted on where the policy allows."""
+        policy, judge = self.slow_policy, self.judge
+        if policy is None or judge is None or self.slow_out is not None:
+            return
+        for rank, since in sorted(self.slow_episodes.items()):
+            lasting = judge.slow_since(rank)
+            if rank in self.weighed or lasting is None or now - lasting < policy.slow_for:
+                continue
+            self.weighed.add(rank)
+            node = self._node_of(rank)
+            slowed = slowdown(self.paces, since, now, self.attempt_started_at)
+            course = None if (p := self.progress) is None else Course(p.total, p.last_step, p.first_step, p.first_at)
+            act, sum_words = decide(policy, slowed, course, self.saved_step, self.attempt_started_at, node.host)
+            words = f"slow: rank {rank} ({node.label} on {node.host}) for {now - since:.0f} s: {sum_words}"
+            self.output.say(words)
+            event = HealthEvent(now, HealthEventKind.WEIGHED, words, rank, None, *_paces(slowed), acted=act)
+            self.events.append(event)
+            if act:
+                self.slow_out = event
+                self.stopper.stop_all()
+                return
 
     def _node_of(self, rank: int) -> Node:
         return next(live.node for live in self.nodes if rank in live.node.ranks)
@@ -167,10 +211,14 @@ class HealthLoop:
         self.track_progress([row.step_rate for row in ranks.values() if row.step_rate is not None])
         if not stepped and self.progress is not None and self.on_first_step is not None:
             self.on_first_step(self.progress)
+        if self.progress is not None:
+            self.paces.add(self.progress.last_at, self.progress.last_step)
+            if self.progress.saving_s > self._saved_s:
+                self._saved_s, self.saved_step = self.progress.saving_s, self.progress.last_step
         self.run.write_health(LiveHealth(
             attempt=self.attempt, t=now, slow={rank: round(waited, 1) for rank, waited in slow.items()},
             hang=f"hang: {self.hang.text}" if self.hang else None, ranks=dict(sorted(ranks.items())),
-            started_at=self.attempt_started_at, progress=self.progress))
+            started_at=self.attempt_started_at, progress=self.progress, slowed=self._slowed(now)))
         age = now - min((live.started for live in self.nodes), default=now)
         if now - self._sampled >= sample_interval(TIMELINE_SECONDS, age) and \
                 (views or any(r.step is not None for r in ranks.values())):
@@ -181,6 +229,14 @@ class HealthLoop:
                                 row.throughput)
                 for rank, row in ranks.items() if rank in views or row.step is not None}))
 
+
+    def _slowed(self, now: float) -> Slowed | None:
+        """The slowness of the rank named slow first, as the job's pace shows it now."""
+        if not self.slow_episodes:
+            return None
+        rank, since = min(self.slow_episodes.items(), key=lambda episode: episode[1])
+        slowed = slowdown(self.paces, since, now, self.attempt_started_at)
+        return Slowed(rank, round(since, 3), *_paces(slowed)[1:])
 
     def track_progress(self, rates: list[float]) -> Progress | None:
         """The attempt's progress from every rank's steps (rates: their step rates now; none: as before): the
@@ -206,6 +262,14 @@ class HealthLoop:
                                  rate, round(max(activity.saving_s for activity in activities), 3),
                                  resumed.step if resumed else None, resumed.at if resumed else None, restore_s)
         return self.progress
+
+
+def _paces(slowed: Slowdown | None) -> tuple[float | None, float | None, float | None]:
+    """A slowdown's start and paces as records keep them."""
+    if slowed is None:
+        return None, None, None
+    return (round(slowed.since, 3), None if slowed.before is None else round(slowed.before, 4),
+            None if slowed.now is None else round(slowed.now, 4))
 
 
 def rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | None, now: float) -> RankRow:

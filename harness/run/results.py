@@ -9,7 +9,7 @@ import time
 from harness.health.rendezvous import RendezvousVerdict
 from harness.health.verdict import Verdict
 from harness.record.rundir import RunDir
-from harness.record.schema import Failure, FailureKind, RecordedNode, RunStatus
+from harness.record.schema import Failure, FailureKind, HealthEvent, RecordedNode, RunStatus
 from harness.run import worker_output
 from harness.run.live import LiveNode
 from harness.run.recovery import NodeFailure
@@ -44,6 +44,17 @@ def failure_of(found: NodeFailure, started_at: float, now: float) -> Failure:
         last_lines=record.last_lines(found.rank), kind=found.kind, evidence=found.evidence, host_down=found.host_down,
         error=exception, error_at=error.where if error else None,
         error_source=error.source if error else None, hint=found.hint or worker_output.hint(own or record.tail),
+    )
+
+
+def slow_failure(weighed: HealthEvent, nodes: list[LiveNode], started_at: float) -> Failure:
+    """A slowness the harness stopped the job for, as the attempt's first failure: on the slow rank's node, whose host
+    is out of the next attempt (host_down) and remembered as slow."""
+    record = next(r for r in nodes if weighed.rank in r.node.ranks)
+    return Failure(
+        node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks), rank=weighed.rank,
+        rank_exit_code=None, exit_code=None, description="slow", after_s=round(weighed.at - started_at, 3),
+        last_lines=record.last_lines(weighed.rank), kind=FailureKind.SLOW, evidence=weighed.text, host_down=True,
     )
 
 

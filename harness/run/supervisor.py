@@ -16,10 +16,12 @@ from typing import Any
 from harness.health.judge import HealthJudge
 from harness.health.rank_stack import number_ranges, ranks_text
 from harness.health.rendezvous import RendezvousVerdict
+from harness.health.slowdown import SlowPolicy
 from harness.health.verdict import Verdict
 from harness.node.protocol import Kind, parse_arrivals, parse_health, parse_oom
 from harness.plan.planner import Node, NodePlan
 from harness.record.rundir import RunDir
+from harness.record.schema import HealthEvent
 from harness.record.stream import StreamRecord
 from harness.run.cascade import Cascade
 from harness.run.health_loop import HealthLoop
@@ -54,20 +56,21 @@ class Supervisor:
     judge: what judges hangs and slow ranks (None: off); run: where stacks, the health file and
     `harness stacks` requests live; attempt: this attempt's number; furthest: the furthest step of the run's
     earlier attempts (None: none); checkpoint: the job's lines that say a checkpoint was saved; rendezvous: the
-    seconds every node has to start its ranks (timeouts.rendezvous; None: no deadline)."""
+    seconds every node has to start its ranks (timeouts.rendezvous; None: no deadline); slow_policy: what a lasting
+    slowness is weighed against (None: it is not weighed)."""
 
     def __init__(self, grace: float, terminal: Terminal, log_file: Callable[[Node], Path] | None = None,
                  quiet_cpp_info: bool = False, judge: HealthJudge | None = None, run: RunDir | None = None,
                  attempt: int = 0, record: StreamRecord | None = None, progress: LinePatterns | None = None,
                  furthest: int | None = None, checkpoint: re.Pattern[str] | None = None,
-                 rendezvous: float | None = None) -> None:
+                 rendezvous: float | None = None, slow_policy: SlowPolicy | None = None) -> None:
         self.output = Output(terminal, log_file, record, attempt, quiet_cpp_info, progress, checkpoint)
         self._started: list[tuple[NodeProcess, LiveNode]] = []  # every started node, what stops and asks it
         self.stopper = Stopper(grace, self._started)
         self.stacks = StackCapture(self._started)
         self.nodes: list[LiveNode] = []
         self.health_loop = HealthLoop(judge, run, attempt, self.nodes, self.stacks, self.output, self.stopper,
-                                      furthest, rendezvous)
+                                      furthest, rendezvous, slow_policy)
         self.first_failure: LiveNode | None = None
         self._ended: queue.Queue[LiveNode] = queue.Queue()
         self._threads: list[threading.Thread] = []
@@ -83,6 +86,11 @@ class Supervisor:
     @property
     def hang_at(self) -> float | None:
         return self.health_loop.hang_at
+
+    @property
+    def slow_out(self) -> HealthEvent | None:
+        """The weighing that stopped the job to restart it without a slow rank's host."""
+        return self.health_loop.slow_out
 
     @property
     def unjoined(self) -> RendezvousVerdict | None:

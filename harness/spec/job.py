@@ -318,19 +318,19 @@ def _removed_max_restarts(value: Any) -> None:
 
 
 FAILURE_KINDS = ("infra", "hang", "program")  # how an attempt can fail (run/recovery.py classes it)
+RESTART_KINDS = (*FAILURE_KINDS, "slow")  # what restarts.on may name: slow, a restart the harness chooses
 
 
 def _failure_kinds(value: Any) -> tuple[str, ...]:
-    """One kind, `any`, or a list of kinds: the set of failure kinds that are restarted."""
-    expected = f"one of {', '.join(FAILURE_KINDS)} or any, or a list of them, e.g. [infra, hang]"
+    """One kind, `any` (every failure kind; slow is never implied), or a list of kinds: the set of kinds that are
+    restarted."""
+    expected = f"one of {', '.join(RESTART_KINDS)} or any, or a list of them, e.g. [infra, hang]"
     kinds = [value] if isinstance(value, str) else value
     if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
         raise ValueError(f"expected {expected}, got {as_written(value)}")
-    if "any" in kinds:
-        return FAILURE_KINDS
-    if unknown := [k for k in kinds if k not in FAILURE_KINDS]:
+    if unknown := [k for k in kinds if k not in (*RESTART_KINDS, "any")]:
         raise ValueError(f"expected {expected}, got {short_repr(unknown[0])}")
-    return tuple(k for k in FAILURE_KINDS if k in kinds)
+    return tuple(k for k in RESTART_KINDS if k in kinds or ("any" in kinds and k in FAILURE_KINDS))
 
 
 class Restarts(StrictModel):
@@ -339,7 +339,9 @@ class Restarts(StrictModel):
     MAX_BACKOFF. on: the failure kinds that are restarted (normalised to a tuple of FAILURE_KINDS):
     infra, failures of the machines (a lost host or connection, a process killed by a signal, a
     rendezvous timeout); hang, a job that made no progress for health.stall seconds; program, a
-    program that fails by itself; any, all three. min_nnodes: the fewest nodes the job may go on with
+    program that fails by itself; any, all three; slow (only when named): a rank that slowed the job for
+    health.slow_for seconds, when a restart without its host costs less by the job's end (docs/health.md).
+    min_nnodes: the fewest nodes the job may go on with
     when hosts are down and no spare is left (torchrun's --nnodes MIN:MAX); unset, nnodes: the run
     ends instead. cooldown: seconds a host that failed at the machine's level stays out of every run
     (record/hosts_out.py; 0: only out of its own run); max_out: how many of the inventory's hosts may be
@@ -374,7 +376,9 @@ class Health(StrictModel):
     progress (no CPU time used, in it or its children) before the job counts as hung: every rank's
     stack is captured, the job stopped and the attempt classed `hang`; 0 turns the watch off. slow: a
     rank that its peers wait for at least this percentage of the time, for a minute, is named as
-    slow; 0 turns it off. progress: the regular expression (or a list of them, the first that finds a line's)
+    slow; 0 turns it off. slow_for: seconds a slowness must last before it is weighed against a restart
+    without its host (restarts.on: slow acts on it). progress: the regular expression (or a list of them, the
+    first that finds a line's)
     that finds a step number (a group named `step`) in a rank's lines, for the step and step rate `harness status`
     shows; with groups named `epoch` (from 1, or `epoch0` from 0) and `per_epoch` too, a step that starts again
     each epoch counts from the run's start; the run's steps, for its progress and time left, from a group named
@@ -391,6 +395,7 @@ class Health(StrictModel):
 
     stall: Annotated[Seconds, Field(ge=0, le=86400)] = 300
     slow: Annotated[Seconds, Field(ge=0, le=100)] = 20
+    slow_for: Annotated[Seconds, Field(ge=1, le=86400)] = 60
     progress: str | list[str] = Field(default_factory=lambda: list(DEFAULT_PROGRESS))
     checkpoint: str = DEFAULT_CHECKPOINT
     metrics_port: Annotated[int, BeforeValidator(exact_int), Field(ge=1, le=65535)] | None = None

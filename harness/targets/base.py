@@ -118,6 +118,10 @@ class Backend(Protocol):
         attempt number `attempt`, on hosts other than `down` (spares take their place; NoSpareHosts
         when too few are left). A backend with one machine has no hosts to avoid."""
 
+    def pool(self, spec: JobSpec) -> list[str]:
+        """The names the next attempt's nodes are taken from, in the order the planner takes them (take_healthy): the
+        job's hosts, then its spares. A slow host is weighed against an attempt without it (health/slowdown.py)."""
+
     def machines(self) -> dict[str, str]:
         """Host name -> the machine it is (address:port), for every host a failure may keep out of later runs
         (record/hosts_out.py); empty where there is nothing to keep out (one machine; Slurm's nodes, for now)."""

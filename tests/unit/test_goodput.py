@@ -35,7 +35,7 @@ def test_a_run_with_a_hang_and_a_restart_puts_every_second_in_one_bucket() -> No
                          fault_at=T0 + 45)
     second = AttemptTimes(T0 + 52, T0 + 94, Progress(32, T0 + 60, 80, T0 + 90, T0 + 64))
     goodput = time_spent(T0, T0 + 95, [first, second])
-    assert goodput.seconds == {"start-up": 12.0, "training": 18.0 + 26.0, "unwatched": 0.0, "checkpoint": 0.0, "redone": 4.0, "hung": 15.0,
+    assert goodput.seconds == {"start-up": 12.0, "training": 18.0 + 26.0, "unwatched": 0.0, "checkpoint": 0.0, "slowed": 0.0, "redone": 4.0, "hung": 15.0,
                                "restarting": 3.0 + 4.0 + 8.0, "ending": 5.0}
     _assert_adds_up(goodput.seconds, 95.0)
     assert goodput.wall_s == 95.0 and goodput.goodput == round(44 / 95, 4)
@@ -47,7 +47,7 @@ def test_a_program_failure_trains_to_its_fault_and_restarts_from_there() -> None
     first = AttemptTimes(T0 + 1, T0 + 20, Progress(1, T0 + 3, 10, T0 + 10), fault_at=T0 + 15)
     second = AttemptTimes(T0 + 22, T0 + 30, Progress(6, T0 + 25, 9, T0 + 28), fault_at=T0 + 29)
     goodput = time_spent(T0, T0 + 31, [first, second])
-    assert goodput.seconds == {"start-up": 3.0, "training": 12.0, "unwatched": 0.0, "checkpoint": 0.0, "redone": 4.0, "hung": 0.0,
+    assert goodput.seconds == {"start-up": 3.0, "training": 12.0, "unwatched": 0.0, "checkpoint": 0.0, "slowed": 0.0, "redone": 4.0, "hung": 0.0,
                                "restarting": 5.0 + 2.0 + 3.0, "ending": 2.0}
     _assert_adds_up(goodput.seconds, 31.0)
 
@@ -71,7 +71,7 @@ def test_a_running_run_trains_until_now_and_a_run_without_steps_never_trained() 
     nothing = time_spent(T0, T0 + 3, [])  # stopped before any attempt started
     assert nothing.seconds["start-up"] == 3.0
     hung_at_start = time_spent(T0, T0 + 30, [AttemptTimes(T0 + 1, T0 + 29, None, hang_at=T0 + 27, fault_at=T0 + 27)])
-    assert hung_at_start.seconds == {"start-up": 1.0, "training": 0.0, "unwatched": 0.0, "checkpoint": 0.0, "redone": 0.0,
+    assert hung_at_start.seconds == {"start-up": 1.0, "training": 0.0, "unwatched": 0.0, "checkpoint": 0.0, "slowed": 0.0, "redone": 0.0,
                                      "hung": 26.0,
                                      "restarting": 0.0, "ending": 3.0}
 

@@ -281,7 +281,7 @@ def test_backoff_doubles_up_to_the_cap():
 @pytest.mark.parametrize(("text", "expected"), [
     ("max_restarts: 2\n", "job.yaml:4:1: max_restarts: max_restarts (torchrun's per-node restarts) is not used"),
     ("restarts: {max: -1}\n", "restarts.max: Input should be greater than or equal to 0"),
-    ("restarts: {on: crash}\n", "restarts.on: expected one of infra, hang, program or any, or a list of them, e.g. [infra, hang], got 'crash'"),
+    ("restarts: {on: crash}\n", "restarts.on: expected one of infra, hang, program, slow or any, or a list of them, e.g. [infra, hang], got 'crash'"),
     ("restarts: {backoff: .inf}\n", "restarts.backoff: expected a finite number of seconds"),
     ("restarts: {max: 1, retries: 2}\n", "restarts.retries: unknown key 'retries'"),
 ])

@@ -351,6 +351,9 @@ class PodsBackend:
         self._held = list(held)
         self._standbys = Standbys()
 
+    def pool(self, spec: JobSpec) -> list[str]:
+        return [p.pod for p in self.link.pods()]  # the connected ones: a spare pod waits among them
+
     def machines(self) -> dict[str, str]:
         return {}  # a recreated pod is a new host; Kubernetes, not the run, chooses its machine
 

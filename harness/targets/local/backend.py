@@ -114,6 +114,9 @@ class LocalBackend:
             self._say(self._open)
         return None
 
+    def pool(self, spec: JobSpec) -> list[str]:
+        return simulated_hosts(spec.nnodes)
+
     def machines(self) -> dict[str, str]:
         return {}  # one machine: its simulated nodes are never kept out
 

@@ -129,6 +129,9 @@ class SrunBackend:
     def __init__(self, allocation: Allocation) -> None:
         self.allocation = allocation
 
+    def pool(self, spec: JobSpec) -> list[str]:
+        return list(self.allocation.nodes)
+
     def machines(self) -> dict[str, str]:
         return {name: slurm_machine(name) for name in self.allocation.nodes}
 

@@ -236,6 +236,9 @@ class SSHBackend:
     def plan(self, spec: JobSpec, run_id: str, attempt: int = 0, down: frozenset[str] = frozenset()) -> Plan:
         return self.pinned_plan(spec, run_id, job_hosts(spec, self.inventory, down), attempt)
 
+    def pool(self, spec: JobSpec) -> list[str]:
+        return [host.name for host in self.inventory.ordered_hosts()]
+
     def machines(self) -> dict[str, str]:
         return {host.name: f"{host.address_key}:{host.port}" for host in self.inventory.hosts}
 
