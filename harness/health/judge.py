@@ -97,6 +97,7 @@ class _Rank:
     seen: float  # its first sample's time
     samples: deque[Sample] = field(default_factory=deque)
     slow_since: float | None = None
+    onset: float | None = None  # when its slowness began, as dated once it is named (HealthJudge.slow_changes)
     well_since: float | None = None
     named_slow: float | None = None  # the percentage it was named with
 
@@ -262,6 +263,10 @@ class HealthJudge:
                 rank.slow_since = rank.slow_since or now
                 if rank.named_slow is None and now - rank.slow_since >= SLOW_CONFIRM:
                     rank.named_slow = waited
+                    # The share is measured over SLOW_WINDOW: from a slowness's start it rises about linearly to
+                    # the rank's full share (waited, once the window is all slowness), so it crossed the threshold
+                    # that share of the window after the slowness began.
+                    rank.onset = rank.slow_since - SLOW_WINDOW * min(1.0, self.slow / waited)
                     changes.append(SlowChange(number, waited))
             else:
                 rank.slow_since = None
@@ -273,8 +278,11 @@ class HealthJudge:
 
     @_locked
     def slow_since(self, rank: int) -> float | None:
-        """Since when the rank has been slow without a break (None: it is not now)."""
-        return self.ranks[rank].slow_since if rank in self.ranks else None
+        """Since when the rank has been slow without a break, from when its slowness began (None: it is not now)."""
+        found = self.ranks.get(rank)
+        if found is None or found.slow_since is None:
+            return None
+        return found.onset if found.onset is not None and found.named_slow is not None else found.slow_since
 
     @_locked
     def slow_ranks(self) -> dict[int, float]:

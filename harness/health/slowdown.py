@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 BEFORE_SECONDS = 60.0  # how long before the slowness its healthy pace is measured over
-ONSET_SECONDS = 10.0  # the judge names a rank some seconds into its slowness: the pace before stops this early
 MIN_SPAN = 5.0  # a pace needs steps at least this far apart, and three step lines
 SLOWED_BELOW = 0.8  # the job must run below this share of its pace before for the slowness to be acted on
 POINTS_KEPT = 4096
@@ -84,9 +83,7 @@ class Slowdown:
 
 def slowdown(history: PaceHistory, since: float, now: float, started: float) -> Slowdown:
     """The pace in the BEFORE_SECONDS before since (from the attempt's start at the earliest) and since then."""
-    before = history.pace(max(started, since - BEFORE_SECONDS), since - ONSET_SECONDS) or \
-        history.pace(max(started, since - BEFORE_SECONDS), since)
-    return Slowdown(since, before, history.pace(since, now))
+    return Slowdown(since, history.pace(max(started, since - BEFORE_SECONDS), since), history.pace(since, now))
 
 
 @dataclass(frozen=True)

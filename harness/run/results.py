@@ -54,7 +54,8 @@ def slow_failure(weighed: HealthEvent, nodes: list[LiveNode], started_at: float)
     return Failure(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks), rank=weighed.rank,
         rank_exit_code=None, exit_code=None, description="slow", after_s=round(weighed.at - started_at, 3),
-        last_lines=record.last_lines(weighed.rank), kind=FailureKind.SLOW, evidence=weighed.text, host_down=True,
+        last_lines=record.last_lines(weighed.rank), kind=FailureKind.SLOW, evidence=weighed.text.removeprefix("slow: "),
+        host_down=True,
     )
 
 

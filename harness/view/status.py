@@ -17,6 +17,7 @@ from harness.record.rundir import RunDir
 from harness.record.schema import (
     Attempt,
     Failure,
+    FailureKind,
     Goodput,
     LiveHealth,
     Progress,
@@ -317,7 +318,8 @@ def _attempt_line(attempt: Attempt, resized: bool) -> str:
     if attempt.ended_by:
         text += f"; ended by {attempt.ended_by}"
     if attempt.down:
-        text += f"; lost {', '.join(attempt.down)}"
+        text += f"; took {', '.join(attempt.down)} out (slow)" if attempt.kind is FailureKind.SLOW else \
+            f"; lost {', '.join(attempt.down)}"
     if attempt.restart is not None:
         text += f"\n    {attempt.restart.describe()}"
     return text
