@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from harness.record.goodput import AttemptTimes, restart_of, run_goodput, time_spent
+from harness.record.goodput import AttemptTimes, restart_of, run_goodput, slowed_seconds, time_spent
 from harness.record.schema import (
     GOODPUT_BUCKETS,
     RESTART_PHASES,
     Attempt,
     Failure,
     FailureKind,
+    HealthEvent,
+    HealthEventKind,
     LiveHealth,
     Progress,
     RunStatus,
+    Slowed,
 )
 from harness.view.status import goodput_words, progress_words
 
@@ -74,6 +77,25 @@ def test_a_running_run_trains_until_now_and_a_run_without_steps_never_trained() 
     assert hung_at_start.seconds == {"start-up": 1.0, "training": 0.0, "unwatched": 0.0, "checkpoint": 0.0, "slowed": 0.0, "redone": 0.0,
                                      "hung": 26.0,
                                      "restarting": 0.0, "ending": 3.0}
+
+
+def test_what_a_slow_rank_cost_comes_out_of_training_once_however_many_said_it() -> None:
+    """Rank 1 slowed the job to half its pace from 20 s to 40 s, when the harness stopped it (its WEIGHED event, with
+    the later figure: a quarter); rank 2, slow at the same time, is not counted twice; a slowness that recovered
+    counts to its recovery. The running attempt's health.json says the same of a slowness that goes on."""
+    events = [HealthEvent(T0 + 25, HealthEventKind.SLOW, "", 1, 30.0, T0 + 20, 2.0, 1.0),
+              HealthEvent(T0 + 26, HealthEventKind.SLOW, "", 2, 25.0, T0 + 21, 2.0, 1.0),
+              HealthEvent(T0 + 40, HealthEventKind.WEIGHED, "", 1, None, T0 + 20, 2.0, 0.5, acted=True)]
+    assert slowed_seconds(events, T0 + 50) == pytest.approx(20 * 0.75 + 10 * 0.5)
+    recovered = [events[0], HealthEvent(T0 + 30, HealthEventKind.RECOVERED, "", 1)]
+    assert slowed_seconds(recovered, T0 + 50) == pytest.approx(10 * 0.5)
+    attempt = AttemptTimes(T0, T0 + 50, Progress(1, T0 + 5, 100, T0 + 49), slowed_s=slowed_seconds(events, T0 + 50))
+    goodput = time_spent(T0, T0 + 50, [attempt])
+    assert goodput.seconds["slowed"] == pytest.approx(20.0) and goodput.seconds["training"] == pytest.approx(24.0)
+    _assert_adds_up(goodput.seconds, 50.0)
+    health = LiveHealth(0, T0 + 30, started_at=T0, progress=Progress(1, T0 + 5, 60, T0 + 29),
+                        slowed=Slowed(1, T0 + 20, 2.0, 1.0))
+    assert run_goodput(T0, T0 + 30, [], health, T0 + 30).seconds["slowed"] == pytest.approx(5.0)
 
 
 def test_the_time_no_controller_watched_is_training_all_the_same() -> None:
