@@ -51,11 +51,16 @@ def slow_failure(weighed: HealthEvent, nodes: list[LiveNode], started_at: float)
     """A slowness the harness stopped the job for, as the attempt's first failure: on the slow rank's node, whose host
     is out of the next attempt (host_down) and remembered as slow."""
     record = next(r for r in nodes if weighed.rank in r.node.ranks)
+    node = record.node
+    pace = f"at {weighed.pace_now / weighed.pace_before:.2f}x its pace " if weighed.pace_before and \
+        weighed.pace_now is not None else ""
+    lasted = f"for {weighed.at - weighed.since:.0f} s" if weighed.since is not None else ""
     return Failure(
         node_rank=record.node.node_rank, host=record.node.host, ranks=list(record.node.ranks), rank=weighed.rank,
         rank_exit_code=None, exit_code=None, description="slow", after_s=round(weighed.at - started_at, 3),
-        last_lines=record.last_lines(weighed.rank), kind=FailureKind.SLOW, evidence=weighed.text.removeprefix("slow: "),
-        host_down=True,
+        last_lines=record.last_lines(weighed.rank), kind=FailureKind.SLOW, host_down=True,
+        evidence=f"rank {weighed.rank} ({node.label} on {node.host}) held the job {pace}{lasted}, and a restart "
+                 f"without {node.host} cost less",
     )
 
 
