@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from harness.record.rundir import RunDir
 from harness.record.schema import (
@@ -64,24 +65,40 @@ class AttemptTimes:
     @classmethod
     def running(cls, health: LiveHealth, now: float) -> AttemptTimes | None:
         """The running attempt, as health.json says it (None: a file without the attempt's start)."""
-        slowed = health.slowed
-        episode = [] if slowed is None else [HealthEvent(slowed.since, HealthEventKind.SLOW, "", slowed.rank, None,
-                                                         slowed.since, slowed.pace_before, slowed.pace_now)]
         return None if health.started_at is None else cls(health.started_at, now, health.progress,
-                                                          slowed_s=slowed_seconds(episode, now))
+                                                          slowed_s=slowed_seconds(live_slowness(health), now))
 
 
-def slowed_seconds(events: Sequence[HealthEvent], end: float) -> float:
-    """What the attempt's slow ranks cost, from its health events: each slowness from its start to its rank's
-    recovery, the restart it caused, or end, times the share of the pace lost (the latest figures said of it);
-    overlapping ones counted once."""
+def live_slowness(health: LiveHealth) -> list[HealthEvent]:
+    """The running attempt's slowness as health.json says it, as the health event its record keeps of it."""
+    slowed = health.slowed
+    return [] if slowed is None else [HealthEvent(slowed.since, HealthEventKind.SLOW, "", slowed.rank, None,
+                                                  slowed.since, slowed.pace_before, slowed.pace_now)]
+
+
+class SlowSpan(NamedTuple):
+    """A rank's slowness: from its onset to its recovery, the harness's stop for it (acted), or the attempt's end;
+    lost: the share of the job's pace it cost, by the latest figures said of it (None: not known)."""
+
+    rank: int
+    since: float
+    until: float
+    lost: float | None
+    acted: bool = False
+
+
+def slow_spans(events: Sequence[HealthEvent], end: float) -> list[SlowSpan]:
+    """Each slowness of an attempt, from its health events, by its onset (those without one, older records', left
+    out): for the goodput's slowed bucket and the report's step rate."""
     episodes: dict[int, HealthEvent] = {}
-    spans: list[tuple[float, float, float]] = []  # since, until, share lost
+    spans: list[SlowSpan] = []
 
-    def close(rank: int, at: float) -> None:
+    def close(rank: int, at: float, acted: bool = False) -> None:
         said = episodes.pop(rank)
-        if said.since is not None and said.pace_before and said.pace_now is not None:
-            spans.append((said.since, at, max(0.0, 1 - said.pace_now / said.pace_before)))
+        assert said.since is not None
+        before, now = said.pace_before, said.pace_now
+        spans.append(SlowSpan(rank, said.since, at, max(0.0, 1 - now / before) if before and now is not None else None,
+                              acted))
 
     for event in sorted(events, key=lambda e: e.at):
         if event.rank is None:
@@ -93,17 +110,23 @@ def slowed_seconds(events: Sequence[HealthEvent], end: float) -> float:
                 episodes[event.rank] = replace(episodes[event.rank], pace_before=event.pace_before,
                                                pace_now=event.pace_now)
             if event.acted:
-                close(event.rank, event.at)
+                close(event.rank, event.at, acted=True)
         elif event.kind is HealthEventKind.RECOVERED and event.rank in episodes:
             close(event.rank, event.at)
     for rank in list(episodes):
         close(rank, end)
+    return sorted(spans, key=lambda span: (span.since, span.until))
+
+
+def slowed_seconds(events: Sequence[HealthEvent], end: float) -> float:
+    """What the attempt's slow ranks cost: each slowness (slow_spans) times the share of the pace it lost;
+    overlapping ones counted once."""
     total, covered = 0.0, float("-inf")
-    for since, until, lost in sorted(spans):
-        begin = max(since, covered)
-        if until > begin:
-            total += (until - begin) * lost
-            covered = until
+    for span in slow_spans(events, end):
+        begin = max(span.since, covered)
+        if span.lost is not None and span.until > begin:
+            total += (span.until - begin) * span.lost
+            covered = span.until
     return total
 
 

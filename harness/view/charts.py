@@ -68,16 +68,20 @@ class StepAxis(TimeAxis):
 
 @dataclass(frozen=True)
 class Mark:
-    """A moment worth a vertical line across a chart: an attempt's start."""
+    """A moment worth a vertical line across a chart: an attempt's start; css: its class (the harness's action: `act`);
+    before: its label left of the line (one that comes just before another mark's)."""
 
     at: float
     label: str
+    css: str = "mark"
+    before: bool = False
 
 
 def line_chart(axis: TimeAxis, series: Sequence[Segments], marks: Sequence[Mark], y_max: float,
-               y_text: Callable[[float], str], height: int = 220) -> str:
+               y_text: Callable[[float], str], height: int = 220, bands: Sequence[Span] = ()) -> str:
     """One line per series (colored in turn, as color(i)), y from 0 to y_max rounded up to a round step; a segment
-    of one point (a short run's, or one between gaps) is a dot, big enough to be seen."""
+    of one point (a short run's, or one between gaps) is a dot, big enough to be seen. bands: stretches shaded
+    behind the lines, each in its CSS class, with a tooltip."""
     top, bottom = 18, height - 24
     step = nice_step(y_max, 4)
     y_top = step * max(1, math.ceil(y_max / step - 1e-9))
@@ -91,6 +95,9 @@ def line_chart(axis: TimeAxis, series: Sequence[Segments], marks: Sequence[Mark]
         parts.append(f'<line class="grid" x1="{LEFT}" y1="{y(i * step):.1f}" x2="{WIDTH - RIGHT}" '
                      f'y2="{y(i * step):.1f}"/><text class="tick" x="{LEFT - 6}" y="{y(i * step) + 4:.1f}" '
                      f'text-anchor="end">{escape(y_text(i * step))}</text>')
+    parts += [f'<rect class="{escape(band.css)}" x="{axis.x(band.start):.1f}" y="{top}" '
+              f'width="{max(axis.x(band.end) - axis.x(band.start), 1):.1f}" height="{bottom - top}">'
+              f'<title>{escape(band.title)}</title></rect>' for band in bands]
     parts += _marks(axis, marks, top, bottom)
     for index, segments in enumerate(series):
         for points in segments:
@@ -104,8 +111,13 @@ def line_chart(axis: TimeAxis, series: Sequence[Segments], marks: Sequence[Mark]
 
 
 def _marks(axis: TimeAxis, marks: Sequence[Mark], top: float, bottom: float) -> list[str]:
-    return [f'<line class="mark" x1="{axis.x(m.at):.1f}" y1="{top - 6}" x2="{axis.x(m.at):.1f}" y2="{bottom}"/>'
-            f'<text class="mark" x="{axis.x(m.at) + 3:.1f}" y="{top - 8}">{escape(m.label)}</text>' for m in marks]
+    parts = []
+    for m in marks:
+        x = axis.x(m.at)
+        label = f'x="{x - 3:.1f}" y="{top - 8}" text-anchor="end"' if m.before else f'x="{x + 3:.1f}" y="{top - 8}"'
+        parts.append(f'<line class="{escape(m.css)}" x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{bottom}"/>'
+                     f'<text class="{escape(m.css)}" {label}>{escape(m.label)}</text>')
+    return parts
 
 
 @dataclass(frozen=True)

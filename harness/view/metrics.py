@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from harness.errors import UsageError
+from harness.health.slowdown import Slowdown
 from harness.record.goodput import goodput_of
 from harness.record.liveness import live_status
 from harness.record.rundir import RunDir
@@ -59,6 +60,7 @@ class RunMetrics(Collector):
         yield from _time_spent(run_id, goodput)
         if health is not None:
             yield from _progress(run_id, health)
+            yield from _pace(run_id, health)
             yield from _ranks(run_id, health, now)
 
 
@@ -93,6 +95,16 @@ def _progress(run_id: str, health: LiveHealth) -> Iterator[Metric]:
     if (left := progress.left_s()) is not None:
         yield _gauge("harness_run_eta_seconds", "Seconds to the run's last step at the recent step rate.", run_id,
                      round(left, 1))
+
+
+def _pace(run_id: str, health: LiveHealth) -> Iterator[Metric]:
+    """The job's pace now as a share of its pace before a rank named slow began to slow it (health/slowdown.py): 1
+    while none is named slow; left out while the paces are not known (too few step lines)."""
+    slowed = health.slowed
+    ratio = 1.0 if slowed is None else Slowdown(slowed.since, slowed.pace_before, slowed.pace_now).ratio
+    if ratio is not None:
+        yield _gauge("harness_run_pace_ratio", "The job's step rate now over its rate before a rank named slow began "
+                     "to slow it (1: no rank is named slow).", run_id, ratio)
 
 
 def _ranks(run_id: str, health: LiveHealth, now: float) -> Iterator[Metric]:

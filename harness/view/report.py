@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from html import escape
 
 from harness.health.rank_stack import stack_groups
-from harness.record.goodput import goodput_of
+from harness.record.goodput import SlowSpan, goodput_of, live_slowness, slow_spans
 from harness.record.liveness import live_status
 from harness.record.rundir import RunDir
 from harness.record.schema import (
@@ -67,10 +67,12 @@ svg.chart{display:block;max-width:100%;height:auto;font-size:11px}
 .stopped,.interrupted,.unreadable{background:#7f7f7f;fill:#7f7f7f}
 .slow circle{fill:#f0b400}.recovered circle{fill:#2e9e44}.hang circle{fill:#5a0000}g circle{stroke:#fff}
 .failure path{stroke:#000;stroke-width:2.5}.legend .slow{color:#f0b400}.legend .recovered{color:#2e9e44}
-.legend .hang{color:#5a0000}
+.legend .hang{color:#5a0000}.weighed circle{fill:#8c564b}.legend .weighed{color:#8c564b}
+rect.slowed{fill:#f0b400;fill-opacity:.22}.legend i.slowed{background:#f6d77a;height:10px}
+line.act{stroke:#d62728;stroke-width:1.5}text.act{fill:#d62728}.legend i.act{background:#d62728;width:2px;height:12px}
 .spent{display:flex;height:22px;border-radius:3px;overflow:hidden;margin:6px 0}.spent span{display:block}
 .b-start-up{background:#6b8cae}.b-training{background:#2e9e44}.b-redone{background:#e08a00}.b-hung{background:#5a0000}
-.b-restarting{background:#9467bd}.b-ending{background:#b0b0b0}
+.b-restarting{background:#9467bd}.b-ending{background:#b0b0b0}.b-slowed{background:#f0b400}
 .legend span{margin-right:14px;white-space:nowrap}.legend i{display:inline-block;width:14px;height:4px;
 margin-right:4px;vertical-align:middle}
 details{margin:8px 0}summary{cursor:pointer}details h3{font-size:13px;word-break:break-word}
@@ -189,6 +191,7 @@ def _attempts(r: _Run) -> str:
     rows = [Row(f"attempt {a.attempt}", _spans(r, a), _dots(r, a)) for a in attempts]
     key = ('<p class="legend">bars: attempts, colored by how they ended (grey after one: the backoff); '
            '<span class="slow">● slow rank</span> <span class="recovered">● recovered</span> '
+           '<span class="weighed">● slowness weighed against a restart</span> '
            '<span class="hang">● hang</span> ✕ failure; hover for details</p>')
     table = _table(["attempt", "hosts", "nodes", "world size", "status", "cause", "times"],
                    [[str(a.attempt), a.where(False), _known(a.nnodes), _known(a.world_size), a.status.value,
@@ -267,7 +270,11 @@ def _plots(r: _Run) -> str:
     for plot in PLOTS:
         series = _series(r, kept, ranks, plot.measure)
         values = [y for segments in series for points in segments for _, y in points]
-        if values:
+        if values and plot.measure is _step_rate:
+            bands, acts, said = _slowness(r)
+            chart = line_chart(r.axis, series, [*marks, *acts], max(*values, plot.least), plot.y_text, bands=bands)
+            parts.append(f'<div id="{plot.key}"><h3>{escape(plot.title)}</h3>{chart}{key}{said}</div>')
+        elif values:
             chart = line_chart(r.axis, series, marks, plot.y_max or max(*values, plot.least), plot.y_text)
             parts.append(f'<div id="{plot.key}"><h3>{escape(plot.title)}</h3>{chart}{key}</div>')
         elif plot.measure is _step_rate and (recorded := _recorded_step_rate(r)):
@@ -312,9 +319,43 @@ def _recorded_step_rate(r: _Run) -> str:
              and (rate := (progress.last_step - progress.first_step) / (progress.last_at - progress.first_at)) >= 0]
     if not spans:
         return ""
-    chart = line_chart(r.axis, [spans], [], max(1.0, *(rate for span in spans for _, rate in span)), "{:g}".format)
+    bands, acts, said = _slowness(r)
+    chart = line_chart(r.axis, [spans], acts, max(1.0, *(rate for span in spans for _, rate in span)), "{:g}".format,
+                       bands=bands)
     key = legend({0: "each attempt's mean, from its first step line to its last (the timeline has no step of it)"})
-    return f'<div id="step-rate"><h3>Step rate (steps/s)</h3>{chart}{key}</div>'
+    return f'<div id="step-rate"><h3>Step rate (steps/s)</h3>{chart}{key}{said}</div>'
+
+
+def _slowness(r: _Run) -> tuple[list[Span], list[Mark], str]:
+    """What the step rate shows of slow ranks: each slowness shaded from its onset to its rank's recovery, the
+    harness's stop for it, or its attempt's end (while it runs: now); the stop a line of its own, named by the host
+    the restart goes without; and the legend that says so ("": no slowness)."""
+    found: list[tuple[SlowSpan, str, str | None]] = []  # the slowness, its rank's node, the host restarted without
+    for a in r.summary.attempts if r.summary else []:
+        slow_host = next((f.host for f in a.failures if f.kind is FailureKind.SLOW), None)
+        for span in slow_spans(a.health, a.ended_at):
+            node = next((f"node{n.node_rank} on {n.host}" for n in a.nodes if span.rank in n.ranks), "")
+            found.append((span, node, slow_host if span.acted else None))
+    health = r.run.read_health(r.state.attempt) if r.summary is None else None
+    if health is not None:
+        for span in slow_spans(live_slowness(health), r.state.started_at + r.axis.span):
+            row = health.ranks.get(span.rank)
+            found.append((span, f"{row.node} on {row.host}" if row else "", None))
+    if not found:
+        return [], [], ""
+    bands = []
+    for span, node, _ in found:
+        pace = "" if span.lost is None else f": the job at {1 - span.lost:.2f}x its pace before"
+        bands.append(Span(r.since(span.since), r.since(span.until), "slowed",
+                          f"rank {span.rank}" + (f" ({node})" if node else "") +
+                          f" slow from +{r.since(span.since):.1f} s to +{r.since(span.until):.1f} s{pace}"))
+    acts = [Mark(r.since(span.until), f"restart without {host}", "act", before=True)
+            for span, _, host in found if host is not None]
+    said = ['<span><i class="slowed"></i>shaded: a rank named slow, from the onset of its slowness to its recovery, '
+            "the harness's stop for it or its attempt's end</span>"]
+    said += ['<span><i class="act"></i>red line: the harness stopped the job to restart it without the slow host '
+             "(restarts.on: slow; docs/health.md, A slow node)</span>"] if acts else []
+    return bands, acts, '<p class="legend">' + "".join(said) + "</p>"
 
 
 def _time_spent(r: _Run) -> str:

@@ -33,18 +33,21 @@ from harness.record.schema import (
     FailureKind,
     HealthEvent,
     HealthEventKind,
+    LiveHealth,
     Progress,
+    RankRow,
     RecordedNode,
     RunState,
     RunStatus,
     RunSummary,
+    Slowed,
 )
 from harness.record.timeline import RankPoint, Sample, append_sample, read_timeline
 from harness.run import health_loop
 from harness.run.health_loop import HealthLoop
 from harness.run.live import LiveNode, RankActivity, StepMark
 from harness.run.stack_capture import keep
-from harness.view.charts import color
+from harness.view.charts import TimeAxis, color
 from harness.view.report import html_report
 
 T0 = 1_700_000_000.0
@@ -419,3 +422,102 @@ def test_the_page_has_the_runs_time_as_one_bar_and_the_loss_and_throughput_over_
     assert loss.count("<polyline") == 2 and throughput.count("<polyline") == 2, loss  # one line per attempt
     assert ">step 0</text>" in loss and ">50</text>" in loss, "an axis of steps"
     assert "No plot" not in page.split('id="loss"')[1].split("</section>")[0]
+
+
+# --- a slow node ---------------------------------------------------------------------------------------------
+
+SUM = ("slow: rank 1 (node1 on sim1) for 20 s: the slowness costs 12 s by the job's end (1024 steps left at 5 instead "
+       "of 6.67 steps/s); a restart without it 8 s (recovery 6.4 s + 0 steps redone): a restart without it costs less; "
+       "stopping the job to restart without sim1 (restarts.on: slow)")
+
+
+def _slowed(tmp_path: Path) -> RunDir:
+    """3 nodes at 10 steps/s; rank 1 (sim1) slows the job to 5 from 20 s (its onset; named at 25 s), weighed at 40 s
+    and acted on: the harness stops the job; attempt 1 runs on sim0 and sim2 from 45 s, at 10 steps/s again."""
+    run = create_run_dir(tmp_path, "train-6")
+    run.write_state(replace(_state(run.run_id, RunStatus.SUCCEEDED, ControllerId(1, None), attempt=1),
+                            hosts=["sim0", "sim2"], nnodes=2, world_size=2))
+    nodes = [_node(run, n, [n], 0, None) for n in range(3)]
+    slow = Failure(node_rank=1, host="sim1", ranks=[1], rank=1, rank_exit_code=None, exit_code=None,
+                   description="slow", after_s=39.0, last_lines=[], kind=FailureKind.SLOW,
+                   evidence=SUM.removeprefix("slow: "), host_down=True)
+    first = Attempt(attempt=0, hosts=["sim0", "sim1", "sim2"], status=RunStatus.FAILED, started_at=T0 + 1,
+                    ended_at=T0 + 42, nodes=nodes, failures=[slow], kind=FailureKind.SLOW, down=["sim1"],
+                    preflight_s=0.2, backoff_s=0.0, nnodes=3, world_size=3, progress=Progress(30, T0 + 3, 305, T0 + 41),
+                    health=[HealthEvent(T0 + 25, HealthEventKind.SLOW, "slow: rank 1 (node1 on sim1): its peers wait "
+                                        "for it 48% of the time", 1, 48.0, T0 + 20, 10.0, 5.0),
+                            HealthEvent(T0 + 40, HealthEventKind.WEIGHED, SUM, 1, None, T0 + 20, 10.0, 5.0,
+                                        acted=True)])
+    second = Attempt(attempt=1, hosts=["sim0", "sim2"], status=RunStatus.SUCCEEDED, started_at=T0 + 42,
+                     ended_at=T0 + 60, nodes=[_node(run, 0, [0], 1, 0), replace(_node(run, 1, [1], 1, 0), host="sim2")],
+                     failures=[], kind=None, down=[], preflight_s=0.2, nnodes=2, world_size=2,
+                     progress=Progress(300, T0 + 45, 440, T0 + 59, T0 + 46))
+    run.write_summary(RunSummary(run_id=run.run_id, name="train", status=RunStatus.SUCCEEDED, exit_code=0,
+                                 started_at=T0, ended_at=T0 + 60, duration_s=60.0, nodes=second.nodes,
+                                 first_failure=None, attempts=[first, second]))
+    for at in range(3, 42):
+        step = 10 * at if at <= 20 else 200 + 5 * (at - 20)
+        append_sample(run.timeline, Sample(T0 + at, 0, {rank: RankPoint(0.9, 0.9, step=step) for rank in range(3)}))
+    for at in range(45, 60):
+        append_sample(run.timeline, Sample(T0 + at, 1, {rank: RankPoint(0.9, 0.9, step=300 + 10 * (at - 45))
+                                                        for rank in range(2)}))
+    return run
+
+
+def test_the_step_rate_shows_a_slowness_from_its_onset_to_the_harnesss_stop_and_the_stop_itself(
+        tmp_path: Path) -> None:
+    """Shaded from 20 s (the onset, not the 25 s it was named at) to 40 s (the stop), a red line at the stop named by
+    the host the restart went without, both in the legend; the weighing a dot on the attempts' timeline, its sum in
+    the events; the time the slowness cost a bucket of the bar."""
+    page = html_report(_slowed(tmp_path))
+    parsed(page)
+    fetches_nothing(page)
+    axis = TimeAxis(60.0)
+    steps = _chart(page, "step-rate")
+    band = re.findall(r'<rect class="slowed" x="([\d.]+)" y="[\d.]+" width="([\d.]+)" height="[\d.]+"><title>(.*?)'
+                      r"</title></rect>", steps)
+    assert len(band) == 1, steps
+    x, width, title = band[0]
+    assert float(x) == pytest.approx(axis.x(20), abs=0.1) and float(x) + float(width) == pytest.approx(axis.x(40),
+                                                                                                       abs=0.2)
+    assert title == "rank 1 (node1 on sim1) slow from +20.0 s to +40.0 s: the job at 0.50x its pace before", title
+    act = re.search(r'<line class="act" x1="([\d.]+)"[^>]*/><text class="act" [^>]*text-anchor="end">(.*?)</text>',
+                    steps)
+    assert act and float(act[1]) == pytest.approx(axis.x(40), abs=0.1) and act[2] == "restart without sim1", steps
+    assert "shaded: a rank named slow, from the onset of its slowness to its recovery" in steps
+    assert "red line: the harness stopped the job to restart it without the slow host (restarts.on: slow" in steps
+    assert re.search(r'<g class="weighed"><circle[^>]*/><title>\+40\.0 s weighed: ' + re.escape(escape(SUM)), page)
+    assert '<span class="weighed">● slowness weighed against a restart</span>' in page
+    assert re.search(r'<span class="b-slowed" style="width:[\d.]+%" title="slowed 10.0 s">', page), \
+        "20 s at half the pace"
+
+
+def test_a_slowness_that_recovered_or_goes_on_is_shaded_without_a_stop(tmp_path: Path) -> None:
+    """Recovered at 30 s: shaded to 30 s, no red line, no word of one. A running run's slowness (health.json's
+    slowed) is shaded from its onset to now."""
+    run = _slowed(tmp_path / "recovered")
+    summary = run.read_summary()
+    assert summary is not None
+    first = summary.attempts[0]
+    recovered = replace(first, failures=[], kind=None, down=[], status=RunStatus.SUCCEEDED, health=[
+        first.health[0], HealthEvent(T0 + 30, HealthEventKind.RECOVERED, "rank 1 (node1 on sim1) is no longer slow",
+                                     1)])
+    run.write_summary(replace(summary, attempts=[recovered, summary.attempts[1]]))
+    steps = _chart(html_report(run), "step-rate")
+    band = re.search(r'<rect class="slowed" x="([\d.]+)" y="[\d.]+" width="([\d.]+)"', steps)
+    axis = TimeAxis(60.0)
+    assert band and float(band[1]) + float(band[2]) == pytest.approx(axis.x(30), abs=0.2), steps
+    assert 'class="act"' not in steps and "red line" not in steps
+
+    running = create_run_dir(tmp_path, "train-7")
+    me = ControllerId(os.getpid(), start_ticks(os.getpid()))
+    running.write_state(replace(_state(running.run_id, RunStatus.RUNNING, me), started_at=T0))
+    running.write_health(LiveHealth(attempt=0, t=T0 + 30, slow={1: 48.0}, started_at=T0 + 1,
+                                    ranks={1: RankRow("node1", "sim1", "computing")},
+                                    slowed=Slowed(1, T0 + 20, 10.0, 5.0)))
+    for second in range(3, 31):
+        append_sample(running.timeline, Sample(T0 + second, 0, {1: RankPoint(0.9, 0.9, step=10 * second)}))
+    page = html_report(running)
+    parsed(page)
+    steps = _chart(page, "step-rate")
+    assert "rank 1 (node1 on sim1) slow from +20.0 s to +" in steps and "red line" not in steps, steps

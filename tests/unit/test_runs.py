@@ -20,6 +20,8 @@ from harness.record.schema import (
     ControllerId,
     Failure,
     FailureKind,
+    HealthEvent,
+    HealthEventKind,
     LiveHealth,
     RankRow,
     RecordedNode,
@@ -27,6 +29,7 @@ from harness.record.schema import (
     RunState,
     RunStatus,
     RunSummary,
+    Slowed,
 )
 from harness.view.status import node_lines, run_details
 
@@ -180,6 +183,45 @@ def test_a_lost_run_that_is_stopped_ended_when_it_last_wrote_and_its_duration_st
     assert (state.status, state.ended_at) == (RunStatus.STOPPED, began + 22)
     rows = [harness("status", "--runs-dir", str(root)).stdout for _ in range(2)]
     assert rows[0] == rows[1] and "     22.0s" in rows[0], rows
+
+
+def test_status_says_what_a_slow_node_costs_while_it_runs_and_the_harnesss_stop_for_it_after(tmp_path: Path) -> None:
+    """While the run runs, the slowness of the rank named slow, as health.json says it; after, the attempt the
+    harness stopped for it, with the pace, and the weighing in full among the verdicts."""
+    now = time.time()
+    run = create_run_dir(tmp_path, "job-slow")
+    me = ControllerId(os.getpid(), start_ticks(os.getpid()))
+    run.write_state(_state("job-slow", RunStatus.RUNNING, now - 60, me))
+    run.write_health(LiveHealth(attempt=0, t=now, slow={1: 48.0}, started_at=now - 59,
+                                ranks={1: RankRow("node0", "sim0", "computing")}, slowed=Slowed(1, now - 30, 39.2, 19.9)))
+    onset = time.strftime("%H:%M:%S", time.localtime(now - 30))
+    detail = run_details(run)
+    assert "  slow: rank 1: its peers wait for it 48% of the time\n" in detail, detail
+    assert (f"  slowed: rank 1 (node0 on sim0) for 30 s: the job runs at 0.51x its pace before {onset} (39.2 -> 19.9 "
+            f"steps/s)\n") in detail, detail
+    run.write_health(replace(run.read_health(0), slowed=Slowed(1, now - 3, None, None)))
+    onset = time.strftime("%H:%M:%S", time.localtime(now - 3))
+    assert f"  slowed: rank 1 (node0 on sim0) for 3 s: its pace before {onset} is not known yet (too few step " \
+           f"lines)\n" in run_details(run)
+
+    weighed = ("slow: rank 1 (node0 on sim0) for 30 s: the slowness costs 12 s by the job's end (...); a restart without "
+               "it 8 s (...): a restart without it costs less; stopping the job to restart without sim0 (restarts.on: "
+               "slow)")
+    slow = Failure(node_rank=0, host="sim0", ranks=[0, 1], rank=1, rank_exit_code=None, exit_code=None,
+                   description="slow", after_s=31.0, last_lines=[], kind=FailureKind.SLOW,
+                   evidence=weighed.removeprefix("slow: "), host_down=True)
+    ended = _summary(run.read_state(), run)
+    first = replace(ended.attempts[0], hosts=["sim0", "sim1"], failures=[slow], kind=FailureKind.SLOW, down=["sim0"],
+                    health=[HealthEvent(now - 29, HealthEventKind.SLOW, "slow: rank 1 ...", 1, 48.0, now - 30, 39.2, 19.9),
+                            HealthEvent(now, HealthEventKind.WEIGHED, weighed, 1, None, now - 30, 39.2, 19.9, acted=True)])
+    second = replace(ended.attempts[0], attempt=1, hosts=["sim2", "sim1"], failures=[], kind=None,
+                     status=RunStatus.SUCCEEDED)
+    run.write_state(replace(run.read_state(), controller=ControllerId(1, 1), status=RunStatus.SUCCEEDED))
+    run.write_summary(replace(ended, status=RunStatus.SUCCEEDED, first_failure=None, attempts=[first, second]))
+    detail = run_details(run)
+    assert "  attempt 0 on sim0, sim1: stopped for sim0's slowness (rank 1 on node0: the job at 0.51x its pace before); " \
+           "took sim0 out\n" in detail, detail
+    assert f"(attempt 0): {weighed}\n" in detail, detail
 
 
 def test_health_json_is_written_and_read_through_its_schema_and_an_older_file_still_reads(tmp_path: Path) -> None:
