@@ -384,12 +384,13 @@ class _BackendRun(_TargetRun):
 
     def _slow_policy(self, plan: Plan, attempts: list[Attempt]) -> SlowPolicy:
         """What a slowness in plan's attempt is weighed against: a restart on the hosts left without the slow one
-        (a spare in its place, or fewer nodes as restarts.min_nnodes allows), and the run's measured recovery."""
-        spec, down, pool = self.spec, frozenset(self.down), self.backend.pool(self.spec)
+        (a spare in its place, or fewer nodes as restarts.min_nnodes allows), and the run's measured recovery. The
+        pool is asked when the slowness is weighed: a spare pod may dial in after the attempt started."""
+        spec, down = self.spec, frozenset(self.down)
 
         def without(host: str) -> float | str:
             try:
-                left = take_healthy(spec, pool, down | {host}, what="host", pool="the job's")
+                left = take_healthy(spec, self.backend.pool(spec), down | {host}, what="host", pool="the job's")
             except NoSpareHosts:
                 return (f"no spare host is left and restarts.min_nnodes ({spec.fewest_nnodes}) does not allow fewer "
                         f"than {plan.nnodes} nodes")
