@@ -29,6 +29,7 @@ from testbed.kubelet import (
     run_pods,
     wait_for_line,
 )
+from testbed.throttle import throttled
 
 from conftest import (
     REPO,
@@ -256,16 +257,19 @@ HEALTH_STEPS = REPO / "tests/scripts/health_steps.py"
 
 
 def user_job(project: Path, flavor: str, script: Path, restarts: str, secret: str | None = None,
-             **env: str) -> list[dict]:
+             args: str | None = None, spares: int = 0, slow_for: float | None = None, **env: str) -> list[dict]:
     """The user's script (shipped from project, the directory `harness render` runs in) as a supervised job; with
-    secret SECRET_NAME from Secret `hf`, key `token`, which its ranks show (conftest.with_secret)."""
+    secret SECRET_NAME from Secret `hf`, key `token`, which its ranks show (conftest.with_secret). args: the
+    script's (a YAML list); spares: k8s.spares; slow_for: health.slow_for (None: its default)."""
     project.mkdir(parents=True)
     (project / "train.py").write_bytes(script.read_bytes())
     lines = "".join(f"  {key}: '{value}'\n" for key, value in env.items()) or "  {}\n"
+    given = f", args: {args}" if args is not None else ""
+    lasting = f", slow_for: {slow_for:g}" if slow_for is not None else ""
     (project / "job.yaml").write_text(
         f"name: mine\nnnodes: 2\nbackend: gloo\nmaster_port: {free_port()}\nimage: registry.example/torch:2\n"
-        f"entrypoint: {{script: train.py}}\nenv:\n{lines}restarts: {restarts}\nhealth: {{stall: {STALL}}}\n"
-        f"k8s: {{port: {free_port()}}}\n")
+        f"entrypoint: {{script: train.py{given}}}\nenv:\n{lines}restarts: {restarts}\n"
+        f"health: {{stall: {STALL}{lasting}}}\nk8s: {{port: {free_port()}, spares: {spares}}}\n")
     if secret is not None:
         with_secret(project / "job.yaml", "{k8s: {secret: hf, key: token}}")
     return docs(project / "job.yaml", flavor, supervised=True)
@@ -328,25 +332,49 @@ def test_supervised_a_program_failure_fails_the_job_at_once(cluster2, tmp_path):
     assert rule["action"] == "FailJob"
 
 
-def test_supervised_deleting_every_pod_is_a_stop(cluster2, tmp_path):
-    """`kubectl exec <controller> -- harness status|stacks latest` answer while it runs; `kubectl delete -f k8s/`:
-    SIGTERM to every pod at once, SIGKILL after its grace period: the controller stops every rank and records
-    the run as stopped; nothing is left running. On the stand-in torch (the job's env): its launcher passes SIGTERM
-    on as torchrun does, and the ranks' stacks are their script's; torch's part is not what is tested."""
-    objects = user_job(tmp_path / "project", "jobset", REPO / "tests/scripts/ddp_sum.py", "{max: 2, on: any}",
-                       STEPS="100000", STEP_SECONDS="0.05", **STANDIN_ENV)
+STANDIN_RANKS = REPO / "testbed/standin/rank.py"  # a step's CPU work (--busy-ms), which a CPU quota slows
+SLOW_FOR = 10
+SLOW_SHARE = 0.05  # of a CPU, for the slow pod's rank: its step's 10 ms of work take 200 ms and more
+
+
+def test_supervised_a_slow_pod_gives_way_to_the_spare_and_deleting_every_pod_is_a_stop(cluster3, tmp_path):
+    """Rank 1's pod made slow (its rank held to a twentieth of a CPU, as a noisy neighbour would): named, weighed
+    once health.slow_for has passed, and the job restarted without it, once, on the spare pod (k8s.spares, index 2),
+    the slow pod left connected but down for the rest of the run. Then `kubectl exec <controller> -- harness
+    status|stacks latest` answer while it runs; `kubectl delete -f k8s/`: SIGTERM to every pod at once, SIGKILL
+    after its grace period: the controller stops every rank and records the run as stopped; nothing is left
+    running. On the stand-in torch (the job's env) and its ranks (testbed/standin/rank.py, each step a CPU-bound
+    computation and an all-reduce): its launcher passes SIGTERM on as torchrun does, and the ranks' stacks are
+    their script's; torch's part is not what is tested."""
+    objects = user_job(tmp_path / "project", "jobset", STANDIN_RANKS, "{max: 2, on: [any, slow], backoff: 0}",
+                       args='[--steps, "100000", --step-seconds, "0.05", --busy-ms, "10", --print, first, '
+                            '--log-every, "10"]', spares=1, slow_for=SLOW_FOR, **STANDIN_ENV)
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster2) as pods:
+    with SupervisedPods(objects, tmp_path / "root", workspace, PROJECT_IMAGE, PROJECT_IMAGE, cluster3) as pods:
         pods.controller()
-        workers = [pods.worker(index) for index in range(2)]
+        workers = [pods.worker(index) for index in range(3)]
         run_id = wait_for_line(pods, "controller", r"^harness: run (\S+): 2 node\(s\)", 180).group(1)
-        wait_for_line(pods, "controller", r"\[rank0\]: step 10 ", 180)
+        # 200 steps of at least 0.05 s each: the job's pace before the slowness is known (over 5 s and more)
+        wait_for_line(pods, "controller", r"\[rank0\]: epoch 1/1 step 200/", 180)
+        with throttled([worker_pid(run_id, 1)], share=SLOW_SHARE):
+            wait_for_line(pods, "controller", rf"^harness: attempt 0 stopped for {workers[1]}'s slowness; restart 1 "
+                                              rf"of 2 in 0 s, without {workers[1]}$", 120)
+        weighed = wait_for_line(pods, "controller", rf"^harness: slow: rank 1 \(node1 on {workers[1]}\) for \d+ s: "
+                                                    rf"the slowness costs .*$", 10).group(0)
+        assert weighed.endswith(f"a restart without it costs less; stopping the job to restart without {workers[1]} "
+                                f"(restarts.on: slow)"), weighed
+        wait_for_line(pods, "controller", rf"^harness: run {run_id} attempt 1, 2 node\(s\) x 1 process\(es\) on "
+                                          rf"{workers[0]}, {workers[2]},", 120)
+        attempt1 = workspace / ".harness/runs" / run_id / "node0.attempt1.log"
+        while not (attempt1.exists() and "[rank0]: epoch 1/1 step 10/" in attempt1.read_text()):
+            assert pods.processes["controller"].poll() is None, pods.output("controller")
+            time.sleep(0.1)
         exec_env = {"HARNESS_RUNS_DIR": str(workspace / ".harness/runs"), "PATH": os.environ["PATH"]}
         status = harness("status", "latest", env=exec_env, cwd=workspace)  # kubectl exec <controller> -- harness ...
         assert status.returncode == 0 and f"run {run_id}" in status.stdout and "running" in status.stdout, status
         stacks = harness("stacks", "latest", env=exec_env, cwd=workspace)
-        assert stacks.returncode == 0 and f"1 (node1 on {workers[1]}, pid " in stacks.stdout, stacks
+        assert stacks.returncode == 0 and f"1 (node1 on {workers[2]}, pid " in stacks.stdout, stacks
         assert re.search(r"main \(\S+/etc/harness/code/train.py:\d+\)", stacks.stdout), stacks.stdout
         # `kubectl delete -f k8s/`: every pod deleted at once, each by its kubelet (the controller's preStop first)
         deleting = [threading.Thread(target=lambda name=name: ended.__setitem__(name, pods.delete(name)))
@@ -356,10 +384,17 @@ def test_supervised_deleting_every_pod_is_a_stop(cluster2, tmp_path):
             thread.start()
         for thread in deleting:
             thread.join()
-        assert ended[workers[0]] == ended[workers[1]] == 143 and ended["controller"] == 130, ended
+        assert [ended[name] for name in workers] == [143] * 3 and ended["controller"] == 130, ended
     summary = json.loads((workspace / ".harness/runs" / run_id / "summary.json").read_text())
-    # The workers' pods may go first: then attempt 0 failed (its pods lost), and no other started.
-    assert summary["status"] == "stopped" and [a["status"] for a in summary["attempts"]] in (["stopped"], ["failed"])
-    assert "attempt 1," not in pods.output("controller"), pods.output("controller")
+    slow, last = summary["attempts"]
+    assert (slow["hosts"], slow["kind"], slow["down"]) == (workers[:2], "slow", [workers[1]]), slow
+    assert slow["failures"][0]["kind"] == "slow", slow["failures"][0]
+    assert slow["failures"][0]["evidence"].startswith(f"rank 1 (node1 on {workers[1]}) held the job at "), slow
+    assert last["hosts"] == [workers[0], workers[2]], last
+    output = pods.output("controller")
+    assert len(re.findall(r"^harness: slow: rank \d+ \(node\d on \S+\) for \d+ s: ", output, re.M)) == 1, output
+    # The workers' pods may go first: then attempt 1 failed (its pods lost), and no other started.
+    assert summary["status"] == "stopped" and last["status"] in ("stopped", "failed"), summary
+    assert "attempt 2," not in output, output
     assert_nothing_left(run_id)
-    cluster2.assert_only_sshd_left(within=15)
+    cluster3.assert_only_sshd_left(within=15)
