@@ -21,12 +21,13 @@ from harness.node.collectives import done, read_trace
 from harness.node.proctable import environ, run_processes
 from harness.node.store_port import ephemeral_start
 from harness.payload import checkpoint
-from harness.record.hosts_out import bring_back, hosts_file, hosts_out, take_out
+from harness.record.hosts_out import bring_back, hosts_file, hosts_out
 from harness.spec.job import load_job
 from harness.targets.slurm.batch import batch_script
 from harness.targets.slurm.client import SlurmClient
 from harness.targets.slurm.srun import slurm_machine
 from testbed.slurm_cluster import SlurmCluster
+from testbed.throttle import throttled
 
 from conftest import (
     REPO,
@@ -415,20 +416,50 @@ def test_a_hung_rank_of_a_batch_job_is_found_named_and_its_stacks_kept(slurm_clu
     slurm_cluster.assert_no_job_processes()
 
 
-def test_a_node_kept_out_is_excluded_from_the_submission_and_from_a_requeue(slurm_cluster3, write_yaml, tmp_path):
-    """n2 failed in an earlier run and is kept out: the next launch says so and excludes it (sbatch --exclude),
-    and the job runs on n1 and n3; requeued by its controller while n3 is kept out too, it waits with both
-    excluded (what it was submitted with kept), not held."""
+SLOW_FOR = 10
+SLOW_SHARE = 0.05  # of a CPU, for the slow node's rank: its step's 10 ms of work take 200 ms and more
+
+
+def test_a_slow_node_gives_way_to_a_spare_and_is_excluded_from_the_next_submission_and_a_requeue(
+        slurm_cluster3, write_yaml, launch_slurm3):
+    """A batch job with a spare in its allocation (slurm.spares 1): rank 1's node n2 made slow (its rank held to a
+    twentieth of a CPU, as a noisy neighbour would): named, weighed once health.slow_for has passed, and the job
+    restarted without it, once, on n3, within the allocation; n2 is kept out of later runs, the slowness its reason.
+    The next launch says so and excludes it (sbatch --exclude), and the job runs on n1 and n3; requeued by its
+    controller while n3 is kept out too, it waits with both excluded (what it was submitted with kept), not held. On
+    the stand-in ranks (testbed/standin/rank.py: each step a CPU-bound computation and an all-reduce)."""
     cluster = slurm_cluster3
-    take_out(hosts_file(), {"n2": "connection to n2 lost (a test's)"}, {"n2": slurm_machine("n2")}, "earlier-run",
-             600, 1)
+    job = rank_job(write_yaml, '[--steps, "100000", --step-seconds, "0.05", --busy-ms, "10", --print, first, '
+                   '--log-every, "10"]', tail=f"restarts: {{max: 1, on: [infra, slow], backoff: 0}}\n"
+                                             f"health: {{slow_for: {SLOW_FOR}}}\n")
+    job.write_text(job.read_text().replace("slurm: {python", "slurm: {spares: 1, python"))
+    slow = launch_slurm3(job)
+    # 200 steps of at least 0.05 s each: the job's pace before the slowness is known (over 5 s and more)
+    slow.wait_for(r"^\[node0\] \[rank0\]: epoch 1/1 step 200/", timeout=240)
+    with throttled([worker_pid(slow.run_id, 1)], share=SLOW_SHARE):
+        slow.wait_for(r"^harness: attempt 0 stopped for n2's slowness; restart 1 of 1 in 0 s, without n2$", timeout=120)
+    weighed = slow.wait_for(r"^harness: slow: rank 1 \(node1 on n2\) for \d+ s: the slowness costs ").string
+    assert weighed.endswith("a restart without it costs less; stopping the job to restart without n2 (restarts.on: "
+                            "slow)"), weighed
+    moved = slow.wait_for(rf"^harness: run {slow.run_id} attempt 1, 2 node\(s\) x 1 process\(es\) on n1, n3, ",
+                          timeout=120)
+    slow.wait_for(r"^\[node0\] \[rank0\]: epoch 1/1 step 10/", timeout=120, after=moved)
+    stopped = harness("stop", slow.run_id, "--runs-dir", str(slow.runs_dir), env=cluster.env)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert slow.finish(timeout=120) == 130, slow.output
+    first, second = slow.summary()["attempts"]
+    assert (first["hosts"], first["kind"], first["down"]) == (["n1", "n2"], "slow", ["n2"]), first
+    assert (second["hosts"], second["status"]) == (["n1", "n3"], "stopped"), second
+    assert len(re.findall(r"^harness: slow: rank \d+ \(node\d on n\d\) for \d+ s: ", slow.output, re.M)) == 1
+    evidence = first["failures"][0]["evidence"]
+    assert evidence.startswith("rank 1 (node1 on n2) held the job at "), first["failures"][0]
+    (kept,) = [entry for entry in hosts_out(hosts_file()) if entry.machine == slurm_machine("n2")]
+    assert (kept.name, kept.reason, kept.run_id) == ("n2", evidence, slow.run_id), kept
     job = sum_job(write_yaml, tail="restarts: {max: 1}\n", standin=True, STEPS="100000", STEP_SECONDS="0.05")
-    submitted = harness("launch", job, "--target", "slurm", "--runs-dir", str(tmp_path / "runs"), "--detach",
+    submitted = harness("launch", job, "--target", "slurm", "--runs-dir", str(slow.runs_dir), "--detach",
                         env=cluster.env)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-    assert re.search(r"harness: n2 is kept out until .*: connection to n2 lost \(a test's\) \(run earlier-run\); "
-                     r"`harness hosts --release n2` brings it back \(sbatch --exclude\)", submitted.stdout), \
-        submitted.stdout
+    assert f"harness: {kept.said()} (sbatch --exclude)\n" in submitted.stdout, submitted.stdout
     job_id = int(re.search(r"submitted Slurm job (\d+)", submitted.stdout).group(1))
     try:
         cluster.wait_job(job_id, frozenset({"RUNNING"}), timeout=120)
