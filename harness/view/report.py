@@ -241,7 +241,9 @@ def _known(value: int | None) -> str:
 
 def _cause(a: Attempt) -> str:
     cause = a.failures[0].describe(verdict_said=True) if a.failures else ""
-    return cause + (f"; lost {', '.join(a.down)}" if a.down else "")
+    if not a.down:
+        return cause
+    return cause + (f"; took {', '.join(a.down)} out" if a.kind is FailureKind.SLOW else f"; lost {', '.join(a.down)}")
 
 
 def _timings(a: Attempt) -> str:

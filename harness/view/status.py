@@ -284,6 +284,8 @@ def ended_after(node: RecordedNode, failure: Failure | None) -> float:
 def recorded_end(node: RecordedNode, failure: Failure | None, status: RunStatus) -> str:
     """How a node of an ended run ended: its failing rank's own code (torchrun's is 1), or the harness's
     stop when it did not fail by itself."""
+    if failure is not None and failure.kind is FailureKind.SLOW:
+        return f"stopped for its slowness: rank {failure.rank} slowed the job (restarts.on: slow)"
     if failure is not None:
         return "failed: " + (f"rank {failure.rank} " if failure.rank is not None else "") + failure.description
     if node.exit_code == 0:

@@ -490,6 +490,9 @@ def test_the_step_rate_shows_a_slowness_from_its_onset_to_the_harnesss_stop_and_
     assert '<span class="weighed">● slowness weighed against a restart</span>' in page
     assert re.search(r'<span class="b-slowed" style="width:[\d.]+%" title="slowed 10.0 s">', page), \
         "20 s at half the pace"
+    assert "<td>node1</td><td>sim1</td><td>1</td><td>stopped for its slowness: rank 1 slowed the job (restarts.on: " \
+           "slow)</td>" in page, "its node's end"
+    assert f"(slow: {escape(SUM.removeprefix('slow: '))}); took sim1 out</td>" in page, "the attempt's cause"
 
 
 def test_a_slowness_that_recovered_or_goes_on_is_shaded_without_a_stop(tmp_path: Path) -> None:
