@@ -91,22 +91,7 @@ class HealthLoop:
             for live in self.nodes:
                 if live.outcome is not None:
                     self.judge.node_ended(live.node.node_rank)
-            now = time.time()
-            for rank, waited in self.judge.slow_changes(now):
-                slowed = None
-                if waited is not None:
-                    since = self.judge.slow_since(rank) or now
-                    self.slow_episodes[rank] = since
-                    slowed = slowdown(self.paces, since, now, self.attempt_started_at)
-                else:
-                    self.slow_episodes.pop(rank, None)
-                    self.weighed.discard(rank)
-                words = self._slow_words(rank, waited, slowed)
-                self.output.say(words)
-                kind = HealthEventKind.SLOW if waited is not None else HealthEventKind.RECOVERED
-                self.events.append(HealthEvent(now, kind, words, rank, waited and round(waited, 1),
-                                               *_paces(slowed)))
-            self._weigh_slowness(now)
+            self._watch_slowness(time.time())
         if self.run is not None:
             self._write_health()
         if self.rendezvous is not None and self.unjoined is None and self.stopper.since is None:
@@ -144,6 +129,25 @@ class HealthLoop:
         return (f"slow: rank {rank} ({node.label} on {node.host}): its peers wait for it {round(waited)}% of the time "
                 f"(over the last {SLOW_WINDOW:g} s, by {MEASURE_WORDS[shown[0].by] if shown else 'CPU time'}"
                 f"{'; ' + by if by else ''}); {slowed.words()}")
+
+    def _watch_slowness(self, now: float) -> None:
+        """Ranks named slow or cleared as the judge finds them at now, each said and recorded; then a slowness that
+        lasted health.slow_for weighed."""
+        assert self.judge is not None
+        for rank, waited in self.judge.slow_changes(now):
+            slowed = None
+            if waited is not None:
+                since = self.judge.slow_since(rank) or now
+                self.slow_episodes[rank] = since
+                slowed = slowdown(self.paces, since, now, self.attempt_started_at)
+            else:
+                self.slow_episodes.pop(rank, None)
+                self.weighed.discard(rank)
+            words = self._slow_words(rank, waited, slowed)
+            self.output.say(words)
+            kind = HealthEventKind.SLOW if waited is not None else HealthEventKind.RECOVERED
+            self.events.append(HealthEvent(now, kind, words, rank, waited and round(waited, 1), *_paces(slowed)))
+        self._weigh_slowness(now)
 
     def _weigh_slowness(self, now: float) -> None:
         """A slowness that lasted health.slow_for, weighed once: its cost by the job's end against a restart
