@@ -24,7 +24,7 @@ IMAGE ?= harness
 TAG ?= $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' harness/__init__.py)
 IMAGE_FLAGS ?=
 
-.PHONY: setup system-packages test-packages test-image lint test test-busy test-fast test-soak test-gpu launch render k8s image push image-test bench bench-quick bench-launch bench-gpu bench-health bench-attach lock clean
+.PHONY: setup system-packages test-packages test-image lint test test-busy test-fast test-soak test-gpu launch render k8s image push image-test bench bench-quick bench-launch bench-gpu bench-health bench-attach bench-slow lock clean
 
 setup: system-packages $(STAMP)
 
@@ -122,7 +122,7 @@ image-test: setup test-packages
 	tests/image/run.sh
 
 # Benchmarks (bench/): payload vs the seed recipe, DDP, launch overhead and the harness's cost, preflight
-# fan-out, failure propagation, recovery, Slurm, containers; JSON under bench/results/, tables in
+# fan-out, failure propagation, recovery, Slurm, containers, a slow node taken out; JSON under bench/results/, tables in
 # docs/benchmarks.md (docs/benchmarking.md says what each measures). Root for the namespace hosts; the full
 # run's Slurm cluster and podman hosts need the test packages, the quick run (~70 s on 2 cores) does not.
 bench: setup test-packages
@@ -150,6 +150,11 @@ bench-attach: setup test-packages
 # (a rank SIGSTOPped, asleep in its step, skipping an all_reduce) against torchrun alone, and the watch's cost.
 bench-health: setup
 	$(BIN)/python -m bench --health
+
+# A slow node's alone (benchmark 15, root, ~18 min on 2 cores): a node throttled to a quarter of a CPU, taken out by
+# restarts.on: slow against left slow to its end, on simulated nodes and on SSH hosts with a spare.
+bench-slow: setup
+	$(BIN)/python -m bench --slow
 
 # Re-pin the full dependency closure (pip and setuptools included) after changing a pin in pyproject.toml.
 lock: $(STAMP)

@@ -122,7 +122,22 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     sc = b.get("scale")
     if _ok(sc):
         found += _scale_goals(sc)
+    sl = b.get("slow")
+    if _ok(sl):
+        found += [_slow_goal(row, sl["back_share"]) for row in sl["rows"]]
     return found
+
+
+def _slow_goal(row: dict[str, Any], share: float) -> dict[str, Any]:
+    acting = row["acting"]
+    back = acting["back_s"]
+    return {"goal": f"{row['target']}: back to {share:.0%} of the healthy step rate within health.slow_for "
+                    f"({row['slow_for_s']:g} s) + {row['goal_s'] - row['slow_for_s']:g} s of the slowness, 0 steps "
+                    "redone",
+            "value": (f"back after {back} s" if back is not None else "never back") + f"; steps redone "
+                     f"{acting['steps_redone']}; {_num(acting['after_steps_per_s'], 1)} steps/s after, "
+                     f"{row['after_vs_healthy']}x healthy",
+            "met": row["met"]}
 
 
 def _interval_goal(goal: str, found: dict[str, Any], limit: float, at_most: bool = True) -> dict[str, Any]:
@@ -631,6 +646,49 @@ def _scale_ssh(ssh: dict[str, Any]) -> list[str]:
             "every host at once, about 0.55 GiB each: benchmark 4 measures it up to 16 hosts.)", ""]
 
 
+def _slow(s: dict[str, Any]) -> list[str]:
+    lines = [f"{s['job']}. Node1's ranks put in a CPU cgroup of {s['share']:g} of one CPU (testbed/throttle.py) "
+             f"{s['healthy_s']:g} s after the job's standbys wait, and kept there to their end; `restarts.on` with "
+             "`slow` (acts) against without it (left slow to its end), one after the other. Step rates (steps/s) from "
+             f"rank 0's step lines: healthy over the {s['healthy_s']:g} s before the throttle, slowed from it to the "
+             "action (or the job's end), after from the next attempt's first step; times in seconds from the throttle "
+             f"(bench/slow.py); back: the first step line from which the rate over {s['window_s']:g} s is at least "
+             f"{s['back_share']:.0%} of the healthy one.", ""]
+    cells = []
+    for row in s["rows"]:
+        for way, r in (("slow in restarts.on", row["acting"]), ("left slow", row["left_slow"])):
+            healthy = r["healthy_steps_per_s"]
+            cells.append([row["target"], way, _num(healthy, 1),
+                          f"{_num(r['slowed_steps_per_s'], 1)} ({_ratio(r['slowed_steps_per_s'], healthy)})",
+                          f"{_num(r['after_steps_per_s'], 1)} ({_ratio(r['after_steps_per_s'], healthy)})"
+                          if r["after_steps_per_s"] is not None else "-",
+                          _num(r["named_s"], 1), _num(r["weighed_s"], 1), _num(r["action_s"], 1),
+                          _num(r["first_step_s"], 1), _num(r["back_s"], 1),
+                          "-" if r["steps_redone"] is None else r["steps_redone"],
+                          " -> ".join(f"{a['world_size']} on {','.join(a['hosts'])}" for a in r["attempts"]),
+                          _num(r["onset_vs_throttle_s"], 1), _num(r["goodput"]["seconds"].get("slowed"), 1),
+                          r["end_to_end_s"]])
+    lines += _table(["target", "run", "healthy", "slowed", "after", "named", "weighed", "action", "next first step",
+                     f"back to {s['back_share']:.0%}", "steps redone", "attempts (world size on hosts)",
+                     "onset dated - throttle", "goodput's slowed", "end to end"], cells)
+    lines += [f"{row['target']}: the job ended {row['saved_s']:g} s sooner than left slow." for row in s["rows"]]
+    lines += ["", "The restarts as their records tell them (summary.json's attempts[1].restart, from the fault: the "
+              "weighing that stopped the job; seconds):", ""]
+    restarts = [(row["target"], row["acting"]["restart"]) for row in s["rows"] if row["acting"]["restart"]]
+    phases = list(restarts[0][1]["phases"]) if restarts else []
+    lines += _table(["target", "total", *phases], [[target, _num(r["total_s"], 2),
+                                                    *(_num(r["phases"].get(p), 2) for p in phases)]
+                                                   for target, r in restarts])
+    lines += ["The weighing each run said:", ""]
+    lines += [f"- {row['target']}, {way}: `{r['weighed']}`" for row in s["rows"]
+              for way, r in (("slow in restarts.on", row["acting"]), ("left slow", row["left_slow"]))]
+    return [*lines, "", *(f"Note: {n}" for n in s.get("notes", [])), *([""] if s.get("notes") else [])]
+
+
+def _ratio(value: float | None, of: float | None) -> str:
+    return f"{value / of:.2f}x" if value is not None and of else "-"
+
+
 SECTIONS = (
     ("throughput", "1. Payload throughput vs the seed recipe", _throughput),
     ("tuning", "1b. Batch size and compile mode on the GPU", _tuning),
@@ -650,6 +708,7 @@ SECTIONS = (
     ("metrics_cost", "12. Serving metrics to Prometheus: the controller's CPU", _metrics_cost),
     ("k8s", "13. Kubernetes: supervised pods against bare torchrun pods", _k8s),
     ("scale", "14. Scale: one controller, 16 to 256 nodes of stand-in ranks", _scale),
+    ("slow", "15. A slow node: found, weighed and taken out, against leaving it slow", _slow),
 )
 
 
@@ -689,9 +748,10 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
         "alone, in up to 30 rounds; `make bench-gpu` is the GPU's share alone (benchmarks "
         "1, 1b, 2, 2b and 3b on CUDA); `make bench-health` is the health watch's alone (benchmarks 9 and 10: hung jobs "
         "found and their culprit named, against torchrun alone; the watch's cost); `make bench-attach` is a lost "
-        "controller's alone (benchmark 6b: `harness attach` against a relaunch, and an SSH link cut). Each run writes "
-        "`bench/results/<time>-<host>-<profile>.json`; the tables below come from the latest of each. Shared or busy "
-        "machines give noisy figures: check the load average below.",
+        "controller's alone (benchmark 6b: `harness attach` against a relaunch, and an SSH link cut); `make "
+        "bench-slow` a slow node's (benchmark 15: found, weighed and taken out, against leaving it slow). Each run "
+        "writes `bench/results/<time>-<host>-<profile>.json`; the tables below come from the latest of each. Shared or "
+        "busy machines give noisy figures: check the load average below.",
         "",
     ]
     if not latest:
@@ -707,7 +767,7 @@ def markdown(latest: dict[str, dict[str, Any]]) -> str:
             "harness's cost on the payload's img/s (3b: `harness launch` against torchrun, at most 1%).",
             "",
         ]
-    for name in ("gpu", "full", "quick", "launch", "health", "attach", "k8s", "scale"):
+    for name in ("gpu", "full", "quick", "launch", "health", "attach", "k8s", "scale", "slow"):
         if name in latest:
             lines += _run(name, latest[name])
     return "\n".join(lines).rstrip("\n") + "\n"

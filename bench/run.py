@@ -25,7 +25,7 @@ from bench import machine, procs, report
 RESULTS = procs.REPO / "bench" / "results"
 DOCS = procs.REPO / "docs" / "benchmarks.md"
 NAMES = ("throughput", "tuning", "ddp", "strategies", "first_step", "harness_cost", "preflight", "failure", "recovery",
-         "attach", "slurm", "containers", "hangs", "watch_cost", "stream", "metrics_cost", "k8s", "scale")
+         "attach", "slurm", "containers", "hangs", "watch_cost", "stream", "metrics_cost", "k8s", "scale", "slow")
 HEALTH = ("hangs", "watch_cost", "metrics_cost")
 # What each profile runs: gpu is the GPU's share alone (no namespaces, daemons or system packages needed);
 # health is the health watch's alone (benchmarks 9, 10 and 12: 60 hung launches, ~22 min on 2 cores); quick is
@@ -37,7 +37,7 @@ PROFILE_NAMES = {"gpu": ("throughput", "tuning", "ddp", "strategies", "harness_c
                  "quick": ("throughput", "harness_cost", "preflight", "failure", "recovery"),
                  "launch": ("first_step",),
                  "health": HEALTH,
-                 "attach": ("attach",), "k8s": ("k8s",), "scale": ("scale",)}
+                 "attach": ("attach",), "k8s": ("k8s",), "scale": ("scale",), "slow": ("slow",)}
 HEALTH_FAULTS = 20  # per fault kind, the issue's least
 
 
@@ -114,6 +114,11 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
         "scale": {"nodes": [16, 64, 256], "nproc": 4, "step_seconds": 1.0, "stall": 30, "warmup": 10, "window": 30,
                   "queries": 3, "queries_margin": 20, "start_timeout": 600,
                   "ssh_hosts": 64, "ssh_nproc": 2, "ssh_steps": 40, "ssh_window": 15, "ssh_connect": 30},
+        # benchmark 15: per-rank batch 64 makes a step's CPU the rank's (at 16, gloo's waits are most of it, and a
+        # quarter of a CPU hardly slows it); 34 epochs of 85 steps leave ~30 s of training after the action, the
+        # throttle coming ~135 s in (the standbys 60 s after the ranks join, then 60 s healthy)
+        "slow": {"subset": 16384, "batch": 64, "epochs": 34, "ckpt_every": 50, "slow_for": 60, "healthy_s": 60,
+                 "window": 10, "timeout": 900, "ssh": True},
     }
 
 
@@ -129,6 +134,7 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         preflight,
         recovery,
         scale,
+        slow,
         slurm,
         strategies,
         stream,
@@ -141,7 +147,7 @@ def benchmarks() -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
             "failure": launch.failure_propagation, "recovery": recovery.run, "attach": attach.run, "slurm": slurm.run,
             "containers": containers.run, "hangs": health.hangs, "watch_cost": health.watch_cost,
             "stream": stream.run, "metrics_cost": health.metrics_cost, "k8s": k8s.run,
-            "scale": scale.run}
+            "scale": scale.run, "slow": slow.run}
 
 
 def resolve_device(device: str) -> str:
@@ -229,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--scale", dest="profile", action="store_const", const="scale",
                        help="benchmark 14 alone: the controller with 16, 64 and 256 simulated nodes of 4 stand-in "
                             "ranks (~10 min on 2 cores; the same as --only scale)")
+    which.add_argument("--slow", dest="profile", action="store_const", const="slow",
+                       help="benchmark 15 alone: a node throttled to a quarter of a CPU, taken out by restarts.on: "
+                            "slow against left slow, on simulated nodes and SSH hosts with a spare (~18 min on 2 "
+                            "cores; root; the same as --only slow)")
     which.add_argument("--docs-only", dest="profile", action="store_const", const="docs",
                        help="only regenerate docs/benchmarks.md from bench/results/latest-*.json")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(NAMES)} (result marked partial)")
