@@ -5,6 +5,7 @@ tests/integration/test_recovery.py (a spare on SSH hosts, fewer simulated nodes)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 from test_health_rules import NODES
@@ -108,15 +109,15 @@ def test_a_rank_s_own_periodic_work_leaves_the_pace_as_it_was_and_is_not_acted_o
 class Watched:
     """The health loop of a 3-node attempt (a rank each) with a real judge, fed each rank's samples a second at a
     time (busy: the share of each second its main thread ran or waited for a CPU) and the job's step lines, its
-    slowness weighed against a restart on a spare."""
+    slowness weighed against a restart without the slow host (without: on a spare, unless said otherwise)."""
 
-    def __init__(self, slow_for: float = 60) -> None:
+    def __init__(self, slow_for: float = 60, without: Callable[[str], float | str] = lambda host: 1.0) -> None:
         self.said: list[str] = []
         self.stopper = Stopper(0.0, [])
         self.judge = HealthJudge(stall=0, slow=20)
         self.loop = HealthLoop(self.judge, None, 0, [LiveNode(node, 0.0) for node in NODES[:3]], None,
                                SimpleNamespace(say=self.said.append), self.stopper,
-                               slow_policy=SlowPolicy(slow_for, True, None, lambda host: 1.0, 10.0))
+                               slow_policy=SlowPolicy(slow_for, True, None, without, 10.0))
         self.loop.attempt_started_at = 0.0
         self.busy = {rank: 0.0 for rank in range(3)}
         self.step, self.t = 0, 0
@@ -150,6 +151,17 @@ def test_a_slowness_that_lasts_slow_for_is_weighed_once_and_acted_on():
     weighed = watched.loop.events[1]
     assert weighed.at - weighed.since == 60 and weighed.acted and watched.stopper.since is not None, weighed
     assert watched.said[1].startswith("slow: rank 1 (node1 on h2) for 60 s: the slowness costs "), watched.said
+
+
+def test_a_slowness_with_nowhere_to_restart_is_weighed_once_and_the_job_goes_on_to_its_end():
+    """No spare and no fewer nodes allowed: said once, however long the slowness lasts; never a restart loop."""
+    why = "no spare host is left and restarts.min_nnodes (3) does not allow fewer than 3 nodes"
+    watched = Watched(without=lambda host: why)
+    watched.run(30, HEALTHY, 4.0)
+    watched.run(300, SLOW_1, 1.0)
+    assert watched.kinds() == [HealthEventKind.SLOW, HealthEventKind.WEIGHED], watched.said
+    assert watched.said[1].endswith(f"; the job goes on: {why}") and not watched.loop.events[1].acted, watched.said
+    assert watched.stopper.since is None
 
 
 def test_a_node_that_recovers_before_slow_for_is_not_weighed():
