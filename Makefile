@@ -151,7 +151,7 @@ bench-attach: setup test-packages
 bench-health: setup
 	$(BIN)/python -m bench --health
 
-# A slow node's alone (benchmark 15, root, ~18 min on 2 cores): a node throttled to a quarter of a CPU, taken out by
+# A slow node's alone (benchmark 15, root, ~20 min on 2 cores): a node throttled to a quarter of a CPU, taken out by
 # restarts.on: slow against left slow to its end, on simulated nodes and on SSH hosts with a spare.
 bench-slow: setup
 	$(BIN)/python -m bench --slow

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                             "ranks (~10 min on 2 cores; the same as --only scale)")
     which.add_argument("--slow", dest="profile", action="store_const", const="slow",
                        help="benchmark 15 alone: a node throttled to a quarter of a CPU, taken out by restarts.on: "
-                            "slow against left slow, on simulated nodes and SSH hosts with a spare (~18 min on 2 "
+                            "slow against left slow, on simulated nodes and SSH hosts with a spare (~20 min on 2 "
                             "cores; root; the same as --only slow)")
     which.add_argument("--docs-only", dest="profile", action="store_const", const="docs",
                        help="only regenerate docs/benchmarks.md from bench/results/latest-*.json")
