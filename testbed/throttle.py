@@ -48,7 +48,7 @@ def throttled(pids: Sequence[int], share: float, name: str | None = None) -> Ite
                 (group / "cgroup.procs").write_text(str(pid))
         yield group
     finally:
-        for pid in (group / "cgroup.procs").read_text().split():
+        for left in (group / "cgroup.procs").read_text().split():
             with contextlib.suppress(OSError):
-                (root / "cgroup.procs").write_text(pid)
+                (root / "cgroup.procs").write_text(left)
         group.rmdir()
