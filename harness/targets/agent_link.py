@@ -135,6 +135,15 @@ def same_place(standby: NodePlan, node: NodePlan) -> bool:
                                                                                 node.setup)
 
 
+def standing_by(node: NodePlan) -> NodePlan:
+    """node as a standby: an identity of its own (NODE_RANK `standby-HOST`), which its agent and every process it
+    starts carry in their environment for good (harness.node.proctable finds them by it). The plan's rank is not the
+    one of the node it will be (the next attempt may leave a host out): on a machine that several hosts share
+    (simulated nodes, testbed/cluster.py), a node's end would otherwise sweep the standby-born node that carries
+    its rank, agent and ranks."""
+    return replace(node, env={**node.env, "NODE_RANK": f"standby-{node.host}"})
+
+
 class Standbys:
     """The next attempt's nodes started while an attempt runs, one per host: each an agent whose torchrun and
     warm workers have done their imports (node/standby.py: seconds of a restart) and wait for its order. The
@@ -158,11 +167,12 @@ class Standbys:
             with self._lock:
                 if not can_stand_by(node) or node.host in self._on:
                     continue
+            standby = standing_by(node)
             try:
-                agent = start(node)
+                agent = start(standby)
             except Exception:  # noqa: BLE001 - whatever the transport raises, that host has no standby
                 continue
-            agent.boot(agent_program(node, *_agent_times(spec), standby=True, secrets=secrets))
+            agent.boot(agent_program(standby, *_agent_times(spec), standby=True, secrets=secrets))
             agent.talk()
             with self._lock:
                 self._on[node.host] = agent

@@ -76,6 +76,15 @@ def resolve_master_ip(inventory: Inventory, master: Host) -> str:
                                          f"routable IP")
 
 
+def ended_on_host(channel: paramiko.Channel) -> bool:
+    """Whether the session ended on the host (its agent's end), not with the link: once a session's command ended,
+    sshd sends its output's end of file, then its exit status, or `exit-signal` where a signal ended it, which
+    paramiko does not read (its exit status stays -1), then closes the channel. A link that broke closes the
+    channel with neither: the end of file is the host's word that the agent's output ended, which it does only
+    as the agent ends (its children never hold its stdout). Blocks until the status or the close came."""
+    return channel.recv_exit_status() != -1 or bool(channel.eof_received)
+
+
 def relink_window(spec: JobSpec) -> float:
     """How long a node's lost link is tried again before its host counts as down: as long as its agent waits for a
     silent controller (agent_silence), within the time it holds the node (supervision.grace). Longer would keep a
@@ -101,6 +110,7 @@ class SSHAgentNode(AgentNode):
         self._pumped = False  # its output is read (a standby's is not, until it is taken)
         self._connection = connection
         self._relinked_over: Connection | None = None  # the connection of a new link: this node's own to close
+        self._first_loss: str | None = None  # why the first link was lost, once a new one was tried
         self._channel = self._open(connection, relay)
 
     def _open(self, connection: Connection, relay: bool) -> paramiko.Channel:
@@ -128,8 +138,9 @@ class SSHAgentNode(AgentNode):
         """After the link ended without the agent's exit (its connection lost): a new one, tried for
         relink_seconds, the agent's stream to come again from self.position. False: the agent ended, a stop was
         asked, or no new link came."""
-        if self._channel.recv_exit_status() != -1:  # after an end of file, the agent's status or the link's loss
+        if ended_on_host(self._channel):
             return False
+        self._first_loss = self._first_loss or self._connection.lost or "its connection closed"
         deadline = time.monotonic() + self._relink_seconds
         while not self._stopping and time.monotonic() < deadline:
             assert self._reconnect is not None
@@ -198,12 +209,18 @@ class SSHAgentNode(AgentNode):
         if self._relink_seconds > 0 and self._pumped:
             self._output_done.wait()  # it ends once the agent has, or once no new link came
         status = self._channel.recv_exit_status()
+        if self._relinked_over is not None:
+            self._relinked_over.close()
+        where = f"{self.node.host} ({self.node.address})"
+        if self._relinked_over is None and status == -1 and self._channel.eof_received:
+            return (f"node agent on {where} killed before it reported the node's end (its output ended, and sshd sent "
+                    f"no exit status: a signal's end)")
         why = self._connection.lost or ("its agent was gone once the link was made again" if status == NO_AGENT and
                                         self._relinked_over is not None else f"ssh status {status}" if status != -1
                                         else "the session ended without an exit status: its agent or sshd was killed")
         if self._relinked_over is not None:
-            self._relinked_over.close()
-        return f"connection to {self.node.host} ({self.node.address}) lost ({why})"
+            why = f"{self._first_loss}; linked again, then {why}"
+        return f"connection to {where} lost ({why})"
 
 
 @dataclass(frozen=True)
