@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.plan.shell import remote_command
+from harness.targets.ssh.backend import ended_on_host
 from harness.targets.ssh.transport import RemoteTimeout, SSHConnectError, connect
 from testbed.cluster import Cluster
 
@@ -58,6 +59,25 @@ def test_overrun_command_is_stopped_with_its_whole_tree(cluster2: Cluster) -> No
     while sleepers() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sleepers() == []
+
+
+def test_a_session_a_signal_ended_is_told_from_a_lost_link(cluster2: Cluster) -> None:
+    """sshd says a signal's end as `exit-signal`, which paramiko drops (no exit status: -1, as for a lost link); its
+    end of file still says the command ended on the host: a node agent killed there is never linked to again."""
+    with _connect(cluster2) as conn:
+        killed = conn.transport.open_session()
+        killed.exec_command("exec sh -c 'echo up; kill -KILL $$'")
+        assert killed.recv(100) == b"up\n" and killed.recv(100) == b""
+        assert killed.recv_exit_status() == -1 and ended_on_host(killed)
+        ended = conn.transport.open_session()
+        ended.exec_command("exit 3")
+        assert ended.recv(100) == b"" and ended.recv_exit_status() == 3 and ended_on_host(ended)
+        cut = conn.transport.open_session()
+        cut.exec_command("echo up; exec cat")
+        assert cut.recv(100) == b"up\n"
+        conn.transport.close()  # what keep_alive does to a host that stopped answering
+        assert cut.recv(100) == b"" and not ended_on_host(cut)
+    cluster2.assert_only_sshd_left()
 
 
 def test_refused(cluster2: Cluster) -> None:

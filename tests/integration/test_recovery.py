@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.node.proctable import command_line, environ, is_alive, run_processes, start_ticks
 from harness.record.schema import RESTART_PHASES
 from testbed.cluster import Cluster
 from testbed.throttle import throttled
@@ -136,30 +137,53 @@ def sum_job(write_yaml, restarts: str, nnodes: int = 2, standin: bool = True, **
 
 
 def test_a_lost_simulated_node_without_a_spare_leaves_the_job_on_fewer_nodes(write_yaml, launch):
-    """nnodes 3, restarts.min_nnodes 2: node 1's agent is killed (its simulated machine is lost); attempt 1
-    runs on sim0 and sim2 as nodes 0 and 1, NNODES=2 and a world of 2, and the run succeeds there."""
-    run = launch(sum_job(write_yaml, "{max: 2, backoff: 0, min_nnodes: 2}", nnodes=3, STEPS="60",
+    """nnodes 4, restarts.min_nnodes 3: node 1's agent is killed (its simulated machine is lost); attempt 1 runs on
+    sim0, sim2 and sim3 as nodes 0, 1 and 2, NNODES=3 and a world of 3, started warm, and the run succeeds there.
+    sim2's standby was planned as rank 2, node 2's rank, and a node's end sweeps the machine for its node's processes
+    (harness.node.agent): node 1's agent, held (SIGSTOP) until node 2's has ended, lives on to report its node's end."""
+    run = launch(sum_job(write_yaml, "{max: 2, backoff: 0, min_nnodes: 3, standby: 0}", nnodes=4, STEPS="100",
                          STEP_SECONDS="0.05"))
     run.wait_for(r"\[node0\] \[rank0\]: step 5 ")
+    deadline = time.monotonic() + 60
+    while len(standbys := standby_agents(run.run_id, 1)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(standbys) == ["standby-sim0", "standby-sim1", "standby-sim2", "standby-sim3"], standbys
     os.kill(agent_pid(run.run_id, 1), signal.SIGKILL)
+    run.wait_for(r"^harness: sim0, sim2, sim3 started warm: ")
+    run.wait_for(r"^\[node1\] \[rank1\]: rank 1/3 up on ")
+    held, sweeping = ((pid, start_ticks(pid)) for pid in (standbys["standby-sim2"], standbys["standby-sim3"]))
+    os.kill(held[0], signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    try:
+        while is_alive(*sweeping) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not is_alive(*sweeping) and is_alive(*held), "node 1's agent outlives node 2's end"
+    finally:
+        os.kill(held[0], signal.SIGCONT)
     assert run.finish(timeout=180) == 0, run.output
-    assert re.search(r"^harness: sim1 down and no spare left: attempt 1 runs on 2 of the job's 3 nodes "
-                     r"\(restarts.min_nnodes: 2\), world size 2 instead of 3, ranks renumbered, master sim0$",
+    assert re.search(r"^harness: sim1 down and no spare left: attempt 1 runs on 3 of the job's 4 nodes "
+                     r"\(restarts.min_nnodes: 3\), world size 3 instead of 4, ranks renumbered, master sim0$",
                      run.output, re.M), run.output
-    assert re.search(r"^\[node1\] \[rank1\]: rank 1/2 up on ", run.output, re.M), run.output
     first, second = run.summary()["attempts"]
-    assert (first["hosts"], first["down"], first["nnodes"], first["world_size"]) == (["sim0", "sim1", "sim2"],
-                                                                                     ["sim1"], 3, 3)
-    assert (second["hosts"], second["status"], second["nnodes"], second["world_size"]) == (["sim0", "sim2"],
-                                                                                         "succeeded", 2, 2)
+    assert (first["hosts"], first["down"], first["nnodes"], first["world_size"]) == (
+        ["sim0", "sim1", "sim2", "sim3"], ["sim1"], 4, 4)
+    assert (second["hosts"], second["status"], second["nnodes"], second["world_size"], second["warm"]) == (
+        ["sim0", "sim2", "sim3"], "succeeded", 3, 3, ["sim0", "sim2", "sim3"])
     plan = json.loads((run.runs_dir / run.run_id / "plan.attempt1.json").read_text())
-    assert [(n["host"], n["node_rank"], n["env"]["NNODES"]) for n in plan["nodes"]] == [("sim0", 0, "2"),
-                                                                                        ("sim2", 1, "2")]
-    assert re.search(rf"harness: run {run.run_id} succeeded in \S+ s, world size 3 -> 2;", run.output), run.output
+    assert [(n["host"], n["node_rank"], n["env"]["NNODES"]) for n in plan["nodes"]] == [
+        ("sim0", 0, "3"), ("sim2", 1, "3"), ("sim3", 2, "3")]
+    assert re.search(rf"harness: run {run.run_id} succeeded in \S+ s, world size 4 -> 3;", run.output), run.output
     status = harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout
-    assert f"run {run.run_id}: succeeded (local, 2 node(s), world size 2)" in status, status
-    assert "  attempt 1 on sim0, sim2 (2 node(s), world size 2): succeeded" in status, status
+    assert f"run {run.run_id}: succeeded (local, 3 node(s), world size 3)" in status, status
+    assert "  attempt 1 on sim0, sim2, sim3 (3 node(s), world size 3): succeeded" in status, status
     assert_nothing_left(run.run_id)
+
+
+def standby_agents(run_id: str, attempt: int) -> dict[str, int]:
+    """The node agents of an attempt started as standbys, by the identity they carry (`standby-HOST`)."""
+    return {rank: pid for pid in run_processes(run_id, attempt=str(attempt))
+            if (rank := environ(pid).get(b"NODE_RANK", b"").decode()).startswith("standby-")
+            and "harness-agent" in command_line(pid)}
 
 
 # A slow node: its ranks held to SLOW_SHARE of a CPU (testbed/throttle.py: the least quota a CPU cgroup takes),
@@ -408,7 +432,10 @@ def test_a_slow_host_is_replaced_by_the_spare_remembered_as_slow_and_the_run_end
                                  r"less; stopping the job to restart without h2 \(restarts.on: slow\)$", after=named)
     # Acted on: the quotas go (the stopping ranks save at their pace, not a hundredth of a CPU's).
     assert float(named[1]) < 0.8 and int(acted[2]) <= int(acted[1]), acted[0]
-    run.wait_for(r"^harness: attempt 0 stopped for h2's slowness; restart 1 of 2 in 0 s, without h2$", after=acted)
+    restarted = run.wait_for(r"^harness: attempt 0 stopped for h2's slowness; restart 1 of 2 in 0 s, without h2$",
+                             after=acted)
+    run.wait_for(r"^harness: h1, h3 started warm: ", after=restarted)
+    assert_identities_their_own(cluster, run.run_id, 1, ["h1", "h3"])  # the spare h3 was planned as rank 2
     assert run.finish(timeout=300) == 0, run.output
     assert_same_weights(uninterrupted, final_weights(tmp_path / "job"))
     first, second = run.summary()["attempts"]
@@ -425,6 +452,21 @@ def test_a_slow_host_is_replaced_by_the_spare_remembered_as_slow_and_the_run_end
     assert_restart_told(first, second, harness("status", run.run_id, "--runs-dir", str(run.runs_dir)).stdout)
     assert_nothing_left(run.run_id)
     assert_kept_out_of_the_next_run(cluster, run, tmp_path, reason="rank 1 (node1 on h2) held the job at ")
+
+
+def assert_identities_their_own(cluster: Cluster, run_id: str, attempt: int, hosts: list[str]) -> None:
+    """While the attempt runs on hosts (node rank = index), every process of it runs on the host its identity names
+    (NODE_RANK, by which a node's end sweeps the machine: harness.node.agent): a node's rank, or a standby's
+    `standby-HOST`, which a node started warm keeps. Its standby's planned rank would be another node's here (this
+    machine's hosts share one process table), and that node's end would kill it. Each node is found running."""
+    carried = {pid: environ(pid).get(b"NODE_RANK", b"").decode() for pid in run_processes(run_id, attempt=str(attempt))}
+    home = {str(rank): host for rank, host in enumerate(hosts)} | {f"standby-{h.name}": h.name for h in cluster.hosts}
+    on = {h.name: set(cluster.pids(h)) for h in cluster.hosts}
+    strays = {pid: rank for pid, rank in carried.items()
+              if pid not in on.get(home.get(rank, ""), set()) and os.path.exists(f"/proc/{pid}")}
+    assert not strays, (strays, carried)
+    for rank, host in enumerate(hosts):
+        assert any(carried.get(pid) in (str(rank), f"standby-{host}") for pid in on[host]), (host, carried)
 
 
 def test_a_lost_master_moves_the_master_and_no_spare_left_fails_naming_the_hosts(doomed_cluster3, write_yaml,
