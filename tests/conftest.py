@@ -196,8 +196,9 @@ def listening_sockets(pid: int) -> set[tuple[str, int]]:
     return found
 
 
-def agent_pid(run_id: str, node_rank: int) -> int:
-    """The node agent of a node (it runs under `python -I -S -c`, with the node's NODE_RANK)."""
+def agent_pid(run_id: str, node_rank: int | str) -> int:
+    """The node agent of a node (it runs under `python -I -S -c`, with the node's NODE_RANK; a standby's, and so a node's
+    started warm: `standby-HOST`)."""
     return next(pid for pid in leftover(run_id) if b"-I\0-S\0-c\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
                 and f"NODE_RANK={node_rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
 

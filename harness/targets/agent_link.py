@@ -208,6 +208,7 @@ class AgentNode(ABC):
 
     def __init__(self, node: NodePlan) -> None:
         self.node = node
+        self.started_as = node  # a standby's plan, once it became self.node: the identity its processes carry
         self.messages: queue.Queue[Message] = queue.Queue()  # the agent's messages but node-exit
         self._exit_code: int | None = None
         self._output_done = threading.Event()

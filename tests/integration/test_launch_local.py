@@ -37,6 +37,7 @@ from conftest import (
     secret_looking_env,
     stragglers_s,
     with_secret,
+    worker_pid,
 )
 from conftest import ddp_job as job
 from resume_job import assert_same_weights, final_weights, payload_job
@@ -312,14 +313,25 @@ def test_a_killed_controllers_nodes_train_on_unwatched_and_attach_takes_them_bac
 
 
 def test_a_killed_node_agent_fails_the_run_and_leaves_nothing(write_yaml, launch):
-    """An agent killed by hand cannot stop its node; the controller sees it end unreported and sweeps. On the stand-in
-    torch: the agent and the sweep are the harness's."""
-    run = launch(job(write_yaml, standin=True, STEPS="100000", STEP_SECONDS="0.05"))
+    """An agent killed by hand cannot stop its node; the controller sees it end unreported and sweeps. Here a warm
+    node's (attempt 1, after a rank was killed), whose processes the standby started carry its identity
+    (`standby-sim1`), not the node's: its rank, stopped so that only the sweep can end it, is swept too. On the
+    stand-in torch: the agent and the sweep are the harness's."""
+    text = job(write_yaml, standin=True, STEPS="100000", STEP_SECONDS="0.05").read_text()
+    run = launch(write_yaml(text + "restarts: {max: 1, backoff: 0, standby: 0}\n", "warm.yaml"))
     run.wait_for(r"\[rank0\]: step 5 ")
-    agent = agent_pid(run.run_id, 1)
+    deadline = time.monotonic() + 60
+    while len([pid for pid in run_processes(run.run_id, attempt="1") if "harness-agent" in command_line(pid)]) < 2 \
+            and time.monotonic() < deadline:  # the standbys of attempt 1
+        time.sleep(0.1)
+    os.kill(worker_pid(run.run_id, 1), signal.SIGKILL)
+    run.wait_for(r"^harness: sim0, sim1 started warm: ")
+    run.wait_for(r"^\[node0\] \[rank0\]: step 5 ", after=run.wait_for(r"^harness: run \S+ attempt 1"))
+    os.kill(worker_pid(run.run_id, 1), signal.SIGSTOP)
+    agent = agent_pid(run.run_id, "standby-sim1")
     os.kill(agent, signal.SIGKILL)
     assert run.finish(timeout=30) == 1, run.output
-    failure = run.summary()["first_failure"]
+    failure = run.summary()["attempts"][1]["failures"][0]
     assert failure["node_rank"] == 1
     assert failure["description"] == (f"node agent (pid {agent}) ended with killed by SIGKILL without reporting "
                                       f"the node's end")

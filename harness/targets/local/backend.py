@@ -66,9 +66,10 @@ class LocalAgentNode(ChildAgentNode):
         return f"node agent (pid {self._proc.pid}) ended with {how} without reporting the node's end"
 
     def _agent_lost(self) -> None:
-        """Killed by hand or by the OOM killer, the agent could not stop its node: sweep it from here."""
-        env = self.node.env
-        kill_run_processes(env["HARNESS_RUN_ID"], env["NODE_RANK"], env["HARNESS_ATTEMPT"])
+        """Killed by hand or by the OOM killer, the agent could not stop its node: sweep it from here, by the node's
+        identity and by its standby's, which what a standby started keeps (agent_link.standing_by)."""
+        for env in (self.node.env, self.started_as.env):
+            kill_run_processes(env["HARNESS_RUN_ID"], env["NODE_RANK"], env["HARNESS_ATTEMPT"])
 
 
 def _workdirs(plan: Plan) -> list[Path]:
