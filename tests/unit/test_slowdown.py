@@ -5,8 +5,8 @@ tests/integration/test_recovery.py (a spare on SSH hosts, fewer simulated nodes)
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
-from types import SimpleNamespace
 
 from test_health_rules import NODES
 
@@ -16,7 +16,10 @@ from harness.node.protocol import RankSample
 from harness.record.schema import HealthEventKind, Progress
 from harness.run.health_loop import HealthLoop
 from harness.run.live import LiveNode
+from harness.run.output import Output
+from harness.run.stack_capture import StackCapture
 from harness.run.stopper import Stopper
+from harness.run.terminal import Terminal
 
 TOTAL = 1000  # the job's steps, as its progress lines say them
 SPARE = SlowPolicy(slow_for=60, acts=True, no_restart=None, without=lambda host: 1.0, recovery_s=10.0)
@@ -112,15 +115,20 @@ class Watched:
     slowness weighed against a restart without the slow host (without: on a spare, unless said otherwise)."""
 
     def __init__(self, slow_for: float = 60, without: Callable[[str], float | str] = lambda host: 1.0) -> None:
-        self.said: list[str] = []
+        self.screen = io.StringIO()
         self.stopper = Stopper(0.0, [])
         self.judge = HealthJudge(stall=0, slow=20)
-        self.loop = HealthLoop(self.judge, None, 0, [LiveNode(node, 0.0) for node in NODES[:3]], None,
-                               SimpleNamespace(say=self.said.append), self.stopper,
+        self.loop = HealthLoop(self.judge, None, 0, [LiveNode(node, 0.0) for node in NODES[:3]], StackCapture([]),
+                               Output(Terminal(self.screen)), self.stopper,
                                slow_policy=SlowPolicy(slow_for, True, None, without, 10.0))
         self.loop.attempt_started_at = 0.0
         self.busy = {rank: 0.0 for rank in range(3)}
         self.step, self.t = 0, 0
+
+    @property
+    def said(self) -> list[str]:
+        """What the health loop said on the terminal, without the harness's prefix."""
+        return [line.removeprefix("harness: ") for line in self.screen.getvalue().splitlines()]
 
     def run(self, seconds: int, busy: dict[int, float], rate: float) -> None:
         for _ in range(seconds):
