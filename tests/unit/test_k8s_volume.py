@@ -4,6 +4,7 @@ planted there is followed or believed."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -96,6 +97,8 @@ def test_the_next_controller_takes_back_its_predecessors_run_and_no_run_a_pod_pl
     taken = left_by_a_lost_controller(root, "job", "k8s", GRACE, said.append)
 
     assert taken is not None and taken.run_id == "job-lost"
-    assert said == ["run job-future is not taken back: its record says its controller was last seen 3600 s from "
-                    "now, a time no controller wrote"]
+    # seconds from the moment it is said: less than 3600 by what a busy machine took since the record was written
+    assert len(said) == 1 and re.fullmatch(r"run job-future is not taken back: its record says its controller was "
+                                           r"last seen 3(5[0-9]{2}|600) s from now, a time no controller wrote",
+                                           said[0]), said
     assert taken.read_state().hosts == ["job-node-0-x", "job-node-1-y"]
