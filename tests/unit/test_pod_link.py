@@ -347,8 +347,10 @@ def test_a_key_holder_cannot_say_it_is_another_pod_or_take_its_index(tmp_path, p
         told = _key_holder(controller.port, controller.key, name, index, source)
         assert [json.loads(m) for m in told] == [{"refused": f"it holds the run's key, but {why}"}]
         _key_holder(controller.port, controller.key, name, index, source)  # again: said once
-        assert controller.said[-1] == f"refused a worker pod's connection from {source} (it says it is pod {name}, " \
-                                      f"index {index}): it holds the run's key, but {why}; it was sent nothing else"
+        said = (f"refused a worker pod's connection from {source} (it says it is pod {name}, index {index}): it "
+                f"holds the run's key, but {why}; it was sent nothing else")
+        assert _until(lambda said=said: said in controller.said), controller.said  # the pod is told, then it is said
+        assert controller.said[-1] == said
         assert controller.names() == [POD_0]
     assert len(controller.said) == len(claims)
     taken = threading.Thread(target=_key_holder, args=(controller.port, controller.key, POD_1, 1), daemon=True)
