@@ -34,6 +34,7 @@ from harness.spec.job import load_job
 from harness.targets.k8s.manifests import RESTART_ATTEMPT, Flavor, render_manifests
 from harness.targets.k8s.objects import COMPLETION_INDEX
 from testbed.kubelet import SupervisedPods, job_spec, materialize, pod_dns, pod_process
+from testbed.ranks import rank_pids
 
 POLL = 0.02
 BIN = Path(procs.PY).parent  # the images' `python` and `harness`: this environment's
@@ -81,7 +82,7 @@ def _objects(tmp: Path, supervised: bool, flavor: Flavor = "core") -> list[dict]
 
 
 def _kill_rank_1(run_id: str) -> None:
-    for pid in procs.with_env(f"HARNESS_RUN_ID={run_id}", "RANK=1"):
+    for pid in rank_pids(run_id, 1):
         os.kill(pid, signal.SIGKILL)
 
 

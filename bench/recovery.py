@@ -47,6 +47,7 @@ from bench import procs
 from harness.node.proctable import stat_fields
 from harness.record.schema import RESTART_PHASES
 from testbed.cluster import missing_support, namespace_cluster
+from testbed.ranks import rank_pids
 
 STEP = re.compile(r"\[rank0\]: epoch \d+/\d+ step (\d+)/(\d+) ")
 RESUMED = re.compile(r"\[rank0\]: resume: epoch \d+/\d+ step (\d+)/")
@@ -90,7 +91,7 @@ def standbys_idle(run_id: str, timeout: float = 120) -> None:
 
 
 def _worker_of_rank_1(run_id: str) -> None:
-    for pid in procs.with_env(f"HARNESS_RUN_ID={run_id}", "RANK=1"):
+    for pid in rank_pids(run_id, 1):
         os.kill(pid, signal.SIGKILL)
 
 

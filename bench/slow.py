@@ -34,6 +34,7 @@ from typing import Any
 from bench import procs
 from bench.recovery import standbys_idle
 from testbed.cluster import missing_support, namespace_cluster
+from testbed.ranks import rank_pids
 from testbed.throttle import throttled
 
 STEP = re.compile(r"\[rank0\]: epoch (\d+)/\d+ step (\d+)/(\d+) ")
@@ -106,7 +107,7 @@ def _one(tmp: Path, cfg: dict[str, Any], acts: bool, extra: list[str], fewest: i
         p.wait_for(STEP.pattern, timeout=300)
         standbys_idle(run_id)
         time.sleep(cfg["healthy_s"])  # the job trains healthy for as long as the harness measures its pace before
-        ranks = procs.with_env(f"HARNESS_RUN_ID={run_id}", "RANK=1", "HARNESS_ATTEMPT=0")
+        ranks = rank_pids(run_id, 1, attempt=0)
         if not ranks:
             raise RuntimeError(f"no rank 1 of run {run_id}'s attempt 0 to throttle")
         with throttled(ranks, SHARE, name=f"bench-slow-{run_id}"):

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from _pytest.nodeid import NodeId
 
-from harness.node.proctable import environ, run_processes
-from harness.node.ranks import announced
+from harness.node.proctable import run_processes
+from testbed.ranks import rank_pids
 
 # Fixtures for every module: namespace clusters (cluster2/3, slurm_cluster/3, from testbed/), the uninterrupted
 # payload run; each is built when a test first asks for it (tests/unit asks for none), never at import.
@@ -159,16 +159,9 @@ def leftover(run_id: str) -> list[int]:
 
 
 def worker_pid(run_id: str, rank: int) -> int:
-    """The training process of a global rank: torchrun sets RANK only in its workers; a stand-in rank (forked by the
-    stand-in torchrun, its RANK in its Python's os.environ only) is found where it announces itself, in its agent's
-    directory."""
-    pids = leftover(run_id)
-    for pid in pids:
-        if environ(pid).get(b"RANK") == str(rank).encode():
-            return pid
-    for directory in {environ(pid).get(b"HARNESS_AGENT_DIR") for pid in pids} - {None}:
-        if (pid := announced(pids, directory.decode()).get(rank)) is not None:
-            return pid
+    """The training process of a global rank (testbed/ranks.py)."""
+    if found := rank_pids(run_id, rank):
+        return found[0]
     raise AssertionError(f"no worker with RANK={rank} in run {run_id}")
 
 

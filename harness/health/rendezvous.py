@@ -14,7 +14,7 @@ from harness.plan.planner import Node
 
 RENDEZVOUS = re.compile(r"torch/distributed/elastic/rendezvous/|torch/distributed/elastic/utils/store")
 IMPORTING = re.compile(r"<frozen importlib\._bootstrap")
-TORCHRUN = re.compile(r"torch\.distributed\.run|torchrun")
+TORCHRUN = re.compile(r"torch\.distributed\.run|torchrun|standby\.py")  # a standby (plan/shell.py) is torchrun
 
 
 @dataclass(frozen=True)

@@ -1,43 +1,51 @@
-"""A standby: the next attempt's torchrun and its workers, started on a host while the attempt before runs, so
-that a restart waits for no import (docs/recovery.md). The node agent installs this file in its private
-directory and runs it with the node's Python (torch, and nothing of the harness):
+"""A standby: a node's torchrun and its workers, started before their attempt needs them -- the first attempt's while
+the controller checks the job, a restart's while the attempt before runs -- so that the attempt waits for no import
+(docs/recovery.md). The node agent installs this file in its private directory and runs it with the node's Python
+(torch, and nothing of the harness):
 
-    python -c "...run_path($HARNESS_AGENT_DIR/standby.py)"       the standby: torchrun imported, waiting
-    python $HARNESS_AGENT_DIR/standby.py --warm-worker FD          a warm worker: torch imported, waiting
+    python -c "...run_path($HARNESS_AGENT_DIR/standby.py)"       the standby: torch imported once, waiting
 
-The standby starts one warm worker per local rank (NPROC_PER_NODE), then reads its order on stdin (one JSON
+The standby imports what torchrun and a training worker import (torch, torch.distributed, torch._dynamo), then forks
+one warm worker per local rank (NPROC_PER_NODE): each has every import done without paying for it again, where by
+hand torchrun imports torch and then each worker imports it once more. It then reads its order on stdin (one JSON
 line: torchrun's arguments, the node's environment, the keys to drop; end of file: stood down unused) and runs
-torchrun's own main with it. torchrun starts its workers as it always does, except that a worker it would start
-as `python -u -m MODULE ARGS` or `python -u SCRIPT ARGS` is a warm worker instead, when their environments differ
-only in what torch reads late (LATE: the rank, the world, the master, the attempt): the warm worker gets the
-command, the environment, the working directory and torchrun's stdout and stderr over its socket, and runs the
-module or script as Python's command line would. It is the standby's own child in a session of its own, as
-torchrun's workers are: torchrun polls it, waits for it and signals its session as any worker's. A worker that
-does not fit (another interpreter, numactl around it, an environment torch read otherwise) starts as usual.
+torchrun's own main with it. torchrun starts its workers as it always does, except that a worker it would start as
+`python -u -m MODULE ARGS` or `python -u SCRIPT ARGS` is a warm worker instead, when their environments differ only in
+what torch reads late (LATE: the rank, the world, the master, the attempt): the warm worker gets the command, the
+environment, the working directory and torchrun's stdout and stderr over its socket, and runs the module or script as
+Python's command line would. It is the standby's own child in a session of its own, as torchrun's workers are:
+torchrun polls it, waits for it and signals its session as any worker's (WarmWorker). A worker that does not fit
+(another interpreter, numactl around it, an environment torch read otherwise) starts as usual.
 
 A warm worker's RANK is in its Python's os.environ, not in the environment the kernel shows for it: it announces
 itself in the agent's directory (ANNOUNCED, read by harness.node.ranks) and starts the rank hook there.
 
-The standby ends as the interpreter would (main's traceback, exit 1; the exit functions run), without finalizing
-torch's modules (0.4 s of every stop).
+Both end as the interpreter would -- an uncaught exception's traceback and exit 1, SystemExit's code, the threads
+that are not daemons joined, the exit functions run (atexit, weakref.finalize, multiprocessing's), the standard
+streams flushed -- without finalizing the modules: a second of every worker's end where torch is imported, in the
+fork more (each freed object is a page copied). What a script's globals alone hold is freed when it returns.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import importlib.util
 import io
 import json
 import os
 import runpy
+import signal
 import socket
 import subprocess
 import sys
-import traceback
+import threading
+import time
 import types
+import warnings
 from typing import Any
 
-WARM_WORKER = "--warm-worker"
 ANNOUNCED = "rank-{pid}-{ticks}"  # a warm worker's RANK, in the agent's directory (harness.node.ranks reads it)
 RANK_HOOK = "sitecustomize.py"  # the agent's rank hook, beside this file (harness.node.rank_hook)
 ORDER_BYTES = 1 << 20
@@ -52,52 +60,114 @@ LATE = frozenset({
     "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
 })
 TORCHRUN_ARGUMENTS = "PET_"  # torchrun's own arguments given as environment (PET_NNODES): read by torchrun alone
+TORCHRUN = "torch.distributed.run"
 THREADS = "OMP_NUM_THREADS"  # read by OpenMP when torch loads: a new value is applied (torch.set_num_threads)
+POLL_SECONDS = (0.0005, 0.05)  # WarmWorker.wait's first and longest sleep between looks, as subprocess's own
 
 
 def standby() -> None:
-    warm = WarmWorkers(int(os.environ.get("NPROC_PER_NODE") or 1))  # first: their imports and ours side by side
-    from torch.distributed import run  # torchrun's imports: what a restart would otherwise wait for
-
+    run, why = _imported()
+    warm = WarmWorkers(int(os.environ.get("NPROC_PER_NODE") or 1)) if run is not None else None
     line = sys.stdin.readline()
     if not line:
-        sys.exit(0)
+        os._exit(0)  # stood down unused: its warm workers read the end of their sockets and go too
     order = json.loads(line)
     for key in order["unset"]:
         os.environ.pop(key, None)
     os.environ.update(order["env"])
     _stdin_from_devnull()
+    if warm is None:  # the node as it would have started without a standby: torchrun, afresh
+        print(f"harness standby: node {os.environ.get('NODE_RANK', '?')} starts cold: {why}", file=sys.stderr,
+              flush=True)
+        os.execv(sys.executable, [sys.executable, "-m", TORCHRUN, *order["args"]])
     warm.take_over_worker_starts()
+    os._exit(as_python_ends(lambda: run.main(order["args"])))
+
+
+def _imported() -> tuple[Any, str]:
+    """(torchrun's module, "") with what every worker imports done once here, for torchrun and all of them; or
+    (None, why) where this Python or its torch cannot have warm workers."""
+    if not hasattr(socket, "send_fds"):
+        return None, f"its Python {sys.version.split()[0]} cannot pass a worker its output (socket.send_fds: 3.9+)"
     try:
-        run.main(order["args"])
-        code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-        if code == 1 and not isinstance(stop.code, int):
-            print(stop.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - printed and ended on, as the interpreter would
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        import torch  # what every worker imports, once for all of them
+        from torch.distributed import run
+    except Exception as exc:  # noqa: BLE001 - whatever this torch lacks, the node starts as usual
+        return None, f"its torch has no torchrun to start early ({type(exc).__name__}: {exc})"
+    with contextlib.suppress(ImportError):  # a torch without it (older, or a stand-in) has nothing of it to import
+        import torch._dynamo  # noqa: F401 - imported by DDP and the optimizers at their first step
+    gc.freeze()  # what is imported stays out of every collection, in the forks too: none copies its pages for that
+    return run, ""
+
+
+class WarmWorker:
+    """A forked warm worker as torchrun's worker handler uses a subprocess.Popen: its pid, poll, wait, signals."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.args: list[str] = []
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped by someone else: it has ended, how is not known
+                    pid, status = self.pid, 1 << 8
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = POLL_SECONDS[0]
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, POLL_SECONDS[1])
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class WarmWorkers:
-    """The standby's warm workers, each a process of its own with its end of a socket pair."""
+    """The standby's warm workers, each forked with its end of a socket pair, waiting for the worker it is to be."""
 
     def __init__(self, count: int) -> None:
         self.env = dict(os.environ)  # what they started with: what torch read in them
-        self.idle = [self._start() for _ in range(count)]
+        self.idle: list[tuple[WarmWorker, socket.socket]] = []
+        for _ in range(count):
+            self.idle.append(self._fork())
 
-    @staticmethod
-    def _start() -> tuple[subprocess.Popen[bytes], socket.socket]:
+    def _fork(self) -> tuple[WarmWorker, socket.socket]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        process = subprocess.Popen([sys.executable, os.path.abspath(__file__), WARM_WORKER, str(theirs.fileno())],
-                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
-        theirs.close()
-        return process, ours
+        with warnings.catch_warnings():  # Python 3.12's warning of other threads: torch's one native thread is idle
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid:
+            theirs.close()
+            return WarmWorker(pid), ours
+        code = 1
+        try:
+            for _, sibling in self.idle:
+                sibling.close()  # else a sibling never sees the standby's end of its socket close
+            ours.close()
+            os.setsid()  # a session of its own, as torchrun starts a worker: torchrun signals its group
+            _stdin_from_devnull()
+            code = warm_worker(theirs)
+        finally:
+            os._exit(code)
 
     def take_over_worker_starts(self) -> None:
         """torchrun's workers start through here: a warm one where it fits (torch of another version, without
@@ -111,7 +181,7 @@ class WarmWorkers:
             return
         warm = self
 
-        def popen(handler: Any, args: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        def popen(handler: Any, args: tuple[str, ...], env: dict[str, str]) -> Any:
             return warm.take(handler, args, env) or cold(handler, args, env)
 
         SubprocessHandler._popen = popen  # type: ignore[method-assign,assignment]  # torch's one way to start them
@@ -126,7 +196,7 @@ class WarmWorkers:
         early = sorted(key for key in changed - late if not key.startswith(TORCHRUN_ARGUMENTS))
         return f"its environment changed {', '.join(early)}, which torch may have read already" if early else ""
 
-    def take(self, handler: Any, args: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+    def take(self, handler: Any, args: tuple[str, ...], env: dict[str, str]) -> WarmWorker | None:
         """A warm worker given the worker torchrun asks for (None: it starts as usual, and says why)."""
         if self.idle and (why := self.unfit(args, env)):
             print(f"harness standby: a worker starts afresh, not warm: {why}", file=sys.stderr, flush=True)
@@ -142,36 +212,68 @@ class WarmWorkers:
                 continue
             finally:
                 sock.close()
+            process.args = list(args)
             return process
         return None
 
 
-def warm_worker(fd: int) -> None:
-    """Torch imported, then the worker torchrun asked for, run as `python ARGV` would run it."""
-    sock = socket.socket(fileno=fd)
-    import torch
-    import torch._dynamo
-    import torch.distributed
-
+def warm_worker(sock: socket.socket) -> int:
+    """The worker torchrun asked for, run as `python ARGV` would run it; its exit code (0: stood down unused)."""
     try:
         message, fds, _, _ = socket.recv_fds(sock, ORDER_BYTES, 2)
     except OSError:
         message, fds = b"", []
-    if not message or len(fds) != 2:
-        os._exit(0)  # stood down unused
     sock.close()
+    if not message or len(fds) != 2:
+        return 0
     order = json.loads(message)
-    for fd_in, fd_to in zip(fds, (1, 2), strict=True):
+    for fd_in, fd_to in zip(fds, (1, 2)):  # noqa: B905 - strict= is Python 3.10's; the node's may be older
         os.dup2(fd_in, fd_to)
         os.close(fd_in)
-    _stdin_from_devnull()
     os.environ.clear()
     os.environ.update(order["env"])
     os.chdir(order["cwd"])
+    if "numpy.random" in sys.modules:  # a fresh Python seeds it anew; a fork would share the standby's state
+        sys.modules["numpy.random"].seed()
     if (threads := os.environ.get(THREADS, "")).isdigit() and int(threads) > 0:
+        import torch
+
         torch.set_num_threads(int(threads))
     announce()
-    run_as_python(order["argv"][1:])
+    return as_python_ends(lambda: run_as_python(order["argv"][1:]))
+
+
+def as_python_ends(main: Any) -> int:
+    """main() run to its end, then what the interpreter does at its exit but finalize the modules; the exit code."""
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if code == 1 and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    except BaseException as exc:  # noqa: BLE001 - printed and ended on, as the interpreter would
+        exc = exc.with_traceback(_from_the_program(exc.__traceback__))  # what any hook prints: the program's part
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code = 1
+    gc.collect()  # what only the program's own objects held (files not closed) freed, and flushed
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed stream, a reader gone
+            stream.flush()
+    return code
+
+
+def _from_the_program(trace: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback from the program's first frame on, as Python shows a script's: not this file's or runpy's."""
+    ours = {os.path.abspath(__file__), runpy.__file__}
+    while trace is not None and (trace.tb_frame.f_code.co_filename in ours
+                                 or trace.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        trace = trace.tb_next
+    return trace
 
 
 def announce() -> None:
@@ -202,9 +304,9 @@ def run_as_python(args: list[str]) -> None:
         sys.path[0] = os.getcwd()
         runpy._run_module_as_main(args[1], alter_argv=True)  # type: ignore[attr-defined]  # what `python -m` runs
     else:
-        sys.argv = args
         sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
-        runpy.run_path(args[0], run_name="__main__")
+        sys.argv = args
+        runpy.run_path(os.path.abspath(args[0]), run_name="__main__")  # __file__ absolute, as Python 3.9's
 
 
 def _unbuffered(fd: int, like: Any) -> io.TextIOWrapper:
@@ -220,7 +322,4 @@ def _stdin_from_devnull() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == [WARM_WORKER]:
-        warm_worker(int(sys.argv[2]))
-    else:
-        standby()
+    standby()

@@ -40,9 +40,14 @@ STANDBY_CODE = ("import os,runpy;runpy.run_path(os.path.join(os.environ['HARNESS
                 "run_name='__main__')")
 
 
-def can_stand_by(node: NodePlan) -> bool:
-    """A node whose command is torchrun under the node's Python (not in a container: its engine starts it)."""
-    return node.argv[1:3] == ("-m", TORCHRUN_MODULE) and not node.cleanup
+def why_cold(node: NodePlan) -> str:
+    """Why the node can have no standby ("": it can): its command is torchrun under the node's Python, not in a
+    container, whose engine starts it."""
+    if node.cleanup:
+        return "it runs in a container, whose engine starts its torchrun"
+    if node.argv[1:3] != ("-m", TORCHRUN_MODULE):
+        return "its command is not torchrun under the node's Python"
+    return ""
 
 
 def standby_command(node: NodePlan) -> str:

@@ -69,7 +69,7 @@ from harness.run.supervisor import Supervisor
 from harness.run.terminal import COLLAPSE_ABOVE, Terminal
 from harness.spec.job import JobSpec
 from harness.spec.secrets import masked_spec_text
-from harness.targets.base import Announcing, Backend, CheckFailed, Scheduler
+from harness.targets.base import Announcing, Backend, CheckFailed, NodeProcess, Scheduler
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 HOSTS_NAMED = 16  # hosts a run's first line names; beyond, the first few and the last (status lists them all)
@@ -275,12 +275,29 @@ class _BackendRun(_TargetRun):
             self.out.say(line)
         self.down |= set(self.hosts_out.kept_out)
         unfit: dict[str, str] = {}
+        planned = self.backend.plan(self.spec, run_id, first, frozenset(self.down))
+        early = self._stand_by_first(planned) if not self.backend.standbys_await_check else None
         try:
-            self.plan = _ready_plan(self.backend, self.spec, run_id, first, self.down, self.out, unfit)
+            self.plan = _ready_plan(self.backend, self.spec, run_id, first, self.down, self.out, unfit, planned)
         finally:
             self._keep_out(unfit)
+            if early is not None:
+                early.join()  # whatever the check found, its standbys are known: close() ends them on a failure
+        if self.backend.standbys_await_check:
+            self._stand_by_first(self.plan).join()
         self.nnodes, self.world_size = self.plan.nnodes, self.plan.world_size
         self.hosts = [n.host for n in self.plan.nodes]
+
+    def _stand_by_first(self, plan: Plan) -> threading.Thread:
+        """The first attempt's standbys for the plan's nodes (restarts.standby; false: none), started by a thread:
+        while the check runs, where they need nothing of it, so that the nodes' imports are done once it passed."""
+        def stand_by() -> None:
+            if self.spec.restarts.standby is not None:
+                with contextlib.suppress(HarnessError):  # none: the nodes start afresh, and the check says why
+                    self.backend.stand_by(self.spec, plan.run_id, plan.attempt, frozenset(), plan)
+        thread = threading.Thread(target=stand_by, daemon=True)
+        thread.start()
+        return thread
 
     def _prepare_attached(self, run: RunDir, machines: dict[str, str]) -> None:
         """The running attempt's plan again, on its hosts, with its port: the nodes it names are taken back, not
@@ -504,13 +521,13 @@ class _SchedulerRun(_TargetRun):
 
 
 def _ready_plan(backend: Backend, spec: JobSpec, run_id: str, attempt: int, down: set[str],
-                out: Terminal, unfit: dict[str, str]) -> Plan:
-    """Plan on the hosts not down and check them; a host that fails the check is down too and a spare
-    takes its place, until the check passes or no spare is left (the check's report is then the error).
-    With no spare left the plan has fewer nodes as restarts.min_nnodes allows (the planner's
+                out: Terminal, unfit: dict[str, str], planned: Plan | None = None) -> Plan:
+    """Plan on the hosts not down (planned: that plan, made already) and check them; a host that fails the check is
+    down too and a spare takes its place, until the check passes or no spare is left (the check's report is then the
+    error). With no spare left the plan has fewer nodes as restarts.min_nnodes allows (the planner's
     take_healthy), and the check gets the spec on that many nodes. unfit gets the hosts whose machine
     failed the check (CheckFailed.unfit), to be kept out of later runs too."""
-    plan = backend.plan(spec, run_id, attempt, frozenset(down))
+    plan = planned or backend.plan(spec, run_id, attempt, frozenset(down))
     while True:
         try:
             return backend.check(plan, spec.at_nnodes(plan.nnodes))
@@ -595,9 +612,13 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
                 if taking_back else backend.start(plan, spec.at_nnodes(plan.nnodes))
         except OSError as exc:  # e.g. an argument list too long for the OS: only the OS can refuse it
             raise HarnessError(f"could not start the nodes: {exc.strerror or exc}") from None
-        if warm := [n.node.host for n in nodes if n.warm]:
+        warm = [n.node.host for n in nodes if n.warm]
+        if warm and before:
             sup.say(f"{', '.join(warm)} started warm: torchrun and its workers were started, their imports done, "
                     f"while attempt {plan.attempt - 1} ran (restarts.standby)")
+        if not before:  # said once: every later attempt's nodes are warm where its standbys were
+            for line in _cold_starts(nodes, spec):
+                sup.say(line)
         sup.start(nodes, started if taking_back else None)
         if taking_back is not None:
             threading.Thread(target=taking_back, args=(sup,), daemon=True).start()
@@ -640,6 +661,18 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
         nnodes=plan.nnodes, world_size=plan.world_size, health=sup.health_loop.events, progress=progress,
         restart=restart, warm=warm,
     )
+
+
+def _cold_starts(nodes: list[NodeProcess], spec: JobSpec) -> list[str]:
+    """Why the first attempt's nodes that had no standby started cold: their torchrun and workers import torch
+    one after the other, as by hand, instead of once and before the check had passed."""
+    why: dict[str, list[str]] = {}
+    for node in nodes:
+        if not node.warm:
+            reason = "restarts.standby is false" if spec.restarts.standby is None else node.cold
+            why.setdefault(reason or "no standby was started for it", []).append(node.node.host)
+    return [f"{', '.join(hosts)} started cold (torchrun, then its workers, each importing torch): {reason}"
+            for reason, hosts in why.items()]
 
 
 def _joined(sup: Supervisor) -> list[float]:

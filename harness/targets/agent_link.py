@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from harness.node.protocol import MARKER, Kind, Message, Word, split_line, unescape_output, word_line
 from harness.plan.planner import NodePlan
-from harness.plan.shell import can_stand_by, shell_command, standby_command, standby_order
+from harness.plan.shell import shell_command, standby_command, standby_order, why_cold
 from harness.spec.job import JobSpec
 from harness.spec.secrets import env_apart
 from harness.targets.base import NodeProcess, Outcome
@@ -52,9 +52,11 @@ def agent_program(node: NodePlan, grace: float, silence: float, watch: float, ho
     node's environment that go nowhere else (spec/secrets.py). The node's env values whose names look secret go with
     them, not on the node's line: the agent runs that line as `sh -c LINE`, whose command line any user may read."""
     plain, hidden = env_apart(node.env)
-    command = standby_command(replace(node, env=plain)) if standby else shell_command(replace(node, env=plain))
-    if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there: fail here, before any start
-        raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))
+    command = shell_command(replace(node, env=plain))
+    if len(command.encode()) >= MAX_ARG_STRLEN:  # the node's exec would fail there (a standby's worker's, started
+        raise OSError(errno.E2BIG, os.strerror(errno.E2BIG))  # cold, too): fail here, before any start
+    if standby:
+        command = standby_command(replace(node, env=plain))
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
                              shlex.join(node.cleanup), RANK_HOOK, STANDBY if standby else "",
                              json.dumps(hidden | dict(secrets or {})), f"{hold:g}",
@@ -93,17 +95,19 @@ def _agent_times(spec: JobSpec) -> tuple[float, float, float]:
 
 def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec,
               standbys: Standbys | None = None, secrets: Mapping[str, str] | None = None,
-              held: bool = False) -> list[NodeProcess]:
+              held: bool = False, no_standby: str = "") -> list[NodeProcess]:
     """Every node or none: if one cannot start, the ones already started are killed. A node with a standby
     on its host gets it (its order sent); the others a new agent, which gets its program first (see
-    agent_program) with secrets (spec/secrets.py). held: the agents hold their nodes for supervision.grace when
-    the controller is lost (a target where `harness attach` reaches them; others stop them at once)."""
+    agent_program) with secrets (spec/secrets.py), and say why they start cold (no_standby: the target's reason,
+    where it keeps none). held: the agents hold their nodes for supervision.grace when the controller is lost (a
+    target where `harness attach` reaches them; others stop them at once)."""
     started: list[AgentNode] = []
     try:
         for node in nodes:
-            warm = standbys.take(node) if standbys is not None else None
+            warm, why = standbys.take(node) if standbys is not None else (None, no_standby)
             started.append(warm or start(node))
             if warm is None:
+                started[-1].cold = why
                 started[-1].boot(agent_program(node, *_agent_times(spec), spec.supervision.grace if held else 0.0,
                                                secrets=secrets))
                 started[-1].talk()
@@ -145,19 +149,25 @@ def standing_by(node: NodePlan) -> NodePlan:
 
 
 class Standbys:
-    """The next attempt's nodes started while an attempt runs, one per host: each an agent whose torchrun and
-    warm workers have done their imports (node/standby.py: seconds of a restart) and wait for its order. The
-    next attempt takes the one on each of its hosts (start_all) and starts the others afresh; a standby that
-    died, or stands where its node would not (another interpreter, directory, setup), is ended instead."""
+    """The nodes of an attempt started before it, one per host: each an agent whose torchrun and warm workers have
+    done their imports (node/standby.py) and wait for its order -- the first attempt's while the controller checks
+    the job, a restart's while the attempt before runs. The attempt takes the one on each of its hosts (start_all)
+    and starts the others afresh, saying why; a standby that died, or stands where its node would not (another
+    interpreter, directory, setup), is ended instead."""
 
     def __init__(self) -> None:
         self._on: dict[str, AgentNode] = {}
+        self._failed: dict[str, str] = {}  # host -> why its standby could not start
         self._lock = threading.Lock()
 
     def stand_by(self, nodes: Sequence[NodePlan], start: Callable[[NodePlan], AgentNode], spec: JobSpec,
-                 secrets: Mapping[str, str] | None = None) -> None:
+                 secrets: Mapping[str, str] | None = None, as_planned: bool = False) -> None:
         """One standby on each host of nodes that has none; a host where it cannot start simply has none. The
-        standbys on other hosts (down since) are ended. secrets: as start_all's."""
+        standbys on other hosts (down since) are ended. secrets: as start_all's. as_planned: nodes are their attempt's
+        as it will start (the first attempt's plan), and each standby is its node from its start, with its identity
+        (its setup sees its NODE_RANK); else each has one of its own (standing_by). Once it is its attempt's node, its
+        agent holds it for supervision.grace when the controller is lost, as start_all's held agents do (every target
+        with standbys has them)."""
         wanted = {node.host for node in nodes}
         with self._lock:
             gone = [self._on.pop(host) for host in list(self._on) if host not in wanted]
@@ -165,29 +175,38 @@ class Standbys:
             threading.Thread(target=agent.end, daemon=True).start()
         for node in nodes:
             with self._lock:
-                if not can_stand_by(node) or node.host in self._on:
+                if why_cold(node) or node.host in self._on:
                     continue
-            standby = standing_by(node)
+            standby = node if as_planned else standing_by(node)
             try:
+                program = agent_program(standby, *_agent_times(spec), spec.supervision.grace, standby=True,
+                                        secrets=secrets)
                 agent = start(standby)
-            except Exception:  # noqa: BLE001 - whatever the transport raises, that host has no standby
+            except Exception as exc:  # noqa: BLE001 - whatever the transport (or the OS) refuses, it has none
+                with self._lock:
+                    self._failed[node.host] = f"its standby could not start ({exc})"
                 continue
-            agent.boot(agent_program(standby, *_agent_times(spec), standby=True, secrets=secrets))
+            agent.boot(program)
             agent.talk()
             with self._lock:
                 self._on[node.host] = agent
+                self._failed.pop(node.host, None)
 
-    def take(self, node: NodePlan) -> AgentNode | None:
-        """The standby on node's host, now node (None: there is none it can be)."""
+    def take(self, node: NodePlan) -> tuple[AgentNode | None, str]:
+        """The standby on node's host, now node; or None and why there is none it can be."""
         with self._lock:
             agent = self._on.pop(node.host, None)
+            failed = self._failed.pop(node.host, "")
         if agent is None:
-            return None
-        if not agent.running() or not same_place(agent.node, node):
+            return None, why_cold(node) or failed or "no standby was started for it"
+        if not agent.running():
             agent.end()
-            return None
+            return None, "its standby ended before its order"
+        if not same_place(agent.node, node):
+            agent.end()
+            return None, "its standby was started with another interpreter, directory or setup"
         agent.go(node, standby_order(agent.node, node))
-        return agent
+        return agent, ""
 
     def hosts(self) -> set[str]:
         with self._lock:
@@ -215,6 +234,7 @@ class AgentNode(ABC):
         self._send_lock = threading.Lock()
         self._talking = False
         self.warm = False  # a standby that became this node (Standbys)
+        self.cold = ""  # why it did not (start_all)
         # While its agent replays what it kept unwatched: the time its node said the block output() yields (None:
         # live), and the UNWATCHED message's fields (lost_at, bytes, dropped) once it came.
         self.said_at: float | None = None

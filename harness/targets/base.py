@@ -62,6 +62,7 @@ class NodeProcess(Protocol):
     node: NodePlan
     messages: queue.Queue[Message]  # the node agent's messages (harness.node.protocol)
     warm: bool  # a standby's: its torchrun and workers were started, imports done, before its attempt (stand_by)
+    cold: str  # why it started afresh instead ("": warm, or no reason known)
     # Taken back by `harness attach` (targets/agent_link.py's AgentNode): when its node said the block output() last
     # gave, while its agent replays what it kept unwatched (None: live); that replay's header; set once it is over.
     said_at: float | None
@@ -112,6 +113,9 @@ class Backend(Protocol):
     attempt that runs."""
 
     name: str  # recorded as the run's mode: "local", "ssh"
+    # Whether the first attempt's standbys wait for its check to pass: they run over what the check opens (SSH's
+    # connections). Else they start with it, their imports done while it runs.
+    standbys_await_check: bool
 
     def plan(self, spec: JobSpec, run_id: str, attempt: int = 0, down: frozenset[str] = frozenset()) -> Plan:
         """The exact per-node commands on this backend (pure apart from facts read once: GPUs, DNS), for
@@ -133,10 +137,13 @@ class Backend(Protocol):
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         """Start every node, or none: if one cannot start, the ones already started are killed."""
 
-    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
-        """While an attempt runs, start the next one's nodes as far as they can go without its plan: on each
-        host it may use (not down), torchrun and its workers with their imports done, waiting (node/standby.py). start
-        then takes the one on each of its hosts. Nothing is raised: a host without a standby starts afresh."""
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str],
+                 plan: Plan | None = None) -> None:
+        """While an attempt runs, start the next one's nodes as far as they can go without its plan: on each host
+        it may use (not down), torchrun and its workers with their imports done, waiting (node/standby.py). plan:
+        the first attempt's, before it starts (while it is checked, or once it passed: standbys_await_check): a
+        standby for each of its nodes, as that node. start then takes the one on each of its hosts. Nothing is
+        raised: a host without a standby starts afresh."""
 
     def stand_down(self) -> None:
         """End every standby: the run is over."""

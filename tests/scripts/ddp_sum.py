@@ -113,6 +113,7 @@ def main() -> None:
         show_secret(rank, name)
     steps = int(os.environ.get("STEPS", "20"))
     pause = float(os.environ.get("STEP_SECONDS", "0"))
+    spin = float(os.environ.get("SPIN_SECONDS", "0"))  # per step, on the CPU: a rank whose CPU use shows
     fail_rank = int(os.environ.get("FAIL_RANK", "-1"))
     fail_at = int(os.environ.get("FAIL_AT_STEP", "-1"))
     hang_at = int(os.environ.get("HANG_AT_STEP", "-1"))
@@ -132,6 +133,9 @@ def main() -> None:
         if (rank == 0 or os.environ.get("EVERY_RANK_SAYS_STEPS") == "1") and step % 5 == 0:
             print(f"step {step} loss {loss:.4f}", flush=True)
         time.sleep(pause)
+        busy_until = time.monotonic() + spin
+        while time.monotonic() < busy_until:
+            pass
     print(f"rank {rank} final loss {loss:.4f} weights {model.weights()}", flush=True)
     dist.destroy_process_group()
 

@@ -15,7 +15,7 @@ import pytest
 from harness.errors import UsageError
 from harness.plan.planner import NodePlan, job_hosts, plan_hosts, plan_local
 from harness.plan.render import render_json, render_text
-from harness.plan.shell import can_stand_by, shell_command, standby_command, standby_order
+from harness.plan.shell import shell_command, standby_command, standby_order, why_cold
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job
 from harness.targets.agent_link import STANDBY
@@ -204,7 +204,7 @@ def test_a_standby_becomes_exactly_the_node_it_is_told(tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE), standby_order(standby, told) + "\n"
 
     told = {"NODE_RANK": "0", "WEIRD": "v a l'$x"}
-    assert can_stand_by(node(told)) and not can_stand_by(replace(node(told), cleanup=("docker", "rm", "x")))
+    assert why_cold(node(told)) == "" and "container" in why_cold(replace(node(told), cleanup=("docker", "rm", "x")))
     started = [start({"NODE_RANK": "7", "WEIRD": "v a l'$x"}, told),
                start({"NODE_RANK": "7", "WEIRD": "v a l'$x", "ONLY_STANDBY": "1"}, told),
                start({"NODE_RANK": "7", "WEIRD": "fail"}, {**told, "WEIRD": "fail"})]

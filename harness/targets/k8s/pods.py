@@ -338,6 +338,7 @@ class PodsBackend:
     """The job's worker pods as hosts: nnodes of those connected, the others spares."""
 
     name = "k8s"
+    standbys_await_check = False
 
     def __init__(self, link: PodLink, code_dir: str | None, rejoin: float,
                  stopped: Callable[[], bool] = lambda: False, held: Sequence[str] = ()) -> None:
@@ -404,8 +405,13 @@ class PodsBackend:
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         return start_all(plan.nodes, self._agent, spec, self._standbys, held=True)
 
-    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
-        """A standby on every connected pod that is not down, spares included."""
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str],
+                 plan: Plan | None = None) -> None:
+        """A standby on every connected pod that is not down, spares included (plan: on each of its pods, as its
+        node)."""
+        if plan is not None:
+            self._standbys.stand_by(plan.nodes, self._agent, spec, as_planned=True)
+            return
         pods = [p for p in self.link.pods() if p.pod not in down]
         if not pods:
             return

@@ -86,6 +86,7 @@ class LocalBackend:
     it) and, unless the job's simulated.python names another, every node's torchrun."""
 
     name = "local"
+    standbys_await_check = False
 
     def __init__(self, python: str = sys.executable, check: WorkdirCheck | None = None) -> None:
         self.python = python
@@ -172,11 +173,13 @@ class LocalBackend:
     def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
         return attach_all(plan.nodes, lambda node: LocalAgentNode(node, self.python, relay=True), resume)
 
-    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
-        """A standby for each simulated node that attempt would run."""
-        plan = self.plan(spec, run_id, attempt=attempt, down=down)
-        _workdirs(plan)
-        self._standbys.stand_by(self._in_network(plan.nodes), self._agent, spec, secret_values(spec))
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str],
+                 plan: Plan | None = None) -> None:
+        """A standby for each simulated node that attempt would run (plan's: each as its node)."""
+        planned = plan or self.plan(spec, run_id, attempt=attempt, down=down)
+        _workdirs(planned)
+        self._standbys.stand_by(self._in_network(planned.nodes), self._agent, spec, secret_values(spec),
+                                as_planned=plan is not None)
 
     def stand_down(self) -> None:
         self._standbys.stand_down()

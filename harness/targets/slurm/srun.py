@@ -27,6 +27,9 @@ from harness.targets.base import CheckFailed, NodeProcess
 from harness.targets.host_command import CommandResult, NoFreePort, free_port_on
 from harness.targets.slurm.client import SlurmClient
 
+# Why an srun step starts cold: a standby would be a step of its own, holding the node's CPUs for the whole attempt.
+NO_STANDBY = "under Slurm a standby would be a step of its own holding the node's CPUs (srun --overlap)"
+
 SRUN_KILL_SECONDS = 5.0  # after the KILL word, how long srun may take to end with its step before it is killed
 
 
@@ -125,6 +128,7 @@ class SrunBackend:
     """nnodes of the allocation's nodes, each an srun step; spares are the allocation's other nodes."""
 
     name = "srun"
+    standbys_await_check = True
 
     def __init__(self, allocation: Allocation) -> None:
         self.allocation = allocation
@@ -160,11 +164,11 @@ class SrunBackend:
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
         return start_all(plan.nodes, lambda node: SrunAgentNode(node, self.allocation, node.argv[0]), spec,
-                         secrets=secret_values(spec))
+                         secrets=secret_values(spec), no_standby=NO_STANDBY)
 
-    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
-        """None here: a standby would be a step of its own holding the node's resources (srun --overlap) for
-        the whole attempt; each attempt's steps start afresh."""
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str],
+                 plan: Plan | None = None) -> None:
+        """None here (NO_STANDBY): each attempt's steps start afresh."""
 
     def stand_down(self) -> None:
         """No standby to end."""

@@ -240,6 +240,7 @@ class SSHBackend:
     without)."""
 
     name = "ssh"
+    standbys_await_check = True
 
     def __init__(self, inventory: Inventory, options: SSHOptions = SSHOptions(),
                  connections: dict[str, Connection] | None = None, check: HostsCheck | None = None) -> None:
@@ -353,20 +354,22 @@ class SSHBackend:
         return attach_all(plan.nodes, lambda node: self._agent_node(node, connections[node.host], spec, relay=True),
                           resume)
 
-    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str]) -> None:
+    def stand_by(self, spec: JobSpec, run_id: str, attempt: int, down: frozenset[str],
+                 plan: Plan | None = None) -> None:
         """A standby on every host of the inventory that is not down, spares included: whichever of them the
-        next attempt runs on starts warm. A host that cannot be reached now simply has none."""
+        next attempt runs on starts warm (plan: the first attempt's, checked: one on each of its hosts, as its node).
+        A host that cannot be reached now simply has none."""
         if spec.container is not None:
             return  # the node's torchrun is the container's, started by its engine
         hosts = [host for host in self.inventory.ordered_hosts() if host.name not in down]
-        plan = self.pinned_plan(spec.at_nnodes(len(hosts)), run_id, hosts, attempt)
-        self._connect(plan.nodes, spec.timeouts.connect)
+        nodes = (plan or self.pinned_plan(spec.at_nnodes(len(hosts)), run_id, hosts, attempt)).nodes
+        self._connect(nodes, spec.timeouts.connect)
         connections = self._lent | self._opened
         for connection in self._opened.values():
             connection.keep_alive(KEEPALIVE_INTERVAL, spec.timeouts.connect)
-        self._standbys.stand_by([node for node in plan.nodes if node.host in connections],
+        self._standbys.stand_by([node for node in nodes if node.host in connections],
                                 lambda node: self._agent_node(node, connections[node.host], spec), spec,
-                                secret_values(spec))
+                                secret_values(spec), as_planned=plan is not None)
 
     def stand_down(self) -> None:
         self._standbys.stand_down()
