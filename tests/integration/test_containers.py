@@ -130,6 +130,8 @@ def test_two_hosts_train_inside_the_image(podman_cluster, launch, tmp_path):
     assert len(re.findall(rf"^\[node\d\] /opt/venv/bin/python {re.escape(str(tmp_path))}$", run.output, re.M)) == 1, \
         run.output
     assert run.output.count("harness setup: done before") == 1, run.output
+    assert run.output.count("harness: h1, h2 started cold (torchrun, then its workers, each importing torch): it runs "
+                            "in a container, whose engine starts its torchrun") == 1, run.output
     assert re.search(r"\[node0\] \[rank0\]: rank 0/2 up on h1;", run.output), run.output
     assert re.search(r"\[node1\] \[rank1\]: rank 1/2 up on h2;", run.output), run.output
     weights = re.findall(r"\[rank(\d)\]: rank \1 final loss \S+ weights (\[.*\])", run.output)

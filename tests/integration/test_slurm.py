@@ -557,6 +557,8 @@ def test_inside_an_allocation_the_nodes_run_as_srun_steps(slurm_cluster, write_y
     assert found and 20000 <= int(found.group(1)) < ephemeral_start(), run.output  # auto: asked of n1 in a step
     assert re.search(r"^\[node1\] \[rank1\]: rank 1/2 up on n2;", run.output, re.M), run.output
     assert "submitted Slurm job" not in run.output, "inside an allocation nothing is submitted"
+    assert run.output.count("harness: n1, n2 started cold (torchrun, then its workers, each importing torch): under "
+                            "Slurm a standby would be a step of its own holding the node's CPUs") == 1, run.output
     state = json.loads(next((tmp_path / "runs").glob("*/state.json")).read_text())
     assert (state["mode"], state["hosts"]) == ("srun", ["n1", "n2"])
     slurm_cluster.assert_no_job_processes()
