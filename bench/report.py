@@ -308,11 +308,13 @@ def _first_step(f: dict[str, Any]) -> list[str]:
     others = f", the others in the first {f['repeats']} of them" if len(f["rows"]) > 2 else ""
     statistic = (f"medians; harness launch and torchrun by hand in interleaved rounds{others}" if rounds
                  else f"median of {f['repeats']}")
+    ending = " Ending: from rank 0's last line to the end of every process of the job." if "ending_s" in f["rows"][0] \
+        else ""
     lines = [f"{f['job']}; from starting the command to rank 0's first progress line; {statistic}. `harness render` "
-             f"of the same job (CLI start + plan): {f['harness_render_s']} s.", ""]
+             f"of the same job (CLI start + plan): {f['harness_render_s']} s.{ending}", ""]
     lines += _table(
-        ["launcher", "first step s", "vs torchrun by hand", "job end s", "attempts"],
-        [[r["name"], r["first_step_s"], f"{r['vs_torchrun_by_hand_s']:+.2f} s", r["job_end_s"],
+        ["launcher", "first step s", "vs torchrun by hand", "job end s", "ending s", "attempts"],
+        [[r["name"], r["first_step_s"], f"{r['vs_torchrun_by_hand_s']:+.2f} s", r["job_end_s"], r.get("ending_s", "-"),
           ", ".join(str(a) for a in r["attempts_first_step_s"])] for r in f["rows"]])
     lines += _rounds(f.get("difference"), "harness launch - torchrun by hand, mean of the rounds' paired differences")
     if "trivial_job" not in f:  # results recorded before the trivial job's rows, and quick runs

@@ -347,9 +347,10 @@ class Restarts(StrictModel):
     (record/hosts_out.py; 0: only out of its own run); max_out: how many of the inventory's hosts may be
     out at once (unset: a quarter of them, at least 1). standby: seconds into an attempt with a restart left
     (from its last rank joining; 60) after which the next attempt's torchrun and workers wait on every usable
-    host (spares too) with their imports done, so that a restart starts warm (node/standby.py; simulated nodes
-    and SSH hosts, not in containers); false: none. A failure before then restarts as before; a short run
-    never pays for them."""
+    host (spares too) with their imports done, so that a restart starts warm (node/standby.py; simulated nodes,
+    SSH hosts and pods, not in containers nor under Slurm); the first attempt's nodes start so while the job is
+    checked; false: none, every attempt starts cold. A failure before then restarts as before; a short run never
+    pays for them."""
 
     max: Annotated[int, BeforeValidator(exact_int), Field(ge=0, le=100)] = 0
     on: Annotated[tuple[str, ...], PlainValidator(_failure_kinds)] = ("infra",)
