@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
-from harness.node.proctable import stat_fields
+from harness.node.proctable import environ, stat_fields
 from harness.record.schema import RESTART_PHASES
 from testbed.cluster import missing_support, namespace_cluster
 from testbed.ranks import rank_pids
@@ -73,13 +73,16 @@ Kill = Callable[[str], None]  # run id -> kill the node
 
 
 def standbys_idle(run_id: str, timeout: float = 120) -> None:
-    """Until the launch's standbys (and their warm workers) have started, done their imports and wait, as they do
-    in a run of any length: none of them used CPU for a second."""
+    """Until the launch's standbys for its next attempt (and their warm workers) have started, done their imports and
+    wait, as they do in a run of any length: none of them used CPU for a second. They carry NODE_RANK standby-HOST;
+    the running attempt's nodes, started from standbys of their own, their ranks."""
     deadline = time.monotonic() + timeout
     last: dict[int, int] | None = None
     while time.monotonic() < deadline:
         used = {}
         for pid in procs.with_env(f"HARNESS_RUN_ID={run_id}"):  # on SSH hosts too (sshd drops BENCH_TAG)
+            if not environ(pid).get(b"NODE_RANK", b"").startswith(b"standby-"):
+                continue
             with contextlib.suppress(OSError):
                 if b"standby.py" in Path(f"/proc/{pid}/cmdline").read_bytes() and (fields := stat_fields(pid)):
                     used[pid] = int(fields[11]) + int(fields[12])
