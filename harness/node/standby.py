@@ -7,10 +7,10 @@ the controller checks the job, a restart's while the attempt before runs -- so t
 
 The standby imports what torchrun imports (torch, torch.distributed), then forks one warm worker per local rank
 (NPROC_PER_NODE): each has those imports done without paying for them again, where by hand torchrun imports torch
-and then each worker imports it once more. A warm worker kept waiting (a restart's) also imports what
-DistributedDataParallel and the optimizers import at their first step (torch._dynamo); one taken at once (the first
-attempt's) leaves that to its program, as by hand, which a job that needs none of it (its workers print, and import
-no torch) never pays. It then reads its order on stdin (one JSON
+and then each worker imports it once more. A restart's standby, which waits while an attempt runs, also imports
+what DistributedDataParallel and the optimizers import at their first step (torch._dynamo); the first attempt's,
+taken as soon as the job is checked, leaves that to its program, as by hand, which a job that needs none of it (its
+workers print, and import no torch) never pays. It then reads its order on stdin (one JSON
 line: torchrun's arguments, the node's environment, the keys to drop; end of file: stood down unused) and runs
 torchrun's own main with it. torchrun starts its workers as it always does, except that a worker it would start as
 `python -u -m MODULE ARGS` or `python -u SCRIPT ARGS` is a warm worker instead, when their environments differ only in
@@ -65,7 +65,7 @@ LATE = frozenset({
 TORCHRUN_ARGUMENTS = "PET_"  # torchrun's own arguments given as environment (PET_NNODES): read by torchrun alone
 TORCHRUN = "torch.distributed.run"
 THREADS = "OMP_NUM_THREADS"  # read by OpenMP when torch loads: a new value is applied (torch.set_num_threads)
-IDLE_SECONDS = 5.0  # a warm worker waiting longer for its order is a restart's: it imports torch._dynamo meanwhile
+RESTARTS = "standby-"  # a restart's standby's NODE_RANK (standby-HOST, harness.targets.agent_link.standing_by)
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch's way to ask whether CUDA works without initializing it
 POLL_SECONDS = (0.0005, 0.05)  # WarmWorker.wait's first and longest sleep between looks, as subprocess's own
 
@@ -97,13 +97,16 @@ def _imported() -> tuple[Any, str]:
     checked = os.environ.get(NVML_CHECK)
     os.environ[NVML_CHECK] = "1"  # a torch.cuda.is_available() while importing asks the driver without opening it
     try:
-        import torch  # noqa: F401 - what every worker imports, once for all of them
+        import torch  # what every worker imports, once for all of them
         from torch.distributed import run
     except Exception as exc:  # noqa: BLE001 - whatever this torch lacks, the node starts as usual
         return None, f"its torch has no torchrun to start early ({type(exc).__name__}: {exc})"
     finally:
         if checked is None:
             os.environ.pop(NVML_CHECK)
+    if os.environ.get("NODE_RANK", "").startswith(RESTARTS):  # it has the time: what DDP imports at its first step
+        with contextlib.suppress(ImportError):  # a torch without it (older, or a stand-in): nothing to import
+            import torch._dynamo  # noqa: F401
     if opened := _gpu_driver_opened():  # a fork would share its state, which CUDA forbids: the workers start cold
         return None, f"torch opened the GPU driver ({opened}) while it was imported, which no fork may share"
     gc.freeze()  # what is imported stays out of every collection, in the forks too: none copies its pages for that
@@ -239,13 +242,10 @@ class WarmWorkers:
 
 def warm_worker(sock: socket.socket) -> int:
     """The worker torchrun asked for, run as `python ARGV` would run it; its exit code (0: stood down unused)."""
-    sock.settimeout(IDLE_SECONDS)
-    if (got := _order(sock)) is None:  # kept waiting: a restart's, with time for what DDP imports at its first step
-        with contextlib.suppress(ImportError):  # a torch without it (older, or a stand-in): nothing to import
-            import torch._dynamo
-        sock.settimeout(None)
-        got = _order(sock) or (b"", [])
-    message, fds = got
+    try:
+        message, fds, _, _ = socket.recv_fds(sock, ORDER_BYTES, 2)
+    except OSError:
+        message, fds = b"", []
     sock.close()
     if not message or len(fds) != 2:
         return 0
@@ -264,17 +264,6 @@ def warm_worker(sock: socket.socket) -> int:
         torch.set_num_threads(int(threads))
     announce()
     return as_python_ends(lambda: run_as_python(order["argv"][1:]))
-
-
-def _order(sock: socket.socket) -> tuple[bytes, list[int]] | None:
-    """The worker's order and its output's two descriptors (empty: stood down); None: none within the timeout."""
-    try:
-        message, fds, _, _ = socket.recv_fds(sock, ORDER_BYTES, 2)
-    except TimeoutError:
-        return None
-    except OSError:
-        return b"", []
-    return message, fds
 
 
 def as_python_ends(main: Any) -> int:
