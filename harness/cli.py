@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import NamedTuple, TypeAlias
 
 from harness import __version__, commands
+from harness.control.terminal import COLLAPSE_ABOVE, COLLAPSE_WINDOW
 from harness.errors import HarnessError
-from harness.run.terminal import COLLAPSE_ABOVE, COLLAPSE_WINDOW
 from harness.spec.job import SLURM_OPTIONS
 
 # What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir,
@@ -281,7 +281,7 @@ def _launch_verb(verbs: Verbs, job: argparse.ArgumentParser, runs_dir: argparse.
     launch.add_argument("--detach", action="store_true",
                         help="run in the background: the run outlives this terminal; see status/stop")
     launch.add_argument("--run-id", help=argparse.SUPPRESS)
-    # Not for users: the controller a detached launch starts (run/detach.py), its --env pairs on its stdin.
+    # Not for users: the controller a detached launch starts (control/detach.py), its --env pairs on its stdin.
     launch.add_argument("--detached-controller", action="store_true", help=argparse.SUPPRESS)
     launch.add_argument("--no-collapse", action="store_true",
                         help=f"show every rank's line on the terminal as it is; without it, a job of more than "
@@ -428,9 +428,9 @@ def _meant_flag(verb: argparse.ArgumentParser, passthrough: list[str]) -> str:
     return "".join(f" ({word.split('=')[0]}: did you mean {flag}?)" for word, flag in meant)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parsed(given: list[str]) -> argparse.Namespace:
+    """The command line's words as the verb's arguments; argparse's usage error (exit 2) for what does not parse."""
     top = parser()
-    given = sys.argv[1:] if argv is None else argv
     script_args: list[str] = []
     if given[:1] in (["launch"], ["render"]):
         given, script_args = _split_script_args(given)
@@ -450,13 +450,23 @@ def main(argv: list[str] | None = None) -> int:
             args.job = script_args.pop(0)
         args.script_args = script_args
     args.passthrough = passthrough
+    return args
+
+
+def rerun_words(args: argparse.Namespace) -> list[str]:
+    """args as a command line without --detach, which a detached run re-runs."""
+    return [args.verb, *command_line(args.verbs.choices[args.verb], args, _NOT_RERUN)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parsed(sys.argv[1:] if argv is None else argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         if getattr(args, "detached_controller", False):
-            from harness.run.detach import env_pairs_from
+            from harness.control.detach import env_pairs_from
 
             args.env = [*args.env, *env_pairs_from(sys.stdin)]
-        args.rerun = [args.verb, *command_line(args.verbs.choices[args.verb], args, _NOT_RERUN)]
+        args.rerun = rerun_words(args)
         return int(func(args))
     except HarnessError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)

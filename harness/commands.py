@@ -229,10 +229,15 @@ def open_files_as_allowed() -> None:
 
 def launch(args: argparse.Namespace) -> int:
     """args.rerun: these arguments as a command line without --detach, which a detached run re-runs."""
-    from harness.run import controller
+    job = job_of(args)
+    return launch_job(args, job, check_run_id(args.run_id) if args.run_id else new_run_id(job.spec.name))
+
+
+def launch_job(args: argparse.Namespace, job: Job, run_id: str) -> int:
+    """`harness launch` of job as run_id, from the terminal or harness.launch: its exit status."""
+    from harness.control import controller
 
     open_files_as_allowed()
-    job = job_of(args)
     spec = with_slurm_flags(job.spec, args)
     if not args.detached_controller:  # the launch that started this controller said it on its terminal
         where = "this command line (and so your shell's history)" if job.source != args.job else job.source
@@ -245,11 +250,10 @@ def launch(args: argparse.Namespace) -> int:
     target = _target(args, spec)
     secret_values(spec)  # each is there to read: a missing one fails here, before anything starts
     if args.detach and not isinstance(target, Scheduler):
-        from harness.run.detach import controller_argv, start_detached
+        from harness.control.detach import controller_argv, start_detached
 
-        run = run_dir(root, new_run_id(spec.name))
+        run = run_dir(root, run_id)
         return start_detached(controller_argv(args.rerun, root, run.run_id), run, args.env)
-    run_id = check_run_id(args.run_id) if args.run_id else new_run_id(spec.name)
     if isinstance(target, Scheduler):  # the controller in the job's batch step serves them
         return controller.launch(target, spec, job.text, job.source, root, run_id, detach=args.detach,
                                  collapse=not args.no_collapse)
@@ -272,9 +276,9 @@ def _origin(args: argparse.Namespace, job: Job) -> Origin:
 
 def attach(args: argparse.Namespace) -> int:
     """A controller for a run whose own is gone while its nodes' agents hold them (supervision.grace)."""
+    from harness.control import controller
     from harness.record.liveness import live_status
     from harness.record.schema import RunStatus
-    from harness.run import controller
     from harness.view.metrics import LOOPBACK, serving_metrics
 
     open_files_as_allowed()
@@ -343,9 +347,9 @@ def batch_step(args: argparse.Namespace) -> int:
     """The controller in a Slurm batch job's batch step (targets/slurm/batch.controller_script): it
     continues the run that `harness launch --target slurm` made, on the allocation's nodes as srun steps;
     after a requeue, the job's next run continues the same run."""
+    from harness.control import controller
+    from harness.control.continued import Continued, earlier_attempts
     from harness.record.rundir import RunDir
-    from harness.run import controller
-    from harness.run.continued import Continued, earlier_attempts
     from harness.targets.slurm.client import SlurmClient
     from harness.targets.slurm.job_file import read_job
     from harness.targets.slurm.srun import Allocation, SrunBackend
@@ -372,8 +376,8 @@ def k8s_controller(args: argparse.Namespace) -> int:
     pods, which dial in (targets/k8s/pods.py); its exit code is what the Job's podFailurePolicy reads. The Job runs
     one controller pod at a time: a new one (its predecessor evicted, its node lost) takes back the run it left on
     the volume while that run's agents hold its nodes (supervision.grace), else starts a run."""
+    from harness.control import controller
     from harness.record.liveness import left_by_a_lost_controller
-    from harness.run import controller
     from harness.targets.k8s.pods import PodLink, PodsBackend, WorkerPods
     from harness.targets.k8s.supervised import INFRA_EXIT
     from harness.view.metrics import EVERY_INTERFACE, serving_metrics

@@ -1,5 +1,5 @@
 """What a slow rank costs the job, and whether a restart without its host costs less. Pure: the job's steps over
-time in, paces and sums out (run/health_loop.py says them and acts; docs/health.md, "A slow node").
+time in, paces and sums out (control/health_loop.py says them and acts; docs/health.md, "A slow node").
 
 Under data parallelism every rank waits for the slowest, so the job's own step rate is the measure: its pace in
 the minute before the slowness began against its pace since. The slowness costs, by the job's end, the steps

@@ -48,7 +48,16 @@ from harness.node.link import AGENT_DIRECTORY, IDENTITY, ControllerLink, Link
 from harness.node.observer import RankObserver
 from harness.node.oom import oom_counts, oom_kills
 from harness.node.proctable import is_alive, kill_run_processes, process_tree, signal_all, start_ticks
-from harness.node.protocol import Kind, Word, escape_output, message_line, oom_body, parse_word
+from harness.node.protocol import (
+    RESULTS_FOLDER,
+    Kind,
+    Word,
+    escape_output,
+    message_line,
+    oom_body,
+    parse_word,
+    result_bodies,
+)
 from harness.node.store_port import keep_store, release_store
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -278,7 +287,18 @@ class Agent:
                 break
         if code != 0 and (killed := oom_kills(self.observer.seen, self.began, self.oom_before)):
             self.say(Kind.OOM, oom_body(killed))
+        self._send_results()
         return code
+
+    def _send_results(self) -> None:
+        """What the ranks of a function launch left (harness.api.rank), to the controller."""
+        folder = os.path.join(self.directory or "", RESULTS_FOLDER)
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(folder) if self.directory else [], key=lambda n: (len(n), n)):
+                if name.isdigit():
+                    with open(os.path.join(folder, name), "rb") as result:
+                        for body in result_bodies(int(name), result.read()):
+                            self.say(Kind.RESULT, body)
 
     def end(self, code: int) -> None:
         """The node's end said, and kept for a controller to take while one may come; then nothing is left."""

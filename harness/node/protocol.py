@@ -1,7 +1,7 @@
 """The node agent's protocol, both ends of it, and the one place it is described: what the controller says
 on the agent's stdin (Word) and what the agent says among the node's output on its stdout (Message).
 Standard library only: shipped to nodes with the agent (harness.targets.boot) and imported by the controller
-(harness.targets.agent_link, harness.run), so that the two ends cannot drift apart.
+(harness.targets.agent_link, harness.control), so that the two ends cannot drift apart.
 
 Controller -> agent: the first line of stdin is the agent's program and arguments (agent_link.agent_program);
 then one Word per line. End of file, or SILENCE seconds without a word, means the controller or its
@@ -19,6 +19,7 @@ follows each of its RS bytes (MARKER's first) with a US byte, and the controller
 
 from __future__ import annotations
 
+import base64
 import json
 from enum import Enum
 from typing import NamedTuple
@@ -66,7 +67,7 @@ class Kind(str, Enum):  # noqa: UP042 - as Word
     OOM = "oom"  # before the exit: {rank: the kernel's line} of ranks the OOM killer ended (harness.node.oom)
     NODE_EXIT = "node-exit"  # `CODE`: the node ended (negative: killed by that signal); the agent's last word
     # `RANKS`: the node's ranks exist (comma-separated), said once: its torchrun's rendezvous completed and it started
-    # its workers (the controller's rendezvous deadline, run/health_loop.py)
+    # its workers (the controller's rendezvous deadline, control/health_loop.py)
     STARTED = "started"
     # `JSON` {"lost_at", "bytes", "dropped", "from"}: the agent lost its controller at lost_at (its clock) and kept
     # what follows meanwhile (bytes; dropped: beyond its limit), until WATCHED; what follows is its stream from
@@ -77,8 +78,15 @@ class Kind(str, Enum):  # noqa: UP042 - as Word
     # `` (empty): the node's rendezvous store is kept from its host's other users (harness.node.store_port); else why
     # not, in words. Said once, before the node's command starts, by the agent of a node that hosts the store.
     STORE = "store"
+    # `RANK PART LAST CHUNK`: a chunk (base64) of what a rank of a function launch left in the agent's directory
+    # (harness.api.rank: its return value or its exception, pickled), sent once the node's command ended, before
+    # NODE_EXIT
+    RESULT = "result"
 
 
+# Where, in the agent's directory (HARNESS_AGENT_DIR), each rank of a function launch leaves its result as a file
+# named by its rank (harness.api.rank), for the agent to send as RESULT messages.
+RESULTS_FOLDER = "results"
 # A STACKS answer under this rank is the node's launcher's, sent where the node has no ranks yet: its torchrun (or
 # the shell still running the job's setup), {"pid", "state", "command", "threads"}, as a rank's answer has them.
 LAUNCHER_RANK = -1
@@ -231,11 +239,20 @@ def parse_arrivals(body: str) -> RankArrivals:
                         [Arrival(str(g), int(s), int(ns)) for g, s, ns in payload["arrived"]])
 
 
+def _chunked(head: str, text: str) -> list[str]:
+    """text cut into message bodies of at most CHUNK characters of it: `HEAD PART LAST CHUNK`."""
+    parts = [text[i:i + CHUNK] for i in range(0, len(text), CHUNK)] or [""]
+    return [f"{head} {number} {int(number == len(parts) - 1)} {part}" for number, part in enumerate(parts)]
+
+
 def stacks_bodies(tag: str, rank: int, answer: object) -> list[str]:
     """One rank's stacks answer (JSON) cut into chunks: `TAG RANK PART LAST CHUNK`."""
-    text = json.dumps(answer)
-    parts = [text[i:i + CHUNK] for i in range(0, len(text), CHUNK)] or [""]
-    return [f"{tag} {rank} {number} {int(number == len(parts) - 1)} {part}" for number, part in enumerate(parts)]
+    return _chunked(f"{tag} {rank}", json.dumps(answer))
+
+
+def result_bodies(rank: int, result: bytes) -> list[str]:
+    """What one rank of a function launch left (harness.api.rank), cut into chunks: `RANK PART LAST CHUNK`."""
+    return _chunked(str(rank), base64.b64encode(result).decode("ascii"))
 
 
 class StackChunks:
@@ -252,6 +269,21 @@ class StackChunks:
         if last != "1":
             return None
         return StackAnswer(tag, int(rank), json.loads("".join(self._parts.pop(key))))
+
+
+class ResultChunks:
+    """Reassembles the chunks of each rank's result (result_bodies), as they arrive from one agent."""
+
+    def __init__(self) -> None:
+        self._parts: dict[int, list[str]] = {}
+
+    def take(self, body: str) -> tuple[int, bytes] | None:
+        """(rank, its result) once body was its last chunk; ValueError for a damaged body."""
+        rank, _, last, chunk = body.split(" ", 3)
+        self._parts.setdefault(int(rank), []).append(chunk)
+        if last != "1":
+            return None
+        return int(rank), base64.b64decode("".join(self._parts.pop(int(rank))), validate=True)
 
 
 def oom_body(killed: dict[int, str]) -> str:

@@ -13,11 +13,11 @@ import threading
 import uuid
 from collections.abc import Mapping
 
+from harness.control.supervisor import Supervisor
+from harness.control.terminal import Terminal
 from harness.plan.planner import Plan, job_hosts
 from harness.preflight.remote import MARKER, TORCH_TIMEOUT_FACTOR, answer_in
 from harness.preflight.table import Check, Status
-from harness.run.supervisor import Supervisor
-from harness.run.terminal import Terminal
 from harness.spec.inventory import Inventory
 from harness.spec.job import Entrypoint, JobSpec
 from harness.targets.ssh.backend import SSHBackend

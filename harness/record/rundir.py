@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError, short_repr
-from harness.record.atomic import file_mode, folder_mode, make_folders, write_text_atomic
+from harness.record.atomic import file_mode, folder_mode, make_folders, write_bytes_atomic, write_text_atomic
 from harness.record.disk import RecordDisk
 from harness.record.schema import (
     Attempt,
@@ -125,6 +125,16 @@ class RunDir:
     def hang_stacks(self, attempt: int) -> Path:
         """Where the stacks of the attempt's hang are kept (run/stack_capture.keep: rankN.txt, stacks.json)."""
         return self.stacks / f"attempt-{attempt}"
+
+    def results(self, attempt: int) -> Path:
+        """What each rank of the attempt of a function launch returned or raised (harness.api.rank), pickled, a file
+        by rank: the owner's alone (0600 in 0700 folders, even where the runs directory is shared with a group),
+        unpickled by harness.Run.result() alone. The function itself is never kept (docs/security.md)."""
+        return self.path / "results" / f"attempt-{attempt}"
+
+    def write_result(self, attempt: int, rank: int, result: bytes) -> None:
+        make_folders(self.results(attempt), 0o700)
+        write_bytes_atomic(self.results(attempt) / str(rank), result, 0o600)
 
     @property
     def health_file(self) -> Path:

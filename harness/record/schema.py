@@ -1,6 +1,6 @@
 """The run record's schema: what a run's state.json and summary.json hold (RunState, RunSummary and
 their parts, among them RecordedNode: a node of an attempt as the record keeps it, beside the live
-run/live.py LiveNode it is made from), written atomically and validated when read back, so that one
+control/live.py LiveNode it is made from), written atomically and validated when read back, so that one
 damaged file is reported as that run's problem instead of breaking every command that lists runs."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class RunState:
 
 @dataclass(frozen=True)
 class RecordedNode:
-    """A node of an attempt as the run record keeps it (run/live.py's LiveNode is the node while it runs)."""
+    """A node of an attempt as the run record keeps it (control/live.py's LiveNode is the node while it runs)."""
 
     node_rank: int
     host: str
@@ -155,7 +155,7 @@ class Failure:
 
 
 class HealthEventKind(StrEnum):
-    """What the health watch said during an attempt (run/health_loop.py)."""
+    """What the health watch said during an attempt (control/health_loop.py)."""
 
     SLOW = "slow"  # a rank its peers wait for (waited: the percentage of the time they do)
     RECOVERED = "recovered"  # a rank named slow is no longer

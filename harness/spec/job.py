@@ -54,6 +54,9 @@ RESERVED_ENV = frozenset(
      "NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"}
 )
 RESERVED_PREFIXES = ("PET_", "HARNESS_", "TORCHELASTIC_")
+# The one name of HARNESS_ a spec may hold: a piece of a function launch's call, which its spec holds as secrets
+# (harness/api/rank.py, CALL_VARIABLE; docs/python.md).
+CALL_PIECE = re.compile("HARNESS_CALL_[0-9]+")
 # A Linux interface name as getifaddrs reports it (IFNAMSIZ - 1 characters; no '/', no blanks).
 INTERFACE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,14}", re.ASCII)
 
@@ -190,6 +193,8 @@ def _env_name(key: Any) -> str:
     if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
         raise ValueError(f"{short_repr(key)} is not a valid environment variable name")
     upper = key.upper()
+    if CALL_PIECE.fullmatch(key):
+        return key
     if upper in RESERVED_ENV or upper.startswith(RESERVED_PREFIXES):
         same = "is" if upper == key else f"differs only in case from {upper}, which is"
         raise ValueError(
@@ -317,7 +322,7 @@ def _removed_max_restarts(value: Any) -> None:
     )
 
 
-FAILURE_KINDS = ("infra", "hang", "program")  # how an attempt can fail (run/recovery.py classes it)
+FAILURE_KINDS = ("infra", "hang", "program")  # how an attempt can fail (control/recovery.py classes it)
 RESTART_KINDS = (*FAILURE_KINDS, "slow")  # what restarts.on may name: slow, a restart the harness chooses
 
 
@@ -373,8 +378,8 @@ DEFAULT_CHECKPOINT = r"checkpoint(?<=\bcheckpoint)\b.*?\bsaved in (?P<seconds>\d
 
 
 class Health(StrictModel):
-    """What the harness watches while a job runs (harness.health, run/health_loop.py). stall: seconds a rank may make no
-    progress (no CPU time used, in it or its children) before the job counts as hung: every rank's
+    """What the harness watches while a job runs (harness.health, control/health_loop.py). stall: seconds a rank may
+    make no progress (no CPU time used, in it or its children) before the job counts as hung: every rank's
     stack is captured, the job stopped and the attempt classed `hang`; 0 turns the watch off. slow: a
     rank that its peers wait for at least this percentage of the time, for a minute, is named as
     slow; 0 turns it off. slow_for: seconds a slowness must last before it is weighed against a restart

@@ -1,7 +1,7 @@
 """Which of a rank's lines say a step, and which say a resume: the shapes of the lines training scripts print,
 each anchored to the line's start (after a rank prefix, a timestamp or a log level), so that a step named inside
 another line -- `checkpoint: step 35 saved`, `RuntimeError: ... at step 10`, `resumed from ... at step 25` -- is
-no step taken. health.progress (spec/job.py) may give other patterns; run/live.py reads the lines with them."""
+no step taken. health.progress (spec/job.py) may give other patterns; control/live.py reads the lines with them."""
 
 from __future__ import annotations
 

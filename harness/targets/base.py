@@ -1,5 +1,5 @@
 """The two target interfaces, and the node process contract. One run controller drives both
-(harness.run.controller; docs/architecture.md):
+(harness.control.controller; docs/architecture.md):
 
 - controller-supervised (`Backend`): the harness starts every node itself, each under the node
   agent, and supervises it (simulated nodes, SSH hosts, srun steps inside an allocation);

@@ -9,7 +9,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -81,6 +81,22 @@ class Selection:
 
 
 def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = False) -> int:
+    written = 0
+    for line in log_lines(run, selection, follow, flushed=out.flush):
+        out.write(line)
+        written += 1
+    out.flush()
+    if not written:
+        which = selection.filters()
+        print(f"harness: no line of run {run.run_id}" + (f" matches {which}" if which else " was recorded yet"),
+              file=sys.stderr)
+    return 0
+
+
+def log_lines(run: RunDir, selection: Selection, follow: bool = False,
+              flushed: Callable[[], None] = lambda: None) -> Iterator[str]:
+    """The run's lines that selection keeps, as it shows them (each with its newline), in time order; with follow, on
+    as they come until the run ends. flushed: called whenever the lines there are now have all been given."""
     folder = run.stream
     if not folder.is_dir():
         raise HarnessError(f"run {run.run_id} has no timed record of its stream ({folder}/ is missing: it was "
@@ -90,20 +106,16 @@ def print_logs(run: RunDir, selection: Selection, out: IO[str], follow: bool = F
                          f"{', '.join(p.name for p in sorted(folder.glob('attempt*'))) or 'none yet'}")
     _refuse_unknown(run, selection)
     readers = {path: StreamReader(path) for path in selection.files(folder)}
-    written = _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
+    yield from _kept(selection, heapq.merge(*(reader.lines() for reader in readers.values())))
     while follow:
+        flushed()
         ended = has_ended(run)  # read before the last lines: what the run wrote before it ended is all there
         for path in selection.files(folder):
             readers.setdefault(path, StreamReader(path))
-        written += _write(out, selection, heapq.merge(*(reader.lines() for reader in readers.values())))
+        yield from _kept(selection, heapq.merge(*(reader.lines() for reader in readers.values())))
         if ended:
             break
         time.sleep(FOLLOW_POLL_SECONDS)
-    if not written:
-        which = selection.filters()
-        print(f"harness: no line of run {run.run_id}" + (f" matches {which}" if which else " was recorded yet"),
-              file=sys.stderr)
-    return 0
 
 
 def _refuse_unknown(run: RunDir, selection: Selection) -> None:
@@ -132,15 +144,8 @@ def _span(numbers: set[int]) -> str:
     return ",".join(map(str, sorted(numbers)))
 
 
-def _write(out: IO[str], selection: Selection, lines: Iterable[str]) -> int:
-    """How many lines it wrote."""
-    written = 0
-    for line in lines:
-        if selection.keeps(line):
-            out.write(selection.shown(line))
-            written += 1
-    out.flush()
-    return written
+def _kept(selection: Selection, lines: Iterable[str]) -> Iterator[str]:
+    return (selection.shown(line) for line in lines if selection.keeps(line))
 
 
 def since_stamp(seconds: float) -> str:

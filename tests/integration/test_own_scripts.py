@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from harness.run.worker_output import NO_CUDA_HINT
+from harness.control.worker_output import NO_CUDA_HINT
 
 from conftest import REPO, STANDIN_ENV, assert_nothing_left, free_port, harness
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.control.summary_text import report
+from harness.control.terminal import Terminal
 from harness.errors import SpecError
 from harness.plan.planner import NoSpareHosts, job_hosts
 from harness.record.rundir import RunDir
 from harness.record.schema import Attempt, FailureKind, RunStatus, RunSummary
-from harness.run.summary_text import report
-from harness.run.terminal import Terminal
 from harness.spec.inventory import load_inventory
 from harness.spec.job import load_job
 from harness.targets.local.backend import LocalBackend

@@ -6,13 +6,13 @@ import random
 from dataclasses import replace
 from types import SimpleNamespace
 
+from harness.control.health_loop import HealthLoop
 from harness.health.judge import SLOW_CONFIRM, HealthJudge
 from harness.health.rank_stack import Collective, Frame, RankStack, StackThread, grouped
 from harness.health.rendezvous import rendezvous_verdict
 from harness.health.verdict import hang_verdict
 from harness.node.protocol import LAUNCHER_RANK, Arrival, RankSample
 from harness.plan.planner import Node
-from harness.run.health_loop import HealthLoop
 
 NODES = [Node(host=f"h{i + 1}", address=f"10.0.0.{i + 1}", node_rank=i, nproc=1) for i in range(4)]
 SITE = "/venv/lib/python3.11/site-packages"

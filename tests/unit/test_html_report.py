@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 
 from harness import cli
+from harness.control import health_loop
+from harness.control.health_loop import HealthLoop
+from harness.control.live import LiveNode, RankActivity, StepMark
+from harness.control.stack_capture import keep
 from harness.health.judge import HealthJudge
 from harness.health.rank_stack import Collective, Frame, RankStack, StackThread
 from harness.node import observer
@@ -43,10 +47,6 @@ from harness.record.schema import (
     Slowed,
 )
 from harness.record.timeline import RankPoint, Sample, append_sample, read_timeline
-from harness.run import health_loop
-from harness.run.health_loop import HealthLoop
-from harness.run.live import LiveNode, RankActivity, StepMark
-from harness.run.stack_capture import keep
 from harness.view.charts import TimeAxis, color
 from harness.view.report import html_report
 

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
+from harness.control.live import LiveNode
+from harness.control.worker_output import is_cpp_info, normalize, user_error
 from harness.plan.planner import Node
-from harness.run.live import LiveNode
-from harness.run.worker_output import is_cpp_info, normalize, user_error
 from harness.spec.job import load_job
 from harness.targets.k8s.manifests import render_manifests
 from harness.targets.slurm.batch import batch_script

@@ -8,11 +8,8 @@ from collections import deque
 
 import pytest
 
-from harness.errors import SpecError
-from harness.plan.planner import NodePlan, NoSpareHosts, job_hosts
-from harness.record.schema import Attempt, Failure, FailureKind, RunStatus
-from harness.run.live import LiveNode
-from harness.run.recovery import (
+from harness.control.live import LiveNode
+from harness.control.recovery import (
     DISK_HINT,
     OOM_HINT,
     attempt_failures,
@@ -21,7 +18,10 @@ from harness.run.recovery import (
     no_restart_reason,
     repeated_failure,
 )
-from harness.run.results import failure_of, summary_error
+from harness.control.results import failure_of, summary_error
+from harness.errors import SpecError
+from harness.plan.planner import NodePlan, NoSpareHosts, job_hosts
+from harness.record.schema import Attempt, Failure, FailureKind, RunStatus
 from harness.spec.inventory import load_inventory
 from harness.spec.job import MAX_BACKOFF, Restarts, load_job
 from harness.targets.base import Outcome

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from harness import cli
+from harness.control.detach import controller_argv, env_pairs_from
 from harness.errors import SpecError, UsageError
 from harness.plan.planner import plan_local
 from harness.plan.render import render_json, render_text
-from harness.run.detach import controller_argv, env_pairs_from
 from harness.spec.from_flags import ScriptFlags, spec_yaml
 from harness.spec.job import load_job
 from harness.spec.secrets import MASK, looks_secret, masked_spec_text, secret_values, shown_words
@@ -207,7 +207,7 @@ def test_slurms_job_json_holds_no_value_and_the_batch_step_takes_each_from_its_e
 
 
 def test_a_detached_controllers_command_line_holds_no_env_value():
-    """Its --env pairs come on its stdin (run/detach.py): /proc shows its command line to every user for the whole run;
+    """Its --env pairs come on its stdin (control/detach.py): /proc shows its command line to every user for the whole run;
     the script's own arguments after `--` stay as they are. Proven on a real launch: tests/integration/test_detach.py."""
     rerun = ["launch", "--env=GITHUB_PAT=v1", "--env=LR=1", "--nnodes=2", "train.py", "--", "--env=x"]
     argv = controller_argv(rerun, Path("/r"), "train-1")

@@ -1,5 +1,5 @@
 """A slow node's policy where it must do nothing (issue 68, "never wrong"), and the sum it says either way: the
-paces and sums of harness/health/slowdown.py, and the health loop's weighing (run/health_loop.py) on a real judge
+paces and sums of harness/health/slowdown.py, and the health loop's weighing (control/health_loop.py) on a real judge
 fed a rank's samples second by second. The launches that act, and one whose job does not put slow in restarts.on:
 tests/integration/test_recovery.py (a spare on SSH hosts, fewer simulated nodes) and test_health.py."""
 
@@ -10,16 +10,16 @@ from collections.abc import Callable
 
 from test_health_rules import NODES
 
+from harness.control.health_loop import HealthLoop
+from harness.control.live import LiveNode
+from harness.control.output import Output
+from harness.control.stack_capture import StackCapture
+from harness.control.stopper import Stopper
+from harness.control.terminal import Terminal
 from harness.health.judge import HealthJudge
 from harness.health.slowdown import Course, PaceHistory, Slowdown, SlowPolicy, decide, slowdown
 from harness.node.protocol import RankSample
 from harness.record.schema import HealthEventKind, Progress
-from harness.run.health_loop import HealthLoop
-from harness.run.live import LiveNode
-from harness.run.output import Output
-from harness.run.stack_capture import StackCapture
-from harness.run.stopper import Stopper
-from harness.run.terminal import Terminal
 
 TOTAL = 1000  # the job's steps, as its progress lines say them
 SPARE = SlowPolicy(slow_for=60, acts=True, no_restart=None, without=lambda host: 1.0, recovery_s=10.0)

@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 
 from harness import __version__
+from harness.control.continued import earlier_attempts
 from harness.errors import HarnessError, SpecError
 from harness.record.rundir import RunDir
 from harness.record.schema import ControllerId, FailureKind, RunState, RunStatus
-from harness.run.continued import earlier_attempts
 from harness.spec.job import load_job
 from harness.targets.slurm.batch import batch_script, controller_script
 from harness.targets.slurm.client import parse_job

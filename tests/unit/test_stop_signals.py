@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.control.results import stopped_status
+from harness.control.stopper import stop_on_signals
 from harness.record.rundir import RunDir
 from harness.record.schema import RunStatus
-from harness.run.results import stopped_status
-from harness.run.stopper import stop_on_signals
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

@@ -18,17 +18,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from harness.control.health_loop import rank_row
+from harness.control.live import FIRST_STEP_LOOKED_AT, TAIL_KEPT, LiveNode, StepMark
+from harness.control.output import Output
+from harness.control.stack_capture import StackCapture
+from harness.control.terminal import Terminal
 from harness.node.protocol import Kind, Word, message_line, parse_word, word_line
 from harness.plan.planner import Node
 from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir
 from harness.record.schema import ControllerId, RunState, RunStatus
 from harness.record.stream import STAMP_WIDTH, StreamRecord, stamp
-from harness.run.health_loop import rank_row
-from harness.run.live import FIRST_STEP_LOOKED_AT, TAIL_KEPT, LiveNode, StepMark
-from harness.run.output import Output
-from harness.run.stack_capture import StackCapture
-from harness.run.terminal import Terminal
 from harness.spec.job import Health
 from harness.spec.progress import LinePatterns
 from harness.targets.agent_link import AgentNode

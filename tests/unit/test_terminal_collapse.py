@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from harness import cli, commands
+from harness.control import controller
+from harness.control.terminal import COLLAPSE_ABOVE, Terminal, _Copies, _Group
 from harness.health.rank_stack import number_ranges
-from harness.run import controller
-from harness.run.terminal import COLLAPSE_ABOVE, Terminal, _Copies, _Group
 
 LONG = 3600.0  # a window no test outlives: what is held is shown by close() or a harness line
 

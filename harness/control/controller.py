@@ -27,6 +27,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
+from harness.control.continued import Continued
+from harness.control.follow import Follower
+from harness.control.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
+from harness.control.results import (
+    failure_of,
+    hang_failure,
+    recorded_node,
+    slow_failure,
+    stopped_status,
+    summary_error,
+    unjoined_failures,
+)
+from harness.control.stopper import stop_on_signals
+from harness.control.summary_text import report
+from harness.control.supervisor import Supervisor
+from harness.control.terminal import COLLAPSE_ABOVE, Terminal
 from harness.errors import HarnessError
 from harness.health.judge import HealthJudge
 from harness.health.slowdown import SlowPolicy
@@ -51,22 +67,6 @@ from harness.record.schema import (
     Unwatched,
 )
 from harness.record.stream import FOLLOWER_FILE, HARNESS_FILE, StreamRecord
-from harness.run.continued import Continued
-from harness.run.follow import Follower
-from harness.run.recovery import attempt_failures, attempt_kind, backoff_seconds, no_restart_reason
-from harness.run.results import (
-    failure_of,
-    hang_failure,
-    recorded_node,
-    slow_failure,
-    stopped_status,
-    summary_error,
-    unjoined_failures,
-)
-from harness.run.stopper import stop_on_signals
-from harness.run.summary_text import report
-from harness.run.supervisor import Supervisor
-from harness.run.terminal import COLLAPSE_ABOVE, Terminal
 from harness.spec.job import JobSpec
 from harness.spec.secrets import masked_spec_text
 from harness.targets.base import Announcing, Backend, CheckFailed, NodeProcess, Scheduler
@@ -84,7 +84,7 @@ def launch(target: Backend | Scheduler, spec: JobSpec, spec_text: str, source: s
     status. Nothing exists yet when the first check fails. A backend is closed at the end. spec_text:
     the spec as its file holds it (kept as the run's spec.yaml); source: that file, or the command that
     made the spec. detach: a scheduler's job is submitted, not followed. collapse: identical lines of
-    many ranks are shown as one on the terminal (run/terminal.py; False: --no-collapse). metrics: where the run's
+    many ranks are shown as one on the terminal (control/terminal.py; False: --no-collapse). metrics: where the run's
     metrics are served (view/metrics.py; None: nowhere), said first and kept in its state. origin: where it was
     launched from, for `harness attach`. taken_back_by: who takes the nodes back should this controller be lost (words;
     None: `harness attach` where origin is given, else no one: the nodes stop with it)."""

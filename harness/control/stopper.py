@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from harness.run.live import LiveNode
+from harness.control.live import LiveNode
 from harness.targets.base import NodeProcess
 
 POLL_SECONDS = 0.05

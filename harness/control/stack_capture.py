@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.control.live import LiveNode
 from harness.health.rank_stack import RankStack
 from harness.node.protocol import LAUNCHER_RANK, Kind, Message, StackChunks
 from harness.plan.planner import Node
 from harness.record.rundir import STACKS_TAG, RunDir
-from harness.run.live import LiveNode
 from harness.targets.base import NodeProcess
 
 STACKS_SECONDS = 20.0  # how long the nodes have to answer for their ranks' stacks

@@ -13,23 +13,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.control.cascade import Cascade
+from harness.control.health_loop import HealthLoop
+from harness.control.live import LiveNode
+from harness.control.output import Output
+from harness.control.stack_capture import StackCapture
+from harness.control.stopper import Stopper
+from harness.control.terminal import Terminal
 from harness.health.judge import HealthJudge
 from harness.health.rank_stack import number_ranges, ranks_text
 from harness.health.rendezvous import RendezvousVerdict
 from harness.health.slowdown import SlowPolicy
 from harness.health.verdict import Verdict
-from harness.node.protocol import Kind, parse_arrivals, parse_health, parse_oom
+from harness.node.protocol import Kind, ResultChunks, parse_arrivals, parse_health, parse_oom
 from harness.plan.planner import Node, NodePlan
 from harness.record.rundir import RunDir
 from harness.record.schema import HealthEvent
 from harness.record.stream import StreamRecord
-from harness.run.cascade import Cascade
-from harness.run.health_loop import HealthLoop
-from harness.run.live import LiveNode
-from harness.run.output import Output
-from harness.run.stack_capture import StackCapture
-from harness.run.stopper import Stopper
-from harness.run.terminal import Terminal
 from harness.spec.progress import LinePatterns
 from harness.targets.base import NodeProcess, Outcome
 
@@ -123,6 +123,7 @@ class Supervisor:
         """The agent's messages: health samples and arrivals to the judge, stacks to whoever asked, OOM kills
         to the node."""
         judge = self.health_loop.judge
+        results = ResultChunks()
         while live.outcome is None or not process.messages.empty():
             try:
                 message = process.messages.get(timeout=MESSAGE_POLL_SECONDS)
@@ -143,8 +144,18 @@ class Supervisor:
                     live.ranks_at = time.time()
                 elif message.kind is Kind.STORE:
                     self.say(store_words(process.node, message.body))
+                elif message.kind is Kind.RESULT and (result := results.take(message.body)) is not None:
+                    self._keep_result(*result)
             except (ValueError, KeyError, TypeError):  # a damaged message is one lost sample, not a crash
                 continue
+
+    def _keep_result(self, rank: int, result: bytes) -> None:
+        if self.health_loop.run is None:
+            return
+        try:
+            self.health_loop.run.write_result(self.health_loop.attempt, rank, result)
+        except OSError as exc:
+            self.say(f"rank {rank}'s result could not be kept in {self.health_loop.run.path}: {exc.strerror or exc}")
 
     def _reap(self, process: NodeProcess, live: LiveNode) -> None:
         outcome = process.wait()

@@ -1,18 +1,18 @@
 """A finished attempt's nodes and failures as run-record entries (harness.record.schema), whichever
-target ran them: each LiveNode (run/live.py) becomes a RecordedNode, each node failure a Failure."""
+target ran them: each LiveNode (control/live.py) becomes a RecordedNode, each node failure a Failure."""
 
 from __future__ import annotations
 
 import signal
 import time
 
+from harness.control import worker_output
+from harness.control.live import LiveNode
+from harness.control.recovery import NodeFailure
 from harness.health.rendezvous import RendezvousVerdict
 from harness.health.verdict import Verdict
 from harness.record.rundir import RunDir
 from harness.record.schema import Failure, FailureKind, HealthEvent, RecordedNode, RunStatus
-from harness.run import worker_output
-from harness.run.live import LiveNode
-from harness.run.recovery import NodeFailure
 from harness.targets.base import Outcome
 
 

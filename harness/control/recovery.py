@@ -19,10 +19,10 @@ import re
 import signal
 from dataclasses import dataclass
 
+from harness.control import worker_output
+from harness.control.live import LiveNode
 from harness.plan.setup_script import FAILED as SETUP_FAILED
 from harness.record.schema import Attempt, Failure, FailureKind
-from harness.run import worker_output
-from harness.run.live import LiveNode
 from harness.spec.job import MAX_BACKOFF, Restarts
 
 # A worker's error when a peer (process, host or link) went away: a consequence, not a cause.

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+from harness.control.terminal import Terminal
 from harness.record.rundir import RunDir
 from harness.record.schema import RunStatus, RunSummary
-from harness.run.terminal import Terminal
 
 
 def report(out: Terminal, summary: RunSummary, run: RunDir) -> None:

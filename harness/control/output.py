@@ -1,4 +1,4 @@
-"""The run's one stream: every node's lines with the node's prefix on the terminal (run/terminal.py),
+"""The run's one stream: every node's lines with the node's prefix on the terminal (control/terminal.py),
 in the node's log as they came, and with their times in the run's record (record/stream.py). Each
 node's output is taken a block at a time -- all that arrived since the last read -- so that the stream
 costs per read, not per line, and keeps up with any job's output."""
@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from harness.control.live import Block, LiveNode
+from harness.control.terminal import Terminal
 from harness.plan.planner import Node
 from harness.record.stream import StreamRecord, stamp, stamped
-from harness.run.live import Block, LiveNode
-from harness.run.terminal import Terminal
 from harness.spec.progress import LinePatterns
 from harness.targets.base import NodeProcess
 

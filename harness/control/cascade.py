@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.run import worker_output
+from harness.control import worker_output
 
 TRACEBACK = "Traceback (most recent call last):"
 LONGEST_TRACEBACK = 400  # lines buffered before a traceback that never ends is shown as it is

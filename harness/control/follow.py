@@ -11,9 +11,9 @@ import threading
 import time
 from pathlib import Path
 
+from harness.control.terminal import Terminal
 from harness.record.rundir import RunDir
 from harness.record.stream import StreamReader, record_files, unstamp
-from harness.run.terminal import Terminal
 from harness.targets.base import JobStatus, Scheduler
 
 POLL_SECONDS = 0.1  # how often the record is read (the run's lines reach the terminal this late at most)

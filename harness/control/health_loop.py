@@ -12,6 +12,10 @@ import time
 import traceback
 from collections.abc import Callable
 
+from harness.control.live import LiveNode, RankActivity
+from harness.control.output import Output
+from harness.control.stack_capture import StackCapture, keep
+from harness.control.stopper import Stopper
 from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView
 from harness.health.rank_stack import RankStack, ranks_text
 from harness.health.rendezvous import RendezvousVerdict, rendezvous_verdict
@@ -22,10 +26,6 @@ from harness.plan.planner import Node
 from harness.record.rundir import RunDir
 from harness.record.schema import HealthEvent, HealthEventKind, LiveHealth, Progress, RankRow, Slowed
 from harness.record.timeline import RankPoint, Sample
-from harness.run.live import LiveNode, RankActivity
-from harness.run.output import Output
-from harness.run.stack_capture import StackCapture, keep
-from harness.run.stopper import Stopper
 
 TICK_SECONDS = 0.5
 TIMELINE_SECONDS = 5.0  # how often each rank's course is added to timeline.jsonl (more often while young)

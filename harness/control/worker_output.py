@@ -43,7 +43,7 @@ TORCHRUN_REPORT = re.compile(r"^[EW]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distr
 CPP_TERMINATE = re.compile(r"^terminate called after throwing an instance of '(?P<type>[^']+)'$")
 CPP_WHAT = re.compile(r"^\s*what\(\):\s*(?P<what>.*)$")
 WHAT_WITHIN = 8  # lines after the terminate line its what() line may come, the worker's stdout between
-# An exception that only says a peer went away: the rank failed because another one did (run/cascade.py).
+# An exception that only says a peer went away: the rank failed because another one did (control/cascade.py).
 AFTER_A_PEER = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|remote process exited|"
     r"NCCL communicator was aborted|[Ww]atchdog caught collective operation timeout|DistNetworkError|"

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from harness.control import worker_output
+from harness.control.cascade import TRACEBACK, Cascade
 from harness.plan.planner import Node, NodePlan
-from harness.run import worker_output
-from harness.run.cascade import TRACEBACK, Cascade
 from harness.spec.progress import LinePatterns, global_step, step_total
 from harness.targets.base import Outcome
 

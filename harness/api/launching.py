@@ -1,0 +1,173 @@
+"""`harness.launch`: the launch verb's own core (harness.commands.launch_job) from Python. Its arguments become the
+words `harness launch` parses, so that a launch from Python is validated, planned, checked, run and recorded as the
+same launch typed in a terminal; a function becomes a job whose ranks call it (harness.api.function)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.api.function import (
+    CALL_MODULE,
+    keep_for,
+    launched_dir,
+    pickled_call,
+    prune_launched,
+    write_call_job,
+    write_job,
+)
+from harness.api.handle import Run, RunFailed
+from harness.errors import HarnessError, UsageError
+from harness.record.rundir import new_run_id, run_dir, runs_root
+from harness.record.schema import RunStatus
+from harness.spec.from_flags import ScriptFlags, job_name, spec_data
+from harness.spec.job import JobSpec
+
+SPEC_SUFFIXES = (".yaml", ".yml")
+
+
+def launch(job: str | Path | JobSpec | Callable[..., Any] | None = None, *, args: Sequence[Any] = (),
+           kwargs: Mapping[str, Any] | None = None, module: str | None = None, hosts: str | Path | None = None,
+           detach: bool = False, nnodes: int | str | None = None, nproc_per_node: int | str | None = None,
+           name: str | None = None, env: Mapping[str, str] | None = None, max_restarts: int | None = None,
+           backend: str | None = None, master_port: int | str | None = None, rdzv: str | None = None,
+           stall: float | None = None, slow: float | None = None, metrics_port: int | None = None,
+           metrics_address: str | None = None, runs_dir: str | Path | None = None, collapse: bool = True,
+           target: str = "torchrun", known_hosts: str | Path | None = None, accept_new_host_keys: bool = False,
+           skip_preflight: bool = False) -> Run:
+    """Launch a job as `harness launch` does, and return its Run: job is a spec file (jobs/cifar.yaml), a Job
+    (harness.load_job), a script (train.py, with args: its arguments), module= a module (`-m`), or a function, which
+    every rank calls as function(*args, **kwargs) (Run.result() gives back what it returned).
+
+    Every other argument is the launch flag of the same name (docs/cli.md). Without detach, the run's stream is
+    printed here as it comes and launch returns once the run has ended; it raises RunFailed if the run did not
+    succeed (RankError, with the rank's traceback, where a function's rank raised), KeyboardInterrupt once an
+    interrupt (Ctrl-C, a notebook's stop button) has stopped it; errors of the spec or the arguments raise
+    HarnessError (SpecError: with the file, line and key path) before anything starts. With detach, it returns once
+    the run has started, its controller in a process of its own."""
+    from harness.commands import job_of, launch_job
+
+    if job is None and module is None:
+        raise UsageError("expected a job: a spec file, a Job, a script, module=, or a function")
+    job_flags = {"nnodes": nnodes, "nproc-per-node": nproc_per_node, "name": name, "max-restarts": max_restarts,
+                 "backend": backend, "master-port": master_port, "rdzv-backend": rdzv}
+    health_flags = {"stall": stall, "slow": slow, "metrics-port": metrics_port, "metrics-address": metrics_address}
+    common = [*_words({"hosts": hosts, "runs-dir": runs_dir, "target": target if target != "torchrun" else None,
+                       "known-hosts": known_hosts}),
+              *_switches({"detach": detach, "no-collapse": not collapse, "accept-new-host-keys": accept_new_host_keys,
+                          "skip-preflight": skip_preflight})]
+    launched: Path | None = None
+    if callable(job) and not isinstance(job, JobSpec):
+        prune_launched()
+        flags = _flags(module=CALL_MODULE, name=name or job_name(getattr(job, "__name__", "function")),
+                       nnodes=nnodes, nproc_per_node=nproc_per_node, env=env, max_restarts=max_restarts,
+                       backend=backend, master_port=master_port, rdzv=rdzv, stall=stall, slow=slow,
+                       metrics_port=metrics_port, metrics_address=metrics_address)
+        run_id = new_run_id(spec_data(flags)["name"])
+        launched = launched_dir() / run_id
+        spec_file = write_call_job(launched, spec_data(flags), pickled_call(job, args, kwargs or {}),
+                                   f"harness.launch({getattr(job, '__qualname__', 'a function')}, ...)")
+        words = ["launch", *common, "--", str(spec_file)]
+    else:
+        if kwargs:
+            raise UsageError("kwargs= is for a function; a script takes args= (its command line)")
+        entry = _entry(job, module)
+        given = job_flags if entry is None or not entry.endswith(SPEC_SUFFIXES) else {}
+        refused = [flag for flag, value in job_flags.items() if value is not None and not given]
+        if refused:
+            raise UsageError(f"{refused[0].replace('-', '_')}= is for a script or a function; {entry} is a job spec: "
+                             f"set its keys there (docs/job-spec.md)")
+        words = ["launch", *_words(given), *_words({"env": env}), *_words(health_flags), *common,
+                 *(["-m", module] if module is not None else []), "--",
+                 *([entry] if entry is not None else []), *map(str, args)]
+        run_id = None
+    run: Run | None = None
+    try:
+        parsed = _parsed(words)
+        job_made = job_of(parsed)
+        run_id = run_id or new_run_id(job_made.spec.name)
+        run = Run(run_dir(runs_root(parsed.runs_dir), run_id), None if runs_dir is None else str(runs_dir))
+        if launched is not None:
+            keep_for(launched, run_dir(runs_root(parsed.runs_dir), run_id))
+        code = launch_job(parsed, job_made, run_id)
+    finally:
+        started = run is not None and run.path.joinpath("state.json").exists()
+        if launched is not None and not (detach and started):  # a detached run's later attempts need it
+            shutil.rmtree(launched, ignore_errors=True)
+    if not started:
+        raise HarnessError(f"the launch failed before its run started (exit status {code}): see the lines above")
+    assert run is not None
+    if detach:
+        return run
+    return _ended(run, is_function=launched is not None)
+
+
+def _ended(run: Run, is_function: bool) -> Run:
+    status = run.status()
+    if status.state is RunStatus.INTERRUPTED:
+        raise KeyboardInterrupt(f"run {run.id} was interrupted, and stopped")
+    if is_function and status.state is RunStatus.FAILED:
+        run.result()  # RankError where a rank raised
+    if status.state is not RunStatus.SUCCEEDED:
+        raise RunFailed(run, f"run {run.id} {status.state.value}" + (f": {status.error}" if status.error else ""))
+    return run
+
+
+def _entry(job: str | Path | JobSpec | None, module: str | None) -> str | None:
+    """The launch's positional word: a spec file or a script (None with module=)."""
+    if isinstance(job, JobSpec):
+        if module is not None:
+            raise UsageError("give a Job or module=, not both")
+        if job.source is not None and Path(job.source).is_file():
+            return job.source
+        folder = launched_dir() / new_run_id(job.name)
+        folder.mkdir(mode=0o700, parents=True)
+        return str(write_job(folder, job.model_dump(mode="json", exclude_defaults=True), "harness.launch(Job(...))"))
+    return None if job is None else str(job)
+
+
+def _flags(**values: Any) -> ScriptFlags:
+    """A function's job flags as ScriptFlags (what a script's flags make); nnodes may be MIN:N, env a mapping."""
+    nnodes = values.pop("nnodes")
+    fewest, colon, most = str(nnodes).rpartition(":") if nnodes is not None else ("", "", "")
+    env = values.pop("env") or {}
+    try:
+        return ScriptFlags(nnodes=int(most) if most else None, min_nnodes=int(fewest) if colon else None,
+                           env=[f"{key}={value}" for key, value in env.items()], **values)
+    except ValueError:
+        raise UsageError(f"nnodes: expected a number of nodes, or 'MIN:N' (e.g. '2:4'), got {nnodes!r}") from None
+
+
+def _words(options: Mapping[str, Any]) -> list[str]:
+    """--flag=value for each option given (a mapping's items, as --env does, one word each)."""
+    words: list[str] = []
+    for flag, value in options.items():
+        if isinstance(value, Mapping):
+            words += [f"--{flag}={key}={item}" for key, item in value.items()]
+        elif value is not None:
+            words.append(f"--{flag}={value}")
+    return words
+
+
+def _switches(switches: Mapping[str, bool]) -> list[str]:
+    return [f"--{flag}" for flag, on in switches.items() if on]
+
+
+def _parsed(words: list[str]) -> argparse.Namespace:
+    """The launch's words parsed as `harness` parses them; argparse's complaint as a UsageError, not an exit."""
+    from harness.cli import parsed, rerun_words
+
+    complaint = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(complaint):
+            args = parsed(words)
+    except SystemExit:
+        said = complaint.getvalue().strip().splitlines()
+        raise UsageError(said[-1].removeprefix("harness launch: error: ") if said else "bad arguments") from None
+    args.rerun = rerun_words(args)
+    return args
