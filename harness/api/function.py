@@ -12,6 +12,8 @@ while the run may need them (a restart, `harness attach`), and are removed once 
 from __future__ import annotations
 
 import base64
+import linecache
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +33,7 @@ CALL_MODULE = "harness.api.rank"
 # What a call may pickle to: it travels in every rank's environment, whose whole is bounded (ARG_MAX: 2 MiB where the
 # stack limit is 8 MiB); data belongs in files the ranks read.
 MAX_CALL_BYTES = 512 << 10
+MAX_SOURCES_BYTES = 128 << 10  # of cell_sources
 PIECE = 96 << 10  # base64 characters per variable: within Linux's 128 KiB for one (MAX_ARG_STRLEN)
 ORPHAN_SECONDS = 3600.0  # a folder of a launch that never made its run is removed after this long
 
@@ -45,7 +48,7 @@ def pickled_call(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
     import cloudpickle
 
     try:
-        pickled = python_tag() + cloudpickle.dumps((function, tuple(args), dict(kwargs)))
+        pickled = python_tag() + cloudpickle.dumps((function, tuple(args), dict(kwargs), cell_sources(function)))
     except Exception as exc:  # noqa: BLE001 - whatever cannot be pickled: a lock, a socket, an open file
         raise UsageError(f"the function {getattr(function, '__qualname__', function)!r} or its arguments cannot be "
                          f"sent to the ranks: {type(exc).__name__}: {exc}") from None
@@ -54,6 +57,43 @@ def pickled_call(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
                          f"{MAX_CALL_BYTES >> 10} KiB that travel to the ranks (in their environment): pass large data "
                          f"as a path the ranks read, or load it inside the function")
     return pickled
+
+
+def cell_sources(function: Callable[..., Any]) -> dict[str, tuple[Any, ...]]:
+    """The source of the code the call runs that lives in no file (a notebook's cells, as IPython keeps them in
+    linecache), for the ranks' tracebacks to show its lines as the notebook's own would: only the cells that defined
+    the function and what it uses of the notebook's (its functions, classes), never the others, which may hold
+    anything the user typed; none where it would weigh on the call."""
+    files = {name for name in _code_files(function) if name in linecache.cache and not os.path.exists(name)}
+    sources = {name: entry for name in files if len(entry := linecache.cache[name]) == 4}
+    size = sum(len(str(entry)) for entry in sources.values())
+    return sources if size <= MAX_SOURCES_BYTES else {}
+
+
+def _code_files(function: Callable[..., Any]) -> set[str]:
+    """The files of the function's code, and of the code it names in its module's globals, defined there too."""
+    files: set[str] = set()
+    seen: set[int] = set()
+    todo: list[Any] = [function]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        item = getattr(item, "__func__", item)  # a staticmethod's, a classmethod's, a bound method's
+        if isinstance(item, type) and item.__module__ == getattr(function, "__module__", None):
+            todo += vars(item).values()
+        elif (code := getattr(item, "__code__", None)) is not None:
+            names: set[str] = set()
+            codes = [code]
+            while codes:
+                current = codes.pop()
+                files.add(current.co_filename)
+                names.update(current.co_names)
+                codes += [const for const in current.co_consts if hasattr(const, "co_filename")]
+            space = getattr(item, "__globals__", {})
+            todo += [space[name] for name in names if name in space]
+    return files
 
 
 def write_call_job(folder: Path, data: dict[str, Any], pickled: bytes, said: str) -> Path:

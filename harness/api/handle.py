@@ -17,6 +17,7 @@ from harness.record.index import find_run, runs_lookup
 from harness.record.liveness import has_ended, live_status
 from harness.record.rundir import RunDir
 from harness.record.schema import Attempt, Failure, Goodput, Progress, RankRow, RunStatus
+from harness.record.trust import check_run_folder
 
 
 class RunFailed(HarnessError):
@@ -174,8 +175,10 @@ class Run:
 
         status = self.wait()
         folder = self._dir.results(status.attempt)
-        if not folder.parent.is_dir():
-            raise UsageError(f"run {self.id} ran a script, not a function (harness.launch(fn, ...)): it has no result")
+        if not self._is_a_call():
+            raise UsageError(f"run {self.id} ran a script or a module, not a function (harness.launch(fn, ...)): it "
+                             "has no result")
+        check_run_folder(self._dir.path, self.id)  # unpickling runs code: only from a folder no one else could write
         results = {int(p.name): pickle.loads(p.read_bytes()) for p in folder.glob("*") if p.name.isdigit()} \
             if folder.is_dir() else {}
         raised = {r: kept for r, kept in results.items() if kept[0] == "raised"}
@@ -194,6 +197,19 @@ class Run:
             raise HarnessError(f"run {self.id}: no result came back from rank(s) {missing}")
         values = [results[r][1] for r in wanted]
         return values if rank is None else values[0]
+
+
+    def _is_a_call(self) -> bool:
+        """Whether the run's ranks ran a function (harness.api.rank), by its spec."""
+        import yaml
+
+        from harness.api.function import CALL_MODULE
+
+        try:
+            spec = yaml.safe_load(self._dir.spec_copy.read_text())
+            return bool(spec["entrypoint"].get("module") == CALL_MODULE)
+        except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+            return False
 
 
 def _unpickled(data: bytes | None) -> BaseException | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -23,10 +24,11 @@ from harness.api.function import (
 )
 from harness.api.handle import Run, RunFailed
 from harness.errors import HarnessError, UsageError
+from harness.record.atomic import make_folders
 from harness.record.rundir import new_run_id, run_dir, runs_root
 from harness.record.schema import RunStatus
-from harness.spec.from_flags import ScriptFlags, job_name, spec_data
-from harness.spec.job import JobSpec
+from harness.spec.from_flags import ScriptFlags, job_name, spec_data, spec_from_flags
+from harness.spec.job import JobSpec, load_job
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 
@@ -61,22 +63,20 @@ def launch(job: str | Path | JobSpec | Callable[..., Any] | None = None, *, args
                        "known-hosts": known_hosts}),
               *_switches({"detach": detach, "no-collapse": not collapse, "accept-new-host-keys": accept_new_host_keys,
                           "skip-preflight": skip_preflight})]
-    launched: Path | None = None
+    prune_launched()
+    launched: Path | None  # the folder of a spec made here: the function's, or a Job's built in Python
+    run_id: str | None
+    function = callable(job) and not isinstance(job, JobSpec)
     if callable(job) and not isinstance(job, JobSpec):
-        prune_launched()
-        flags = _flags(module=CALL_MODULE, name=name or job_name(getattr(job, "__name__", "function")),
-                       nnodes=nnodes, nproc_per_node=nproc_per_node, env=env, max_restarts=max_restarts,
-                       backend=backend, master_port=master_port, rdzv=rdzv, stall=stall, slow=slow,
-                       metrics_port=metrics_port, metrics_address=metrics_address)
-        run_id = new_run_id(spec_data(flags)["name"])
-        launched = launched_dir() / run_id
-        spec_file = write_call_job(launched, spec_data(flags), pickled_call(job, args, kwargs or {}),
-                                   f"harness.launch({getattr(job, '__qualname__', 'a function')}, ...)")
-        words = ["launch", *common, "--", str(spec_file)]
+        words, run_id, launched = _function_words(job, args, kwargs or {}, common, module=CALL_MODULE, name=name,
+                                                  nnodes=nnodes, nproc_per_node=nproc_per_node, env=env,
+                                                  max_restarts=max_restarts, backend=backend, master_port=master_port,
+                                                  rdzv=rdzv, stall=stall, slow=slow, metrics_port=metrics_port,
+                                                  metrics_address=metrics_address)
     else:
         if kwargs:
             raise UsageError("kwargs= is for a function; a script takes args= (its command line)")
-        entry = _entry(job, module)
+        entry, launched = _entry(job, module)
         given = job_flags if entry is None or not entry.endswith(SPEC_SUFFIXES) else {}
         refused = [flag for flag, value in job_flags.items() if value is not None and not given]
         if refused:
@@ -104,7 +104,7 @@ def launch(job: str | Path | JobSpec | Callable[..., Any] | None = None, *, args
     assert run is not None
     if detach:
         return run
-    return _ended(run, is_function=launched is not None)
+    return _ended(run, is_function=function)
 
 
 def _ended(run: Run, is_function: bool) -> Run:
@@ -118,17 +118,40 @@ def _ended(run: Run, is_function: bool) -> Run:
     return run
 
 
-def _entry(job: str | Path | JobSpec | None, module: str | None) -> str | None:
-    """The launch's positional word: a spec file or a script (None with module=)."""
-    if isinstance(job, JobSpec):
-        if module is not None:
-            raise UsageError("give a Job or module=, not both")
-        if job.source is not None and Path(job.source).is_file():
-            return job.source
-        folder = launched_dir() / new_run_id(job.name)
-        folder.mkdir(mode=0o700, parents=True)
-        return str(write_job(folder, job.model_dump(mode="json", exclude_defaults=True), "harness.launch(Job(...))"))
-    return None if job is None else str(job)
+def _function_words(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], common: list[str],
+                    **values: Any) -> tuple[list[str], str, Path]:
+    """A function launch's words (its spec file's launch), run id and folder (the spec and the call's pieces)."""
+    flags = _flags(**values | {"name": values["name"] or job_name(getattr(function, "__name__", "function"))})
+    try:  # a bad value named by its keyword, before anything is made
+        run_id = new_run_id(spec_from_flags(flags).name)
+    except UsageError as exc:
+        raise UsageError(re.sub(r"^--([\w-]+)", lambda flag: f"{flag[1].replace('-', '_')}=", str(exc))) from None
+    folder = launched_dir() / run_id
+    spec_file = write_call_job(folder, spec_data(flags), pickled_call(function, args, kwargs),
+                               f"harness.launch({getattr(function, '__qualname__', 'a function')}, ...)")
+    return ["launch", *common, "--", str(spec_file)], run_id, folder
+
+
+def _entry(job: str | Path | JobSpec | None, module: str | None) -> tuple[str | None, Path | None]:
+    """The launch's positional word: a spec file or a script (None with module=); and the folder made for it, for a
+    Job that is not its file's as it stands (built or changed in code)."""
+    if not isinstance(job, JobSpec):
+        return None if job is None else str(job), None
+    if module is not None:
+        raise UsageError("give a Job or module=, not both")
+    if job.source is not None and Path(job.source).is_file() and _unchanged(job, job.source):
+        return job.source, None
+    folder = launched_dir() / new_run_id(job.name)
+    make_folders(folder, 0o700)
+    data = job.model_dump(mode="json", exclude_defaults=True)
+    return str(write_job(folder, data, "harness.launch(Job) of a job built or changed in Python")), folder
+
+
+def _unchanged(job: JobSpec, path: str) -> bool:
+    try:
+        return load_job(path) == job
+    except HarnessError:
+        return False
 
 
 def _flags(**values: Any) -> ScriptFlags:

@@ -12,6 +12,7 @@ caller's Python (its major.minor: pickled code is tied to it), cloudpickle and t
 from __future__ import annotations
 
 import base64
+import linecache
 import os
 import sys
 import traceback
@@ -48,7 +49,8 @@ def main() -> int:
         print(f"harness: rank {rank} runs Python {python_tag().decode().strip()}, the caller {tag.decode()}: a "
               "function launch needs the caller's Python (major.minor) on every node", file=sys.stderr, flush=True)
         return 1
-    function, args, kwargs = cloudpickle.loads(pickled)
+    function, args, kwargs, sources = cloudpickle.loads(pickled)
+    linecache.cache.update(sources)  # a notebook's cells: its tracebacks show their lines
     try:
         value = function(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are a rank's end too
