@@ -4,6 +4,7 @@ that take a run id (harness.view), so that `Run.status()` and `harness status` g
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -155,7 +156,11 @@ class Run:
         run on (state unwatched); returns once it has ended."""
         from harness.commands import attach
 
-        attach(argparse.Namespace(runs_dir=str(self._dir.path.parent), run_id=self.id))
+        here = os.getcwd()
+        try:  # the verb goes where the run was launched from, for the job's relative paths
+            attach(argparse.Namespace(runs_dir=str(self._dir.path.parent), run_id=self.id))
+        finally:
+            os.chdir(here)
         return self.status()
 
     def report(self, path: str | Path | None = None) -> Path:

@@ -9,6 +9,7 @@ import contextlib
 import io
 import re
 import shutil
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,10 @@ def launch(job: str | Path | JobSpec | Callable[..., Any] | None = None, *, args
 
     if job is None and module is None:
         raise UsageError("expected a job: a spec file, a Job, a script, module=, or a function")
+    if not detach and threading.current_thread() is not threading.main_thread():
+        raise UsageError("a launch that waits runs the run's controller in this thread, and only the main thread "
+                         "gets the signals that stop it (Ctrl-C, `harness stop`): from another thread, launch with "
+                         "detach=True, then run.wait()")
     job_flags = {"nnodes": nnodes, "nproc-per-node": nproc_per_node, "name": name, "max-restarts": max_restarts,
                  "backend": backend, "master-port": master_port, "rdzv-backend": rdzv}
     health_flags = {"stall": stall, "slow": slow, "metrics-port": metrics_port, "metrics-address": metrics_address}

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,13 @@ def test_the_api_raises_what_the_verb_would_say(tmp_path):
         harness.launch()
     with pytest.raises(UsageError, match="nnodes: expected a number of nodes"):
         harness.launch(len, nnodes="two")
+    with pytest.raises(UsageError, match="backend=: Input should be 'auto', 'nccl' or 'gloo'"):
+        harness.launch(len, backend="mpi")
+    refused: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _raised(refused, lambda: harness.launch(len, runs_dir=tmp_path)))
+    thread.start()
+    thread.join()
+    assert "from another thread, launch with detach=True, then run.wait()" in str(refused[0])
     assert not (tmp_path / "runs").exists()
 
 
@@ -95,3 +103,10 @@ def test_results_travel_in_chunks_each_within_a_message():
     chunks = ResultChunks()
     assert [chunks.take(body) for body in bodies[:-1]] == [None] * (len(bodies) - 1)
     assert chunks.take(bodies[-1]) == (5, result)
+
+
+def _raised(into: list[BaseException], call: Callable[[], object]) -> None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - kept for the test to look at
+        into.append(exc)
