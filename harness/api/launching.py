@@ -9,6 +9,7 @@ import contextlib
 import io
 import re
 import shutil
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -132,7 +133,9 @@ def _function_words(function: Callable[..., Any], args: Sequence[Any], kwargs: M
     except UsageError as exc:
         raise UsageError(re.sub(r"^--([\w-]+)", lambda flag: f"{flag[1].replace('-', '_')}=", str(exc))) from None
     folder = launched_dir() / run_id
-    spec_file = write_call_job(folder, spec_data(flags), pickled_call(function, args, kwargs),
+    # On Slurm's nodes, the caller's Python (where the nodes share its file system), as simulated nodes run it.
+    data = spec_data(flags) | {"slurm": {"python": sys.executable}}
+    spec_file = write_call_job(folder, data, pickled_call(function, args, kwargs),
                                f"harness.launch({getattr(function, '__qualname__', 'a function')}, ...)")
     return ["launch", *common, "--", str(spec_file)], run_id, folder
 

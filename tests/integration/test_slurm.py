@@ -32,6 +32,7 @@ from testbed.throttle import throttled
 from conftest import (
     REPO,
     SCRIPT,
+    STANDIN_ENV,
     Launch,
     Streamed,
     assert_secret_kept,
@@ -642,3 +643,38 @@ def test_preflight_for_slurm_outside_an_allocation_says_how(slurm_cluster):
     assert result.returncode == 2 and "runs inside a Slurm allocation (SLURM_JOB_ID is not set): salloc --nodes=N " \
         "harness preflight --target slurm --job JOB" in result.stderr, result.stderr
     assert harness("preflight").returncode == 2
+
+
+SLURM_CALL = """\
+import socket, sys
+import harness
+
+def where():
+    import os
+    return socket.gethostname(), int(os.environ["RANK"])
+
+run = harness.launch(where, nnodes=2, target="slurm", runs_dir=sys.argv[1], env={"PYTHONPATH": sys.argv[2]})
+print("RESULTS", run.result(rank=None))
+"""
+
+
+def test_inside_an_allocation_a_function_runs_on_every_node(slurm_cluster, tmp_path):
+    """`salloc --nodes=2 python script.py` whose script calls harness.launch(fn, target="slurm"): each node's rank, an
+    srun step running the caller's Python, calls the function, and its result comes back (on the stand-in torch:
+    the function needs none)."""
+    script = tmp_path / "call.py"
+    script.write_text(SLURM_CALL)
+    run = Streamed(["salloc", "--nodes=2", sys.executable, str(script), str(tmp_path / "runs"),
+                    STANDIN_ENV["PYTHONPATH"]], env=slurm_cluster.env, cwd=tmp_path)
+    try:
+        run.wait_for(r"^RESULTS ", timeout=240)
+    finally:
+        if run.proc.poll() is None:
+            for pid in [*_descendants(run.proc.pid), run.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        run.proc.wait()
+    assert "RESULTS [('n1', 0), ('n2', 1)]" in run.output, run.output
+    state = json.loads(next((tmp_path / "runs").glob("*/state.json")).read_text())
+    assert (state["mode"], state["hosts"], state["status"]) == ("srun", ["n1", "n2"], "succeeded")
+    slurm_cluster.assert_no_job_processes()
