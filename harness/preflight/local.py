@@ -41,11 +41,16 @@ def _probe_config(workdir: str | None, master_address: str, spec: JobSpec | None
     })
 
 
+# The least a fast probe is given: a Python started on the host, its answer read. A launch's gate runs it with the
+# job's timeouts.connect, a network's round trip, which a busy host's Python start can outlast (3 s, under load).
+FAST_PROBE_SECONDS = 10.0
+
+
 def probe_host(connection: Link, master: Host, spec: JobSpec | None, fast: bool, timeout: float,
                peers: Mapping[str, str], *, host_link: Link | None = None) -> Facts:
     """The probe's facts of one host. host_link: the host itself when connection runs the probe inside the
     job's image; the stack check runs there, since the node agent that reads the ranks' stacks runs there."""
-    limit = timeout if fast else timeout * TORCH_TIMEOUT_FACTOR
+    limit = max(timeout, FAST_PROBE_SECONDS) if fast else timeout * TORCH_TIMEOUT_FACTOR
     config = _probe_config(connection.host.workdir, master.address, spec, fast, peers, stacks=host_link is None)
     facts = cast(Facts, run_script(connection, probe, [config], timeout=limit))
     if host_link is not None:

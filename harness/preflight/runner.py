@@ -1,8 +1,8 @@
 """run_preflight: connect to every host at once, probe, compare, test the network, optionally all_reduce.
 
 One SSH connection per host serves every check on it. Phases run on all hosts in parallel and
-each has a deadline: connect and network steps `timeout`, the probe `timeout` (fast) or
-6 x `timeout` (full: it imports torch), the collective 6 x `timeout`.
+each has a deadline: connect and network steps `timeout`, the probe `timeout` but at least 10 s (fast)
+or 6 x `timeout` (full: it imports torch), the collective 6 x `timeout`.
 """
 
 from __future__ import annotations
