@@ -11,7 +11,9 @@ whatever its peers print. A slow rank is the one its peers wait for: it enqueues
 (Flight Recorder's arrival times, arrivals.py), and its main thread is busy while theirs sleep (see
 docs/health.md). The agents sample as often as spec.job.Health.sample_seconds says, which these rules
 were made for, and every second while an attempt is young (node.protocol.sample_interval): shorter
-intervals only make progress easier to see, never a hang.
+intervals only make progress easier to see, never a hang. A job of many nodes is sampled less often
+(node.protocol.paced); the rules judge by time, not by a count of samples, so a hang is still found, within
+stall + two intervals of its last progress.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from harness.health.arrivals import PEERS_ALONE, Arrivals
 from harness.health.rank_stack import state_words
-from harness.node.protocol import Arrival, RankSample
+from harness.node.protocol import RankArrivals, RankSample
 from harness.plan.planner import Node
 
 IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU between two samples made no progress
@@ -142,9 +144,10 @@ class HealthJudge:
                 rank.samples.popleft()
 
     @_locked
-    def arrived(self, node: Node, received: float, sent: float, rank: int, arrived: list[Arrival]) -> None:
-        """One arrivals message of node's agent (Arrivals.add)."""
-        self.arrivals.add(node, received, sent, rank, arrived)
+    def arrived(self, node: Node, received: float, said: list[RankArrivals]) -> None:
+        """One arrivals message of node's agent: its ranks' (Arrivals.add)."""
+        for one in said:
+            self.arrivals.add(node, received, one.t, one.rank, one.arrived)
 
     @_locked
     def node_ended(self, node_rank: int) -> None:

@@ -5,8 +5,8 @@ controller, a process on an SSH host, or an srun step's task. It is started as
 
     python -I -S -c "$BOOT" harness-agent RUN_ID node NODE_RANK attempt ATTEMPT
 
-and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK STANDBY SECRETS HOLD, from the first line
-of its stdin (harness.targets.boot), so it imports nothing but the standard library (not even
+and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK STANDBY SECRETS HOLD STORE NODES, from the
+first line of its stdin (harness.targets.boot), so it imports nothing but the standard library (not even
 site-packages): hosts need Python, not the harness. It obeys the controller's words on the rest of its
 stdin and says its messages among the node's output on its stdout: harness.node.protocol defines both,
 with what each means. Here: the node's command in a session of its own, its output read by the agent and said
@@ -20,7 +20,8 @@ run by COMMAND: the next attempt's torchrun and workers started early, their imp
 before runs) that waits on its stdin for the GO word's order, then is its attempt's node; and, in an srun
 step, SIGUSR1 ignored (Slurm's time-limit warning, which the training processes
 catch). SECRETS (JSON: name -> value) join the environment COMMAND runs in: carried on stdin, they are on no command
-line and in no file (harness/spec/secrets.py). What it sees of the ranks is harness.node.observer's.
+line and in no file (harness/spec/secrets.py). What it sees of the ranks is harness.node.observer's, every WATCH
+seconds or less often where the job's NODES would send the controller too many (protocol.sample_interval).
 
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does. It
 keeps a private directory (HARNESS_AGENT_DIR in the node's environment, removed at the end, or by the
@@ -80,13 +81,14 @@ class Agent:
 
     def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, watch: float,
                  command: str, cleanup: str, hook: str, standby: str = "", secrets: dict[str, str] | None = None,
-                 hold: float = 0.0, store_port: int | None = None) -> None:
+                 hold: float = 0.0, store_port: int | None = None, nodes: int = 1) -> None:
         self.run_id = run_id
         self.node_rank = node_rank
         self.attempt = attempt
         self.grace = grace
         self.silence = silence
         self.watch = watch
+        self.nodes = nodes  # the job's: its samples are paced by them (protocol.sample_interval)
         self.cleanup = cleanup
         self.hold = hold
         self.began = time.time()
@@ -258,7 +260,8 @@ class Agent:
     def _sample(self) -> None:
         threading.Thread(target=self.observer.watch_start, args=(STARTED_POLL, self.ended), daemon=True).start()
         if self.watch > 0:
-            threading.Thread(target=self.observer.sample_every, args=(self.watch, self.ended), daemon=True).start()
+            threading.Thread(target=self.observer.sample_every, args=(self.watch, self.ended, self.nodes),
+                             daemon=True).start()
 
     def _free_read_output(self) -> None:
         """What torchrun has echoed of its workers' output given back, every FREE_SECONDS while the node runs."""
@@ -371,14 +374,15 @@ def remove_orphaned(parent: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby, secrets, hold, store = argv[:13]
+    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby, secrets, hold, store, nodes = \
+        argv[:14]
     if "SLURM_STEP_ID" in os.environ:
         # Slurm's time-limit warning reaches every process of the step (scancel --signal=USR1): the training
         # processes catch it and checkpoint; the agent and torchrun (which inherits this) must live on.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup, hook,
-                      standby, json.loads(secrets), float(hold), int(store) if store else None)
+                      standby, json.loads(secrets), float(hold), int(store) if store else None, int(nodes))
     except OSError as exc:
         sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
         sys.stdout.flush()

@@ -1,8 +1,9 @@
 """What the node agent sees of its node's ranks, for the controller's judges: every WATCH seconds (every
-second while the attempt is young) each rank's health sample (harness.node.ranks: CPU, busy time, I/O) with
-its progress and new arrivals by Flight Recorder (harness.node.collectives) and its GPU use where the driver
-reports one (harness.node.gpu), and on request every rank's stacks (harness.node.ranks) with its DataLoader
-workers' and its last collectives. Standard library only: shipped to nodes with the agent."""
+second while the attempt is young; less often in a job of many nodes) each rank's health sample
+(harness.node.ranks: CPU, busy time, I/O) with its progress and new arrivals by Flight Recorder
+(harness.node.collectives) and its GPU use where the driver reports one (harness.node.gpu), and on request
+every rank's stacks (harness.node.ranks) with its DataLoader workers' and its last collectives. Standard
+library only: shipped to nodes with the agent."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from harness.node.gpu import Nvml, open_nvml
 from harness.node.proctable import command_line, process_tree, stat_fields
 from harness.node.protocol import (
     LAUNCHER_RANK,
+    Arrival,
     Kind,
     RankSample,
     arrivals_bodies,
@@ -55,11 +57,12 @@ class RankObserver:
                 self.say(Kind.STARTED, self.started)
                 return
 
-    def sample_every(self, seconds: float, ended: threading.Event) -> None:
-        """Every `seconds` (every second while the attempt is young: sample_interval) until ended, how far each
-        rank has run (what the controller judges hangs and slow ranks by, and draws in timeline.jsonl)."""
+    def sample_every(self, seconds: float, ended: threading.Event, nodes: int = 1) -> None:
+        """Every `seconds` (every second while the attempt is young), less often in a job of many nodes (nodes:
+        sample_interval), until ended, how far each rank has run (what the controller judges hangs and slow ranks
+        by, and draws in timeline.jsonl), and the node's new arrivals, all its ranks' in one message."""
         started = time.monotonic()
-        while not ended.wait(sample_interval(seconds, time.monotonic() - started)):
+        while not ended.wait(sample_interval(seconds, time.monotonic() - started, nodes)):
             below, _ = process_tree(os.getpid())
             self.ranks = find_ranks(below, self.run_id, self.directory) or self.ranks
             self.seen.update({pid: rank for rank, pid in self.ranks.items()})
@@ -67,14 +70,16 @@ class RankObserver:
             samples = self._with_gpu_use(sample(self.ranks, tree), tree)
             traces = self.traces({rank: found.state for rank, found in samples.items()})
             now = time.time()
+            arrived: dict[int, list[Arrival]] = {}
             for rank, trace in traces.items():
                 if isinstance(trace, list):
                     completed, pending = progress(trace, time.time_ns())
                     samples[rank] = samples[rank]._replace(completed=completed, pending=round(pending, 2))
                     if new := arrivals(trace, self.arrived.get(rank, 0)):
                         self.arrived[rank] = new[-1].created_ns
-                        for body in arrivals_bodies(now, rank, new):
-                            self.say(Kind.ARRIVALS, body)
+                        arrived[rank] = new
+            for body in arrivals_bodies(now, arrived):
+                self.say(Kind.ARRIVALS, body)
             for body in health_bodies(now, samples):
                 self.say(Kind.HEALTH, body)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping
 from enum import Enum
 from typing import NamedTuple
 
@@ -31,6 +32,8 @@ CHUNK = 3000  # characters of a stacks answer's JSON per message: every line sta
 SAMPLES_PER_LINE = 32  # 32 ranks' health samples stay well within PIPE_BUF
 YOUNG_SECONDS = 30.0  # an attempt this young is sampled every YOUNG_EVERY seconds
 YOUNG_EVERY = 1.0
+# The health samples a controller takes a second at most, whatever the job's size (one per node per sample: paced)
+HEALTH_MESSAGES_PER_SECOND = 500
 
 
 class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate 3.11
@@ -60,10 +63,10 @@ class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate
 class Kind(str, Enum):  # noqa: UP042 - as Word
     """Agent -> controller: the kind of a message line."""
 
-    HEALTH = "health"  # every sample_interval(WATCH): each rank's RankSample, SAMPLES_PER_LINE ranks a line
+    HEALTH = "health"  # every sample_interval(WATCH, age, NODES): each rank's RankSample, SAMPLES_PER_LINE ranks a line
     STACKS = "stacks"  # `TAG RANK PART LAST CHUNK`: a chunk of one rank's stacks answer (StackChunks)
     STACKS_DONE = "stacks-done"  # `TAG`: every rank's stacks for TAG were sent
-    ARRIVALS = "arrivals"  # with each health sample: the Arrivals of one rank since its last
+    ARRIVALS = "arrivals"  # with each health sample: the Arrivals of every rank of the node since its last
     OOM = "oom"  # before the exit: {rank: the kernel's line} of ranks the OOM killer ended (harness.node.oom)
     NODE_EXIT = "node-exit"  # `CODE`: the node ended (negative: killed by that signal); the agent's last word
     # `RANKS`: the node's ranks exist (comma-separated), said once: its torchrun's rendezvous completed and it started
@@ -128,7 +131,7 @@ class HealthSamples(NamedTuple):
 
 
 class RankArrivals(NamedTuple):
-    """An arrivals message: one rank's arrivals since its last, said at t by the node's clock."""
+    """One rank's arrivals since its last, said at t by the node's clock (an arrivals message holds several)."""
 
     t: float
     rank: int
@@ -187,12 +190,24 @@ def split_line(raw: bytes) -> tuple[bytes, Message | None]:
         return raw[:at], None
 
 
-def sample_interval(every: float, age: float) -> float:
-    """The seconds to the next sample of an attempt age seconds old: at most YOUNG_EVERY while it is young, so that
-    its first sample comes within a second of its ranks and a short run's course is known from its start (the
-    agent's health samples, the controller's timeline.jsonl); every `every` after, so that a long run costs and
-    keeps little."""
-    return min(every, YOUNG_EVERY) if age < YOUNG_SECONDS else every
+def paced(seconds: float, nodes: int) -> float:
+    """The seconds between one node's samples, at least `seconds`, and long enough that the controller takes at
+    most HEALTH_MESSAGES_PER_SECOND health messages a second from nodes nodes: it reads them all on one thread
+    (2,048 nodes sampled every second would be most of a core of JSON), so a job of many nodes is sampled less
+    often: every 4.1 s at 2,048 nodes. The hang rules (harness.health.judge.stalled) judge by time, not by a
+    count of samples: a hang is still found, within health.stall + one interval of the first sample that saw its
+    rank idle (of its collective's start, for one stuck in a collective) and a tick of the health loop; that is
+    stall + two intervals of its last progress at most (the interval it stopped in still shows some)."""
+    return max(seconds, nodes / HEALTH_MESSAGES_PER_SECOND)
+
+
+def sample_interval(every: float, age: float, nodes: int = 1) -> float:
+    """The seconds to the next sample of an attempt age seconds old, of a job of nodes nodes: while it is young at
+    most YOUNG_EVERY (paced), so that its first sample comes within a second of its ranks and a short run's course
+    is known from its start (the agent's health samples, the controller's timeline.jsonl); every `every` (paced)
+    after, so that a long run costs and keeps little."""
+    steady = paced(every, nodes)
+    return min(steady, paced(YOUNG_EVERY, nodes)) if age < YOUNG_SECONDS else steady
 
 
 def health_bodies(t: float, samples: dict[int, RankSample]) -> list[str]:
@@ -216,27 +231,33 @@ def parse_health(body: str) -> HealthSamples:
     return HealthSamples(float(payload["t"]), samples)
 
 
-def arrivals_bodies(t: float, rank: int, arrived: list[Arrival]) -> list[str]:
-    """One rank's arrivals since its last, at the node's time t, as message bodies of at most CHUNK characters
-    of arrivals each."""
+def arrivals_bodies(t: float, arrived: Mapping[int, list[Arrival]]) -> list[str]:
+    """Every rank's arrivals since its last, at the node's time t, as message bodies of at most CHUNK characters
+    of arrivals each: one message a sample for the node's ranks, not one for each (the controller's messages grow
+    with nodes, not ranks); a rank's arrivals may go on in the next body."""
     bodies: list[str] = []
-    part: list[Arrival] = []
+    part: dict[str, list[Arrival]] = {}
     size = 0
-    for item in arrived:
-        text = json.dumps(item)
-        if part and size + len(text) > CHUNK:
-            bodies.append(json.dumps({"t": t, "rank": rank, "arrived": part}))
-            part, size = [], 0
-        part.append(item)
-        size += len(text) + 2
-    return bodies + ([json.dumps({"t": t, "rank": rank, "arrived": part})] if part else [])
+    for rank, items in sorted(arrived.items()):
+        key = str(rank)
+        for item in items:
+            text = json.dumps(item)
+            if part and size + len(key) + 6 + len(text) + 2 > CHUNK:  # as if it opened its rank's list: `"KEY": [], `
+                bodies.append(json.dumps({"t": t, "ranks": part}))
+                part, size = {}, 0
+            size += len(text) + 2 + (0 if key in part else len(key) + 6)
+            part.setdefault(key, []).append(item)
+    return bodies + ([json.dumps({"t": t, "ranks": part})] if part else [])
 
 
-def parse_arrivals(body: str) -> RankArrivals:
+def parse_arrivals(body: str) -> list[RankArrivals]:
     """ValueError, KeyError or TypeError for a damaged body."""
     payload = json.loads(body)
-    return RankArrivals(float(payload["t"]), int(payload["rank"]),
-                        [Arrival(str(g), int(s), int(ns)) for g, s, ns in payload["arrived"]])
+    t, ranks = float(payload["t"]), payload["ranks"]
+    if not isinstance(ranks, dict):
+        raise TypeError(f"an arrivals message's ranks are a {type(ranks).__name__}, not a dict")
+    return [RankArrivals(t, int(rank), [Arrival(str(g), int(s), int(ns)) for g, s, ns in arrived])
+            for rank, arrived in ranks.items()]
 
 
 def _chunked(head: str, text: str) -> list[str]:

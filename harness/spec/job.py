@@ -445,7 +445,8 @@ class Health(StrictModel):
     def sample_seconds(self) -> float:
         """How often the node agents sample their ranks: a twentieth of stall, from 1 to 5 s, so that a hang is
         seen within a few samples of the stall (harness.health.judge's rules count on it); every 5 s for slow
-        ranks alone; 0 when neither is watched."""
+        ranks alone; 0 when neither is watched. A job of more than 500 nodes is sampled less often: every nnodes / 500
+        s at least, so that its controller takes at most 500 samples a second (harness.node.protocol.paced)."""
         if not self.watched:
             return 0.0
         return min(5.0, max(1.0, self.stall / 20)) if self.stall > 0 else 5.0

@@ -44,10 +44,11 @@ def agent_argv(python: str, node: NodePlan) -> list[str]:
 
 
 def agent_program(node: NodePlan, grace: float, silence: float, watch: float, hold: float = 0.0,
-                  standby: bool = False, secrets: Mapping[str, str] | None = None) -> bytes:
+                  standby: bool = False, secrets: Mapping[str, str] | None = None, nodes: int = 1) -> bytes:
     """The first line of the agent's stdin: the agent, and what it runs. silence: seconds without a
     word from the controller after which the agent takes it for gone; hold: how long it then holds its node for
     another (supervision.grace; 0: it stops it at once); watch: seconds between its health samples (0: none);
+    nodes: the job's, which make them less frequent where the controller would take too many (protocol.paced);
     standby: the node's torchrun and workers started to wait for its order (Standbys); secrets: values for the
     node's environment that go nowhere else (spec/secrets.py). The node's env values whose names look secret go with
     them, not on the node's line: the agent runs that line as `sh -c LINE`, whose command line any user may read."""
@@ -60,7 +61,7 @@ def agent_program(node: NodePlan, grace: float, silence: float, watch: float, ho
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
                              shlex.join(node.cleanup), RANK_HOOK, STANDBY if standby else "",
                              json.dumps(hidden | dict(secrets or {})), f"{hold:g}",
-                             "" if node.store_port is None else str(node.store_port)])
+                             "" if node.store_port is None else str(node.store_port), str(nodes)])
 
 
 def relay_argv(python: str, node: NodePlan) -> list[str]:
@@ -109,7 +110,7 @@ def start_all(nodes: Iterable[NodePlan], start: Callable[[NodePlan], AgentNode],
             if warm is None:
                 started[-1].cold = why
                 started[-1].boot(agent_program(node, *_agent_times(spec), spec.supervision.grace if held else 0.0,
-                                               secrets=secrets))
+                                               secrets=secrets, nodes=spec.nnodes))
                 started[-1].talk()
     except BaseException:
         for process in started:
@@ -180,7 +181,7 @@ class Standbys:
             standby = node if as_planned else standing_by(node)
             try:
                 program = agent_program(standby, *_agent_times(spec), spec.supervision.grace, standby=True,
-                                        secrets=secrets)
+                                        secrets=secrets, nodes=spec.nnodes)
                 agent = start(standby)
             except Exception as exc:  # noqa: BLE001 - whatever the transport (or the OS) refuses, it has none
                 with self._lock:
@@ -366,11 +367,13 @@ class AgentNode(ABC):
         """PING every PING_SECONDS until the node's output ends: the agent's proof that we are there."""
         if not self._talking:
             self._talking = True
-            threading.Thread(target=self._keep_talking, daemon=True).start()
+            PINGER.add(self)
 
-    def _keep_talking(self) -> None:
-        while not self._output_done.wait(PING_SECONDS):
-            self._word(Word.PING)
+    def talking(self) -> bool:
+        return not self._output_done.is_set()
+
+    def ping(self) -> None:
+        self._word(Word.PING)
 
     def go(self, node: NodePlan, order: str) -> None:
         """The standby becomes node: its agent passes the order to the waiting torchrun."""
@@ -390,6 +393,36 @@ class AgentNode(ABC):
 
     def kill(self) -> None:
         self._word(Word.KILL)
+
+
+class Pinger:
+    """One thread that pings every talking agent, not one per agent: at 2,048 nodes those were 2,048 threads taking
+    turns at the GIL. A word is one short write to a pipe or channel that the agent keeps reading (its buffer holds
+    hours of pings), so one agent cannot hold up the others' pings."""
+
+    def __init__(self) -> None:
+        self._agents: list[AgentNode] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, agent: AgentNode) -> None:
+        with self._lock:
+            self._agents.append(agent)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._ping, name="harness-pinger", daemon=True)
+                self._thread.start()
+
+    def _ping(self) -> None:
+        tick = threading.Event()
+        while not tick.wait(PING_SECONDS):
+            with self._lock:
+                self._agents = [agent for agent in self._agents if agent.talking()]
+                agents = list(self._agents)
+            for agent in agents:
+                agent.ping()
+
+
+PINGER = Pinger()
 
 
 def _text(passed: bytes) -> str:

@@ -1,0 +1,184 @@
+"""One controller for thousands of nodes (issue 71): the messages it takes a second stay bounded whatever the job's
+size -- the agents sample less often in a job of many nodes (protocol.paced) and send a node's arrivals in one
+message, not one per rank -- and its listeners spend nothing while their nodes are quiet."""
+
+from __future__ import annotations
+
+import io
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import pytest
+
+from harness.control.live import LiveNode
+from harness.control.supervisor import Supervisor
+from harness.control.terminal import Terminal
+from harness.health.judge import HealthJudge
+from harness.node.protocol import (
+    HEALTH_MESSAGES_PER_SECOND,
+    YOUNG_SECONDS,
+    Arrival,
+    Kind,
+    Message,
+    RankSample,
+    arrivals_bodies,
+    health_bodies,
+    message_line,
+    paced,
+    parse_arrivals,
+    sample_interval,
+)
+from harness.plan.planner import Node
+from harness.spec.job import Health
+from harness.targets.base import Outcome
+
+PIPE_BUF = 4096
+STALL = 30.0
+SAMPLE = Health(stall=STALL).sample_seconds  # 1.5 s
+
+
+@pytest.mark.parametrize(("nodes", "young", "steady"), [
+    (16, 1.0, SAMPLE), (256, 1.0, SAMPLE), (2048, 2048 / 500, 2048 / 500), (10_000, 20.0, 20.0)])
+def test_a_job_of_many_nodes_is_sampled_less_often_and_its_controller_takes_a_bounded_number_of_samples(
+        nodes: int, young: float, steady: float) -> None:
+    """Up to 500 nodes the spec's interval (and a second while the attempt is young); beyond, nodes / 500 s: the
+    controller takes at most HEALTH_MESSAGES_PER_SECOND health messages a second (one a sample from a node of up to
+    SAMPLES_PER_LINE ranks), whatever the attempt's age."""
+    assert sample_interval(SAMPLE, 0.0, nodes) == pytest.approx(young)
+    assert sample_interval(SAMPLE, YOUNG_SECONDS, nodes) == pytest.approx(steady)
+    assert paced(SAMPLE, nodes) == pytest.approx(steady)
+    for age in (0.0, YOUNG_SECONDS / 2, YOUNG_SECONDS, 3600.0):
+        lines = len(health_bodies(0.0, {rank: RankSample(rank, "R", 0.0, 0.0, 0) for rank in range(8)}))
+        assert nodes * lines / sample_interval(SAMPLE, age, nodes) <= HEALTH_MESSAGES_PER_SECOND * 1.000001
+
+
+def test_at_2048_nodes_the_stall_still_spans_several_samples() -> None:
+    """health.stall 30 at 2,048 nodes: one sample every 4.1 s, 7 in a stall (the judge's rules judge by time;
+    these are what it has to judge by)."""
+    assert STALL / paced(SAMPLE, 2048) > 7
+    assert Health().stall / paced(Health().sample_seconds, 2048) >= 20, "the default stall: as before, 20 samples"
+
+
+@pytest.mark.parametrize("nodes", [16, 2048])
+@pytest.mark.parametrize("stops_at", [100.0, 100.0 + 0.01, 100.0 + 2.0])
+def test_a_hang_is_found_within_the_stall_and_two_intervals_of_its_last_progress(nodes: int, stops_at: float) -> None:
+    """A rank that stops using CPU at stops_at, sampled every paced interval: the judge names it no sooner than
+    the stall after, and at the latest by the stall and two intervals (the interval it stopped in still shows
+    progress, and the stall ends at most one interval before a sample); the health loop asks half a second later."""
+    interval = paced(SAMPLE, nodes)
+    judge = HealthJudge(stall=STALL, slow=0)
+    node = Node(host="h1", address="10.0.0.1", node_rank=0, nproc=1)
+    found = None
+    for k in range(int(400 / interval)):
+        t = k * interval
+        judge.observe(node, t, {0: RankSample(100, "S", min(t, stops_at), 0.0, 0)})
+        if judge.stalled():
+            found = t
+            break
+    assert found is not None
+    assert STALL <= found - stops_at <= STALL + 2 * interval
+
+
+@pytest.mark.parametrize("nodes", [16, 2048])
+def test_a_rank_stuck_in_a_collective_is_found_within_the_stall_and_one_interval(nodes: int) -> None:
+    """An NCCL rank spins while it waits: its collective's wait (pending, by its agent) is what shows the hang."""
+    interval, stuck_at = paced(SAMPLE, nodes), 100.3
+    judge = HealthJudge(stall=STALL, slow=0)
+    node = Node(host="h1", address="10.0.0.1", node_rank=0, nproc=1)
+    found = None
+    for k in range(int(400 / interval)):
+        t = k * interval
+        waited = t - stuck_at if t >= stuck_at else -1.0
+        judge.observe(node, t, {0: RankSample(100, "R", t, t, 0, completed=int(min(t, stuck_at)), pending=waited)})
+        if judge.stalled():
+            found = t
+            break
+    assert found is not None and STALL <= found - stuck_at <= STALL + interval
+
+
+def test_a_nodes_arrivals_of_many_ranks_travel_in_few_lines_within_pipe_buf_and_come_back_whole() -> None:
+    """Each line one write(2) within PIPE_BUF (no rank's output can split it); a rank's arrivals may go on in the
+    next message; parsed, every rank's arrivals are back in order, with the sample's time."""
+    arrived = {rank: [Arrival(f"group-{rank % 3}-{'x' * (rank % 40)}", seq, 1_700_000_000_000_000_000 + seq * 1_000)
+                      for seq in range(rank * 7 % 50, rank * 7 % 50 + 40)] for rank in range(64)}
+    arrived[5] = []
+    bodies = arrivals_bodies(1234.5, arrived)
+    lines = [message_line(Kind.ARRIVALS, body) for body in bodies]
+    assert max(len(line) for line in lines) <= PIPE_BUF
+    back: dict[int, list[Arrival]] = {}
+    for body in bodies:
+        for said in parse_arrivals(body):
+            assert said.t == 1234.5
+            back.setdefault(said.rank, []).extend(said.arrived)
+    assert back == {rank: items for rank, items in arrived.items() if items}
+    ranks_of = [{said.rank for said in parse_arrivals(body)} for body in bodies]
+    assert any(first & second for first, second in pairwise(ranks_of)), "a rank's arrivals span two messages"
+
+
+def test_a_node_of_eight_ranks_sends_one_arrivals_message_a_sample_and_none_without_arrivals() -> None:
+    arrived = {rank: [Arrival("0", seq, seq) for seq in range(3)] for rank in range(8)}
+    assert len(arrivals_bodies(1.0, arrived)) == 1
+    assert arrivals_bodies(1.0, {}) == arrivals_bodies(1.0, {rank: [] for rank in range(8)}) == []
+
+
+@pytest.mark.parametrize("body", [
+    "", "not json", "null", "[1, 2]", "{}", '{"t": 1}', '{"ranks": {}}', '{"t": "soon", "ranks": {}}',
+    '{"t": 1, "ranks": [[0, []]]}', '{"t": 1, "ranks": {"zero": []}}', '{"t": 1, "ranks": {"0": 5}}',
+    '{"t": 1, "ranks": {"0": [["g", 1]]}}', '{"t": 1, "ranks": {"0": [["g", "one", 2]]}}',
+    '{"t": 1, "ranks": {"0": [null]}}'])
+def test_a_damaged_arrivals_message_is_refused_as_the_listener_expects(body: str) -> None:
+    """The listener drops a message that raises ValueError, KeyError or TypeError: anything else would end it."""
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        parse_arrivals(body)
+
+
+@dataclass
+class QuietNode:
+    """A NodeProcess whose messages are counted as they are waited for; it ends when told."""
+
+    node: Node
+    messages: queue.Queue[Message] = field(default_factory=queue.Queue)
+    gets: int = 0
+    end: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        take = self.messages.get
+
+        def counted(block: bool = True, timeout: float | None = None) -> Message:
+            self.gets += 1
+            return take(block, timeout)
+
+        self.messages.get = counted  # type: ignore[method-assign]
+
+    def wait(self) -> Outcome:
+        self.end.wait()
+        return Outcome(exit_code=0)
+
+
+def test_a_listener_waits_for_its_nodes_messages_without_polling_and_takes_every_one_said_before_its_end() -> None:
+    node = Node(host="h1", address="10.0.0.1", node_rank=0, nproc=2)
+    judge = HealthJudge(stall=STALL, slow=0)
+    supervisor = Supervisor(1.0, Terminal(io.StringIO()), judge=judge)
+    process = QuietNode(node)
+    live = LiveNode(node, started=time.time())
+    supervisor.nodes.append(live)
+    listener = threading.Thread(target=supervisor._listen, args=(process, live), daemon=True)
+    listener.start()
+    time.sleep(0.5)
+    assert process.gets == 1, "a quiet node's listener waits once, woken by nothing"
+    said = [json.dumps({"t": t, "ranks": {"0": [100, "R", t, t, 0], "1": [101, "R", t, t, 0]}}) for t in range(50)]
+    for body in said:
+        process.messages.put(Message(Kind.HEALTH, body))
+    arrived = arrivals_bodies(time.time(), {0: [Arrival("0", 1, time.time_ns())], 1: [Arrival("0", 1, time.time_ns())]})
+    process.messages.put(Message(Kind.ARRIVALS, arrived[0]))
+    process.end.set()
+    supervisor._reap(process, live)
+    listener.join(5)
+    assert not listener.is_alive(), "it ends once its node has ended and all it said is taken"
+    assert process.gets == len(said) + 2, "one wait a message, and one for the end"
+    assert {rank: len(kept.samples) for rank, kept in judge.ranks.items()} == {0: 50, 1: 50}
+    assert list(judge.arrivals.seen) == [("0", 1)] and list(judge.arrivals.seen["0", 1]) == [0, 1]
