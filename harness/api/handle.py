@@ -47,7 +47,8 @@ class Status:
     """A run now, as `harness status RUN` shows it: state (running, succeeded, failed, stopped, interrupted, error,
     lost, unwatched); the current attempt (0 the first) and the attempts that ended; progress (steps, total, rate:
     Progress.left_s() is the ETA); goodput, where its time went so far; while it runs, each rank's row (state, CPU,
-    step, last line) by global rank; once ended, its exit code, first failure and error in one line."""
+    step, last line) by global rank (past 256 ranks, as of health-ranks.json, every 30 s, but for the odd ranks':
+    RunDir.read_rank_rows); once ended, its exit code, first failure and error in one line."""
 
     run_id: str
     name: str
@@ -116,7 +117,7 @@ class Run:
                       world_size=state.world_size, started_at=state.started_at, ended_at=state.ended_at,
                       attempt=state.attempt, attempts=attempts, progress=progress,
                       goodput=goodput_of(self._dir, state, summary, time.time(), health),
-                      ranks=dict(health.ranks) if health is not None and status is RunStatus.RUNNING else {},
+                      ranks=self._dir.read_rank_rows(health) if health and status is RunStatus.RUNNING else {},
                       exit_code=summary.exit_code if summary is not None else None,
                       first_failure=summary.first_failure if summary is not None else None,
                       error=summary.error if summary is not None else state.error, metrics_url=state.metrics)

@@ -11,6 +11,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 
 from harness.control.live import LiveNode, RankActivity
 from harness.control.output import Output
@@ -23,8 +24,9 @@ from harness.health.slowdown import Course, PaceHistory, Slowdown, SlowPolicy, d
 from harness.health.verdict import Ended, Verdict, hang_verdict
 from harness.node.protocol import sample_interval
 from harness.plan.planner import Node
+from harness.record.health_summary import TABLE_SECONDS, NodeSpan, summed
 from harness.record.rundir import RunDir
-from harness.record.schema import HealthEvent, HealthEventKind, LiveHealth, Progress, RankRow, Slowed
+from harness.record.schema import SUMMED_PAST, HealthEvent, HealthEventKind, LiveHealth, Progress, RankRow, Slowed
 from harness.record.timeline import RankPoint, Sample
 
 TICK_SECONDS = 0.5
@@ -67,6 +69,7 @@ class HealthLoop:
         self.saved_step: int | None = None  # the furthest step when the job last said a checkpoint was saved
         self._saved_s = 0.0
         self._sampled = 0.0
+        self._table_at: float | None = None  # when every rank's row was last written (a job past SUMMED_PAST ranks)
         self._captures = 0  # hang captures made (one may prove no hang: its ranks made progress meanwhile)
 
     def loop(self) -> None:
@@ -219,7 +222,7 @@ class HealthLoop:
             self.paces.add(self.progress.last_at, self.progress.last_step)
             if self.progress.saving_s > self._saved_s:
                 self._saved_s, self.saved_step = self.progress.saving_s, self.progress.last_step
-        self.run.write_health(LiveHealth(
+        self._write_rows(LiveHealth(
             attempt=self.attempt, t=now, slow={rank: round(waited, 1) for rank, waited in slow.items()},
             hang=f"hang: {self.hang.text}" if self.hang else None, ranks=dict(sorted(ranks.items())),
             started_at=self.attempt_started_at, progress=self.progress, slowed=self._slowed(now)))
@@ -233,6 +236,20 @@ class HealthLoop:
                                 row.throughput)
                 for rank, row in ranks.items() if rank in views or row.step is not None}))
 
+    def _write_rows(self, health: LiveHealth) -> None:
+        """health.json with every rank's row, up to SUMMED_PAST ranks; past them, each node summed up and the odd
+        ranks (record/health_summary.py), every rank's row in health-ranks.json every TABLE_SECONDS and once a hang's
+        verdict is made: what is written twice a second grows with the nodes, not with their ranks."""
+        assert self.run is not None and health.t is not None
+        if len(health.ranks) <= SUMMED_PAST:
+            self.run.write_health(health)
+            return
+        hang_untold = self.hang is not None and (self._table_at or 0.0) < (self.hang_at or 0.0)
+        if self._table_at is None or health.t - self._table_at >= TABLE_SECONDS or hang_untold:
+            self._table_at = health.t
+            self.run.write_health_table(replace(health, table_at=health.t))
+        spans = [NodeSpan(live.node.node_rank, live.node.host, live.node.ranks) for live in self.nodes]
+        self.run.write_health(summed(health, spans, self.hang.odd if self.hang else [], self._table_at))
 
     def _slowed(self, now: float) -> Slowed | None:
         """The slowness of the rank named slow first, as the job's pace shows it now."""
@@ -246,7 +263,9 @@ class HealthLoop:
         """The attempt's progress from every rank's steps (rates: their step rates now; none: as before): the
         furthest step any rank reported (in a data-parallel job, often only rank 0 prints), and when it first
         went past the earlier attempts' furthest step; and where a rank said it resumed (the first to say)."""
-        marks = [mark for live in self.nodes for activity in live.activity.values() for mark in activity.steps]
+        # Each as a list first, at once: the nodes' readers add ranks and steps meanwhile.
+        marks = [mark for live in self.nodes for activity in list(live.activity.values())
+                 for mark in list(activity.steps)]
         if not marks:
             return self.progress
         first = min(marks, key=lambda mark: (mark.at, mark.step))  # a block's first step, where it has several
@@ -257,7 +276,7 @@ class HealthLoop:
         if new_at is None:
             past = [mark.at for mark in marks if self.furthest is None or mark.step > self.furthest]
             new_at = min(past) if past else None
-        activities = [activity for live in self.nodes for activity in live.activity.values()]
+        activities = [activity for live in self.nodes for activity in list(live.activity.values())]
         totals = [activity.total for activity in activities if activity.total is not None]
         rate = max(rates) if rates else self.progress.rate if self.progress else None
         resumes = [(activity.resumed, activity.restore_s) for activity in activities if activity.resumed is not None]
@@ -283,9 +302,10 @@ def rank_row(live: LiveNode, view: RankView | None, activity: RankActivity | Non
     else:
         state = view.state if view is not None else "running" if live.ranks_started else "starting"
     step = rate = step_at = None
-    if activity is not None and activity.steps:
-        step, step_at = activity.steps[-1].step, activity.steps[-1].at
-        recent = [mark for mark in activity.steps if mark.at >= now - RATE_WINDOW]
+    steps = list(activity.steps) if activity is not None else []  # at once: the node's reader adds to it meanwhile
+    if steps:
+        step, step_at = steps[-1].step, steps[-1].at
+        recent = [mark for mark in steps if mark.at >= now - RATE_WINDOW]
         if len(recent) >= 2 and recent[-1].at > recent[0].at:
             between = (recent[-1].at - recent[0].at) / (len(recent) - 1)
             still = now - recent[-1].at > max(STEP_QUIET_SECONDS, 3 * between)  # no new step for a while: not moving

@@ -15,9 +15,11 @@ from harness.record.disk import RecordDisk
 from harness.record.schema import (
     Attempt,
     LiveHealth,
+    RankRow,
     RecordError,
     RunState,
     RunSummary,
+    health_text,
     read_record,
     record_text,
 )
@@ -142,6 +144,11 @@ class RunDir:
         return self.path / "health.json"
 
     @property
+    def health_table(self) -> Path:
+        """Every rank's row of a job whose health.json sums up its nodes (schema.SUMMED_PAST), written less often."""
+        return self.path / "health-ranks.json"
+
+    @property
     def timeline(self) -> Path:
         """timeline.jsonl: every rank's CPU use, busy share and step over time (record/timeline.py), for the report."""
         return self.path / "timeline.jsonl"
@@ -202,7 +209,21 @@ class RunDir:
         return health if health.attempt == attempt else None
 
     def write_health(self, health: LiveHealth) -> None:
-        self.write_text(self.health_file, record_text(health), "health.json")
+        self.write_text(self.health_file, health_text(health), "health.json")
+
+    def write_health_table(self, health: LiveHealth) -> None:
+        self.write_text(self.health_table, health_text(health), "health-ranks.json")
+
+    def read_rank_rows(self, health: LiveHealth) -> dict[int, RankRow]:
+        """Every rank's row of health's attempt as last known: health.json's where it lists every rank; else
+        health-ranks.json's (written less often) with health.json's odd ranks over them, newer."""
+        if not health.nodes:
+            return dict(health.ranks)
+        try:
+            table = read_record(self.health_table, LiveHealth)
+        except RecordError:  # none yet
+            return dict(health.ranks)
+        return {**table.ranks, **health.ranks} if table.attempt == health.attempt else dict(health.ranks)
 
     def append_timeline(self, sample: Sample) -> None:
         if self.disk is None:

@@ -6,6 +6,7 @@ damaged file is reported as that run's problem instead of breaking every command
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
@@ -307,11 +308,35 @@ class Slowed:
     pace_now: float | None
 
 
+# Ranks past which health.json sums up each node and lists only the odd ranks (record/health_summary.py): every
+# job the tests run (64 ranks at most) has every rank's row there, as before.
+SUMMED_PAST = 256
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """One node in the health.json of a job past SUMMED_PAST ranks (record/health_summary.py), in a constant room
+    however the job runs: its ranks (first_rank to last_rank: a node's ranks are consecutive), how many of them are
+    in each state (by health_summary.state_kind: `no progress` without its seconds), its least and most step (None:
+    none of its ranks printed one), and the CPUs its ranks used together (None: not known yet)."""
+
+    node_rank: int
+    host: str
+    first_rank: int
+    last_rank: int
+    states: dict[str, int]
+    least_step: int | None = None
+    most_step: int | None = None
+    cpu: float | None = None
+
+
 @dataclass(frozen=True)
 class LiveHealth:
     """health.json: the running attempt's health as the controller's health loop last judged it (t, by the
     controller's clock), for `harness status`, `harness top` and `harness report`: the ranks named slow (rank ->
-    the percentage of the time its peers wait for it), a hang's verdict being acted on, and every rank."""
+    the percentage of the time its peers wait for it), a hang's verdict being acted on, and every rank; past
+    SUMMED_PAST ranks, every node summed up (nodes) and only the odd ranks, every rank's row then in
+    health-ranks.json, written less often (RunDir.read_rank_rows reads both)."""
 
     attempt: int
     t: float | None = None  # None in the files of a test or a tool that leaves it out
@@ -321,6 +346,14 @@ class LiveHealth:
     started_at: float | None = None  # the attempt's start (None in files written before it was kept)
     progress: Progress | None = None
     slowed: Slowed | None = None  # what a rank named slow costs the job's pace now (None: none is)
+    nodes: list[NodeHealth] = field(default_factory=list)  # every node summed up; empty: ranks holds every rank
+    odd_left: int = 0  # odd ranks left out of ranks past health_summary.ODD_LISTED
+    table_at: float | None = None  # when every rank's row was last written to health-ranks.json (None: not yet)
+
+    @property
+    def world_size(self) -> int:
+        """The attempt's ranks, listed or summed up."""
+        return sum(node.last_rank - node.first_rank + 1 for node in self.nodes) if self.nodes else len(self.ranks)
 
 
 @dataclass(frozen=True)
@@ -375,6 +408,28 @@ def record_text(record: Any) -> str:
     """A record (or a list of them) as its file holds it."""
     data = [dataclasses.asdict(item) for item in record] if isinstance(record, list) else dataclasses.asdict(record)
     return json.dumps(data, indent=2, default=_enum_value) + "\n"
+
+
+# The fields health.json has only past SUMMED_PAST ranks: a smaller job's file is as it was before them.
+SUMMARY_FIELDS = ("nodes", "odd_left", "table_at")
+
+
+def health_text(health: LiveHealth) -> str:
+    """health.json's text (or health-ranks.json's): up to SUMMED_PAST ranks as every record is written; past them
+    compact, and made by pydantic's serializer, several times faster than dataclasses.asdict: 2,048 nodes' summaries
+    are written twice a second, 16,384 ranks' rows twice a minute."""
+    if health.nodes or len(health.ranks) > SUMMED_PAST:
+        return _live_health().dump_json(health).decode() + "\n"
+    data = dataclasses.asdict(health)
+    for name in SUMMARY_FIELDS:
+        del data[name]
+    return json.dumps(data, indent=2) + "\n"
+
+
+@functools.cache
+def _live_health() -> TypeAdapter[LiveHealth]:
+    """Made once, when first needed: making it costs every command's start 70 ms."""
+    return TypeAdapter(LiveHealth)
 
 
 def _enum_value(value: object) -> object:

@@ -9,8 +9,8 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -21,6 +21,7 @@ from harness.record.stream import STAMP_WIDTH, StreamReader, record_files, stamp
 
 FOLLOW_POLL_SECONDS = 0.25
 NODE_FILE = re.compile(r"^attempt(\d+)/node(\d+)\.log$")
+PLAN_FILE = re.compile(r"^plan(?:\.attempt(\d+))?\.json$")
 RANK_OF_LINE = re.compile(r"^\[[^]]+\] \[rank(\d+)\]: ")
 DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -38,7 +39,9 @@ def duration(text: str) -> float:
 
 @dataclass(frozen=True)
 class Selection:
-    """Which lines to print: ranks and node (None: all), attempt (None: all), grep, since (a stamp)."""
+    """Which lines to print: ranks and node (None: all), attempt (None: all), grep, since (a stamp); holders: by
+    attempt, the nodes that hold the ranks asked for, whose logs alone are read (None, or an attempt not there: every
+    node's; log_lines finds them in the plans)."""
 
     ranks: frozenset[int] | None = None
     node: int | None = None
@@ -46,6 +49,7 @@ class Selection:
     grep: re.Pattern[str] | None = None
     since: str | None = None
     timestamps: bool = False
+    holders: Mapping[int, frozenset[int]] | None = None
 
     def files(self, folder: Path) -> list[Path]:
         """The record's files these lines can be in: the harness's own words only when no rank or node is asked for."""
@@ -55,8 +59,12 @@ class Selection:
         if "/" not in name:  # the harness's own words
             return self.ranks is None and self.node is None
         match = NODE_FILE.match(name)
-        return match is not None and (self.attempt is None or int(match[1]) == self.attempt) and \
-            (self.node is None or int(match[2]) == self.node)
+        if match is None:
+            return False
+        attempt, node = int(match[1]), int(match[2])
+        held = None if self.holders is None else self.holders.get(attempt)
+        return (self.attempt is None or attempt == self.attempt) and (self.node is None or node == self.node) and \
+            (held is None or node in held)
 
     def keeps(self, line: str) -> bool:
         if self.since is not None and line[:STAMP_WIDTH] < self.since:
@@ -104,7 +112,12 @@ def log_lines(run: RunDir, selection: Selection, follow: bool = False,
     if selection.attempt is not None and not (folder / f"attempt{selection.attempt}").is_dir():
         raise UsageError(f"run {run.run_id} has no attempt {selection.attempt}; it has "
                          f"{', '.join(p.name for p in sorted(folder.glob('attempt*'))) or 'none yet'}")
-    _refuse_unknown(run, selection)
+    plans = _planned(run)
+    _refuse_unknown(run, selection, plans)
+    if selection.ranks is not None:  # only the logs of the nodes that hold them: at 2,048 nodes, a few files of 2,048
+        selection = replace(selection, holders={attempt: frozenset(node for node, ranks in nodes.items()
+                                                                   if not selection.ranks.isdisjoint(ranks))
+                                                for attempt, nodes in plans.items()})
     readers = {path: StreamReader(path) for path in selection.files(folder)}
     yield from _kept(selection, heapq.merge(*(reader.lines() for reader in readers.values())))
     while follow:
@@ -118,17 +131,24 @@ def log_lines(run: RunDir, selection: Selection, follow: bool = False,
         time.sleep(FOLLOW_POLL_SECONDS)
 
 
-def _refuse_unknown(run: RunDir, selection: Selection) -> None:
-    """A rank or node no attempt of the run had (by its plans) is a mistake to say, not an empty answer."""
-    ranks: set[int] = set()
-    nodes: set[int] = set()
+def _planned(run: RunDir) -> dict[int, dict[int, list[int]]]:
+    """By attempt, each node's ranks as the attempt's plan says (an attempt whose plan cannot be read is left out)."""
+    plans: dict[int, dict[int, list[int]]] = {}
     for path in run.path.glob("plan*.json"):
+        if (named := PLAN_FILE.match(path.name)) is None:
+            continue
         try:
-            for node in json.loads(path.read_text())["nodes"]:
-                nodes.add(int(node["node_rank"]))
-                ranks.update(int(rank) for rank in node["ranks"])
+            plans[int(named[1] or 0)] = {int(node["node_rank"]): [int(rank) for rank in node["ranks"]]
+                                         for node in json.loads(path.read_text())["nodes"]}
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    return plans
+
+
+def _refuse_unknown(run: RunDir, selection: Selection, plans: dict[int, dict[int, list[int]]]) -> None:
+    """A rank or node no attempt of the run had (by its plans) is a mistake to say, not an empty answer."""
+    ranks = {rank for nodes in plans.values() for held in nodes.values() for rank in held}
+    nodes = {node for planned in plans.values() for node in planned}
     if ranks and selection.ranks is not None and not selection.ranks <= ranks:
         raise UsageError(f"run {run.run_id} has no rank {','.join(map(str, sorted(selection.ranks - ranks)))}: its "
                          f"ranks are {_span(ranks)}")

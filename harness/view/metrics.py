@@ -20,7 +20,7 @@ from harness.health.slowdown import Slowdown
 from harness.record.goodput import goodput_of
 from harness.record.liveness import live_status
 from harness.record.rundir import RunDir
-from harness.record.schema import GOODPUT_BUCKETS, Goodput, LiveHealth, RecordError, RunStatus
+from harness.record.schema import GOODPUT_BUCKETS, Goodput, LiveHealth, RankRow, RecordError, RunStatus
 
 RANK_LABELS = ["run_id", "rank", "node", "host"]
 # Where the metrics are served where health.metrics_address says nothing: for this machine's own Prometheus; in a
@@ -61,7 +61,7 @@ class RunMetrics(Collector):
         if health is not None:
             yield from _progress(run_id, health)
             yield from _pace(run_id, health)
-            yield from _ranks(run_id, health, now)
+            yield from _ranks(run_id, health.slow, self.run.read_rank_rows(health), now)
 
 
 def _gauge(name: str, text: str, run_id: str, value: float) -> GaugeMetricFamily:
@@ -107,8 +107,9 @@ def _pace(run_id: str, health: LiveHealth) -> Iterator[Metric]:
                      "to slow it (1: no rank is named slow).", run_id, ratio)
 
 
-def _ranks(run_id: str, health: LiveHealth, now: float) -> Iterator[Metric]:
-    """Every rank's row of health.json; a value not known (no step printed, no GPU) is left out, not 0."""
+def _ranks(run_id: str, slow: dict[int, float], rows: dict[int, RankRow], now: float) -> Iterator[Metric]:
+    """Every rank's row (RunDir.read_rank_rows: past schema.SUMMED_PAST ranks, as of health-ranks.json but for the
+    odd ranks); a value not known (no step printed, no GPU) is left out, not 0."""
     families = {
         "step": ("harness_rank_step", "The rank's step (health.progress)."),
         "step_rate": ("harness_rank_steps_per_second", "The rank's steps per second over the last minute."),
@@ -126,12 +127,12 @@ def _ranks(run_id: str, health: LiveHealth, now: float) -> Iterator[Metric]:
                                                   "(the payload's img/s)."),
     }
     out = {key: GaugeMetricFamily(name, text, labels=RANK_LABELS) for key, (name, text) in families.items()}
-    for rank, row in sorted(health.ranks.items()):
+    for rank, row in sorted(rows.items()):
         values = {
             "step": row.step, "step_rate": row.step_rate, "cpu": row.cpu, "busy": row.busy,
             "output_age": None if row.last_line_at is None else max(0.0, now - row.last_line_at),
             "step_age": None if row.step_at is None else max(0.0, now - row.step_at), "idle": row.idle,
-            "slow": health.slow.get(rank, 0.0) / 100, "gpu_util": None if row.gpu_util is None else row.gpu_util / 100,
+            "slow": slow.get(rank, 0.0) / 100, "gpu_util": None if row.gpu_util is None else row.gpu_util / 100,
             "gpu_memory": row.gpu_memory, "loss": row.loss, "throughput": row.throughput,
         }
         for key, value in values.items():

@@ -6,12 +6,14 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from harness.health.rank_stack import ranks_text
 from harness.health.slowdown import Slowdown
 from harness.node.proctable import run_processes
 from harness.record.goodput import ending_parts, goodput_of
+from harness.record.health_summary import TABLE_SECONDS, by_activity
 from harness.record.index import RunsLookup, runs_lookup
 from harness.record.liveness import live_status, unwatched_for
 from harness.record.rundir import RunDir
@@ -22,6 +24,7 @@ from harness.record.schema import (
     Goodput,
     HealthEventKind,
     LiveHealth,
+    NodeHealth,
     Progress,
     RecordedNode,
     RecordError,
@@ -32,6 +35,7 @@ from harness.record.schema import (
 
 UNCUT = 1 << 16  # the width of lines that are not cut to a terminal's
 NODES_LISTED = 16  # nodes status lists one by one; beyond, by state
+NODE_GROUPS_SHOWN = 8  # lines of nodes alike in a job whose health.json sums up its nodes
 STALE_SECONDS = 10.0  # health.json older than this, while the run runs, is said to be so
 
 
@@ -98,7 +102,9 @@ def run_details(run: RunDir, width: int = UNCUT) -> str:
             if health.progress is not None:
                 lines.append(f"  progress: {progress_words(health.progress, running=True)}")
             lines.append(f"  time: {goodput_words(goodput_of(run, state, None, now, health))}")
+            lines += node_state_lines(health)
             lines += rank_rows(health, now, width)
+            lines += unlisted_lines(health, run, now)
             lines += [f"  {line}" for line in health_lines(health)]
         return "\n".join(lines) + "\n"
     if len(summary.attempts) > 1:
@@ -242,15 +248,72 @@ def slowed_lines(health: LiveHealth) -> list[str]:
     return [f"slowed: {who}{lasted}: {Slowdown(slowed.since, slowed.pace_before, slowed.pace_now).words()}"]
 
 
+def node_state_lines(health: LiveHealth) -> list[str]:
+    """A job whose health.json sums up its nodes (schema.SUMMED_PAST): its nodes by how their ranks are, one line for
+    the nodes alike (computing and waiting as one: a rank goes from one to the other within a step), the most nodes
+    first, NODE_GROUPS_SHOWN lines at most: `nodes 0-2039 (2040, on sim0...): 8 computing or waiting; steps
+    118-121`."""
+    if not health.nodes:
+        return []
+    alike: dict[str, list[NodeHealth]] = {}
+    for states, nodes in _alike(health).items():
+        how = ", ".join(f"{count} {kind}" for kind, count in by_activity(dict(states)).most_common())
+        alike.setdefault(how, []).extend(nodes)
+    groups = sorted(alike.items(), key=lambda group: -len(group[1]))
+    lines = [f"  ranks by node ({len(health.nodes)} nodes, {health.world_size} ranks):"]
+    for how, nodes in groups[:NODE_GROUPS_SHOWN]:
+        first = min(nodes, key=lambda node: node.node_rank)
+        who = f"node{first.node_rank} ({first.host})" if len(nodes) == 1 else \
+            f"{ranks_text([node.node_rank for node in nodes], 'node')} ({len(nodes)}, on {first.host}...)"
+        least = min((n.least_step for n in nodes if n.least_step is not None), default=None)
+        most = max((n.most_step for n in nodes if n.most_step is not None), default=None)
+        steps = "" if least is None or most is None else f"; step {least}" if least == most else \
+            f"; steps {least}-{most}"
+        lines.append(f"    {who}: {how or 'no rank seen'}{steps}")
+    if len(groups) > NODE_GROUPS_SHOWN:
+        left = groups[NODE_GROUPS_SHOWN:]
+        lines.append(f"    ... and {sum(len(nodes) for _, nodes in left)} node(s) more, of {len(left)} other kind(s) "
+                     f"(health.json counts each node's states)")
+    return lines
+
+
+def _alike(health: LiveHealth) -> dict[tuple[tuple[str, int], ...], list[NodeHealth]]:
+    """The nodes by their ranks' states (NodeHealth.states): a few kinds of nodes among thousands."""
+    alike: dict[tuple[tuple[str, int], ...], list[NodeHealth]] = {}
+    for node in health.nodes:
+        alike.setdefault(tuple(sorted(node.states.items())), []).append(node)
+    return alike
+
+
+def unlisted_lines(health: LiveHealth, run: RunDir, now: float) -> list[str]:
+    """For a job whose health.json lists only its odd ranks: how many are not listed, and where every rank's row is."""
+    if not health.nodes:
+        return []
+    left = health.world_size - len(health.ranks)
+    usual = Counter[str]()
+    for states, nodes in _alike(health).items():
+        usual.update({kind: count * len(nodes) for kind, count in by_activity(dict(states)).items()})
+    odd = f" ({health.odd_left} of them odd past the {len(health.ranks)} listed)" if health.odd_left else ""
+    like = f": {usual.most_common(1)[0][0]}, as most are" if usual else ""
+    table = f"every {TABLE_SECONDS:g} s" + ("" if health.table_at is None else
+                                            f", last {_age(max(0.0, now - health.table_at))} ago")
+    return [f"  {left} of {health.world_size} ranks not listed{odd}{like}; every rank's row: {run.health_table} "
+            f"({table}); a rank's lines: `harness logs {run.run_id} --rank N`"]
+
+
 def rank_rows(health: LiveHealth, now: float, width: int) -> list[str]:
-    """One row per rank: its state as the health loop sees it, CPU use, GPU use where any rank's is known,
-    step and rate where the job prints them, and its last line with how long ago it came, cut to the width."""
-    if not health.ranks:
+    """One row per rank health.json lists (every rank, or past schema.SUMMED_PAST only the odd ones): its state as
+    the health loop sees it, CPU use, GPU use where any rank's is known, step and rate where the job prints them, and
+    its last line with how long ago it came, cut to the width. RANK and NODE widen for rank 10000 and node1000 on."""
+    if not health.ranks and not health.nodes:
         return []
     gpus = any(row.gpu_util is not None or row.gpu_memory is not None for row in health.ranks.values())
-    head = f"  {'RANK':>4} {'NODE':<7} {'HOST':<12} {'STATE':<24} {'CPU':>5}" + \
+    wide = max((len(str(rank)) for rank in health.ranks), default=4)
+    named = max((len(row.node) for row in health.ranks.values()), default=7)
+    rank_w, node_w = max(4, wide), max(7, named)
+    head = f"  {'RANK':>{rank_w}} {'NODE':<{node_w}} {'HOST':<12} {'STATE':<24} {'CPU':>5}" + \
         (f" {'GPU':>4} {'GPU MEM':>8}" if gpus else "") + f" {'STEP':>7} {'STEP/S':>7}  LAST LINE"
-    rows = [head]
+    rows = [head] if health.ranks else []
     for rank, row in sorted(health.ranks.items()):
         cpu = "-" if row.cpu is None else f"{100 * row.cpu:.0f}%"
         gpu = "-" if row.gpu_util is None else f"{row.gpu_util:.0f}%"
@@ -259,7 +322,7 @@ def rank_rows(health: LiveHealth, now: float, width: int) -> list[str]:
         rate = "-" if row.step_rate is None else f"{row.step_rate:.3g}"
         line = "-" if row.last_line is None else \
             f"{_age(max(0.0, now - (row.last_line_at or now)))} ago: {row.last_line}"
-        text = (f"  {rank:>4} {row.node:<7.7} {row.host:<12.12} {row.state:<24.24} {cpu:>5}"
+        text = (f"  {rank:>{rank_w}} {row.node:<{node_w}.{node_w}} {row.host:<12.12} {row.state:<24.24} {cpu:>5}"
                 + (f" {gpu:>4} {memory:>8}" if gpus else "") + f" {step:>7} {rate:>7}  {line}")
         rows.append(text[:width])
     stale = now - (health.t or now)

@@ -5,22 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import os
 import select
 import shutil
 import sys
 import termios
 import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO
 
 from harness.record.liveness import has_ended
 from harness.record.rundir import RunDir
-from harness.record.stream import unstamp
+from harness.record.stream import STAMP_WIDTH, unstamp
 from harness.view.logs import Selection
 from harness.view.status import run_details
 
 TAIL_BYTES = 1 << 16  # read from the end of each file of the record, for the stream's last lines
+CHUNK_BYTES = 1 << 12  # read first: a file's share of a screen where many nodes write
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -33,24 +35,40 @@ def frame(run: RunDir, width: int, height: int) -> str:
 
 
 def stream_tail(run: RunDir, count: int) -> list[str]:
-    """The last count lines of the run's record, in time order, read from the end of each file."""
-    files = Selection().files(run.stream)
-    return list(heapq.merge(*(_last_lines(path, count) for path in files)))[-count:]
+    """The last count lines of the run's record, in time order, read from the end of each file: CHUNK_BYTES of each
+    first, then up to TAIL_BYTES of those whose chunk may not hold all they have of the last count lines (at 2,048
+    nodes a frame reads 8 MiB, not 128)."""
+    if count <= 0:
+        return []
+    tails = {path: _last_lines(path, count, CHUNK_BYTES) for path in Selection().files(run.stream)}
+    kept = _newest(tails.values(), count)
+    oldest = kept[0][:STAMP_WIDTH] if len(kept) == count else ""
+    for path, lines in tails.items():
+        if len(lines) < count and (not lines or lines[0][:STAMP_WIDTH] >= oldest):  # it may hold more of them
+            tails[path] = _last_lines(path, count)
+    return _newest(tails.values(), count)
 
 
-def _last_lines(path: os.PathLike[str], count: int) -> Iterator[str]:
+def _newest(tails: Iterable[list[str]], count: int) -> list[str]:
+    """The count newest of the files' lines, in time order (their stamps sort as text): heapq.merge of 2,048 files
+    takes a second where this takes a few hundredths."""
+    return sorted(heapq.nlargest(count, itertools.chain.from_iterable(tails)))
+
+
+def _last_lines(path: os.PathLike[str], count: int, room: int = TAIL_BYTES) -> list[str]:
+    """The file's last count whole lines within its last room bytes."""
     try:
         with open(path, "rb") as file:
             size = file.seek(0, os.SEEK_END)
-            file.seek(max(0, size - TAIL_BYTES))
+            file.seek(max(0, size - room))
             data = file.read()
     except FileNotFoundError:
-        return
+        return []
     # Split as bytes, at \n and \r alone: str.splitlines would cut a rank's line at a separator it printed (\x1e).
     lines = [line.decode("utf-8", errors="replace") for line in data.splitlines(keepends=True)]
-    if size > TAIL_BYTES:
+    if size > room:
         lines = lines[1:]  # the first may be cut
-    yield from (line for line in lines[-count:] if line.endswith("\n"))
+    return [line for line in lines[-count:] if line.endswith("\n")]
 
 
 def top(run: RunDir, out: IO[str] = sys.stdout, interval: float = 1.0, once: bool = False) -> int:
