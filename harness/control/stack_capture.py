@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from harness.control.live import LiveNode
-from harness.health.rank_stack import RankStack
+from harness.health.rank_stack import RankStack, ranks_text
 from harness.node.protocol import LAUNCHER_RANK, Kind, Message, StackChunks
 from harness.plan.planner import Node
 from harness.record.rundir import STACKS_TAG, RunDir
 from harness.targets.base import NodeProcess
 
 STACKS_SECONDS = 20.0  # how long the nodes have to answer for their ranks' stacks
+RANK_FILES = 256  # up to this many ranks, a hang's stacks are kept in a file per rank
 
 
 class StackCapture:
@@ -102,8 +103,28 @@ class StackCapture:
 
 def keep(run: RunDir, where: Path, stacks: dict[int, RankStack]) -> None:
     """Each rank's stacks as py-spy shows them, its DataLoader workers' after them, then its last collectives
-    (rankN.txt), and all of them as stacks.json, in where, a folder of run's."""
-    for rank, stack in stacks.items():
-        run.write_text(where / f"rank{rank}.txt", stack.text() + stack.collectives_text(), f"rank {rank}'s stacks")
+    (rankN.txt), and all of them as stacks.json, in where, a folder of run's. Past RANK_FILES ranks, ranks whose stacks
+    are alike share one file (alike-rankN.txt, N the first of them, with their ranks) and only a rank alike with
+    none has a file of its own: a file per rank was 16,384 files written before a verdict at 2,048 nodes x 8."""
+    groups: dict[object, list[int]] = {}
+    for rank, stack in sorted(stacks.items()):
+        groups.setdefault(_alike(stack) if len(stacks) > RANK_FILES else rank, []).append(rank)
+    for ranks in groups.values():
+        stack = stacks[ranks[0]]
+        if len(ranks) == 1:
+            run.write_text(where / f"rank{ranks[0]}.txt", stack.text() + stack.collectives_text(),
+                           f"rank {ranks[0]}'s stacks")
+            continue
+        head = f"{ranks_text(ranks)} ({len(ranks)} ranks) have stacks alike; rank {ranks[0]}'s:\n"
+        run.write_text(where / f"alike-rank{ranks[0]}.txt", head + stack.text() + stack.collectives_text(),
+                       f"the stacks of {ranks_text(ranks)}")
     answers = {str(rank): stack.to_answer() for rank, stack in sorted(stacks.items())}
     run.write_text(where / "stacks.json", json.dumps(answers), "the ranks' stacks")
+
+
+def _alike(stack: RankStack) -> object:
+    """What a rank's stacks say but who it is (its pid, its threads' ids): where each thread is, its collectives."""
+    threads = tuple((t.name, tuple((f.name, f.file, f.line) for f in t.frames)) for t in stack.threads or ())
+    collectives = stack.collectives if stack.collectives is None or isinstance(stack.collectives, str) else \
+        tuple((c.group, c.seq, c.op, c.done, str(c.sizes)) for c in stack.collectives)
+    return stack.state, stack.error, threads, collectives, tuple(_alike(worker) for worker in stack.workers)
