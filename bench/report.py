@@ -15,6 +15,7 @@ STREAM_GOAL = 1.2  # a chatty job's stream against torchrun --tee 3 (issue 38)
 WATCH_GOAL = 0.99  # the payload's img/s with the health watch on / off, at least this
 SCALE_GROWTH = 1.5  # the controller's CPU per node at the most nodes, against the fewest (issue 49)
 SCALE_CORES, SCALE_GIB, ANSWER_S = 1.0, 1.0, 1.0  # the controller at the most nodes; status and top
+FLEET_GIB = 2.0  # the controller at 2,048 stand-in nodes x 8 ranks (issue 71)
 RECOVERY_GOALS = (3.0, 4.0)  # kill to the next first step: a lost rank on simulated nodes, a lost SSH host (issue 48)
 
 
@@ -152,22 +153,38 @@ def _scale_goals(sc: dict[str, Any]) -> list[dict[str, Any]]:
     at = f"{last['nodes']} x {last['ranks'] // last['nodes']}"
     growth = last["cost_per_node_vs_smallest"]
     slowest = max(max(r["answer_s"].get("status", 0), r["answer_s"].get("top", 0)) for r in rows)
-    return [
+    goals = [
         {"goal": f"the controller's CPU per node at {last['nodes']} nodes within {SCALE_GROWTH:g}x of at "
                  f"{rows[0]['nodes']}", "value": f"{growth}x", "met": growth <= SCALE_GROWTH},
         {"goal": f"the controller at most {SCALE_CORES:g} core and {SCALE_GIB:g} GiB at {at} ranks",
          "value": f"{last['controller_cores']} cores, {last['controller_peak_rss_mib']:.0f} MiB at its peak",
          "met": last["controller_cores"] <= SCALE_CORES and last["controller_peak_rss_mib"] <= SCALE_GIB * 1024},
-        {"goal": f"a hang found within stall + {HANG_MARGIN:g} s and its rank named, at every size",
-         "value": "; ".join(f"{r['nodes']} nodes: found after {r.get('found_s', '-')} s, verdict after "
-                            f"{r['verdict_s']} s, {'named' if r['culprit_named'] else 'NOT named'}" for r in rows),
-         "met": all(r["verdict_s"] <= r["verdict_goal_s"] and r["culprit_named"] for r in rows),
-         "note": "the verdict waits for py-spy to read every rank's stack: 1,024 ranks on 2 cores take longer "
-                 "than 15 s (on a cluster each node reads its own 8 in parallel)"
-                 if any(r["verdict_s"] > r["verdict_goal_s"] for r in rows) else None},
+        _hang_goal(rows),
         {"goal": f"`harness status` and `top` answer within {ANSWER_S:g} s, at every size",
          "value": f"slowest median {slowest} s", "met": slowest <= ANSWER_S},
     ]
+    if fleet := sc.get("stand_in_rows"):
+        big = fleet[-1]
+        at = f"{big['nodes']} x {big['ranks'] // big['nodes']}"
+        answers = max(big["answer_s"].get("status", 0), big["answer_s"].get("top", 0))
+        goals += [
+            {"goal": f"stand-in nodes, {at}: the controller at most {SCALE_CORES:g} core and {FLEET_GIB:g} GiB",
+             "value": f"{big['controller_cores']} cores, {big['controller_peak_rss_mib']:.0f} MiB at its peak",
+             "met": big["controller_cores"] <= SCALE_CORES and big["controller_peak_rss_mib"] <= FLEET_GIB * 1024},
+            {**_hang_goal(fleet), "goal": f"stand-in nodes: {_hang_goal(fleet)['goal']}"},
+            {"goal": f"stand-in nodes, {at}: `harness status` and `top` answer within {ANSWER_S:g} s",
+             "value": f"slowest median {answers} s", "met": answers <= ANSWER_S},
+        ]
+    return goals
+
+
+def _hang_goal(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"goal": f"a hang found within stall + {HANG_MARGIN:g} s and its rank named, at every size",
+            "value": "; ".join(f"{r['nodes']} nodes: found after {r.get('found_s', '-')} s, verdict after "
+                               f"{r['verdict_s']} s, {'named' if r['culprit_named'] else 'NOT named'}" for r in rows),
+            "met": all(r["verdict_s"] <= r["verdict_goal_s"] and r["culprit_named"] for r in rows),
+            "note": "the verdict waits for every rank's stack: more ranks than two cores read within 15 s"
+                    if any(r["verdict_s"] > r["verdict_goal_s"] for r in rows) else None}
 
 
 def _floor_ratio(row: dict[str, Any], mode: str, cores: int) -> float:
@@ -618,9 +635,19 @@ def _k8s(k: dict[str, Any]) -> list[str]:
 def _scale(s: dict[str, Any]) -> list[str]:
     lines = [f"{s['job']}; {s['cores']} cores. CPU per node per second: the controller's CPU seconds over the window, "
              "divided by nodes and seconds; answers: the whole command as typed, median.", ""]
-    return lines + _table(
+    lines += _scale_rows(s["rows"], "agent CPU per s, MiB")
+    if s.get("stand_in_rows"):
+        lines += ["Stand-in nodes (testbed/fleet.py: one process serves every node's side of the agent protocol, so "
+                  "that on two cores what grows is the controller's work alone); the fleet's own CPU per node in the "
+                  "agent column. Record: the run folder's size at its end, per rank per second of the run.", ""]
+        lines += _scale_rows(s["stand_in_rows"], "stand-ins' CPU per s, MiB")
+    return lines + _scale_ssh(s.get("ssh", {}))
+
+
+def _scale_rows(rows: list[dict[str, Any]], agents: str) -> list[str]:
+    return [*_table(
         ["nodes x ranks", "launch to all running (s)", "controller CPU per node per s (vs fewest)", "controller cores",
-         "controller MiB (peak)", "threads, fds", "agent CPU per s, MiB", "record lines per s (terminal)",
+         "controller MiB (peak)", "threads, fds", agents, "record lines per s (terminal)", "record MiB (B/rank/s)",
          "status / top / logs --rank (s)", "hang to found + stacks read = verdict (s, goal)", "culprit named"],
         [[f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["launch_to_running_s"],
           f"{r['controller_cpu_per_node_per_s']:.4f} ({r['cost_per_node_vs_smallest']}x)", r["controller_cores"],
@@ -628,10 +655,11 @@ def _scale(s: dict[str, Any]) -> list[str]:
           f"{r['controller_threads']}, {r['controller_fds']}",
           f"{r['agent_cpu_per_s']:.4f}, {r['agent_rss_mib']:.0f}",
           f"{r['record_lines_per_s']:.0f} ({r['terminal_lines_per_s']:.0f})",
+          f"{r['record_mib']} ({r['record_bytes_per_rank_per_s']})" if "record_mib" in r else "-",
           " / ".join(_num(r["answer_s"].get(k), 2) for k in ("status", "top", "logs_rank")),
           f"{r.get('found_s', '-')} + {r.get('capture_s', '-')} = {r['verdict_s']} ({r['verdict_goal_s']:g})",
           "yes" if r["culprit_named"] else "no"]
-         for r in s["rows"]]) + [""] + _scale_ssh(s.get("ssh", {}))
+         for r in rows]), ""]
 
 
 def _scale_ssh(ssh: dict[str, Any]) -> list[str]:

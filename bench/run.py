@@ -112,7 +112,8 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
                          "synthetic_repeats": 20},
         "k8s": {"repeats": 3, "kill_at": 40},
         # 256 x 4 stand-in ranks is about 1,300 processes on this machine: a step a second keeps them light
-        "scale": {"nodes": [16, 64, 256], "nproc": 4, "step_seconds": 1.0, "stall": 30, "warmup": 10, "window": 30,
+        "scale": {"nodes": [16, 64, 256], "nproc": 4, "fleet_nodes": [16, 256, 2048], "fleet_nproc": 8,
+                  "step_seconds": 1.0, "stall": 30, "warmup": 10, "window": 30,
                   "queries": 3, "queries_margin": 20, "start_timeout": 600,
                   "ssh_hosts": 64, "ssh_nproc": 2, "ssh_steps": 40, "ssh_window": 15, "ssh_connect": 30},
         # benchmark 15: per-rank batch 64 makes a step's CPU the rank's (at 16, gloo's waits are most of it, and a

@@ -10,6 +10,10 @@ agents' CPU and memory, the stream's lines per second (the run's record), and `h
 `logs --rank` answer times (whole commands, as a user types them, on the loaded machine); then the last rank
 hangs in its data loading: the time from its last step to the verdict (goal: stall + 15 s) and whether the
 verdict names it.
+
+The same rows with stand-in nodes (testbed/fleet.py) go to 2,048 nodes x 8 ranks: one process serves every node's
+agent side of the protocol over a socket each, so that on two cores what grows is the controller's work alone;
+the controller, its record and its verdicts are a launch's own.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ health:
 timeouts:
   stop_grace: 3
   rendezvous: 900
+simulated:
+  network: {network}
 """
 STEP_ONE = re.compile(r"\]: epoch 1/1 step 1/")
 HANG = re.compile(r"^harness: hang: (.*)")
@@ -64,12 +70,13 @@ def _rss(pid: int) -> int:
         return 0
 
 
-def _agents(controller: int) -> list[int]:
-    """The node agents: the controller's children that run `harness-agent` (simulated nodes are its children)."""
+def _agents(controller: int, fleet: bool) -> list[int]:
+    """The node agents: the controller's children that run `harness-agent` (simulated nodes are its children); or
+    the stand-in nodes' one process."""
     found = []
     for pid in children(controller):
         with contextlib.suppress(OSError):
-            if b"harness-agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if (b"testbed.fleet" if fleet else b"harness-agent") in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
     return found
 
@@ -110,8 +117,9 @@ def _last_stamp(folder: Path, pattern: str) -> float:
     return datetime.datetime.strptime(found, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC).timestamp()
 
 
-def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    nproc, step_seconds, stall = cfg["nproc"], cfg["step_seconds"], cfg["stall"]
+def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> dict[str, Any]:
+    """fleet: the nodes are testbed/fleet.py's stand-ins (one process), not agents."""
+    step_seconds, stall = cfg["step_seconds"], cfg["stall"]
     world = nnodes * nproc
     # the hang comes after the warm-up and the window, counted in steps from the first one (steps need every rank)
     hang_step = math.ceil((cfg["warmup"] + cfg["window"] + cfg["queries_margin"]) / step_seconds)
@@ -120,16 +128,17 @@ def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
         job = work / "job.yaml"
         job.write_text(JOB.format(nnodes=nnodes, nproc=nproc, script=STANDIN / "rank.py", step_seconds=step_seconds,
                                   hang_rank=world - 1, hang_step=hang_step, shim=STANDIN / "shim", repo=procs.REPO,
-                                  stall=stall))
+                                  stall=stall, network="host" if fleet else "private"))
         env = procs.clean_env(XDG_STATE_HOME=str(work / "state"))
         harness = [procs.PY, "-m", "harness.cli"]
-        with procs.Proc([*harness, "launch", str(job)], env=env, cwd=work) as launch:
+        launcher = [procs.PY, "-m", "testbed.fleet"] if fleet else [*harness, "launch"]
+        with procs.Proc([*launcher, str(job)], env=env | {"PYTHONPATH": str(procs.REPO)}, cwd=work) as launch:
             _, ran = launch.wait_for(r"^harness: run (\S+): ", timeout=120)
             run_id = ran[1]
             running, _ = launch.wait_for(STEP_ONE.pattern, timeout=cfg["start_timeout"])
             controller = launch.proc.pid
             time.sleep(cfg["warmup"])
-            agents = _agents(controller)
+            agents = _agents(controller, fleet)
             begun, wall_begun = time.monotonic(), time.time()
             cpu0 = procs.process_cpu_s(controller)
             agents0 = {pid: procs.process_cpu_s(pid) for pid in agents}
@@ -164,6 +173,8 @@ def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
             hung_at = _last_stamp(record / "logs", r"^harness: hang: ")
             found_at = _last_stamp(record / "logs", r"^harness: no progress for \S+ s on ")
             lines = _record_lines(record, wall_begun, wall_ended)
+            record_bytes = sum(f.stat().st_size for f in record.rglob("*") if f.is_file())
+            lasted = (launch.ended or time.monotonic()) - launch.started
             shown = sum(1 for when, line in launch.lines if begun <= when < begun + seconds)
     culprit = f"rank {world - 1} (node{nnodes - 1} on sim{nnodes - 1}) has not reached #{hang_step}"
     return {
@@ -173,11 +184,13 @@ def one(nnodes: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "controller_cores": round(controller_cpu / seconds, 3),
         "controller_rss_mib": round(max(rss) / 2**20, 1), "controller_peak_rss_mib": round(peak / 2**20, 1),
         "controller_threads": threads, "controller_fds": fds,
-        "agent_cpu_per_s": round(agents_cpu / len(agents) / seconds, 5),
+        "agent_cpu_per_s": round(agents_cpu / len(agents) / seconds, 5), "stand_ins": fleet,
         "agent_rss_mib": round(statistics.mean(agent_rss) / 2**20, 1),
         "answer_s": {name: round(statistics.median(times), 2) for name, times in answers.items() if times},
         "answer_attempts_s": {name: [round(t, 2) for t in times] for name, times in answers.items()},
-        "record_lines_per_s": round(lines / seconds, 1), "terminal_lines_per_s": round(shown / seconds, 1),
+        "record_lines_per_s": round(lines / seconds, 1), "record_mib": round(record_bytes / 2**20, 1),
+        "record_bytes_per_rank_per_s": round(record_bytes / world / lasted, 1),
+        "terminal_lines_per_s": round(shown / seconds, 1),
         "found_s": round(found_at - last_step, 1), "capture_s": round(hung_at - found_at, 1),
         "verdict_s": round(hung_at - last_step, 1), "verdict_goal_s": stall + 15 + step_seconds,
         "culprit_named": culprit in verdict[1], "verdict": verdict[1][:600],
@@ -209,7 +222,7 @@ def ssh(cfg: dict[str, Any]) -> dict[str, Any]:
         job = work / "job.yaml"
         job.write_text(JOB.format(nnodes=hosts, nproc=nproc, script=STANDIN / "rank.py", step_seconds=1.0,
                                   hang_rank=-1, hang_step=-1, shim=STANDIN / "shim", repo=procs.REPO,
-                                  stall=cfg["stall"]).replace('"100000"', f'"{cfg["ssh_steps"]}"')
+                                  stall=cfg["stall"], network="private").replace('"100000"', f'"{cfg["ssh_steps"]}"')
                        + f"  connect: {cfg['ssh_connect']}\n")
         checked = time.monotonic()  # as `harness launch --hosts` runs them (its gate), timed alone
         report = run_preflight(load_inventory(inventory), load_job(job), known_hosts=hosts_up.known_hosts, fast=True,
@@ -243,13 +256,17 @@ def ssh(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    rows = []
+    rows, stand_ins = [], []
     for nnodes in cfg["nodes"]:
         print(f"bench: scale: {nnodes} nodes x {cfg['nproc']} ranks ...", flush=True)
-        rows.append(one(nnodes, cfg))
-    smallest = rows[0]["controller_cpu_per_node_per_s"] or 1e-9
-    for row in rows:
-        row["cost_per_node_vs_smallest"] = round(row["controller_cpu_per_node_per_s"] / smallest, 2)
+        rows.append(one(nnodes, cfg["nproc"], cfg))
+    for nnodes in cfg["fleet_nodes"]:
+        print(f"bench: scale: {nnodes} stand-in nodes x {cfg['fleet_nproc']} ranks ...", flush=True)
+        stand_ins.append(one(nnodes, cfg["fleet_nproc"], cfg, fleet=True))
+    for found in (rows, stand_ins):
+        smallest = found[0]["controller_cpu_per_node_per_s"] or 1e-9 if found else 1e-9
+        for row in found:
+            row["cost_per_node_vs_smallest"] = round(row["controller_cpu_per_node_per_s"] / smallest, 2)
     reason = cluster.missing_support()
     try:
         over_ssh = {"skipped": reason} if reason else ssh(cfg)
@@ -258,4 +275,4 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"ssh": over_ssh, "job": f"stand-in ranks (testbed/standin), {cfg['nproc']} per node, a step every "
                    f"{cfg['step_seconds']:g} s with every rank printing, stall {cfg['stall']:g} s; window "
                    f"{cfg['window']:g} s after {cfg['warmup']:g} s of warm-up",
-            "cores": procs.cpu_count(), "rows": rows}
+            "cores": procs.cpu_count(), "rows": rows, "stand_in_rows": stand_ins}

@@ -21,6 +21,7 @@ from harness.plan.planner import NodePlan, Plan, local_spec, plan_local, simulat
 from harness.spec.job import JobSpec
 from harness.spec.secrets import secret_values
 from harness.targets.agent_link import (
+    AgentNode,
     ChildAgentNode,
     Standbys,
     agent_argv,
@@ -167,7 +168,7 @@ class LocalBackend:
             return list(nodes)
         return [replace(node, enter=self._network.entry(node.argv[0])) for node in nodes]
 
-    def _agent(self, node: NodePlan) -> LocalAgentNode:
+    def _agent(self, node: NodePlan) -> AgentNode:
         return LocalAgentNode(node, self.python)
 
     def attach(self, plan: Plan, spec: JobSpec, resume: Mapping[int, int]) -> list[NodeProcess]:
