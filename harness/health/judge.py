@@ -24,7 +24,6 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from harness.health.arrivals import PEERS_ALONE, Arrivals
@@ -102,6 +101,18 @@ class _Rank:
     onset: float | None = None  # when its slowness began, as dated once it is named (HealthJudge.slow_changes)
     well_since: float | None = None
     named_slow: float | None = None  # the percentage it was named with
+    # Kept as samples come, so that each tick's look at a rank costs the same however many samples it keeps (at
+    # 16,384 ranks a walk over every rank's samples twice a second was most of a core): its newest progress (the
+    # times of the two samples between which it last progressed), and the newest sample whose count of completed
+    # collectives differs from its newest's.
+    moved: tuple[float, float] | None = None
+    other_count_at: float | None = None
+
+    def last_progress(self) -> float | None:
+        """When it last progressed, of what its kept samples show (None: they show none)."""
+        if self.moved is None or not self.samples or self.moved[0] < self.samples[0].t:
+            return None
+        return self.moved[1]
 
 
 P = ParamSpec("P")
@@ -137,8 +148,15 @@ class HealthJudge:
         for number, taken in samples.items():
             rank = self.ranks.setdefault(number, _Rank(node, taken.pid, taken.state, t))
             rank.pid, rank.state = taken.pid, taken.state
-            rank.samples.append(Sample(t, taken.cpu, taken.busy, taken.io, taken.completed, taken.pending,
-                                       taken.gpu_util, taken.gpu_memory))
+            sample = Sample(t, taken.cpu, taken.busy, taken.io, taken.completed, taken.pending, taken.gpu_util,
+                            taken.gpu_memory)
+            if rank.samples:
+                before = rank.samples[-1]
+                if progressed(before, sample):
+                    rank.moved = (before.t, t)
+                if before.completed != sample.completed:
+                    rank.other_count_at = before.t
+            rank.samples.append(sample)
             keep = max(self.stall, SLOW_WINDOW) + 30
             while rank.samples and rank.samples[0].t < t - keep:
                 rank.samples.popleft()
@@ -170,14 +188,14 @@ class HealthJudge:
             if starting and rank.samples and rank.samples[-1].completed == 0 and \
                     rank.samples[-1].t - rank.seen < self.startup:
                 continue  # waits in its first collective for ranks still starting: the rendezvous, not a hang
-            if rank.samples and _collective_stuck(rank.samples, self.stall):
+            if rank.samples and _collective_stuck(rank, self.stall):
                 found.append(number)
                 continue
             last = rank.samples[-1].t if rank.samples else 0.0
             if not rank.samples or rank.samples[0].t > last - self.stall:
                 continue  # not watched for `stall` seconds yet
-            since = next(i for i in range(len(rank.samples) - 1, -1, -1) if rank.samples[i].t <= last - self.stall)
-            if not any(progressed(a, b) for a, b in pairwise(list(rank.samples)[since:])):
+            moved = rank.last_progress()
+            if moved is None or moved <= last - self.stall:
                 found.append(number)
         return found
 
@@ -197,8 +215,8 @@ class HealthJudge:
                 continue
             before, last = rank.samples[-2], rank.samples[-1]
             span = max(last.t - before.t, 1e-6)
-            moved = [b.t for a, b in pairwise(rank.samples) if progressed(a, b)]
-            idle = max(last.t - (moved[-1] if moved else rank.samples[0].t), last.pending)
+            moved = rank.last_progress()
+            idle = max(last.t - (moved if moved is not None else rank.samples[0].t), last.pending)
             busy = min(1.0, (last.busy - before.busy) / span)
             if rank.state in ("T", "t"):
                 state = state_words(rank.state)
@@ -292,10 +310,10 @@ class HealthJudge:
         return {r: v.named_slow for r, v in self.ranks.items() if v.named_slow is not None}
 
 
-def _collective_stuck(samples: deque[Sample], stall: float) -> bool:
+def _collective_stuck(rank: _Rank, stall: float) -> bool:
     """The rank's oldest unfinished collective has waited `stall` seconds (by its node's clock, from when it
     was enqueued), and the count of its completed collectives did not move in that time."""
-    last = samples[-1]
+    last = rank.samples[-1]
     if last.pending < stall or last.completed < 0:
         return False
-    return all(s.completed == last.completed for s in samples if s.t >= last.t - stall)
+    return rank.other_count_at is None or rank.other_count_at < last.t - stall

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -182,3 +183,46 @@ def test_a_listener_waits_for_its_nodes_messages_without_polling_and_takes_every
     assert process.gets == len(said) + 2, "one wait a message, and one for the end"
     assert {rank: len(kept.samples) for rank, kept in judge.ranks.items()} == {0: 50, 1: 50}
     assert list(judge.arrivals.seen) == [("0", 1)] and list(judge.arrivals.seen["0", 1]) == [0, 1]
+
+
+def _walked(samples: list[RankSample], times: list[float], stall: float) -> tuple[bool, float]:
+    """What the judge said before it kept each rank's newest progress: a walk over every kept sample -- stalled (no
+    progress in any interval of the last stall seconds, or a collective stuck that long) and idle seconds."""
+    kept = list(zip(times, samples, strict=True))
+    last_t, last = kept[-1]
+    stuck = last.pending >= stall and last.completed >= 0 and \
+        all(s.completed == last.completed for t, s in kept if t >= last_t - stall)
+    moved = [tb for (ta, a), (tb, b) in pairwise(kept)
+             if b.cpu - a.cpu > 0.02 * (tb - ta) or b.io != a.io or b.completed > a.completed]
+    since = max((i for i, (t, _) in enumerate(kept) if t <= last_t - stall), default=None)
+    quiet = since is not None and not [t for t in moved if t > kept[since][0]]
+    return stuck or quiet, max(last_t - (moved[-1] if moved else kept[0][0]), last.pending)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_rank_is_judged_from_its_newest_progress_as_from_a_walk_over_its_samples(seed: int) -> None:
+    """Each tick looks at a rank in the same time however many samples it keeps; what it finds is what the walk over
+    every sample found: random courses of progress, idleness and stuck collectives, judged after every sample."""
+    rng = random.Random(seed)
+    judge = HealthJudge(stall=STALL, slow=0)
+    node = Node(host="h1", address="10.0.0.1", node_rank=0, nproc=1)
+    t, cpu, io_bytes, completed, waited_since = 0.0, 0.0, 0, 0, None
+    taken: list[RankSample] = []
+    times: list[float] = []
+    for _ in range(120):
+        t += rng.choice([0.5, 1.0, 1.5, 4.1])
+        moves = rng.random() < 0.3
+        cpu += rng.choice([0.5, 0.01]) if moves else 0.0
+        io_bytes += 100 if moves and rng.random() < 0.5 else 0
+        if rng.random() < 0.2:
+            completed += 1
+        waited_since = None if rng.random() < 0.15 else (waited_since if waited_since is not None else t)
+        sample = RankSample(7, "S", cpu, cpu, io_bytes, completed, t - waited_since if waited_since is not None else -1)
+        judge.observe(node, t, {0: sample})
+        taken.append(sample)
+        times.append(t)
+        kept = [i for i, when in enumerate(times) if when >= t - (STALL + 30)]
+        stalled, idle = _walked([taken[i] for i in kept], [times[i] for i in kept], STALL)
+        assert (judge.stalled() == [0]) == stalled, (seed, t)
+        if len(kept) >= 2:
+            assert judge.views()[0].idle == pytest.approx(idle), (seed, t)
