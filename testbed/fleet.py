@@ -304,6 +304,12 @@ class FleetNode(AgentNode):
         while chunk := self._link.recv(READ_BYTES):
             yield chunk
 
+    def readable(self) -> int | None:
+        return self._link.fileno()
+
+    def read_ready(self) -> bytes:
+        return self._link.recv(READ_BYTES)
+
     def _send(self, data: bytes) -> None:
         self._link.sendall(data)
 

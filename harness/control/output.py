@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 from harness.control.live import Block, LiveNode
@@ -40,8 +40,15 @@ class Output:
         self.terminal.say(message)
 
     def pump(self, process: NodeProcess, live: LiveNode) -> None:
-        """Until the node's output ends: each block to the node's log, the record and the terminal. A log that
-        cannot be written is the record's trouble (record/disk.py): the node's output is read on whatever."""
+        """Until the node's output ends: each block to the node's log, the record and the terminal (on a thread of
+        the node's own)."""
+        for _ in self.steps(process, live):
+            pass
+
+    def steps(self, process: NodeProcess, live: LiveNode) -> Generator[None, None, None]:
+        """pump's work, as far as the node's output has come each time it yields (a driven node's: its reader goes on
+        to the next node meanwhile, control/streams.py). A log that cannot be written is the record's trouble
+        (record/disk.py): the node's output is read on whatever."""
         prefix = f"[{live.node.label}] "
         with contextlib.ExitStack() as stack:
             log = timed = mark = None
@@ -54,6 +61,9 @@ class Output:
             # A replay after live lines is a link lost and made again (SSH): said once, when the node is live again.
             live_seen, replay, replayed = False, process.unwatched, 0
             for text in process.output():
+                if text is None:
+                    yield None
+                    continue
                 said = process.said_at  # the time its node said it, where its agent kept it while unwatched
                 at = said if said is not None else time.time()
                 block = live.take_block(text, at, self.quiet_cpp_info, self.progress)

@@ -19,6 +19,7 @@ from harness.control.live import LiveNode
 from harness.control.output import Output
 from harness.control.stack_capture import StackCapture
 from harness.control.stopper import Stopper
+from harness.control.streams import Streams
 from harness.control.terminal import Terminal
 from harness.health.judge import HealthJudge
 from harness.health.rank_stack import number_ranges, ranks_text
@@ -77,6 +78,8 @@ class Supervisor:
         self.first_failure: LiveNode | None = None
         self._ended: queue.Queue[LiveNode] = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._streams: Streams | None = None  # reads every node a selector can wait on (control/streams.py)
+        self._pumped: list[threading.Event] = []  # set as each of those nodes' output is all worked on
 
     @property
     def processes(self) -> list[NodeProcess]:
@@ -116,7 +119,11 @@ class Supervisor:
                           for process in processes]
         self.nodes += [live for _, live in self._started]  # every node known before any can end (_reap counts)
         for process, live in self._started:
-            self._spawn(self.output.pump, process, live)
+            if process.readable() is None:
+                self._spawn(self.output.pump, process, live)
+            else:
+                self._streams = self._streams or Streams(self.say)
+                self._pumped.append(self._streams.add(process, self.output.steps(process, live)))
             self._spawn(self._reap, process, live)
             self._spawn(self._listen, process, live)
         if self.health_loop.judge is not None or self.health_loop.run is not None:
@@ -202,6 +209,10 @@ class Supervisor:
         deadline = time.monotonic() + DRAIN_SECONDS
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        for pumped in self._pumped:
+            pumped.wait(timeout=max(0.0, deadline - time.monotonic()))
+        if self._streams is not None:
+            self._streams.close(timeout=max(0.0, deadline - time.monotonic()))
         held = sum(live.cascade.held for live in self.nodes)
         if held:
             ranks = sorted(set().union(*(live.cascade.held_from for live in self.nodes)))

@@ -7,6 +7,7 @@ stdin (harness.targets.boot), and the supervisor then sees one NodeProcess contr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import json
@@ -246,6 +247,37 @@ class AgentNode(ABC):
         self.position = 0
         self._read_to = 0
         self.relinked = False  # _chunks gives a new link's first chunk: the stream comes again from self.position
+        # Read by the controller's one reading thread (control/streams.py) instead of a thread of its own: what it read
+        # for this node, and whether the link ended (drive()).
+        self._fed: collections.deque[bytes] | None = None
+        self._fed_all = False
+
+    def readable(self) -> int | None:
+        """The descriptor a selector may wait on for this link's output, read then by read_ready (None: the link is
+        read by a thread of its own, through _chunks)."""
+        return None
+
+    def read_ready(self) -> bytes:
+        """What the link holds now, once readable() said it holds something (b"": it ended); OSError where it broke."""
+        raise NotImplementedError
+
+    def drive(self) -> None:
+        """From now on output() takes what feed() is given, not what _chunks reads, and yields None whenever it has
+        nothing more to work on: the controller's reading thread reads every such node (control/streams.py)."""
+        self._fed = collections.deque()
+
+    def feed(self, data: bytes) -> None:
+        """What the reading thread read (b"": the end of the link)."""
+        assert self._fed is not None
+        if data:
+            self._fed.append(data)
+        else:
+            self._fed_all = True
+
+    def _fed_chunks(self) -> Iterator[bytes | None]:
+        assert self._fed is not None
+        while self._fed or not self._fed_all:
+            yield self._fed.popleft() if self._fed else None
 
     @abstractmethod
     def _chunks(self) -> Iterable[bytes]:
@@ -268,17 +300,21 @@ class AgentNode(ABC):
     def _agent_lost(self) -> None:
         """The agent ended without reporting, so it may not have stopped its node: what the backend can do."""
 
-    def output(self) -> Iterator[str]:
+    def output(self) -> Iterator[str | None]:
         """The node's lines, in blocks of whole lines as they arrive (each line ends with a newline); the
         agent's messages go to self.messages (node-exit is kept as the exit code). A message may follow a
         worker's unfinished line: that part joins the worker's next line. Chunks without a message (nearly
-        all) pass whole: the stream costs per read, not per line."""
+        all) pass whole: the stream costs per read, not per line. None: a driven node (drive()) has been given
+        nothing more yet."""
         pending = b""  # the start of a line whose end has not arrived
         unfinished = b""  # a worker's text before a message on the same line
         unfinished_at = 0  # where it starts in the stream
         self._read_to = self.position
         try:
-            for chunk in self._chunks():
+            for chunk in self._chunks() if self._fed is None else self._fed_chunks():
+                if chunk is None:
+                    yield None
+                    continue
                 if self.relinked:
                     pending, unfinished, self._read_to, self.relinked = b"", b"", self.position, False
                 data = pending + chunk
@@ -444,6 +480,14 @@ class ChildAgentNode(AgentNode):
         fd = self._proc.stdout.fileno()
         while chunk := os.read(fd, READ_BYTES):
             yield chunk
+
+    def readable(self) -> int | None:
+        assert self._proc.stdout is not None
+        return self._proc.stdout.fileno()
+
+    def read_ready(self) -> bytes:
+        assert self._proc.stdout is not None
+        return os.read(self._proc.stdout.fileno(), READ_BYTES)
 
     def _send(self, data: bytes) -> None:
         assert self._proc.stdin is not None

@@ -70,9 +70,20 @@ class NodeProcess(Protocol):
     replayed: threading.Event
     position: int  # where in its agent's stream the blocks output() gave end (record.stream.LoggedMark)
 
-    def output(self) -> Iterator[str]:
+    def output(self) -> Iterator[str | None]:
         """The node's combined stdout/stderr until its output ends, in blocks of whole lines (each ending
-        with a newline) as they arrive."""
+        with a newline) as they arrive; None where a driven node has been fed nothing more yet (drive)."""
+
+    def readable(self) -> int | None:
+        """A descriptor that a selector may wait on for the node's output (None: it is read on a thread of its own)."""
+
+    def read_ready(self) -> bytes:
+        """What the node's link holds, once readable() is (b"": it ended)."""
+
+    def drive(self) -> None:
+        """output() takes what feed() gives it from now on, read by the controller's one reading thread."""
+
+    def feed(self, data: bytes) -> None: ...
 
     def wait(self) -> Outcome:
         """Block until the node has ended."""

@@ -121,7 +121,7 @@ class SSHAgentNode(AgentNode):
         channel.exec_command(remote_command(argv, env=None if relay else agent_env(self.node)))
         return channel
 
-    def output(self) -> Iterator[str]:
+    def output(self) -> Iterator[str | None]:
         self._pumped = True
         yield from super().output()
 
