@@ -594,8 +594,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
             sup.health_loop.progress = recorded.progress if recorded is not None else None
         sup.health_loop.attempt_started_at = started_at or sup.health_loop.started_at
     which = f"run {plan.run_id}: " if plan.attempt == 0 else f"run {plan.run_id} attempt {plan.attempt}, "
-    named = [n.host for n in plan.nodes]
-    hosts = ", ".join(named) if len(named) <= HOSTS_NAMED else f"{', '.join(named[:3])}, ..., {named[-1]}"
+    hosts = _hosts_text([n.host for n in plan.nodes])
     sup.say(f"{which}{'taking back ' if taking_back else ''}{plan.nnodes} node(s) x {plan.nproc_per_node} "
             f"process(es) on {hosts}, master {plan.master_addr}:{plan.master_port}, logs in {run.path}/")
     started = started_at or time.time()
@@ -671,8 +670,13 @@ def _cold_starts(nodes: list[NodeProcess], spec: JobSpec) -> list[str]:
         if not node.warm:
             reason = "restarts.standby is false" if spec.restarts.standby is None else node.cold
             why.setdefault(reason or "no standby was started for it", []).append(node.node.host)
-    return [f"{', '.join(hosts)} started cold (torchrun, then its workers, each importing torch): {reason}"
+    return [f"{_hosts_text(hosts)} started cold (torchrun, then its workers, each importing torch): {reason}"
             for reason, hosts in why.items()]
+
+
+def _hosts_text(named: list[str]) -> str:
+    """Hosts in one line: every one up to HOSTS_NAMED, beyond them the first few and the last."""
+    return ", ".join(named) if len(named) <= HOSTS_NAMED else f"{', '.join(named[:3])}, ..., {named[-1]}"
 
 
 def _joined(sup: Supervisor) -> list[float]:

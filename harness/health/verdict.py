@@ -207,15 +207,20 @@ def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) ->
     if not groups:
         return None
     waits = {r for g in groups for r in g.waiting}
-    home = {r: min((g for g in groups if r in g.behind()), key=lambda g: len(g.members)).name
-            for g in groups for r in g.behind() if r not in waits}
+    behind = {g.name: g.behind() for g in groups}  # each once: every look below is then linear in the ranks
+    home: dict[int, str] = {}
+    # Largest first, so that the smallest group that waits for a rank is its home (the first of equals, as min() would)
+    for group in sorted(reversed(groups), key=lambda g: len(g.members), reverse=True):
+        home.update((r, group.name) for r in behind[group.name] if r not in waits)
     parts: list[str] = []
     odd: set[int] = set()
     for group in groups:
         kinds: dict[str, list[int]] = {}
         alike = len({e.op_name for e in group.at.values()}) == 1
+        mixed = len({str(e.sizes) for e in group.at.values()}) > 1  # the same operation on different shapes
+        finished: dict[int, list[int]] = {}  # seq -> the ranks at #furthest that completed it (asked of, once)
         for rank, entry in sorted(group.at.items()):
-            kind = f"{entry.op_name}{_sizes(entry, group.at)}" if alike else entry.op_name
+            kind = f"{entry.op_name}{f' of {entry.sizes}' if mixed else ''}" if alike else entry.op_name
             kinds.setdefault(kind, []).append(rank)
         if len(kinds) > 1:
             sides = [f"{ranks_text(ranks)} in {kind} {_places(stacks, ranks)}" for kind, ranks in kinds.items()]
@@ -226,15 +231,16 @@ def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) ->
             verb = "waits" if len(group.at) == 1 else "wait"
             parts.append(f"{ranks_text(group.at)} {verb} in {next(iter(kinds))} #{group.furthest}{group.of} "
                          f"{_places(stacks, list(group.at))}")
-        for rank in group.behind():
+        for rank in behind[group.name]:
             stack, behind_in = stacks[rank], group.waiting.get(rank)
             who = f"rank {rank} ({stack.node.label} on {stack.node.host})"
-            finished = [r for r in group.at if behind_in is not None and any(
-                e.seq == behind_in.seq and e.done for e in group.mine[r])]
-            if behind_in is not None and len(finished) == len(group.at):
+            if behind_in is not None and behind_in.seq not in finished:
+                finished[behind_in.seq] = [r for r in group.at if any(
+                    e.seq == behind_in.seq and e.done for e in group.mine[r])]
+            if behind_in is not None and len(finished[behind_in.seq]) == len(group.at):
                 parts.append(f"{who} waits in {behind_in.op_name} #{behind_in.seq}{group.of}, which "
-                             f"{ranks_text(finished)} completed: the rest of its data did not arrive (suspect the "
-                             f"network between the nodes, or a peer's host)")
+                             f"{ranks_text(finished[behind_in.seq])} completed: the rest of its data did not arrive "
+                             f"(suspect the network between the nodes, or a peer's host)")
                 continue
             if behind_in is not None:
                 parts.append(f"{who} waits in {behind_in.op_name} #{behind_in.seq}{group.of}, behind "
@@ -247,15 +253,10 @@ def collective_verdict(stacks: dict[int, RankStack], explained: bool = False) ->
             else:
                 parts.append(f"{who} has not reached #{group.furthest}{group.of}, {_where(stack)}")
             odd.add(rank)
-        if not group.behind() and len(kinds) == 1 and not explained:
+        if not behind[group.name] and len(kinds) == 1 and not explained:
             parts.append("no rank is behind: the collective itself does not complete (suspect the network between "
                          "the nodes, a peer's host, or a GPU kernel before it that never ends)")
     return parts, sorted(odd)
-
-
-def _sizes(entry: Collective, at: dict[int, Collective]) -> str:
-    """The tensor sizes, where the ranks' differ (the same operation on different shapes is a mismatch too)."""
-    return f" of {entry.sizes}" if len({str(e.sizes) for e in at.values()}) > 1 else ""
 
 
 def _places(stacks: dict[int, RankStack], ranks: list[int]) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from harness.control.stack_capture import RANK_FILES, keep
 from harness.health.rank_stack import Collective, Frame, RankStack, StackThread
+from harness.health.verdict import hang_verdict
 from harness.plan.planner import Node
 from harness.record.rundir import RunDir
 
@@ -57,3 +58,12 @@ def test_a_job_of_a_few_hundred_ranks_keeps_a_file_per_rank(tmp_path: Path) -> N
     keep(run, tmp_path / "run" / "kept", _hang(RANK_FILES))
     names = {p.name for p in (tmp_path / "run" / "kept").iterdir()}
     assert names == {f"rank{rank}.txt" for rank in range(RANK_FILES)} | {"stacks.json"}
+
+
+def test_the_verdict_over_16384_ranks_names_the_one_behind() -> None:
+    """At 2,048 nodes x 8 the verdict looked at every rank's sizes once for each rank (minutes on two cores)."""
+    ranks = 2048 * 8
+    verdict = hang_verdict(30, _hang(ranks), {})
+    assert verdict.odd == [ranks - 1]
+    assert f"ranks 0-{ranks - 2} wait in all_reduce #60 at train.py:55 in main" in verdict.text, verdict.text[:500]
+    assert f"rank {ranks - 1} (node{(ranks - 1) // 8} on h{(ranks - 1) // 8}) has not reached #60" in verdict.text
