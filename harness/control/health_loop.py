@@ -18,7 +18,7 @@ from harness.control.output import Output
 from harness.control.stack_capture import StackCapture, keep
 from harness.control.stopper import Stopper
 from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView
-from harness.health.rank_stack import RankStack, ranks_text
+from harness.health.rank_stack import RankStack, ranks_text, short_ranges
 from harness.health.rendezvous import RendezvousVerdict, rendezvous_verdict
 from harness.health.slowdown import Course, PaceHistory, Slowdown, SlowPolicy, decide, slowdown
 from harness.health.verdict import Ended, Verdict, hang_verdict
@@ -184,8 +184,8 @@ class HealthLoop:
         judged stalled made progress meanwhile (the capture takes seconds, a minute for 1,024 ranks on 2 cores)."""
         assert self.judge is not None
         self.hang_at = time.time()
-        self.output.say(f"no progress for {self.judge.stall:g} s on {ranks_text(stalled)}: reading every rank's "
-                        f"stack")
+        self.output.say(f"no progress for {self.judge.stall:g} s on rank{'s' if len(stalled) > 1 else ''} "
+                        f"{short_ranges(stalled)}: reading every rank's stack")
         self._captures += 1  # a tag of its own: answers to an earlier capture may still be coming
         stacks = self.stacks.capture(f"hang-{self.attempt}-{self._captures}")
         if not set(stalled) & set(self.judge.stalled()):  # a slow start on a loaded machine, not a hang

@@ -17,13 +17,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO
 
-from harness.health.rank_stack import number_ranges
+from harness.health.rank_stack import short_ranges
 from harness.record.stream import StreamRecord
 
 BACKLOG_BYTES = 8 << 20  # the job's text waiting for the terminal beyond which its lines are left out here
 COLLAPSE_WINDOW = 0.5  # seconds after a line's latest copy within which further copies from other ranks join it
 COLLAPSE_LONGEST = 4  # windows after its first copy that a line is held at most, however its copies keep coming
-RANGES_SHOWN = 48  # characters of a collapsed line's rank ranges shown; beyond, how many there are
 COLLAPSE_ABOVE = 4  # ranks in an attempt beyond which identical lines collapse (harness launch --no-collapse: never)
 # A shown job line: its node, torchrun's rank prefix (none on torchrun's own lines), and a glog-style header
 # (torch's `W1127 09:12:33.123000 12345 ` or C++ `[W1127 09:12:33.123456 `), which differs between copies.
@@ -46,16 +45,8 @@ class _Group:
         if len(self.members) < 2 or self.key is None:
             return self.first
         kind, text = self.key
-        return f"[ranks {_named(self.members)}]: {self.header}{text}\n" if kind == "rank" else \
-            f"[nodes {_named(self.members)}] {self.header}{text}\n"
-
-
-def _named(members: list[int]) -> str:
-    """The members as ranges, or the first of them and how many there are (a terminal line stays one line)."""
-    ranges = number_ranges(members)
-    if len(ranges) <= RANGES_SHOWN:
-        return ranges
-    return f"{ranges[:ranges.rfind(',', 0, RANGES_SHOWN)]},... {len(set(members))} in all"
+        return f"[ranks {short_ranges(self.members)}]: {self.header}{text}\n" if kind == "rank" else \
+            f"[nodes {short_ranges(self.members)}] {self.header}{text}\n"
 
 
 @dataclass

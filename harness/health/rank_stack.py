@@ -20,6 +20,7 @@ WRAPPERS = ("wrapper", "_fn", "inner", "decorate_context", "wrapped")
 LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python3[.\d]*/|^<")
 STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)", "t": "traced",
           "Z": "a zombie", "gone": "gone"}
+RANGES_SHOWN = 48  # characters of ranges short_ranges shows; beyond, how many there are
 DEFAULT_GROUP = "0"  # Flight Recorder's name of the default process group: every rank is a member
 
 
@@ -249,6 +250,14 @@ def number_ranges(numbers: Iterable[int]) -> str:
         else:
             runs.append([number, number])
     return ",".join(f"{a}-{b}" if b - a > 1 else ",".join(map(str, range(a, b + 1))) for a, b in runs)
+
+
+def short_ranges(numbers: Iterable[int]) -> str:
+    """The numbers as ranges, or the first of them and how many there are: a line that names them stays short."""
+    ranges = number_ranges(numbers)
+    if len(ranges) <= RANGES_SHOWN:
+        return ranges
+    return f"{ranges[:ranges.rfind(',', 0, RANGES_SHOWN)]},... {len(set(numbers))} in all"
 
 
 @dataclass(frozen=True)
