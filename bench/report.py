@@ -16,6 +16,7 @@ WATCH_GOAL = 0.99  # the payload's img/s with the health watch on / off, at leas
 SCALE_GROWTH = 1.5  # the controller's CPU per node at the most nodes, against the fewest (issue 49)
 SCALE_CORES, SCALE_GIB, ANSWER_S = 1.0, 1.0, 1.0  # the controller at the most nodes; status and top
 FLEET_GIB = 2.0  # the controller at 2,048 stand-in nodes x 8 ranks (issue 71)
+KEPT_UP = 0.95  # the share of the ranks' lines a second the record must take to be keeping up
 RECOVERY_GOALS = (3.0, 4.0)  # kill to the next first step: a lost rank on simulated nodes, a lost SSH host (issue 48)
 
 
@@ -167,10 +168,17 @@ def _scale_goals(sc: dict[str, Any]) -> list[dict[str, Any]]:
         big = fleet[-1]
         at = f"{big['nodes']} x {big['ranks'] // big['nodes']}"
         answers = max(big["answer_s"].get("status", 0), big["answer_s"].get("top", 0))
+        kept_up = big["record_lines_per_s"] >= KEPT_UP * big.get("printed_lines_per_s", 0)
         goals += [
-            {"goal": f"stand-in nodes, {at}: the controller at most {SCALE_CORES:g} core and {FLEET_GIB:g} GiB",
-             "value": f"{big['controller_cores']} cores, {big['controller_peak_rss_mib']:.0f} MiB at its peak",
-             "met": big["controller_cores"] <= SCALE_CORES and big["controller_peak_rss_mib"] <= FLEET_GIB * 1024},
+            {"goal": f"stand-in nodes, {at}: the controller at most {SCALE_CORES:g} core and {FLEET_GIB:g} GiB, its "
+                     f"record keeping up with the ranks' lines",
+             "value": f"{big['controller_cores']} cores, {big['controller_peak_rss_mib']:.0f} MiB at its peak; "
+                      f"{big['record_lines_per_s']:.0f} of {big.get('printed_lines_per_s', 0):.0f} lines a second "
+                      f"recorded",
+             "met": big["controller_cores"] <= SCALE_CORES and big["controller_peak_rss_mib"] <= FLEET_GIB * 1024
+             and kept_up,
+             "note": None if kept_up else "the controller is at one core, its GIL: the record falls behind the "
+                                          "ranks' lines (collapsing them at the agents is not built yet)"},
             {**_hang_goal(fleet), "goal": f"stand-in nodes: {_hang_goal(fleet)['goal']}"},
             {"goal": f"stand-in nodes, {at}: `harness status` and `top` answer within {ANSWER_S:g} s",
              "value": f"slowest median {answers} s", "met": answers <= ANSWER_S},
