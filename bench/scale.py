@@ -53,11 +53,11 @@ env:
   PYTHONPATH: {shim}:{repo}
 health:
   stall: {stall}
+simulated:
+  network: {network}
 timeouts:
   stop_grace: 3
   rendezvous: 900
-simulated:
-  network: {network}
 """
 STEP_ONE = re.compile(r"\]: epoch 1/1 step 1/")
 HANG = re.compile(r"^harness: hang: (.*)")
@@ -271,8 +271,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     reason = cluster.missing_support()
     try:
         over_ssh = {"skipped": reason} if reason else ssh(cfg)
-    except RuntimeError as exc:  # recorded; the simulated nodes' rows stand
-        over_ssh = {"error": str(exc)[:3000]}
+    except Exception as exc:  # noqa: BLE001 - recorded, whatever it was: the simulated nodes' rows stand
+        over_ssh = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
     return {"ssh": over_ssh, "job": f"stand-in ranks (testbed/standin), {cfg['nproc']} per node, a step every "
                    f"{cfg['step_seconds']:g} s with every rank printing, stall {cfg['stall']:g} s; window "
                    f"{cfg['window']:g} s after {cfg['warmup']:g} s of warm-up",
