@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                             "as processes (~4 min on 2 cores)")
     which.add_argument("--scale", dest="profile", action="store_const", const="scale",
                        help="benchmark 14 alone: the controller with 16, 64 and 256 simulated nodes of 4 stand-in "
-                            "ranks (~10 min on 2 cores; the same as --only scale)")
+                            "ranks, 16, 256 and 2,048 stand-in nodes of 8, and 64 SSH hosts (~25 min on 2 cores; the "
+                            "same as --only scale)")
     which.add_argument("--slow", dest="profile", action="store_const", const="slow",
                        help="benchmark 15 alone: a node throttled to a quarter of a CPU, taken out by restarts.on: "
                             "slow against left slow, on simulated nodes and SSH hosts with a spare (~20 min on 2 "
