@@ -1,14 +1,19 @@
 """The run's one stream: every node's lines with the node's prefix on the terminal (control/terminal.py),
 in the node's log as they came, and with their times in the run's record (record/stream.py). Each
 node's output is taken a block at a time -- all that arrived since the last read -- so that the stream
-costs per read, not per line, and keeps up with any job's output."""
+costs per read, not per line, and keeps up with any job's output. One thread (Streams) reads every node a selector
+can wait on; the others are read on a thread each."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import selectors
+import threading
 import time
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.control.live import Block, LiveNode
@@ -47,7 +52,7 @@ class Output:
 
     def steps(self, process: NodeProcess, live: LiveNode) -> Generator[None, None, None]:
         """pump's work, as far as the node's output has come each time it yields (a driven node's: its reader goes on
-        to the next node meanwhile, control/streams.py). A log that cannot be written is the record's trouble
+        to the next node meanwhile: Streams). A log that cannot be written is the record's trouble
         (record/disk.py): the node's output is read on whatever."""
         prefix = f"[{live.node.label}] "
         with contextlib.ExitStack() as stack:
@@ -90,3 +95,102 @@ class Output:
     def _show(self, block: Block, prefix: str) -> None:
         if block.shown_lines:
             self.terminal.job_lines(stamped(block.shown, prefix), block.shown_lines)
+
+# One thread reads every node whose link a selector can wait on (a local agent's pipe, an srun step's), instead of a
+# thread per node: at 2,048 nodes those were 2,048 threads taking turns at one GIL, and the health loop, whose tick
+# needs a good share of it, waited minutes for its turn. Each node's output is worked on as far as it has come
+# (Output.steps), then the thread goes on to the next ready node. Links that no selector can wait on (an SSH
+# channel, a pod's connection) keep a thread of their own (Output.pump).
+
+
+@dataclass
+class _Driven:
+    process: NodeProcess
+    steps: Generator[None, None, None]
+    done: threading.Event
+
+
+class Streams:
+    """say: where a node's reading that failed is said (the others go on)."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = os.pipe()
+        self._selector.register(self._wake_read, selectors.EVENT_READ)
+        self._added: list[tuple[int, _Driven]] = []
+        self._lock = threading.Lock()
+        self._closing = False
+        self._thread = threading.Thread(target=self._read, name="harness-streams", daemon=True)
+        self._thread.start()
+
+    def add(self, process: NodeProcess, steps: Generator[None, None, None]) -> threading.Event:
+        """Read process (its readable() is not None) from now on, working on its output through steps; the event is
+        set once its output ended and steps with it."""
+        fd = process.readable()
+        assert fd is not None
+        process.drive()
+        driven = _Driven(process, steps, threading.Event())
+        with self._lock:
+            self._added.append((fd, driven))
+        os.write(self._wake_write, b"+")
+        return driven.done
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop reading (what is left unread stays so): every node's steps closed, their files with them."""
+        with self._lock:
+            self._closing = True
+        os.write(self._wake_write, b".")
+        self._thread.join(timeout)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                for key, _ in self._selector.select():
+                    if key.fd == self._wake_read:
+                        os.read(self._wake_read, 4096)
+                        if self._take_added():
+                            return
+                        continue
+                    self._turn(key.fd, key.data)
+        finally:
+            for key in list(self._selector.get_map().values()):
+                if key.data is not None:
+                    self._end(key.fd, key.data)
+            self._selector.close()
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+
+    def _take_added(self) -> bool:
+        """The nodes added meanwhile registered; True once closing."""
+        with self._lock:
+            added, self._added = self._added, []
+            closing = self._closing
+        for fd, driven in added:
+            self._selector.register(fd, selectors.EVENT_READ, driven)
+            self._advance(fd, driven)  # its files opened, and whatever it was fed before
+        return closing
+
+    def _turn(self, fd: int, driven: _Driven) -> None:
+        try:
+            data = driven.process.read_ready()
+        except OSError:
+            data = b""
+        driven.process.feed(data)
+        self._advance(fd, driven)
+
+    def _advance(self, fd: int, driven: _Driven) -> None:
+        try:
+            next(driven.steps)
+        except StopIteration:
+            self._end(fd, driven)
+        except Exception as exc:  # noqa: BLE001 - one node's reading fails, not every node's: said, and it ends
+            self._say(f"reading {driven.process.node.label}'s output failed ({type(exc).__name__}: {exc}); the rest of "
+                      f"it is not read")
+            self._end(fd, driven)
+
+    def _end(self, fd: int, driven: _Driven) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(fd)
+        driven.steps.close()
+        driven.done.set()

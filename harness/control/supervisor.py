@@ -16,10 +16,9 @@ from typing import Any
 from harness.control.cascade import Cascade
 from harness.control.health_loop import HealthLoop
 from harness.control.live import LiveNode
-from harness.control.output import Output
+from harness.control.output import Output, Streams
 from harness.control.stack_capture import StackCapture
 from harness.control.stopper import Stopper
-from harness.control.streams import Streams
 from harness.control.terminal import Terminal
 from harness.health.judge import HealthJudge
 from harness.health.rank_stack import number_ranges, ranks_text
@@ -78,7 +77,7 @@ class Supervisor:
         self.first_failure: LiveNode | None = None
         self._ended: queue.Queue[LiveNode] = queue.Queue()
         self._threads: list[threading.Thread] = []
-        self._streams: Streams | None = None  # reads every node a selector can wait on (control/streams.py)
+        self._streams: Streams | None = None  # reads every node a selector can wait on (control/output.py's Streams)
         self._pumped: list[threading.Event] = []  # set as each of those nodes' output is all worked on
 
     @property

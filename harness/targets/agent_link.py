@@ -247,8 +247,8 @@ class AgentNode(ABC):
         self.position = 0
         self._read_to = 0
         self.relinked = False  # _chunks gives a new link's first chunk: the stream comes again from self.position
-        # Read by the controller's one reading thread (control/streams.py) instead of a thread of its own: what it read
-        # for this node, and whether the link ended (drive()).
+        # Read by the controller's one reading thread (control/output.py's Streams) instead of a thread of its own:
+        # what it read for this node, and whether the link ended (drive()).
         self._fed: collections.deque[bytes] | None = None
         self._fed_all = False
 
@@ -263,7 +263,7 @@ class AgentNode(ABC):
 
     def drive(self) -> None:
         """From now on output() takes what feed() is given, not what _chunks reads, and yields None whenever it has
-        nothing more to work on: the controller's reading thread reads every such node (control/streams.py)."""
+        nothing more to work on: the controller's reading thread reads every such node (control/output.py's Streams)."""
         self._fed = collections.deque()
 
     def feed(self, data: bytes) -> None:
