@@ -180,6 +180,9 @@ def _scale_goals(sc: dict[str, Any]) -> list[dict[str, Any]]:
              "note": None if kept_up else "the controller is at one core, its GIL: the record falls behind the "
                                           "ranks' lines (collapsing them at the agents is not built yet)"},
             {**_hang_goal(fleet), "goal": f"stand-in nodes: {_hang_goal(fleet)['goal']}"},
+            {"goal": "stand-in nodes: no rank named slow where none is, at every size",
+             "value": "; ".join(f"{r['nodes']} nodes: {r.get('wrongly_slow', '-')}" for r in fleet),
+             "met": all(r.get("wrongly_slow") == 0 for r in fleet)},
             {"goal": f"stand-in nodes, {at}: `harness status` and `top` answer within {ANSWER_S:g} s",
              "value": f"slowest median {answers} s", "met": answers <= ANSWER_S},
         ]
@@ -666,7 +669,8 @@ def _scale_rows(rows: list[dict[str, Any]], agents: str) -> list[str]:
           f"{r['record_mib']} ({r['record_bytes_per_rank_per_s']})" if "record_mib" in r else "-",
           " / ".join(_num(r["answer_s"].get(k), 2) for k in ("status", "top", "logs_rank")),
           f"{r.get('found_s', '-')} + {r.get('capture_s', '-')} = {r['verdict_s']} ({r['verdict_goal_s']:g})",
-          "yes" if r["culprit_named"] else "no"]
+          ("yes" if r["culprit_named"] else "no") + (f"; {r['wrongly_slow']} ranks named slow, wrongly"
+                                                      if r.get("wrongly_slow") else "")]
          for r in rows]), ""]
 
 

@@ -9,7 +9,7 @@ steady window, the controller's CPU (per node per second) and memory, its thread
 agents' CPU and memory, the stream's lines per second (the run's record), and `harness status`, `top --once` and
 `logs --rank` answer times (whole commands, as a user types them, on the loaded machine); then the last rank
 hangs in its data loading: the time from its last step to the verdict (goal: stall + 15 s) and whether the
-verdict names it.
+verdict names it; and the ranks named slow, wrongly (none is).
 
 The same rows with stand-in nodes (testbed/fleet.py) go to 2,048 nodes x 8 ranks: one process serves every node's
 agent side of the protocol over a socket each, so that on two cores what grows is the controller's work alone;
@@ -61,6 +61,7 @@ timeouts:
 """
 STEP_ONE = re.compile(r"\]: epoch 1/1 step 1/")
 HANG = re.compile(r"^harness: hang: (.*)")
+SLOW = re.compile(r"^harness: slow: rank (\d+) ")  # no rank is slowed here: each one named is named wrongly
 
 
 def _rss(pid: int) -> int:
@@ -195,6 +196,7 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
         "found_s": round(found_at - last_step, 1), "capture_s": round(hung_at - found_at, 1),
         "verdict_s": round(hung_at - last_step, 1), "verdict_goal_s": stall + 15 + step_seconds,
         "culprit_named": culprit in verdict[1], "verdict": verdict[1][:600],
+        "wrongly_slow": len({match[1] for _, line in launch.lines if (match := SLOW.match(line))}),
     }
 
 

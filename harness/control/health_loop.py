@@ -1,4 +1,5 @@
-"""The job's health while it runs, judged twice a second from the agents' samples (health/judge.py):
+"""The job's health while it runs, judged twice a second from the agents' samples (health/judge.py), its rank-wide
+work less often in a job of many nodes (HealthLoop.every):
 slow ranks named as they become slow and cleared as they recover, a hang found, its stacks kept and
 its verdict said before every node is stopped. health.json says the same to `harness status` and
 `harness top`, with every rank's state, CPU use, last line and step; timeline.jsonl keeps each rank's
@@ -22,7 +23,7 @@ from harness.health.rank_stack import RankStack, ranks_text, short_ranges
 from harness.health.rendezvous import RendezvousVerdict, rendezvous_verdict
 from harness.health.slowdown import Course, PaceHistory, Slowdown, SlowPolicy, decide, slowdown
 from harness.health.verdict import Ended, Verdict, hang_verdict
-from harness.node.protocol import sample_interval
+from harness.node.protocol import paced, sample_interval
 from harness.plan.planner import Node
 from harness.record.health_summary import TABLE_SECONDS, NodeSpan, summed
 from harness.record.rundir import RunDir
@@ -71,6 +72,15 @@ class HealthLoop:
         self._sampled = 0.0
         self._table_at: float | None = None  # when every rank's row was last written (a job past SUMMED_PAST ranks)
         self._captures = 0  # hang captures made (one may prove no hang: its ranks made progress meanwhile)
+        self._weighed_at = 0.0  # when every rank was last weighed (HealthLoop.every)
+
+    @property
+    def every(self) -> float:
+        """How often what weighs every rank is done (slowness from their arrivals; each rank's row, the steps,
+        health.json): as often as the agents' samples come (protocol.paced), twice a second up to 250 nodes, every
+        4.1 s at 2,048, where twice a second was half of the controller's core for nothing new. A hang is looked
+        for at every tick (the judge keeps each rank's progress as samples come: judge.stalled costs little)."""
+        return paced(TICK_SECONDS, len(self.nodes))
 
     def loop(self) -> None:
         """Until every node has ended. A tick that fails is said once (the watch goes on at the next one):
@@ -90,12 +100,17 @@ class HealthLoop:
         if self.run is not None:
             self.stacks.answer_requests(self.run)
         judging = self.judge is not None and self.stopper.since is None
+        now = time.time()
+        weighing = now - self._weighed_at >= self.every - TICK_SECONDS / 2
+        if weighing:
+            self._weighed_at = now
         if self.judge is not None and judging:
             for live in self.nodes:
                 if live.outcome is not None:
                     self.judge.node_ended(live.node.node_rank)
-            self._watch_slowness(time.time())
-        if self.run is not None:
+            if weighing:
+                self._watch_slowness(now)
+        if self.run is not None and weighing:
             self._write_health()
         if self.rendezvous is not None and self.unjoined is None and self.stopper.since is None:
             self._watch_rendezvous(self.rendezvous)

@@ -139,7 +139,7 @@ class Supervisor:
                     health = parse_health(message.body)
                     judge.observe(live.node, health.t, health.samples)
                 elif message.kind is Kind.ARRIVALS and judge is not None:
-                    judge.arrived(live.node, time.time(), parse_arrivals(message.body))
+                    judge.arrived(live.node, message.received or time.time(), parse_arrivals(message.body))
                 elif message.kind in (Kind.STACKS, Kind.STACKS_DONE):
                     self.stacks.take(live, message)
                 elif message.kind is Kind.OOM:

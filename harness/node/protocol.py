@@ -119,8 +119,13 @@ class Arrival(NamedTuple):
 
 
 class Message(NamedTuple):
+    """received: when the controller read it off its node's stream (None: not read from one). Arrivals are put on
+    the controller's clock by it (health/arrivals.py), and the thread that reads the stream stamps it at once: at
+    2,048 nodes a listener thread woke tenths of a second later, and those lags named ranks slow that were not."""
+
     kind: Kind
     body: str
+    received: float | None = None
 
 
 class HealthSamples(NamedTuple):

@@ -199,7 +199,8 @@ class RecordFile:
 
 class AppendedFile(RecordFile):
     """A file of the record that text is appended to, each text whole or not at all (a short write is cut off
-    again), nothing while its disk has no room."""
+    again), nothing while its disk has no room. Its only writer: its size is looked up once, then counted (a
+    stream's block is a system call fewer, and each call gives the interpreter's lock to another thread)."""
 
     def __init__(self, disk: RecordDisk, path: Path, what: str) -> None:
         super().__init__(disk, path, what)
@@ -209,8 +210,11 @@ class AppendedFile(RecordFile):
         if not self.disk.has_room():
             return
         with self.disk.writing(self.what):
+            opened = self._fd is not None
             fd = self._opened(os.O_APPEND)
-            data, size, written = text.encode(), os.fstat(fd).st_size, 0
+            if not opened or self.end is None:
+                self.end = os.fstat(fd).st_size
+            data, size, written = text.encode(), self.end, 0
             try:
                 while written < len(data):
                     written += os.write(fd, data[written:])

@@ -16,6 +16,7 @@ import queue
 import shlex
 import subprocess
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -380,7 +381,7 @@ class AgentNode(ABC):
                 self.replayed.set()
                 self._read_to = int(json.loads(message.body)["at"])
             else:
-                self.messages.put(message)
+                self.messages.put(message._replace(received=time.time()))
 
     def wait(self) -> Outcome:
         lost = self._wait_agent()

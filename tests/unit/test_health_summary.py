@@ -14,9 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.control.health_loop import HealthLoop
+from harness.control.health_loop import TICK_SECONDS, HealthLoop
 from harness.control.live import LiveNode
 from harness.node.proctable import start_ticks
+from harness.node.protocol import HEALTH_MESSAGES_PER_SECOND
 from harness.plan.planner import Node
 from harness.record.health_summary import BEHIND_LISTED, ODD_LISTED, NodeSpan, summed
 from harness.record.rundir import RunDir
@@ -168,6 +169,29 @@ def test_the_health_loop_writes_every_rank_s_row_only_every_table_seconds_past_s
     loop._table_at = time.time() - 31
     loop._write_health()
     assert run.health_table.exists()
+
+
+@pytest.mark.parametrize(("nnodes", "every"), [(16, TICK_SECONDS), (512, 512 / HEALTH_MESSAGES_PER_SECOND)])
+def test_the_health_loop_weighs_every_rank_as_often_as_their_samples_come(tmp_path: Path, nnodes: int,
+                                                                          every: float) -> None:
+    """Twice a second up to 250 nodes; past them, once per sample interval (protocol.paced): health.json is not
+    written again, nor the slow ranks weighed, at a tick that comes before new samples can have."""
+    run = running_run(tmp_path, nnodes, nnodes)
+    nodes = [LiveNode(Node(f"sim{n}", f"10.0.{n // 250}.{n % 250}", n, 1), started=time.time()) for n in range(nnodes)]
+    loop = HealthLoop(None, run, 0, nodes, SimpleNamespace(answer_requests=lambda run: None), SimpleNamespace(say=print),
+                      SimpleNamespace(since=None))
+    assert loop.every == pytest.approx(every)
+    loop._tick()
+    first = run.read_health(0)
+    loop._weighed_at -= 0.3  # as if the next tick came 0.3 s on
+    loop._tick()
+    second = run.read_health(0)
+    assert first is not None and second is not None
+    assert (second.t == first.t) == (every > TICK_SECONDS), "the second tick, 0.3 s on: rewritten in a small job only"
+    loop._weighed_at -= every
+    loop._tick()
+    third = run.read_health(0)
+    assert third is not None and third.t > first.t
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """One controller for thousands of nodes (issue 71): the messages it takes a second stay bounded whatever the job's
 size -- the agents sample less often in a job of many nodes (protocol.paced) and send a node's arrivals in one
-message, not one per rank -- and its listeners spend nothing while their nodes are quiet."""
+message, not one per rank -- and its listeners spend nothing while their nodes are quiet; what the judge works out
+from every rank is worked out once, not at every look."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from harness.control.live import LiveNode
 from harness.control.supervisor import Supervisor
 from harness.control.terminal import Terminal
+from harness.health.arrivals import Arrivals
 from harness.health.judge import HealthJudge
 from harness.node.protocol import (
     HEALTH_MESSAGES_PER_SECOND,
@@ -226,3 +228,33 @@ def test_a_rank_is_judged_from_its_newest_progress_as_from_a_walk_over_its_sampl
         assert (judge.stalled() == [0]) == stalled, (seed, t)
         if len(kept) >= 2:
             assert judge.views()[0].idle == pytest.approx(idle), (seed, t)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_what_the_arrivals_keep_between_looks_gives_what_a_fresh_look_at_them_gives(seed: int) -> None:
+    """Each collective's lateness is worked out once and kept; an arrival at it or at the next one, a collective let
+    go past the horizon and a change of the live ranks all undo what was kept: after each message, the kept
+    Arrivals and one fed the same messages anew judge alike (random courses: stragglers, resent and late words)."""
+    rng = random.Random(seed)
+    nodes = [Node(host=f"h{n}", address=f"10.0.0.{n}", node_rank=n, nproc=2) for n in range(3)]
+    kept = Arrivals(horizon=40.0)
+    said: list[tuple[Node, float, float, int, list[Arrival]]] = []
+    live, judged = list(range(6)), 0
+    for step in range(150):
+        t = 1000.0 + step * 0.4
+        for rank in [rank for rank in range(6) if rng.random() < 0.85]:
+            seqs = {step, step - rng.randint(1, 3)} if rng.random() < 0.3 else {step}  # a resent word, a late one
+            arrived = [Arrival("0", seq, int((t + rng.uniform(0, 0.3) + (0.2 if rank == 4 else 0)) * 1e9))
+                       for seq in sorted(seqs) if seq >= 0]
+            one = (nodes[rank // 2], t + rng.uniform(0.05, 0.2), t, rank, arrived)
+            kept.add(*one)
+            said.append(one)
+        if rng.random() < 0.05:
+            live = sorted(rng.sample(range(6), rng.randint(2, 6)))
+        fresh = Arrivals(horizon=40.0)
+        for one in said:
+            fresh.add(*one)
+        found = kept.waited(live, 20.0)
+        assert found == pytest.approx(fresh.waited(live, 20.0)), (seed, step)
+        judged += bool(found)
+    assert judged > 30, "most looks find stretches to judge"
