@@ -18,7 +18,7 @@ from harness.control.live import LiveNode, RankActivity
 from harness.control.output import Output
 from harness.control.stack_capture import StackCapture, keep
 from harness.control.stopper import Stopper
-from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView
+from harness.health.judge import SLOW_WINDOW, HealthJudge, RankView, SlowMeasure
 from harness.health.rank_stack import RankStack, ranks_text, short_ranges
 from harness.health.rendezvous import RendezvousVerdict, rendezvous_verdict
 from harness.health.slowdown import Course, PaceHistory, Slowdown, SlowPolicy, decide, slowdown
@@ -137,12 +137,13 @@ class HealthLoop:
         self.output.say(f"rendezvous: {self.unjoined.text}")
         self.stopper.stop_all()
 
-    def _slow_words(self, rank: int, waited: float | None, slowed: Slowdown | None) -> str:
+    def _slow_words(self, rank: int, waited: float | None, slowed: Slowdown | None,
+                    measures: dict[int, list[SlowMeasure]]) -> str:
         node = self._node_of(rank)
         if waited is None:
             return f"rank {rank} ({node.label} on {node.host}) is no longer slow"
-        assert self.judge is not None and slowed is not None
-        shown = self.judge.measures().get(rank, [])
+        assert slowed is not None
+        shown = measures.get(rank, [])
         by = "; ".join(f"{round(measure.percent)}% by {MEASURE_WORDS[measure.by]}" for measure in shown[1:])
         return (f"slow: rank {rank} ({node.label} on {node.host}): its peers wait for it {round(waited)}% of the time "
                 f"(over the last {SLOW_WINDOW:g} s, by {MEASURE_WORDS[shown[0].by] if shown else 'CPU time'}"
@@ -152,7 +153,10 @@ class HealthLoop:
         """Ranks named slow or cleared as the judge finds them at now, each said and recorded; then a slowness that
         lasted health.slow_for weighed."""
         assert self.judge is not None
-        for rank, waited in self.judge.slow_changes(now):
+        changes = self.judge.slow_changes(now)
+        # Worked out once for all of them: once per rank was a second each at 16,384 ranks, the loop minutes late.
+        measures = self.judge.measures() if changes else {}
+        for rank, waited in changes:
             slowed = None
             if waited is not None:
                 since = self.judge.slow_since(rank) or now
@@ -161,7 +165,7 @@ class HealthLoop:
             else:
                 self.slow_episodes.pop(rank, None)
                 self.weighed.discard(rank)
-            words = self._slow_words(rank, waited, slowed)
+            words = self._slow_words(rank, waited, slowed, measures)
             self.output.say(words)
             kind = HealthEventKind.SLOW if waited is not None else HealthEventKind.RECOVERED
             self.events.append(HealthEvent(now, kind, words, rank, waited and round(waited, 1), *_paces(slowed)))
