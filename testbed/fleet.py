@@ -11,9 +11,10 @@ harness.targets.agent_link.agent_program makes it), then the controller's words.
 arguments as the agent would -- its sample interval (`watch`) and the node's command, whose stand-in rank arguments
 (testbed/standin/rank.py: --steps, --step-seconds, --busy-ms, --warning, --hang-rank, --hang-step) say what the
 ranks do -- and answers as an agent whose ranks run that script would: STARTED, every rank's progress lines, health
-samples and arrivals every interval, every rank's stacks and collectives on a STACKS word, NODE_EXIT at the end or
-on TERM/KILL. The ranks' steps begin once every node has started (a step's all_reduce needs every rank); a hung
-rank stops before its step's collective, and its peers wait in it.
+samples and arrivals every interval (with its clock's offset from the controller's pings), every rank's stacks and
+collectives on a STACKS word, NODE_EXIT at the end or on TERM/KILL. The ranks' steps begin once every node has
+started (a step's all_reduce needs every rank); a hung rank stops before its step's collective, and its peers wait
+in it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 
 from harness.node.protocol import (
     Arrival,
+    ControllerClock,
     Kind,
     RankSample,
     Word,
@@ -88,6 +90,7 @@ class StandInNode:
         self.arrived = dict.fromkeys(self.ranks, 0)  # the last collective each rank's arrivals said
         self.said_step = 0  # the last step whose lines were sent
         self.ended = False
+        self.clock = ControllerClock()  # as an agent keeps it, from the controller's pings
 
     def boot(self, program_line: bytes) -> None:
         """The agent's arguments from its program line (agent_link.agent_program): watch and the node's command."""
@@ -145,7 +148,7 @@ class StandInNode:
                 arrived[rank] = [Arrival("0", seq, int(self._enqueued_at(seq, t0) * 1e9))
                                  for seq in range(self.arrived[rank] + 1, last + 1)]
                 self.arrived[rank] = last
-        for body in arrivals_bodies(now, arrived) if arrived else []:
+        for body in arrivals_bodies(now, arrived, self.clock.ahead()) if arrived else []:
             self.send(Kind.ARRIVALS, body)
 
     def _enqueued_at(self, seq: int, t0: float | None) -> float:
@@ -255,6 +258,8 @@ class Fleet:
             return
         if word[0] is Word.STACKS:
             node.stacks(word[1], self.t0, time.time())
+        elif word[0] is Word.PING and word[1]:
+            node.clock.heard(float(word[1]), time.time())
         elif word[0] in (Word.TERM, Word.KILL):
             node.end(-15 if word[0] is Word.TERM else -9)
 

@@ -14,9 +14,10 @@ PEERS_ALONE = 4  # up to this many ranks, a rank's peers' median leaves it out; 
 
 @dataclass
 class Arrivals:
-    """When each rank enqueued its recent collectives, on the controller's clock: each node's clock is taken
-    to be off by the least (receipt - sent) its messages showed, so that hosts whose clocks differ compare
-    fairly. horizon: seconds of arrivals kept."""
+    """When each rank enqueued its recent collectives, on the controller's clock, so that hosts whose clocks differ
+    compare fairly: each node's clock is off by what its agent says from the controller's pings (ahead:
+    protocol.ControllerClock); an agent that does not say (one of an older harness, taken back by `harness attach`)
+    is taken to be off by the least (receipt - sent) its messages showed. horizon: seconds of arrivals kept."""
 
     horizon: float
     offsets: dict[int, float] = field(default_factory=dict)  # node rank -> controller clock - node clock
@@ -31,11 +32,13 @@ class Arrivals:
     _start: dict[tuple[str, int], float] = field(default_factory=dict, repr=False, compare=False)
     _late: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict, repr=False, compare=False)
 
-    def add(self, node: Node, received: float, sent: float, rank: int, arrived: list[Arrival]) -> None:
+    def add(self, node: Node, received: float, sent: float, rank: int, arrived: list[Arrival],
+            ahead: float | None = None) -> None:
         """One rank's new arrivals; collectives whose latest arrival is older than the horizon are let go, oldest
         first, so that each message costs what it brings, not what is kept (every rank's agent sends one per
         sample: a cost per message that grew with the job made the whole grow with its square)."""
-        offset = self.offsets[node.node_rank] = min(self.offsets.get(node.node_rank, received - sent), received - sent)
+        offset = self.offsets[node.node_rank] = -ahead if ahead is not None else \
+            min(self.offsets.get(node.node_rank, received - sent), received - sent)
         for group, seq, created_ns in arrived:
             key, when = (group, seq), created_ns / 1e9 + offset
             self.seen.setdefault(key, {})[rank] = when

@@ -165,7 +165,7 @@ class HealthJudge:
     def arrived(self, node: Node, received: float, said: list[RankArrivals]) -> None:
         """One arrivals message of node's agent: its ranks' (Arrivals.add)."""
         for one in said:
-            self.arrivals.add(node, received, one.t, one.rank, one.arrived)
+            self.arrivals.add(node, received, one.t, one.rank, one.arrived, one.ahead)
 
     @_locked
     def node_ended(self, node_rank: int) -> None:

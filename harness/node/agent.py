@@ -224,6 +224,9 @@ class Agent:
                     self.kill()
                 elif word is Word.STACKS and argument:
                     threading.Thread(target=self.observer.send_stacks, args=(argument,), daemon=True).start()
+                elif word is Word.PING and argument:
+                    with contextlib.suppress(ValueError):
+                        self.observer.clock.heard(float(argument), time.time())
                 elif word is Word.GO and self.standing_by.is_set():
                     self.go(argument)
 

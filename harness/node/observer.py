@@ -18,6 +18,7 @@ from harness.node.proctable import command_line, process_tree, stat_fields
 from harness.node.protocol import (
     LAUNCHER_RANK,
     Arrival,
+    ControllerClock,
     Kind,
     RankSample,
     arrivals_bodies,
@@ -46,6 +47,7 @@ class RankObserver:
         self.nvml: Nvml | str | None = None  # opened at the first sample; a string: why there is none
         self.launcher: int | None = None  # the node's command's process (its torchrun, once the shell exec'd it)
         self.started: str | None = None  # the STARTED message's body, once said (said again to a new controller)
+        self.clock = ControllerClock()  # from the controller's pings (the agent's words)
 
     def watch_start(self, every: float, ended: threading.Event) -> None:
         """Say once that the node's ranks exist (Kind.STARTED), looking every `every` seconds until they do or the
@@ -78,7 +80,7 @@ class RankObserver:
                     if new := arrivals(trace, self.arrived.get(rank, 0)):
                         self.arrived[rank] = new[-1].created_ns
                         arrived[rank] = new
-            for body in arrivals_bodies(now, arrived):
+            for body in arrivals_bodies(now, arrived, self.clock.ahead()):
                 self.say(Kind.ARRIVALS, body)
             for body in health_bodies(now, samples):
                 self.say(Kind.HEALTH, body)

@@ -20,6 +20,7 @@ follows each of its RS bytes (MARKER's first) with a US byte, and the controller
 from __future__ import annotations
 
 import base64
+import collections
 import json
 from collections.abc import Mapping
 from enum import Enum
@@ -34,6 +35,7 @@ YOUNG_SECONDS = 30.0  # an attempt this young is sampled every YOUNG_EVERY secon
 YOUNG_EVERY = 1.0
 # The health samples a controller takes a second at most, whatever the job's size (one per node per sample: paced)
 HEALTH_MESSAGES_PER_SECOND = 500
+CLOCK_PINGS = 30  # the controller's pings whose clock a node's offset is taken from (a minute's: clocks drift)
 
 
 class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate 3.11
@@ -45,7 +47,10 @@ class Word(str, Enum):  # noqa: UP042 - not StrEnum: a host's Python may predate
     # late agent of an earlier attempt never touches the next one) and to every descendant of the agent (a child
     # subreaper: double-forked daemons come back to it); then the node's CLEANUP once (`docker rm --force`)
     KILL = "KILL"
-    PING = "PING"  # nothing: the controller is still there (every agent_link.PING_SECONDS)
+    # `PING [T]`: the controller is still there (every agent_link.PING_SECONDS); T, its clock as it sent it: the
+    # agent says how far its own clock is ahead of the controller's (the least `now - T` of the recent pings,
+    # ControllerClock) with its arrivals, which are compared across hosts on the controller's clock
+    PING = "PING"
     # `STACKS TAG`: every rank's stack and its DataLoader workers' (py-spy) and its last collectives (Flight
     # Recorder), answered as STACKS messages, then STACKS_DONE: first each rank's collectives alone (milliseconds),
     # then each rank's whole answer, which replaces it (py-spy takes a while per rank); a node with no ranks yet
@@ -136,11 +141,13 @@ class HealthSamples(NamedTuple):
 
 
 class RankArrivals(NamedTuple):
-    """One rank's arrivals since its last, said at t by the node's clock (an arrivals message holds several)."""
+    """One rank's arrivals since its last, said at t by the node's clock (an arrivals message holds several);
+    ahead: how far the node's clock is ahead of the controller's, as its pings showed (None: not known)."""
 
     t: float
     rank: int
     arrived: list[Arrival]
+    ahead: float | None = None
 
 
 class StackAnswer(NamedTuple):
@@ -236,10 +243,11 @@ def parse_health(body: str) -> HealthSamples:
     return HealthSamples(float(payload["t"]), samples)
 
 
-def arrivals_bodies(t: float, arrived: Mapping[int, list[Arrival]]) -> list[str]:
+def arrivals_bodies(t: float, arrived: Mapping[int, list[Arrival]], ahead: float | None = None) -> list[str]:
     """Every rank's arrivals since its last, at the node's time t, as message bodies of at most CHUNK characters
     of arrivals each: one message a sample for the node's ranks, not one for each (the controller's messages grow
-    with nodes, not ranks); a rank's arrivals may go on in the next body."""
+    with nodes, not ranks); a rank's arrivals may go on in the next body. ahead: ControllerClock.ahead."""
+    head = {"t": t} if ahead is None else {"t": t, "ahead": round(ahead, 6)}
     bodies: list[str] = []
     part: dict[str, list[Arrival]] = {}
     size = 0
@@ -248,21 +256,39 @@ def arrivals_bodies(t: float, arrived: Mapping[int, list[Arrival]]) -> list[str]
         for item in items:
             text = json.dumps(item)
             if part and size + len(key) + 6 + len(text) + 2 > CHUNK:  # as if it opened its rank's list: `"KEY": [], `
-                bodies.append(json.dumps({"t": t, "ranks": part}))
+                bodies.append(json.dumps({**head, "ranks": part}))
                 part, size = {}, 0
             size += len(text) + 2 + (0 if key in part else len(key) + 6)
             part.setdefault(key, []).append(item)
-    return bodies + ([json.dumps({"t": t, "ranks": part})] if part else [])
+    return bodies + ([json.dumps({**head, "ranks": part})] if part else [])
 
 
 def parse_arrivals(body: str) -> list[RankArrivals]:
     """ValueError, KeyError or TypeError for a damaged body."""
     payload = json.loads(body)
     t, ranks = float(payload["t"]), payload["ranks"]
+    ahead = None if payload.get("ahead") is None else float(payload["ahead"])
     if not isinstance(ranks, dict):
         raise TypeError(f"an arrivals message's ranks are a {type(ranks).__name__}, not a dict")
-    return [RankArrivals(t, int(rank), [Arrival(str(g), int(s), int(ns)) for g, s, ns in arrived])
+    return [RankArrivals(t, int(rank), [Arrival(str(g), int(s), int(ns)) for g, s, ns in arrived], ahead)
             for rank, arrived in ranks.items()]
+
+
+class ControllerClock:
+    """How far this node's clock is ahead of the controller's, from the controller's pings (`PING T`): the least
+    `now - T` of the last CLOCK_PINGS. The controller stamps T as it writes and the agent reads its words at
+    once, so the least is the offset within a few milliseconds; the controller's own delays in reading the
+    agent's messages, which at 2,048 nodes are tenths of a second and differ by node, play no part (measured
+    the other way, by when the controller read each message, they named ranks slow that were not)."""
+
+    def __init__(self) -> None:
+        self._heard: collections.deque[float] = collections.deque(maxlen=CLOCK_PINGS)
+
+    def heard(self, sent: float, now: float) -> None:
+        self._heard.append(now - sent)
+
+    def ahead(self) -> float | None:
+        return min(self._heard) if self._heard else None
 
 
 def _chunked(head: str, text: str) -> list[str]:

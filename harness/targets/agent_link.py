@@ -410,7 +410,7 @@ class AgentNode(ABC):
         return not self._output_done.is_set()
 
     def ping(self) -> None:
-        self._word(Word.PING)
+        self._word(Word.PING, f"{time.time():.6f}")
 
     def go(self, node: NodePlan, order: str) -> None:
         """The standby becomes node: its agent passes the order to the waiting torchrun."""

@@ -22,9 +22,11 @@ from harness.control.terminal import Terminal
 from harness.health.arrivals import Arrivals
 from harness.health.judge import HealthJudge
 from harness.node.protocol import (
+    CLOCK_PINGS,
     HEALTH_MESSAGES_PER_SECOND,
     YOUNG_SECONDS,
     Arrival,
+    ControllerClock,
     Kind,
     Message,
     RankSample,
@@ -109,13 +111,13 @@ def test_a_nodes_arrivals_of_many_ranks_travel_in_few_lines_within_pipe_buf_and_
     arrived = {rank: [Arrival(f"group-{rank % 3}-{'x' * (rank % 40)}", seq, 1_700_000_000_000_000_000 + seq * 1_000)
                       for seq in range(rank * 7 % 50, rank * 7 % 50 + 40)] for rank in range(64)}
     arrived[5] = []
-    bodies = arrivals_bodies(1234.5, arrived)
+    bodies = arrivals_bodies(1234.5, arrived, ahead=-3.25)
     lines = [message_line(Kind.ARRIVALS, body) for body in bodies]
     assert max(len(line) for line in lines) <= PIPE_BUF
     back: dict[int, list[Arrival]] = {}
     for body in bodies:
         for said in parse_arrivals(body):
-            assert said.t == 1234.5
+            assert said.t == 1234.5 and said.ahead == -3.25
             back.setdefault(said.rank, []).extend(said.arrived)
     assert back == {rank: items for rank, items in arrived.items() if items}
     ranks_of = [{said.rank for said in parse_arrivals(body)} for body in bodies]
@@ -132,7 +134,7 @@ def test_a_node_of_eight_ranks_sends_one_arrivals_message_a_sample_and_none_with
     "", "not json", "null", "[1, 2]", "{}", '{"t": 1}', '{"ranks": {}}', '{"t": "soon", "ranks": {}}',
     '{"t": 1, "ranks": [[0, []]]}', '{"t": 1, "ranks": {"zero": []}}', '{"t": 1, "ranks": {"0": 5}}',
     '{"t": 1, "ranks": {"0": [["g", 1]]}}', '{"t": 1, "ranks": {"0": [["g", "one", 2]]}}',
-    '{"t": 1, "ranks": {"0": [null]}}'])
+    '{"t": 1, "ranks": {"0": [null]}}', '{"t": 1, "ahead": "late", "ranks": {}}'])
 def test_a_damaged_arrivals_message_is_refused_as_the_listener_expects(body: str) -> None:
     """The listener drops a message that raises ValueError, KeyError or TypeError: anything else would end it."""
     with pytest.raises((ValueError, KeyError, TypeError)):
@@ -258,3 +260,33 @@ def test_what_the_arrivals_keep_between_looks_gives_what_a_fresh_look_at_them_gi
         assert found == pytest.approx(fresh.waited(live, 20.0)), (seed, step)
         judged += bool(found)
     assert judged > 30, "most looks find stretches to judge"
+
+
+def test_a_node_s_clock_is_taken_from_the_controller_s_pings_not_from_when_the_controller_read_its_messages() -> None:
+    """Four nodes whose ranks all arrive together, node 1's clock 5 s ahead, and the controller (busy: thousands of
+    nodes) reading node 2's messages 0.3 s after they were sent, every time. By when it read them, node 2's ranks
+    seem to come 0.3 s late to every collective, which names them slow; by the clocks the pings show (the agent
+    reads its words at once: the least of its `now - T` is its clock's lead), nobody is late."""
+    clocks = [ControllerClock() for _ in range(4)]
+    for ping in range(CLOCK_PINGS + 5):
+        sent = 1000.0 + 2 * ping
+        for node, clock in enumerate(clocks):
+            clock.heard(sent, sent + (5.0 if node == 1 else 0.0) + (0.02 if ping % 3 else 0.001))
+    assert clocks[1].ahead() == pytest.approx(5.001) and clocks[0].ahead() == pytest.approx(0.001)
+    nodes = [Node(host=f"h{n}", address=f"10.0.0.{n}", node_rank=n, nproc=2) for n in range(4)]
+    by_pings, by_reading = Arrivals(horizon=40.0), Arrivals(horizon=40.0)
+    for step in range(60):  # a collective every 0.5 s; each node says its new arrivals every 1.5 s
+        if step % 3:
+            continue
+        for node in nodes:
+            ahead = 5.0 if node.node_rank == 1 else 0.0
+            sent = 1000.0 + step * 0.5 + ahead
+            received = 1000.0 + step * 0.5 + (0.3 if node.node_rank == 2 else 0.01)
+            for rank in node.ranks:
+                arrived = [Arrival("0", seq, int((1000.0 + seq * 0.5 - 0.4 + ahead) * 1e9))
+                           for seq in range(max(0, step - 2), step + 1)]
+                by_pings.add(node, received, sent, rank, arrived, clocks[node.node_rank].ahead())
+                by_reading.add(node, received, sent, rank, arrived)
+    live = list(range(8))
+    assert max(by_pings.waited(live, 20.0).values()) < 1, by_pings.waited(live, 20.0)
+    assert min(by_reading.waited(live, 20.0)[rank] for rank in nodes[2].ranks) > 20, "the reading's lag, as late"
