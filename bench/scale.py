@@ -107,15 +107,17 @@ def _record_lines(run_dir: Path, start: float, end: float) -> int:
     return count
 
 
-def _last_stamp(folder: Path, pattern: str) -> float:
-    """When the record got the last line matching pattern among the files in folder (UTC seconds)."""
-    regex, found = re.compile(pattern), ""
+def _stamps(folder: Path, pattern: str) -> tuple[float, float]:
+    """When the record got the first and the last line matching pattern among the files in folder (UTC seconds)."""
+    regex, found = re.compile(pattern), []
     for log in folder.glob("*.log"):
         with open(log, encoding="utf-8", errors="replace") as handle:
-            found = max([found, *(line[:STAMP_WIDTH] for line in handle if regex.search(unstamp(line)))])
+            found += [line[:STAMP_WIDTH] for line in handle if regex.search(unstamp(line))]
     if not found:
         raise RuntimeError(f"no line {pattern!r} in {folder}")
-    return datetime.datetime.strptime(found, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC).timestamp()
+    first, last = (datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC).timestamp()
+                   for text in (min(found), max(found)))
+    return first, last
 
 
 def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> dict[str, Any]:
@@ -169,10 +171,11 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
             _, verdict = launch.wait_for(HANG.pattern, timeout=hang_step * step_seconds + stall + 600)
             launch.wait(timeout=300)
             record = work / "runs" / run_id
-            last_step = _last_stamp(record / "logs" / "attempt0",
-                                    rf"\[rank{world - 1}\]: epoch 1/1 step {hang_step - 1}/")
-            hung_at = _last_stamp(record / "logs", r"^harness: hang: ")
-            found_at = _last_stamp(record / "logs", r"^harness: no progress for \S+ s on ")
+            # Every rank prints the hang's last step together (its all_reduce just ended): the first of their lines
+            # the record got is when the step was made; the last, how far behind the record's slowest node ran.
+            last_step, last_taken = _stamps(record / "logs" / "attempt0", rf"\]: epoch 1/1 step {hang_step - 1}/")
+            _, hung_at = _stamps(record / "logs", r"^harness: hang: ")
+            _, found_at = _stamps(record / "logs", r"^harness: no progress for \S+ s on ")
             lines = _record_lines(record, wall_begun, wall_ended)
             record_bytes = sum(f.stat().st_size for f in record.rglob("*") if f.is_file())
             lasted = (launch.ended or time.monotonic()) - launch.started
@@ -193,6 +196,7 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
         "record_mib": round(record_bytes / 2**20, 1),
         "record_bytes_per_rank_per_s": round(record_bytes / world / lasted, 1),
         "terminal_lines_per_s": round(shown / seconds, 1),
+        "record_behind_s": round(last_taken - last_step, 1),
         "found_s": round(found_at - last_step, 1), "capture_s": round(hung_at - found_at, 1),
         "verdict_s": round(hung_at - last_step, 1), "verdict_goal_s": stall + 15 + step_seconds,
         "culprit_named": culprit in verdict[1], "verdict": verdict[1][:600],

@@ -5,6 +5,7 @@ harness.health) and the ranks' stacks (stack_capture.py); its threads route what
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import threading
@@ -33,9 +34,10 @@ from harness.record.stream import StreamRecord
 from harness.spec.progress import LinePatterns
 from harness.targets.base import NodeProcess, Outcome
 
-# What _reap puts on a node's messages once it has ended, after all it said: its listener waits for a message
-# or this, and spends nothing while its node is quiet (at 2,048 nodes, a poll of each every 50 ms woke an idle
-# controller 41,000 times a second).
+# What _reap puts on a node's messages once it has ended, after all it said. One listener takes every node's
+# messages (_listen), waiting for the next one and spending nothing while the nodes are quiet (at 2,048 nodes, a
+# poll of each every 50 ms woke an idle controller 41,000 times a second; then a listener thread per node woke
+# a thousand times a second and was half of the controller's threads); it ends once every node's HEARD_ALL came.
 HEARD_ALL = Message(Kind.NODE_EXIT, "the node ended")
 # How long the end of an attempt waits for its nodes' last output: their failure is judged from it (torchrun's
 # report comes last), and a loaded machine can keep a reader thread seconds behind its node.
@@ -51,6 +53,28 @@ def store_words(node: NodePlan, why_open: str) -> str:
     if why_open:
         return f"{where} is open to every user of {node.host} ({why_open}), and {anyone}"
     return f"{where} admits no other user of {node.host} (an iptables rule while its node runs); {anyone}"
+
+class _Heard:
+    """A node's messages, routed to the supervisor's one listener with the node they came from."""
+
+    def __init__(self, process: NodeProcess, live: LiveNode, heard: queue.Queue[tuple[NodeProcess, LiveNode, Message]],
+                 ) -> None:
+        self.process, self.live, self.heard = process, live, heard
+
+    def put(self, item: Message, /) -> None:
+        self.heard.put((self.process, self.live, item))
+
+
+def heard_as(process: NodeProcess, live: LiveNode,
+             heard: queue.Queue[tuple[NodeProcess, LiveNode, Message]]) -> _Heard:
+    """process's messages from now on to heard, those it said before (a standby's, a node taken back) first."""
+    routed = _Heard(process, live, heard)
+    if isinstance(process.messages, queue.Queue):
+        with contextlib.suppress(queue.Empty):
+            while True:
+                routed.put(process.messages.get_nowait())
+    return routed
+
 
 class Supervisor:
     """grace: SIGTERM-to-SIGKILL seconds; terminal: the user's; log_file: where each node's lines go (None:
@@ -79,6 +103,7 @@ class Supervisor:
         self._threads: list[threading.Thread] = []
         self._streams: Streams | None = None  # reads every node a selector can wait on (control/output.py's Streams)
         self._pumped: list[threading.Event] = []  # set as each of those nodes' output is all worked on
+        self._heard: queue.Queue[tuple[NodeProcess, LiveNode, Message]] = queue.Queue()  # every node's (_listen)
 
     @property
     def processes(self) -> list[NodeProcess]:
@@ -118,22 +143,28 @@ class Supervisor:
                           for process in processes]
         self.nodes += [live for _, live in self._started]  # every node known before any can end (_reap counts)
         for process, live in self._started:
+            process.messages = heard_as(process, live, self._heard)
+        self._spawn(self._listen, len(self._started))
+        for process, live in self._started:
             if process.readable() is None:
                 self._spawn(self.output.pump, process, live)
             else:
                 self._streams = self._streams or Streams(self.say)
                 self._pumped.append(self._streams.add(process, self.output.steps(process, live)))
             self._spawn(self._reap, process, live)
-            self._spawn(self._listen, process, live)
         if self.health_loop.judge is not None or self.health_loop.run is not None:
             self._spawn(self.health_loop.loop)
 
-    def _listen(self, process: NodeProcess, live: LiveNode) -> None:
-        """The agent's messages: health samples and arrivals to the judge, stacks to whoever asked, OOM kills
-        to the node; each one it said before its end (HEARD_ALL)."""
+    def _listen(self, nodes: int) -> None:
+        """The agents' messages: health samples and arrivals to the judge, stacks to whoever asked, OOM kills
+        to the node; each one every node said before its end (HEARD_ALL)."""
         judge = self.health_loop.judge
-        results = ResultChunks()
-        while (message := process.messages.get()) is not HEARD_ALL:
+        results: dict[int, ResultChunks] = {}
+        while nodes:
+            process, live, message = self._heard.get()
+            if message is HEARD_ALL:
+                nodes -= 1
+                continue
             try:
                 if message.kind is Kind.HEALTH and judge is not None:
                     health = parse_health(message.body)
@@ -148,7 +179,8 @@ class Supervisor:
                     live.ranks_at = time.time()
                 elif message.kind is Kind.STORE:
                     self.say(store_words(process.node, message.body))
-                elif message.kind is Kind.RESULT and (result := results.take(message.body)) is not None:
+                elif message.kind is Kind.RESULT and \
+                        (result := results.setdefault(live.node.node_rank, ResultChunks()).take(message.body)):
                     self._keep_result(*result)
             except (ValueError, KeyError, TypeError):  # a damaged message is one lost sample, not a crash
                 continue

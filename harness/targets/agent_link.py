@@ -26,7 +26,7 @@ from harness.plan.planner import NodePlan
 from harness.plan.shell import shell_command, standby_command, standby_order, why_cold
 from harness.spec.job import JobSpec
 from harness.spec.secrets import env_apart
-from harness.targets.base import NodeProcess, Outcome
+from harness.targets.base import Messages, NodeProcess, Outcome
 from harness.targets.boot import BOOT, shipped, source
 
 OUTPUT_DRAIN_SECONDS = 5.0  # after the agent ended, how long its last lines may take to be read
@@ -231,7 +231,7 @@ class AgentNode(ABC):
     def __init__(self, node: NodePlan) -> None:
         self.node = node
         self.started_as = node  # a standby's plan, once it became self.node: the identity its processes carry
-        self.messages: queue.Queue[Message] = queue.Queue()  # the agent's messages but node-exit
+        self.messages: Messages = queue.Queue()  # the agent's messages but node-exit
         self._exit_code: int | None = None
         self._output_done = threading.Event()
         self._send_lock = threading.Lock()

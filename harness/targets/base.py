@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import queue
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -56,11 +55,18 @@ class Outcome:
         return f"exit code {self.exit_code}"
 
 
+class Messages(Protocol):
+    """Where a node agent's messages go as its output is read: a queue of its own, until the supervisor routes
+    every node's to its one listener (control/supervisor.py's heard_as)."""
+
+    def put(self, item: Message, /) -> None: ...
+
+
 class NodeProcess(Protocol):
     """One started node (a torchrun agent under the node agent), whatever backend runs it."""
 
     node: NodePlan
-    messages: queue.Queue[Message]  # the node agent's messages (harness.node.protocol)
+    messages: Messages  # the node agent's messages (harness.node.protocol)
     warm: bool  # a standby's: its torchrun and workers were started, imports done, before its attempt (stand_by)
     cold: str  # why it started afresh instead ("": warm, or no reason known)
     # Taken back by `harness attach` (targets/agent_link.py's AgentNode): when its node said the block output() last

@@ -13,11 +13,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import Any
 
 import pytest
 
 from harness.control.live import LiveNode
-from harness.control.supervisor import Supervisor
+from harness.control.supervisor import Supervisor, heard_as
 from harness.control.terminal import Terminal
 from harness.health.arrivals import Arrivals
 from harness.health.judge import HealthJudge
@@ -39,7 +40,7 @@ from harness.node.protocol import (
 )
 from harness.plan.planner import Node
 from harness.spec.job import Health
-from harness.targets.base import Outcome
+from harness.targets.base import Messages, Outcome
 
 PIPE_BUF = 4096
 STALL = 30.0
@@ -143,49 +144,60 @@ def test_a_damaged_arrivals_message_is_refused_as_the_listener_expects(body: str
 
 @dataclass
 class QuietNode:
-    """A NodeProcess whose messages are counted as they are waited for; it ends when told."""
+    """A NodeProcess that ends when told; what it said before its supervisor started is in its own queue."""
 
     node: Node
-    messages: queue.Queue[Message] = field(default_factory=queue.Queue)
-    gets: int = 0
+    messages: Messages = field(default_factory=queue.Queue)
     end: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self) -> None:
-        take = self.messages.get
-
-        def counted(block: bool = True, timeout: float | None = None) -> Message:
-            self.gets += 1
-            return take(block, timeout)
-
-        self.messages.get = counted  # type: ignore[method-assign]
 
     def wait(self) -> Outcome:
         self.end.wait()
         return Outcome(exit_code=0)
 
 
-def test_a_listener_waits_for_its_nodes_messages_without_polling_and_takes_every_one_said_before_its_end() -> None:
-    node = Node(host="h1", address="10.0.0.1", node_rank=0, nproc=2)
+def test_one_listener_waits_for_every_node_s_messages_without_polling_and_takes_every_one_said_before_their_end(
+        ) -> None:
+    """No thread per node: one listener takes the messages of every node (those a node said before the supervisor
+    took it first: a standby's STARTED), waiting once a message, and ends once every node has ended."""
+    nodes = [Node(host=f"h{n}", address=f"10.0.0.{n}", node_rank=n, nproc=2) for n in range(2)]
     judge = HealthJudge(stall=STALL, slow=0)
     supervisor = Supervisor(1.0, Terminal(io.StringIO()), judge=judge)
-    process = QuietNode(node)
-    live = LiveNode(node, started=time.time())
-    supervisor.nodes.append(live)
-    listener = threading.Thread(target=supervisor._listen, args=(process, live), daemon=True)
+    gets = 0
+    take = supervisor._heard.get
+
+    def counted(block: bool = True, timeout: float | None = None) -> tuple[Any, LiveNode, Message]:
+        nonlocal gets
+        gets += 1
+        return take(block, timeout)
+
+    supervisor._heard.get = counted  # type: ignore[method-assign]
+    processes = [QuietNode(node) for node in nodes]
+    processes[1].messages.put(Message(Kind.STARTED, "2,3"))
+    lives = [LiveNode(node, started=time.time()) for node in nodes]
+    supervisor.nodes += lives
+    for process, live in zip(processes, lives, strict=True):
+        process.messages = heard_as(process, live, supervisor._heard)
+    listener = threading.Thread(target=supervisor._listen, args=(2,), daemon=True)
     listener.start()
+    deadline = time.monotonic() + 5
+    while lives[1].ranks_at is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lives[1].ranks_at is not None, "what node 1 said before it was routed is taken"
     time.sleep(0.5)
-    assert process.gets == 1, "a quiet node's listener waits once, woken by nothing"
-    said = [json.dumps({"t": t, "ranks": {"0": [100, "R", t, t, 0], "1": [101, "R", t, t, 0]}}) for t in range(50)]
-    for body in said:
-        process.messages.put(Message(Kind.HEALTH, body))
+    assert gets == 2, "quiet nodes' listener waits once, woken by nothing"
+    for node, process in enumerate(processes):
+        for t in range(50):
+            ranks = {str(2 * node): [100, "R", t, t, 0], str(2 * node + 1): [101, "R", t, t, 0]}
+            process.messages.put(Message(Kind.HEALTH, json.dumps({"t": t, "ranks": ranks})))
     arrived = arrivals_bodies(time.time(), {0: [Arrival("0", 1, time.time_ns())], 1: [Arrival("0", 1, time.time_ns())]})
-    process.messages.put(Message(Kind.ARRIVALS, arrived[0]))
-    process.end.set()
-    supervisor._reap(process, live)
+    processes[0].messages.put(Message(Kind.ARRIVALS, arrived[0]))
+    for process, live in zip(processes, lives, strict=True):
+        process.end.set()
+        supervisor._reap(process, live)
     listener.join(5)
-    assert not listener.is_alive(), "it ends once its node has ended and all it said is taken"
-    assert process.gets == len(said) + 2, "one wait a message, and one for the end"
-    assert {rank: len(kept.samples) for rank, kept in judge.ranks.items()} == {0: 50, 1: 50}
+    assert not listener.is_alive(), "it ends once every node has ended and all they said is taken"
+    assert gets == 1 + 2 * 50 + 1 + 2, "one wait a message, and one for each node's end"
+    assert {rank: len(kept.samples) for rank, kept in judge.ranks.items()} == {0: 50, 1: 50, 2: 50, 3: 50}
     assert list(judge.arrivals.seen) == [("0", 1)] and list(judge.arrivals.seen["0", 1]) == [0, 1]
 
 
