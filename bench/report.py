@@ -669,7 +669,8 @@ def _scale_rows(rows: list[dict[str, Any]], agents: str) -> list[str]:
           f"{r['record_lines_per_s']:.0f} ({r['terminal_lines_per_s']:.0f}; {r.get('record_behind_s', '-')})",
           f"{r['record_mib']} ({r['record_bytes_per_rank_per_s']})" if "record_mib" in r else "-",
           " / ".join(_num(r["answer_s"].get(k), 2) for k in ("status", "top", "logs_rank")),
-          f"{r.get('found_s', '-')} + {r.get('capture_s', '-')} = {r['verdict_s']} ({r['verdict_goal_s']:g})",
+          f"{r.get('found_s', '-')} + {r.get('capture_s', '-')} = {r['verdict_s']} ({r['verdict_goal_s']:g})"
+          + (f"; stopped {r['stopped_s']} s later" if "stopped_s" in r else ""),
           ("yes" if r["culprit_named"] else "no") + (f"; {r['wrongly_slow']} ranks named slow, wrongly"
                                                       if r.get("wrongly_slow") else "")]
          for r in rows]), ""]

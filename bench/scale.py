@@ -9,7 +9,7 @@ steady window, the controller's CPU (per node per second) and memory, its thread
 agents' CPU and memory, the stream's lines per second (the run's record), and `harness status`, `top --once` and
 `logs --rank` answer times (whole commands, as a user types them, on the loaded machine); then the last rank
 hangs in its data loading: the time from its last step to the verdict (goal: stall + 15 s) and whether the
-verdict names it; and the ranks named slow, wrongly (none is).
+verdict names it, and how long every node then takes to stop; and the ranks named slow, wrongly (none is).
 
 The same rows with stand-in nodes (testbed/fleet.py) go to 2,048 nodes x 8 ranks: one process serves every node's
 agent side of the protocol over a socket each, so that on two cores what grows is the controller's work alone;
@@ -168,7 +168,7 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
             agents_cpu = sum(procs.process_cpu_s(pid) - cpu for pid, cpu in agents0.items())
             threads, fds = _status_field(controller, "Threads"), len(os.listdir(f"/proc/{controller}/fd"))
             peak = _status_field(controller, "VmHWM") * 1024
-            _, verdict = launch.wait_for(HANG.pattern, timeout=hang_step * step_seconds + stall + 600)
+            said, verdict = launch.wait_for(HANG.pattern, timeout=hang_step * step_seconds + stall + 600)
             launch.wait(timeout=300)
             record = work / "runs" / run_id
             # Every rank prints the hang's last step together (its all_reduce just ended): the first of their lines
@@ -200,6 +200,7 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
         "found_s": round(found_at - last_step, 1), "capture_s": round(hung_at - found_at, 1),
         "verdict_s": round(hung_at - last_step, 1), "verdict_goal_s": stall + 15 + step_seconds,
         "culprit_named": culprit in verdict[1], "verdict": verdict[1][:600],
+        "stopped_s": round((launch.ended or time.monotonic()) - said, 1),
         "wrongly_slow": len({match[1] for _, line in launch.lines if (match := SLOW.match(line))}),
     }
 
