@@ -54,19 +54,21 @@ def store_words(node: NodePlan, why_open: str) -> str:
         return f"{where} is open to every user of {node.host} ({why_open}), and {anyone}"
     return f"{where} admits no other user of {node.host} (an iptables rule while its node runs); {anyone}"
 
+
+Heard = queue.Queue[tuple[NodeProcess, LiveNode, Message]]  # every node's messages, with the node that said each
+
+
 class _Heard:
     """A node's messages, routed to the supervisor's one listener with the node they came from."""
 
-    def __init__(self, process: NodeProcess, live: LiveNode, heard: queue.Queue[tuple[NodeProcess, LiveNode, Message]],
-                 ) -> None:
+    def __init__(self, process: NodeProcess, live: LiveNode, heard: Heard) -> None:
         self.process, self.live, self.heard = process, live, heard
 
     def put(self, item: Message, /) -> None:
         self.heard.put((self.process, self.live, item))
 
 
-def heard_as(process: NodeProcess, live: LiveNode,
-             heard: queue.Queue[tuple[NodeProcess, LiveNode, Message]]) -> _Heard:
+def heard_as(process: NodeProcess, live: LiveNode, heard: Heard) -> _Heard:
     """process's messages from now on to heard, those it said before (a standby's, a node taken back) first."""
     routed = _Heard(process, live, heard)
     if isinstance(process.messages, queue.Queue):
@@ -103,7 +105,7 @@ class Supervisor:
         self._threads: list[threading.Thread] = []
         self._streams: Streams | None = None  # reads every node a selector can wait on (control/output.py's Streams)
         self._pumped: list[threading.Event] = []  # set as each of those nodes' output is all worked on
-        self._heard: queue.Queue[tuple[NodeProcess, LiveNode, Message]] = queue.Queue()  # every node's (_listen)
+        self._heard: Heard = queue.Queue()  # every node's messages, for the one listener (_listen)
 
     @property
     def processes(self) -> list[NodeProcess]:
