@@ -183,12 +183,12 @@ def test_the_health_loop_weighs_every_rank_as_often_as_their_samples_come(tmp_pa
     assert loop.every == pytest.approx(every)
     loop._tick()
     first = run.read_health(0)
-    loop._weighed_at -= 0.3  # as if the next tick came 0.3 s on
+    loop._weighed_at = time.time() - 0.3  # the next tick 0.3 s after the last weighing, however long that took
     loop._tick()
     second = run.read_health(0)
     assert first is not None and second is not None
     assert (second.t == first.t) == (every > TICK_SECONDS), "the second tick, 0.3 s on: rewritten in a small job only"
-    loop._weighed_at -= every
+    loop._weighed_at = time.time() - every
     loop._tick()
     third = run.read_health(0)
     assert third is not None and third.t > first.t
