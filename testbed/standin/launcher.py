@@ -25,6 +25,7 @@ import torch.distributed  # noqa: F401 - imported once here, so that each forked
 from harness.node.standby import announce, run_as_python
 
 TERM_SECONDS = 5.0  # ranks left to end after SIGTERM before SIGKILL, as torchrun's default
+DRAIN_SECONDS = 2.0  # a failed rank's pipes read this long at most for what it said last (a child may hold them)
 
 
 class Coordinator:
@@ -204,28 +205,36 @@ def _supervise(ranks: list[_Rank]) -> int:
     for rank in ranks:
         for fd, out in ((rank.stdout, sys.stdout.buffer), (rank.stderr, sys.stderr.buffer)):
             selector.register(fd, selectors.EVENT_READ, (rank.prefix, out, bytearray()))
-    open_pipes = 2 * len(ranks)
-    while open_pipes or any(rank.poll() is None for rank in ranks):
-        for key, _ in selector.select(timeout=1.0) if open_pipes else []:
-            prefix, out, partial = key.data
-            data = os.read(key.fd, 65536)
-            if not data:
-                selector.unregister(key.fileobj)
-                os.close(key.fd)
-                open_pipes -= 1
-                if partial:
-                    _write(out, prefix, [bytes(partial)])
-                continue
-            *lines, rest = (bytes(partial) + data).split(b"\n")
-            partial[:] = rest
-            _write(out, prefix, lines)
-        if not open_pipes:
+    while selector.get_map() or any(rank.poll() is None for rank in ranks):
+        _pass_on(selector, 1.0)
+        if not selector.get_map():
             time.sleep(0.1)
         for rank in ranks:
             if rank.poll() not in (None, 0):
+                # What it said last, before its end is reported (torchrun's report follows the worker's lines): its
+                # pipes read to their end, which the select above may have come just before.
+                deadline = time.monotonic() + DRAIN_SECONDS
+                while {rank.stdout, rank.stderr} & set(selector.get_map()) and time.monotonic() < deadline:
+                    _pass_on(selector, 0.1)
                 _report(rank)
                 _end(ranks, 1)
     return 0
+
+
+def _pass_on(selector: selectors.BaseSelector, timeout: float) -> None:
+    """The ranks' lines that are ready within timeout, prefixed, on; a pipe that ended unregistered and closed."""
+    for key, _ in selector.select(timeout=timeout) if selector.get_map() else []:
+        prefix, out, partial = key.data
+        data = os.read(key.fd, 65536)
+        if not data:
+            selector.unregister(key.fileobj)
+            os.close(key.fd)
+            if partial:
+                _write(out, prefix, [bytes(partial)])
+            continue
+        *lines, rest = (bytes(partial) + data).split(b"\n")
+        partial[:] = rest
+        _write(out, prefix, lines)
 
 
 def _report(rank: _Rank) -> None:
