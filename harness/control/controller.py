@@ -717,6 +717,6 @@ def _finish(run: RunDir, state: RunState, attempts: list[Attempt], stop: threadi
         goodput=run_goodput(state.started_at, ended, attempts),
     )
     run.write_summary(summary)
+    report(out, summary, run)  # before the state says the run ended: `logs --follow` stops there, with these lines
     run.write_state(replace(state, status=status, ended_at=ended))
-    report(out, summary, run)
     return code
