@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.node.collectives import ArrivalsDigest
 from harness.node.protocol import (
     Arrival,
     ControllerClock,
@@ -88,6 +89,7 @@ class StandInNode:
         self.watch = 0.0
         self.started_at = time.time()
         self.arrived = dict.fromkeys(self.ranks, 0)  # the last collective each rank's arrivals said
+        self.digest = ArrivalsDigest()  # as an agent says them: a collective once every rank arrived
         self.said_step = 0  # the last step whose lines were sent
         self.ended = False
         self.clock = ControllerClock()  # as an agent keeps it, from the controller's pings
@@ -148,7 +150,7 @@ class StandInNode:
                 arrived[rank] = [Arrival("0", seq, int(self._enqueued_at(seq, t0) * 1e9))
                                  for seq in range(self.arrived[rank] + 1, last + 1)]
                 self.arrived[rank] = last
-        for body in arrivals_bodies(now, arrived, self.clock.ahead()) if arrived else []:
+        for body in arrivals_bodies(now, self.digest.add(self.ranks, arrived, time.time_ns()), self.clock.ahead()):
             self.send(Kind.ARRIVALS, body)
 
     def _enqueued_at(self, seq: int, t0: float | None) -> float:

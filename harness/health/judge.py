@@ -28,7 +28,7 @@ from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from harness.health.arrivals import PEERS_ALONE, Arrivals
 from harness.health.rank_stack import state_words
-from harness.node.protocol import RankArrivals, RankSample
+from harness.node.protocol import NodeArrivals, RankSample
 from harness.plan.planner import Node
 
 IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU between two samples made no progress
@@ -162,10 +162,9 @@ class HealthJudge:
                 rank.samples.popleft()
 
     @_locked
-    def arrived(self, node: Node, received: float, said: list[RankArrivals]) -> None:
-        """One arrivals message of node's agent: its ranks' (Arrivals.add)."""
-        for one in said:
-            self.arrivals.add(node, received, one.t, one.rank, one.arrived, one.ahead)
+    def arrived(self, node: Node, received: float, said: NodeArrivals) -> None:
+        """One arrivals message of node's agent (Arrivals.add)."""
+        self.arrivals.add(node, received, said)
 
     @_locked
     def node_ended(self, node_rank: int) -> None:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from harness.node.collectives import READ_SECONDS, arrivals, last_entries, progress, read_trace
+from harness.node.collectives import READ_SECONDS, ArrivalsDigest, arrivals, last_entries, progress, read_trace
 from harness.node.gpu import Nvml, open_nvml
 from harness.node.proctable import command_line, process_tree, stat_fields
 from harness.node.protocol import (
@@ -43,7 +43,8 @@ class RankObserver:
         self.say = say
         self.ranks: dict[int, int] = {}  # rank -> pid, as last found
         self.seen: dict[int, int] = {}  # pid -> rank, of every rank found (for the OOM killer's record)
-        self.arrived: dict[int, int] = {}  # rank -> when it enqueued the newest collective sent (ns)
+        self.arrived: dict[int, int] = {}  # rank -> when it enqueued the newest collective read (ns)
+        self.digest = ArrivalsDigest()  # the collectives some ranks have arrived at and others not yet
         self.nvml: Nvml | str | None = None  # opened at the first sample; a string: why there is none
         self.launcher: int | None = None  # the node's command's process (its torchrun, once the shell exec'd it)
         self.started: str | None = None  # the STARTED message's body, once said (said again to a new controller)
@@ -62,7 +63,8 @@ class RankObserver:
     def sample_every(self, seconds: float, ended: threading.Event, nodes: int = 1) -> None:
         """Every `seconds` (every second while the attempt is young), less often in a job of many nodes (nodes:
         sample_interval), until ended, how far each rank has run (what the controller judges hangs and slow ranks
-        by, and draws in timeline.jsonl), and the node's new arrivals, all its ranks' in one message."""
+        by, and draws in timeline.jsonl), and the collectives every rank of the node has newly arrived at, each said
+        once for the node (collectives.ArrivalsDigest)."""
         started = time.monotonic()
         while not ended.wait(sample_interval(seconds, time.monotonic() - started, nodes)):
             below, _ = process_tree(os.getpid())
@@ -80,7 +82,8 @@ class RankObserver:
                     if new := arrivals(trace, self.arrived.get(rank, 0)):
                         self.arrived[rank] = new[-1].created_ns
                         arrived[rank] = new
-            for body in arrivals_bodies(now, arrived, self.clock.ahead()):
+            for body in arrivals_bodies(now, self.digest.add(self.ranks, arrived, time.time_ns()),
+                                        self.clock.ahead()):
                 self.say(Kind.ARRIVALS, body)
             for body in health_bodies(now, samples):
                 self.say(Kind.HEALTH, body)

@@ -22,9 +22,8 @@ from __future__ import annotations
 import base64
 import collections
 import json
-from collections.abc import Mapping
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 MARKER = b"\x1eharness-"
 RS = MARKER[:1]  # ASCII's record separator: every message begins with it
@@ -71,7 +70,9 @@ class Kind(str, Enum):  # noqa: UP042 - as Word
     HEALTH = "health"  # every sample_interval(WATCH, age, NODES): each rank's RankSample, SAMPLES_PER_LINE ranks a line
     STACKS = "stacks"  # `TAG RANK PART LAST CHUNK`: a chunk of one rank's stacks answer (StackChunks)
     STACKS_DONE = "stacks-done"  # `TAG`: every rank's stacks for TAG were sent
-    ARRIVALS = "arrivals"  # with each health sample: the Arrivals of every rank of the node since its last
+    # with each health sample: the node's ranks' arrivals at the collectives all of them arrived at since its last,
+    # a CollectiveArrivals each (an agent of an older harness: each rank's Arrivals since its last, by rank)
+    ARRIVALS = "arrivals"
     OOM = "oom"  # before the exit: {rank: the kernel's line} of ranks the OOM killer ended (harness.node.oom)
     NODE_EXIT = "node-exit"  # `CODE`: the node ended (negative: killed by that signal); the agent's last word
     # `RANKS`: the node's ranks exist (comma-separated), said once: its torchrun's rendezvous completed and it started
@@ -140,13 +141,24 @@ class HealthSamples(NamedTuple):
     samples: dict[int, RankSample]
 
 
-class RankArrivals(NamedTuple):
-    """One rank's arrivals since its last, said at t by the node's clock (an arrivals message holds several);
-    ahead: how far the node's clock is ahead of the controller's, as its pings showed (None: not known)."""
+class CollectiveArrivals(NamedTuple):
+    """A node's ranks' arrivals at one collective (collectives.ArrivalsDigest), by the node's clock (ns): `at`, when
+    those it does not name arrived, within DIGEST_SLACK of it (None: only the named are known, as an older agent
+    says them); named: the others, rank -> when. A node says one number for most of its ranks, so that what the
+    controller takes and weighs grows with the nodes, not the ranks, and still names a straggling rank exactly."""
+
+    group: str
+    seq: int
+    at: int | None
+    named: dict[int, int]
+
+
+class NodeArrivals(NamedTuple):
+    """An arrivals message: collectives the node's ranks arrived at, said at t by the node's clock; ahead: how far
+    the node's clock is ahead of the controller's, as its pings showed (None: not known)."""
 
     t: float
-    rank: int
-    arrived: list[Arrival]
+    collectives: list[CollectiveArrivals]
     ahead: float | None = None
 
 
@@ -243,35 +255,47 @@ def parse_health(body: str) -> HealthSamples:
     return HealthSamples(float(payload["t"]), samples)
 
 
-def arrivals_bodies(t: float, arrived: Mapping[int, list[Arrival]], ahead: float | None = None) -> list[str]:
-    """Every rank's arrivals since its last, at the node's time t, as message bodies of at most CHUNK characters
-    of arrivals each: one message a sample for the node's ranks, not one for each (the controller's messages grow
-    with nodes, not ranks); a rank's arrivals may go on in the next body. ahead: ControllerClock.ahead."""
+def arrivals_bodies(t: float, collectives: list[CollectiveArrivals], ahead: float | None = None) -> list[str]:
+    """A node's collectives at its time t, as message bodies of at most CHUNK characters of collectives each (one
+    message a sample, for all the node's ranks, in a healthy job). ahead: ControllerClock.ahead."""
     head = {"t": t} if ahead is None else {"t": t, "ahead": round(ahead, 6)}
     bodies: list[str] = []
-    part: dict[str, list[Arrival]] = {}
+    part: list[str] = []
     size = 0
-    for rank, items in sorted(arrived.items()):
-        key = str(rank)
-        for item in items:
-            text = json.dumps(item)
-            if part and size + len(key) + 6 + len(text) + 2 > CHUNK:  # as if it opened its rank's list: `"KEY": [], `
-                bodies.append(json.dumps({**head, "ranks": part}))
-                part, size = {}, 0
-            size += len(text) + 2 + (0 if key in part else len(key) + 6)
-            part.setdefault(key, []).append(item)
-    return bodies + ([json.dumps({**head, "ranks": part})] if part else [])
+    for one in collectives:
+        text = json.dumps([one.group, one.seq, one.at, {str(rank): ns for rank, ns in sorted(one.named.items())}])
+        if part and size + len(text) + 2 > CHUNK:
+            bodies.append(_arrivals_body(head, part))
+            part, size = [], 0
+        part.append(text)
+        size += len(text) + 2
+    return bodies + ([_arrivals_body(head, part)] if part else [])
 
 
-def parse_arrivals(body: str) -> list[RankArrivals]:
-    """ValueError, KeyError or TypeError for a damaged body."""
+def _arrivals_body(head: dict[str, float], collectives: list[str]) -> str:
+    return json.dumps(head)[:-1] + f', "collectives": [{", ".join(collectives)}]}}'
+
+
+def parse_arrivals(body: str) -> NodeArrivals:
+    """An arrivals message, or an older agent's (each rank's arrivals: a collective of its own, named); ValueError,
+    KeyError or TypeError for a damaged body."""
     payload = json.loads(body)
-    t, ranks = float(payload["t"]), payload["ranks"]
-    ahead = None if payload.get("ahead") is None else float(payload["ahead"])
-    if not isinstance(ranks, dict):
-        raise TypeError(f"an arrivals message's ranks are a {type(ranks).__name__}, not a dict")
-    return [RankArrivals(t, int(rank), [Arrival(str(g), int(s), int(ns)) for g, s, ns in arrived], ahead)
-            for rank, arrived in ranks.items()]
+    t, ahead = float(payload["t"]), None if payload.get("ahead") is None else float(payload["ahead"])
+    if "collectives" in payload:
+        return NodeArrivals(t, [CollectiveArrivals(str(group), int(seq), None if at is None else int(at),
+                                           {int(rank): int(ns) for rank, ns in _mapping(named).items()})
+                                for group, seq, at, named in payload["collectives"]], ahead)
+    collectives = []
+    for rank, arrived in _mapping(payload["ranks"]).items():
+        number = int(rank)
+        collectives += [CollectiveArrivals(str(group), int(seq), None, {number: int(ns)}) for group, seq, ns in arrived]
+    return NodeArrivals(t, collectives, ahead)
+
+
+def _mapping(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"an arrivals message holds a {type(value).__name__} where a dict belongs")
+    return value
 
 
 class ControllerClock:

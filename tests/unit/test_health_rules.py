@@ -11,7 +11,7 @@ from harness.health.judge import SLOW_CONFIRM, HealthJudge
 from harness.health.rank_stack import Collective, Frame, RankStack, StackThread, grouped
 from harness.health.rendezvous import rendezvous_verdict
 from harness.health.verdict import hang_verdict
-from harness.node.protocol import LAUNCHER_RANK, Arrival, RankSample
+from harness.node.protocol import LAUNCHER_RANK, CollectiveArrivals, NodeArrivals, RankSample
 from harness.plan.planner import Node
 
 NODES = [Node(host=f"h{i + 1}", address=f"10.0.0.{i + 1}", node_rank=i, nproc=1) for i in range(4)]
@@ -272,8 +272,9 @@ def test_the_rank_that_arrives_last_at_its_collectives_is_the_one_its_peers_wait
         for rank in range(4):
             late = 0.06 if rank == 2 else 0.0
             clock = 5.0 * rank  # each host's clock off by seconds: its messages say by how much
-            watch.arrivals.add(NODES[rank], 1000.0 + step * 0.1 + 0.2, 1000.0 + step * 0.1 + 0.2 - clock, rank,
-                               [Arrival("0", step, int((1000.0 + step * 0.1 + late - clock + jitter.uniform(0, 0.005)) * 1e9))])
+            at = int((1000.0 + step * 0.1 + late - clock + jitter.uniform(0, 0.005)) * 1e9)
+            watch.arrivals.add(NODES[rank], 1000.0 + step * 0.1 + 0.2,
+                               NodeArrivals(1000.0 + step * 0.1 + 0.2 - clock, [CollectiveArrivals("0", step, None, {rank: at})]))
     waited = watch.arrivals.waited([0, 1, 2, 3], 20.0)
     assert 55 <= waited[2] <= 65 and all(waited[r] < 5 for r in (0, 1, 3)), waited
     assert watch.waited() == {}, "no health samples: the live ranks are not known yet"

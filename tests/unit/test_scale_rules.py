@@ -9,6 +9,7 @@ import io
 import json
 import queue
 import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,16 +21,19 @@ import pytest
 from harness.control.live import LiveNode
 from harness.control.supervisor import Supervisor, heard_as
 from harness.control.terminal import Terminal
-from harness.health.arrivals import Arrivals
+from harness.health.arrivals import Arrivals, _median
 from harness.health.judge import HealthJudge
+from harness.node.collectives import DIGEST_SLACK, WAITING_SECONDS, ArrivalsDigest
 from harness.node.protocol import (
     CLOCK_PINGS,
     HEALTH_MESSAGES_PER_SECOND,
     YOUNG_SECONDS,
     Arrival,
+    CollectiveArrivals,
     ControllerClock,
     Kind,
     Message,
+    NodeArrivals,
     RankSample,
     arrivals_bodies,
     health_bodies,
@@ -106,36 +110,105 @@ def test_a_rank_stuck_in_a_collective_is_found_within_the_stall_and_one_interval
     assert found is not None and STALL <= found - stuck_at <= STALL + interval
 
 
-def test_a_nodes_arrivals_of_many_ranks_travel_in_few_lines_within_pipe_buf_and_come_back_whole() -> None:
-    """Each line one write(2) within PIPE_BUF (no rank's output can split it); a rank's arrivals may go on in the
-    next message; parsed, every rank's arrivals are back in order, with the sample's time."""
-    arrived = {rank: [Arrival(f"group-{rank % 3}-{'x' * (rank % 40)}", seq, 1_700_000_000_000_000_000 + seq * 1_000)
-                      for seq in range(rank * 7 % 50, rank * 7 % 50 + 40)] for rank in range(64)}
-    arrived[5] = []
-    bodies = arrivals_bodies(1234.5, arrived, ahead=-3.25)
+def test_a_nodes_collectives_travel_in_few_lines_within_pipe_buf_and_come_back_whole() -> None:
+    """Each line one write(2) within PIPE_BUF (no rank's output can split it), however many collectives and named
+    ranks; parsed, every collective is back in order, with the sample's time and the node's clock."""
+    said = [CollectiveArrivals(f"group-{seq % 3}-{'x' * (seq % 40)}", seq, None if seq % 7 == 0 else 1_700_000_000 * 10**9 + seq,
+                       {rank: 1_700_000_000 * 10**9 + seq * rank for rank in range(seq % 20)}) for seq in range(200)]
+    bodies = arrivals_bodies(1234.5, said, ahead=-3.25)
     lines = [message_line(Kind.ARRIVALS, body) for body in bodies]
-    assert max(len(line) for line in lines) <= PIPE_BUF
-    back: dict[int, list[Arrival]] = {}
-    for body in bodies:
-        for said in parse_arrivals(body):
-            assert said.t == 1234.5 and said.ahead == -3.25
-            back.setdefault(said.rank, []).extend(said.arrived)
-    assert back == {rank: items for rank, items in arrived.items() if items}
-    ranks_of = [{said.rank for said in parse_arrivals(body)} for body in bodies]
-    assert any(first & second for first, second in pairwise(ranks_of)), "a rank's arrivals span two messages"
+    assert len(lines) > 1 and max(len(line) for line in lines) <= PIPE_BUF
+    back = [parse_arrivals(body) for body in bodies]
+    assert {(one.t, one.ahead) for one in back} == {(1234.5, -3.25)}
+    assert [c for one in back for c in one.collectives] == said
 
 
-def test_a_node_of_eight_ranks_sends_one_arrivals_message_a_sample_and_none_without_arrivals() -> None:
-    arrived = {rank: [Arrival("0", seq, seq) for seq in range(3)] for rank in range(8)}
-    assert len(arrivals_bodies(1.0, arrived)) == 1
-    assert arrivals_bodies(1.0, {}) == arrivals_bodies(1.0, {rank: [] for rank in range(8)}) == []
+def test_a_node_of_eight_ranks_says_a_samples_collectives_in_one_message_and_none_without_any() -> None:
+    digest = ArrivalsDigest()
+    said = digest.add(range(8), {rank: [Arrival("0", seq, seq * 10**8 + rank) for seq in range(3)]
+                                 for rank in range(8)}, 10**9)
+    assert [(c.seq, c.at) for c in said] == [(0, 3), (1, 10**8 + 3), (2, 2 * 10**8 + 3)]
+    assert len(arrivals_bodies(1.0, said)) == 1
+    assert arrivals_bodies(1.0, []) == arrivals_bodies(1.0, digest.add(range(8), {}, 10**9)) == []
+
+
+def test_a_node_names_the_ranks_that_straggled_and_says_the_rest_as_one_time() -> None:
+    """A collective is said once every rank of the node arrived at it. Its first of a group names every rank not at
+    the node's (low) median; after it, a rank is named where it is further from it than DIGEST_SLACK of the node's
+    time between collectives: rank 5, 0.3 s late every 1 s, and rank 2 just once, not those a few ms off."""
+    digest, said = ArrivalsDigest(), []
+    for seq in range(6):
+        t = int((1000 + seq) * 1e9)
+        late = {5: 300_000_000, 2: 50_000_000 if seq == 4 else 0}
+        arrived = {rank: [Arrival("0", seq, t + late.get(rank, 0) + rank * 1_000_000)] for rank in range(8) if rank != 5}
+        said += digest.add(range(8), arrived, t)
+        assert all(c.seq < seq for c in said), "not before rank 5 arrived"
+        said += digest.add(range(8), {5: [Arrival("0", seq, t + late[5])]}, t + late[5])
+        assert said[-1].seq == seq
+    first, *rest = said
+    assert first.at == int(1000e9) + 3_000_000 and sorted(first.named) == [0, 1, 2, 4, 5, 6, 7]
+    assert [sorted(c.named) for c in rest] == [[5], [5], [5], [2, 5], [5]]
+    assert rest[0].named[5] == int(1001.3e9)
+
+
+def test_a_collective_not_every_rank_of_the_node_arrives_at_is_let_go() -> None:
+    """One of a group of some of the node's ranks, once WAITING_SECONDS old; one that a later collective of its
+    group, complete, left behind (the recorder dropped a rank's arrival), at once."""
+    digest = ArrivalsDigest()
+    assert digest.add(range(4), {0: [Arrival("pairs", 0, 0)], 1: [Arrival("pairs", 0, 0)],
+                                  2: [Arrival("0", 1, 0)], 3: [Arrival("0", 1, 0)]}, 0) == []
+    assert [c.seq for c in digest.add(range(4), {r: [Arrival("0", 2, 10)] for r in range(4)}, 10)] == [2]
+    late = digest.add(range(4), {0: [Arrival("0", 1, 5)], 1: [Arrival("0", 1, 5)]}, 20)
+    assert late == [] and list(digest._waiting) == [("pairs", 0)]
+    digest.add(range(4), {}, int(WAITING_SECONDS * 1e9) + 1)
+    assert digest._waiting == {}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_nodes_digests_weigh_every_rank_as_its_own_arrivals_do(seed: int) -> None:
+    """4 nodes of 8 ranks, each rank a few ms off its node's, rank 13 late by 10-40% of every stretch and node 2
+    late as a whole: the wait of each rank from what the nodes say (one time a node, and its stragglers) is its wait
+    from every rank's own arrivals (as an agent of an older harness says them), within DIGEST_SLACK; and a
+    collective keeps a time for each node and straggler, not for each rank."""
+    rng = random.Random(seed)
+    nodes = [Node(host=f"h{n}", address=f"10.0.0.{n}", node_rank=n, nproc=8) for n in range(4)]
+    by_digest, by_rank = Arrivals(horizon=40.0), Arrivals(horizon=40.0)
+    digests = {node.node_rank: ArrivalsDigest() for node in nodes}
+    for step in range(80):
+        t = 1000.0 + step * 0.5
+        for node in nodes:
+            behind = 0.1 if node.node_rank == 2 else 0.0
+            arrived = {rank: [Arrival("0", step, int((t + behind + rng.uniform(0, 0.002)
+                                                      + (rng.uniform(0.05, 0.2) if rank == 13 else 0)) * 1e9))]
+                       for rank in node.ranks}
+            by_digest.add(node, t + 0.6, NodeArrivals(t + 0.6, digests[node.node_rank].add(node.ranks, arrived, 0)))
+            by_rank.add(node, t + 0.6, NodeArrivals(t + 0.6, [CollectiveArrivals("0", step, None, {rank: ns})
+                                                              for rank, items in arrived.items()
+                                                              for _, _, ns in items]))
+    live = list(range(32))
+    exact, digested = by_rank.waited(live, 20.0), by_digest.waited(live, 20.0)
+    assert max(exact, key=exact.get) == max(digested, key=digested.get) == 13 and exact[13] > 20
+    assert min(exact[rank] for rank in nodes[2].ranks) > 15, "node 2's ranks all late"
+    assert all(abs(digested[rank] - exact[rank]) <= 100 * DIGEST_SLACK for rank in live), (exact, digested)
+    kept = [len(entry.named) + (entry.at is not None) for entry in by_digest.seen["0", 70].values()]
+    assert sum(kept) <= len(nodes) + 8, kept
+
+
+def test_the_median_of_ranks_said_together_is_the_median_of_each_rank() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        groups = [(round(rng.uniform(0, 5), 1), tuple(range(rng.randint(1, 4)))) for _ in range(rng.randint(1, 9))]
+        assert _median(groups) == statistics.median(when for when, ranks in groups for _ in ranks), groups
 
 
 @pytest.mark.parametrize("body", [
     "", "not json", "null", "[1, 2]", "{}", '{"t": 1}', '{"ranks": {}}', '{"t": "soon", "ranks": {}}',
     '{"t": 1, "ranks": [[0, []]]}', '{"t": 1, "ranks": {"zero": []}}', '{"t": 1, "ranks": {"0": 5}}',
     '{"t": 1, "ranks": {"0": [["g", 1]]}}', '{"t": 1, "ranks": {"0": [["g", "one", 2]]}}',
-    '{"t": 1, "ranks": {"0": [null]}}', '{"t": 1, "ahead": "late", "ranks": {}}'])
+    '{"t": 1, "ranks": {"0": [null]}}', '{"t": 1, "ahead": "late", "ranks": {}}', '{"t": 1, "collectives": 5}',
+    '{"t": 1, "collectives": [["g", 1, 5]]}', '{"t": 1, "collectives": [["g", 1, 5, []]]}',
+    '{"t": 1, "collectives": [["g", "x", 5, {}]]}', '{"t": 1, "collectives": [["g", 1, 5, {"r": 1}]]}',
+    '{"t": 1, "collectives": [["g", 1, "soon", {}]]}', '{"t": 1, "collectives": [["g", 1, 5, {"0": null}]]}'])
 def test_a_damaged_arrivals_message_is_refused_as_the_listener_expects(body: str) -> None:
     """The listener drops a message that raises ValueError, KeyError or TypeError: anything else would end it."""
     with pytest.raises((ValueError, KeyError, TypeError)):
@@ -189,7 +262,7 @@ def test_one_listener_waits_for_every_node_s_messages_without_polling_and_takes_
         for t in range(50):
             ranks = {str(2 * node): [100, "R", t, t, 0], str(2 * node + 1): [101, "R", t, t, 0]}
             process.messages.put(Message(Kind.HEALTH, json.dumps({"t": t, "ranks": ranks})))
-    arrived = arrivals_bodies(time.time(), {0: [Arrival("0", 1, time.time_ns())], 1: [Arrival("0", 1, time.time_ns())]})
+    arrived = arrivals_bodies(time.time(), [CollectiveArrivals("0", 1, time.time_ns(), {1: time.time_ns()})])
     processes[0].messages.put(Message(Kind.ARRIVALS, arrived[0]))
     for process, live in zip(processes, lives, strict=True):
         process.end.set()
@@ -198,7 +271,7 @@ def test_one_listener_waits_for_every_node_s_messages_without_polling_and_takes_
     assert not listener.is_alive(), "it ends once every node has ended and all they said is taken"
     assert gets == 1 + 2 * 50 + 1 + 2, "one wait a message, and one for each node's end"
     assert {rank: len(kept.samples) for rank, kept in judge.ranks.items()} == {0: 50, 1: 50, 2: 50, 3: 50}
-    assert list(judge.arrivals.seen) == [("0", 1)] and list(judge.arrivals.seen["0", 1]) == [0, 1]
+    assert list(judge.arrivals.seen) == [("0", 1)] and list(judge.arrivals.seen["0", 1][0].named) == [1]
 
 
 def _walked(samples: list[RankSample], times: list[float], stall: float) -> tuple[bool, float]:
@@ -252,15 +325,15 @@ def test_what_the_arrivals_keep_between_looks_gives_what_a_fresh_look_at_them_gi
     rng = random.Random(seed)
     nodes = [Node(host=f"h{n}", address=f"10.0.0.{n}", node_rank=n, nproc=2) for n in range(3)]
     kept = Arrivals(horizon=40.0)
-    said: list[tuple[Node, float, float, int, list[Arrival]]] = []
+    said: list[tuple[Node, float, NodeArrivals]] = []
     live, judged = list(range(6)), 0
     for step in range(150):
         t = 1000.0 + step * 0.4
         for rank in [rank for rank in range(6) if rng.random() < 0.85]:
             seqs = {step, step - rng.randint(1, 3)} if rng.random() < 0.3 else {step}  # a resent word, a late one
-            arrived = [Arrival("0", seq, int((t + rng.uniform(0, 0.3) + (0.2 if rank == 4 else 0)) * 1e9))
+            arrived = [CollectiveArrivals("0", seq, None, {rank: int((t + rng.uniform(0, 0.3) + (0.2 if rank == 4 else 0)) * 1e9)})
                        for seq in sorted(seqs) if seq >= 0]
-            one = (nodes[rank // 2], t + rng.uniform(0.05, 0.2), t, rank, arrived)
+            one = (nodes[rank // 2], t + rng.uniform(0.05, 0.2), NodeArrivals(t, arrived))
             kept.add(*one)
             said.append(one)
         if rng.random() < 0.05:
@@ -295,10 +368,10 @@ def test_a_node_s_clock_is_taken_from_the_controller_s_pings_not_from_when_the_c
             sent = 1000.0 + step * 0.5 + ahead
             received = 1000.0 + step * 0.5 + (0.3 if node.node_rank == 2 else 0.01)
             for rank in node.ranks:
-                arrived = [Arrival("0", seq, int((1000.0 + seq * 0.5 - 0.4 + ahead) * 1e9))
+                arrived = [CollectiveArrivals("0", seq, None, {rank: int((1000.0 + seq * 0.5 - 0.4 + ahead) * 1e9)})
                            for seq in range(max(0, step - 2), step + 1)]
-                by_pings.add(node, received, sent, rank, arrived, clocks[node.node_rank].ahead())
-                by_reading.add(node, received, sent, rank, arrived)
+                by_pings.add(node, received, NodeArrivals(sent, arrived, clocks[node.node_rank].ahead()))
+                by_reading.add(node, received, NodeArrivals(sent, arrived))
     live = list(range(8))
     assert max(by_pings.waited(live, 20.0).values()) < 1, by_pings.waited(live, 20.0)
     assert min(by_reading.waited(live, 20.0)[rank] for rank in nodes[2].ranks) > 20, "the reading's lag, as late"
