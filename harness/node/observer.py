@@ -72,8 +72,8 @@ class RankObserver:
             self.seen.update({pid: rank for rank, pid in self.ranks.items()})
             tree = children_of(below)
             samples = self._with_gpu_use(sample(self.ranks, tree), tree)
+            now = time.time()  # when the CPU times were read: a loaded rank's recorder may take seconds to answer
             traces = self.traces({rank: found.state for rank, found in samples.items()})
-            now = time.time()
             arrived: dict[int, list[Arrival]] = {}
             for rank, trace in traces.items():
                 if isinstance(trace, list):

@@ -6,12 +6,19 @@ verdict once, scales its flat step rate, and shows the stacks kept; the header s
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
+import socketserver
+import subprocess
+import sys
+import threading
+import time
 from collections import deque
 from dataclasses import replace
 from html import escape
 from html.parser import HTMLParser
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -26,7 +33,7 @@ from harness.health.rank_stack import Collective, Frame, RankStack, StackThread
 from harness.node import observer
 from harness.node.observer import RankObserver
 from harness.node.proctable import start_ticks
-from harness.node.protocol import RankSample
+from harness.node.protocol import HealthSamples, Kind, RankSample, parse_health
 from harness.plan.planner import Node
 from harness.record.index import create_run_dir
 from harness.record.rundir import RunDir
@@ -248,6 +255,52 @@ def test_the_agent_samples_every_second_while_the_attempt_is_young(monkeypatch: 
     monkeypatch.setattr(observer, "time", clock)
     RankObserver("no-such-run", None, "not hooked", lambda kind, body: None).sample_every(5.0, Minute())
     assert waits[:30] == [1.0] * 30 and set(waits[30:]) == {5.0}, waits
+
+
+def test_a_ranks_cpu_use_is_over_the_time_between_its_cpu_readings_however_long_its_recorder_takes(
+        tmp_path: Path) -> None:
+    """The agent reads each rank's CPU time, then its Flight Recorder, which a loaded rank takes up to READ_SECONDS to
+    answer: a sample is dated when the CPU times were read. Dated after the recorder answered, a rank whose answers
+    took 1 s, then none, alternately, used 6x a CPU over one interval and a sixth over the next (a loaded machine's
+    report scaled its CPU chart to such a peak, and drew the rest on the zero line). Here one spinning rank."""
+    answers = 0
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            nonlocal answers
+            answers += 1
+            if answers % 4 == 1:  # the first of a sample's two handlers, every other sample
+                time.sleep(1.0)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"entries": []}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = socketserver.ThreadingUnixStreamServer(str(tmp_path / "0.sock"), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                               env={**os.environ, "HARNESS_RUN_ID": "cpu-readings", "RANK": "0"})
+    said: list[HealthSamples] = []
+    ended = threading.Event()
+
+    def say(kind: Kind, body: str) -> None:
+        if kind is Kind.HEALTH:
+            said.append(parse_health(body))
+            if len(said) == 7:
+                ended.set()
+
+    try:
+        RankObserver("cpu-readings", str(tmp_path), "", say).sample_every(0.2, ended)
+    finally:
+        spinner.kill()
+        spinner.wait()
+        server.shutdown()
+        server.server_close()
+    rates = [(after.samples[0].cpu - before.samples[0].cpu) / (after.t - before.t)
+             for before, after in pairwise(said[1:])]
+    assert max(rates) <= 1.2 and max(rates) / min(rates) < 4, rates
 
 
 def test_the_timeline_has_a_sample_as_soon_as_a_rank_is_known_then_one_a_second_while_young(
