@@ -652,7 +652,26 @@ def _scale(s: dict[str, Any]) -> list[str]:
                   "that on two cores what grows is the controller's work alone); the fleet's own CPU per node in the "
                   "agent column. Record: the run folder's size at its end, per rank per second of the run.", ""]
         lines += _scale_rows(s["stand_in_rows"], "stand-ins' CPU per s, MiB")
-    return lines + _scale_ssh(s.get("ssh", {}))
+    return lines + _scale_arrivals(s.get("arrivals", [])) + _scale_ssh(s.get("ssh", {}))
+
+
+def _scale_arrivals(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    return ["The controller's CPU on the ranks' arrivals alone (bench/scale.arrivals_cost), side by side: each node's "
+            "collectives as its agent says them (one time for the ranks together, the stragglers by rank) against "
+            "every rank's own arrivals (as an agent of an older harness says them); rank 0 late by a tenth of the "
+            "time between collectives.", "",
+            *_table(["nodes x ranks", "collectives per s per rank", "messages per s",
+                     "controller cores: by node / by rank (ratio)", "rank 0's wait (%): by node / by rank",
+                     "others' largest wait (%): by node / by rank"],
+                    [[f"{r['nodes']} x {r['ranks'] // r['nodes']}", f"{r['collectives_per_s']:g}",
+                      r["digest"]["messages_per_s"],
+                      f"{r['digest']['cores']} / {r['every rank']['cores']} "
+                      f"({r['every rank']['cores'] / max(r['digest']['cores'], 1e-9):.1f}x)",
+                      f"{r['digest']['rank0_waited_pct']} / {r['every rank']['rank0_waited_pct']}",
+                      f"{r['digest']['others_waited_max_pct']} / {r['every rank']['others_waited_max_pct']}"]
+                     for r in rows]), ""]
 
 
 def _scale_rows(rows: list[dict[str, Any]], agents: str) -> list[str]:

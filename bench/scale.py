@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import math
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -31,7 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
+from harness.health.arrivals import Arrivals
+from harness.health.judge import SLOW_WINDOW
+from harness.node.collectives import ArrivalsDigest
 from harness.node.proctable import children
+from harness.node.protocol import Arrival, arrivals_bodies, paced, parse_arrivals
+from harness.plan.planner import Node
 from harness.preflight.runner import run_preflight
 from harness.record.stream import STAMP_WIDTH, stamp, unstamp
 from harness.spec.inventory import load_inventory
@@ -263,6 +270,45 @@ def ssh(cfg: dict[str, Any]) -> dict[str, Any]:
             "controller_peak_rss_mib": round(peak / 2**20, 1)}
 
 
+def arrivals_cost(nnodes: int, nproc: int, rate: float, seconds: float) -> dict[str, Any]:
+    """The controller's CPU on the ranks' arrivals alone, side by side: `seconds` of a job of nnodes x nproc ranks,
+    each arriving at `rate` collectives a second within a millisecond of its node's others (rank 0 a tenth of the
+    time between them late), taken as each node's agent says them (collectives.ArrivalsDigest) and as an agent of
+    an older harness did (every rank's own): every message parsed and kept (Arrivals.add), and each rank's wait
+    weighed once a sample interval (Arrivals.waited). CPU seconds per second of job, and the waits each found."""
+    interval, rng = paced(1.0, nnodes), random.Random(14)
+    nodes = [Node(host=f"sim{n}", address="127.0.0.1", node_rank=n, nproc=nproc) for n in range(nnodes)]
+    digests = [ArrivalsDigest() for _ in nodes]
+    found: dict[str, dict[str, Any]] = {}
+    said: dict[str, list[list[tuple[Node, str]]]] = {"digest": [], "every rank": []}
+    for k in range(int(seconds / interval)):
+        t, first = 1000.0 + (k + 1) * interval, int(k * interval * rate)
+        seqs = range(first, int((k + 1) * interval * rate))
+        said["digest"].append([])
+        said["every rank"].append([])
+        for node in nodes:
+            arrived = {rank: [Arrival("0", seq, int((1000.0 + (seq + (0.1 if rank == 0 else 0)) / rate
+                                                     + rng.uniform(0, 0.001)) * 1e9)) for seq in seqs]
+                       for rank in node.ranks}
+            said["every rank"][-1].append((node, json.dumps({"t": t, "ahead": 0.0, "ranks": arrived})))
+            said["digest"][-1] += [(node, body) for body in arrivals_bodies(
+                t, digests[node.node_rank].add(node.ranks, arrived, int(t * 1e9)), 0.0)]
+    live = list(range(nnodes * nproc))
+    for name, intervals in said.items():
+        arrivals, waited = Arrivals(horizon=2 * SLOW_WINDOW), {}
+        started = time.process_time()
+        for k, messages in enumerate(intervals):
+            for node, body in messages:
+                arrivals.add(node, 1000.0 + (k + 1) * interval, parse_arrivals(body))
+            waited = arrivals.waited(live, SLOW_WINDOW)
+        found[name] = {"cores": round((time.process_time() - started) / seconds, 4),
+                       "messages_per_s": round(sum(map(len, intervals)) / seconds, 1),
+                       "rank0_waited_pct": round(waited.get(0, 0.0), 1),
+                       "others_waited_max_pct": round(max((v for r, v in waited.items() if r), default=0.0), 2)}
+    return {"nodes": nnodes, "ranks": nnodes * nproc, "collectives_per_s": rate, "seconds": seconds,
+            "interval_s": round(interval, 2), **found}
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     rows, stand_ins = [], []
     for nnodes in cfg["nodes"]:
@@ -280,7 +326,17 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         over_ssh = {"skipped": reason} if reason else ssh(cfg)
     except Exception as exc:  # noqa: BLE001 - recorded, whatever it was: the simulated nodes' rows stand
         over_ssh = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
-    return {"ssh": over_ssh, "job": f"stand-in ranks (testbed/standin), {cfg['nproc']} per node, a step every "
+    arrivals = [arrivals_cost(cfg["fleet_nodes"][-1], cfg["fleet_nproc"], rate, cfg["arrivals_seconds"])
+                for rate in cfg["arrivals_rates"]]
+    return {"ssh": over_ssh, "arrivals": arrivals,
+            "job": f"stand-in ranks (testbed/standin), {cfg['nproc']} per node, a step every "
                    f"{cfg['step_seconds']:g} s with every rank printing, stall {cfg['stall']:g} s; window "
                    f"{cfg['window']:g} s after {cfg['warmup']:g} s of warm-up",
             "cores": procs.cpu_count(), "rows": rows, "stand_in_rows": stand_ins}
+
+
+if __name__ == "__main__":  # the arrivals' rows alone: python -m bench.scale
+    from bench.run import profile
+    scale = profile("full", "cpu")["scale"]
+    print(json.dumps([arrivals_cost(scale["fleet_nodes"][-1], scale["fleet_nproc"], rate, scale["arrivals_seconds"])
+                      for rate in scale["arrivals_rates"]], indent=1))
