@@ -116,10 +116,11 @@ class Watched:
 
     def __init__(self, slow_for: float = 60, without: Callable[[str], float | str] = lambda host: 1.0) -> None:
         self.screen = io.StringIO()
+        self.terminal = Terminal(self.screen)
         self.stopper = Stopper(0.0, [])
         self.judge = HealthJudge(stall=0, slow=20)
         self.loop = HealthLoop(self.judge, None, 0, [LiveNode(node, 0.0) for node in NODES[:3]], StackCapture([]),
-                               Output(Terminal(self.screen)), self.stopper,
+                               Output(self.terminal), self.stopper,
                                slow_policy=SlowPolicy(slow_for, True, None, without, 10.0))
         self.loop.attempt_started_at = 0.0
         self.busy = {rank: 0.0 for rank in range(3)}
@@ -127,7 +128,9 @@ class Watched:
 
     @property
     def said(self) -> list[str]:
-        """What the health loop said on the terminal, without the harness's prefix."""
+        """What the health loop said on the terminal, without the harness's prefix, once its writer thread wrote it
+        all (the run is over when it is read)."""
+        self.terminal.close()
         return [line.removeprefix("harness: ") for line in self.screen.getvalue().splitlines()]
 
     def run(self, seconds: int, busy: dict[int, float], rate: float) -> None:
