@@ -1,6 +1,7 @@
 """`harness report RUN_ID`: one run as one self-contained HTML page, easier to look at than its JSON: the
 header, the attempts on a time axis with the health watch's verdicts and the failures, every rank's CPU
-use, waiting and step rate over time (timeline.jsonl), the first failure and each node's end.
+use, waiting and step rate over time (timeline.jsonl; past DRAWN_RANKS, their spread and the ranks named), the
+first failure and each node's end.
 
 The page fetches nothing (CSS inline, charts inline SVG written by hand in view/charts.py, which says
 why not matplotlib), so it can be mailed or attached to a ticket as one file. Every string from the
@@ -10,6 +11,7 @@ known so far; wording is view/status.py's, so the page and `harness status` say 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -45,6 +47,10 @@ from harness.view.status import (
 )
 
 MAX_SAMPLES = 600  # per plot: a long run's samples are thinned to about this many, so the page stays small
+# Past this many ranks a chart draws their spread (least, median, most) and the ranks the health watch named, not a
+# line each: a 16,384-rank run's page was hundreds of MB, and no one reads 16,384 lines; it is now a 32-rank one's.
+DRAWN_RANKS = 32
+NAMED_DRAWN = 8
 VERDICT_ABOVE = "the verdict above"  # a hang's verdict is said once, in the header; elsewhere it is pointed at
 # A rank's value at a sample, from its point, its point at the sample before in the same attempt (None:
 # the first of the attempt) and the seconds between the two; None: not known there.
@@ -262,7 +268,8 @@ def _plots(r: _Run) -> str:
         return head + f"<p>No plots: {r.run.timeline.name} holds no sample yet.</p>{_recorded_step_rate(r)}</section>"
     kept = samples[::math.ceil(len(samples) / MAX_SAMPLES)]
     ranks = sorted({rank for sample in kept for rank in sample.ranks})
-    key = legend({i: f"rank {rank}" for i, rank in enumerate(ranks)})
+    drawn = _drawn(r, ranks)
+    key = legend(_labels(ranks, drawn))
     starts = {a.attempt: a.started_at for a in r.summary.attempts} if r.summary else {}
     if r.summary is None:
         for sample in samples:
@@ -270,7 +277,7 @@ def _plots(r: _Run) -> str:
     marks = [Mark(r.since(t), f"attempt {n}") for n, t in starts.items()] if len(starts) > 1 else []
     parts = [head]
     for plot in PLOTS:
-        series = _series(r, kept, ranks, plot.measure)
+        series = ([] if drawn is ranks else _spread(r, kept, plot.measure)) + _series(r, kept, drawn, plot.measure)
         values = [y for segments in series for points in segments for _, y in points]
         if values and plot.measure is _step_rate:
             bands, acts, said = _slowness(r)
@@ -383,47 +390,129 @@ def _over_steps(r: _Run) -> str:
     for key, title, read, y_text in STEP_PLOTS:
         ranks = sorted({rank for sample in r.samples for rank, point in sample.ranks.items()
                         if read(point) is not None and point.step is not None})
-        series: list[Segments] = []
-        for rank in ranks:
-            segments: Segments = []
-            attempt = None
-            for sample in r.samples:
-                point = sample.ranks.get(rank)
-                value = None if point is None else read(point)
-                if point is None or point.step is None or value is None or not math.isfinite(value):
-                    continue
-                if sample.attempt != attempt or point.step < segments[-1][-1][0]:
-                    segments.append([])
-                    attempt = sample.attempt
-                if not segments[-1] or segments[-1][-1][0] != point.step:
-                    segments[-1].append((float(point.step), value))
-            series.append(segments)
+        drawn = _drawn(r, ranks)
+        series = ([] if drawn is ranks else _step_spread(r, read)) + _step_series(r, drawn, read)
         points = [point for segments in series for part in segments for point in part]
         if points:
             axis = StepAxis(max(1.0, *(step for step, _ in points)))
             chart = line_chart(axis, series, [], max(1e-9, *(value for _, value in points)), y_text)
-            labels = legend({i: f"rank {rank}" for i, rank in enumerate(ranks)})
-            charts.append(f'<div id="{key}"><h3>{escape(title)}</h3>{chart}{labels}</div>')
+            charts.append(f'<div id="{key}"><h3>{escape(title)}</h3>{chart}{legend(_labels(ranks, drawn))}</div>')
     if not charts:
         return ""
     return "<section><h2>Over the steps</h2>" + "".join(charts) + "</section>"
 
 
-def _series(r: _Run, samples: Sequence[Sample], ranks: list[int], measure: Measure) -> list[Segments]:
-    """Each rank's points (in ranks' order), a new segment at every attempt and after each gap."""
+def _step_points(r: _Run, read: Callable[[RankPoint], float | None]) -> Iterable[tuple[int, int, float, int]]:
+    """(rank, attempt, value, step) of each sample's points with a step and a finite value, in the samples' order."""
+    for sample in r.samples:
+        for rank, point in sample.ranks.items():
+            value = read(point)
+            if point.step is not None and value is not None and math.isfinite(value):
+                yield rank, sample.attempt, value, point.step
+
+
+def _step_series(r: _Run, ranks: list[int], read: Callable[[RankPoint], float | None]) -> list[Segments]:
+    """Each rank's values over the steps: a new segment at each attempt and where its step goes back (a resume)."""
     segments: dict[int, Segments] = {rank: [] for rank in ranks}
+    attempts: dict[int, int] = {}
+    for rank, attempt, value, step in _step_points(r, read):
+        if (own := segments.get(rank)) is None:
+            continue
+        if attempts.get(rank) != attempt or step < own[-1][-1][0]:
+            own.append([])
+            attempts[rank] = attempt
+        if not own[-1] or own[-1][-1][0] != step:
+            own[-1].append((float(step), value))
+    return [segments[rank] for rank in ranks]
+
+
+def _step_spread(r: _Run, read: Callable[[RankPoint], float | None]) -> list[Segments]:
+    """The ranks' least, median and most value at each step (each rank's first value of it), an attempt a segment."""
+    by_attempt: dict[int, dict[int, dict[int, float]]] = {}  # attempt -> step -> rank -> value
+    for rank, attempt, value, step in _step_points(r, read):
+        by_attempt.setdefault(attempt, {}).setdefault(step, {}).setdefault(rank, value)
+    return _spread_of([[(float(step), list(values.values())) for step, values in sorted(steps.items())]
+                       for steps in by_attempt.values()])
+
+
+def _drawn(r: _Run, ranks: list[int]) -> list[int]:
+    """The ranks a chart draws a line of: each one, up to DRAWN_RANKS; past them (their spread is drawn instead), the
+    ranks the health watch named or that failed, up to NAMED_DRAWN."""
+    if len(ranks) <= DRAWN_RANKS:
+        return ranks
+    named: list[int] = []
+    for a in r.summary.attempts if r.summary else []:
+        named += [e.rank for e in a.health if e.rank is not None]
+        named += [f.rank for f in a.failures if f.rank is not None]
+    if r.summary is None and (health := r.run.read_health(r.state.attempt)) is not None:
+        named += sorted(health.slow)
+    present = set(ranks)
+    return [rank for rank in dict.fromkeys(named) if rank in present][:NAMED_DRAWN]
+
+
+def _labels(ranks: list[int], drawn: list[int]) -> dict[int, str]:
+    """The legend of a chart of the drawn ranks' lines, after the spread's three where there is one."""
+    if drawn is ranks:
+        return {i: f"rank {rank}" for i, rank in enumerate(ranks)}
+    return {0: f"least of the {len(ranks):,} ranks", 1: "their median", 2: "their most",
+            **{3 + i: f"rank {rank}" for i, rank in enumerate(drawn)}}
+
+
+def _spread(r: _Run, samples: Sequence[Sample], measure: Measure) -> list[Segments]:
+    """The ranks' least, median and most value at each sample, a new segment at every attempt and after a sample where
+    none has one."""
+    runs: list[list[tuple[float, list[float]]]] = [[]]
+    attempt = None
+    for sample, values in _measured(samples, measure):
+        known = [value for value, _ in values.values() if value is not None]
+        if runs[-1] and (not known or sample.attempt != attempt):
+            runs.append([])
+        if known:
+            runs[-1].append((r.since(sample.t), known))
+            attempt = sample.attempt
+    return _spread_of(runs)
+
+
+_Measured = tuple[float | None, bool]  # a rank's value at a sample (None: not known); whether it goes on from before
+PICKS: tuple[Callable[[list[float]], float], ...] = (min, statistics.median, max)
+
+
+def _spread_of(runs: list[list[tuple[float, list[float]]]]) -> list[Segments]:
+    """Each run of (x, values) as a segment of the least, of the median and of the most values."""
+    found: list[Segments] = [[], [], []]
+    for points in (run for run in runs if run):
+        for segments, pick in zip(found, PICKS, strict=True):
+            segments.append([(x, pick(values)) for x, values in points])
+    return found
+
+
+def _measured(samples: Sequence[Sample], measure: Measure) -> Iterable[tuple[Sample, dict[int, _Measured]]]:
+    """Each sample with each of its ranks' value (None: not known there) and whether it goes on from the rank's sample
+    before (the same attempt)."""
     last: dict[int, tuple[int, float, RankPoint]] = {}
-    joined: set[int] = set()  # ranks whose last sample had a value: the next one continues its line
     for sample in samples:
+        values = {}
         for rank, point in sample.ranks.items():
             before = last.get(rank)
             last[rank] = (sample.attempt, sample.t, point)
             same = before if before is not None and before[0] == sample.attempt else None
-            value = measure(point, same[2] if same else None, sample.t - same[1] if same else 0.0)
+            values[rank] = (measure(point, same[2] if same else None, sample.t - same[1] if same else 0.0),
+                            same is not None)
+        yield sample, values
+
+
+def _series(r: _Run, samples: Sequence[Sample], ranks: list[int], measure: Measure) -> list[Segments]:
+    """Each rank's points (in ranks' order), a new segment at every attempt and after each gap."""
+    segments: dict[int, Segments] = {rank: [] for rank in ranks}
+    joined: set[int] = set()  # ranks whose last sample had a value: the next one continues its line
+    for sample, values in _measured(samples, measure):
+        for rank, (value, same) in values.items():
+            if rank not in segments:
+                continue
             if value is None:
                 joined.discard(rank)
                 continue
-            if rank not in joined or same is None:
+            if rank not in joined or not same:
                 segments[rank].append([])
                 joined.add(rank)
             segments[rank][-1].append((r.since(sample.t), value))

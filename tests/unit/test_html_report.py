@@ -55,7 +55,7 @@ from harness.record.schema import (
 )
 from harness.record.timeline import RankPoint, Sample, append_sample, read_timeline
 from harness.view.charts import TimeAxis, color
-from harness.view.report import html_report
+from harness.view.report import _spread_of, html_report
 
 T0 = 1_700_000_000.0
 HOSTILE = "RuntimeError: <script>alert('x')</script> & \"quoted\""
@@ -154,6 +154,28 @@ def _ended(tmp_path: Path, timeline: bool = True) -> RunDir:
     if timeline:
         _timeline(run, {0: (T0 + 2, 6), 1: (T0 + 15, 4)})
     return run
+
+
+def test_past_drawn_ranks_a_chart_draws_the_ranks_spread_and_the_named_ones_and_the_page_stays_small(
+        tmp_path: Path) -> None:
+    """At 40 and at 400 ranks (rank 3 named slow, then failed): each chart draws the ranks' least, median and most at
+    each sample and rank 3's own line, not a line a rank: the page is as large at 400 ranks as at 40 (it was 10x)."""
+    pages = {}
+    for world in (40, 400):
+        run = create_run_dir(tmp_path / str(world), "train-1")
+        run.write_state(_state(run.run_id, RunStatus.FAILED, ControllerId(1, None), attempt=1))
+        run.write_summary(_summary(run))
+        _timeline(run, {0: (T0 + 2, world), 1: (T0 + 15, world)})
+        pages[world] = page = html_report(run)
+        parsed(page)
+        for chart in ("cpu", "waiting", "step-rate"):
+            part = page[page.index(f'<div id="{chart}">'):]
+            part = part[:part.index("</div>")]
+            assert f"least of the {world} ranks" in part and "their median" in part and "rank 3<" in part, part[-600:]
+            assert part.count("<polyline") == 4 * 2, "the spread's three lines and rank 3's, in each attempt"
+    assert len(pages[400]) < 1.05 * len(pages[40]), {world: len(page) for world, page in pages.items()}
+    assert _spread_of([[(1.0, [3.0, 1.0, 2.0]), (2.0, [5.0, 4.0])], []]) == [
+        [[(1.0, 1.0), (2.0, 4.0)]], [[(1.0, 2.0), (2.0, 4.5)]], [[(1.0, 3.0), (2.0, 5.0)]]]
 
 
 def test_the_page_of_a_failed_restarted_run(tmp_path: Path) -> None:
