@@ -108,6 +108,7 @@ class _Driven:
     process: NodeProcess
     steps: Generator[None, None, None]
     done: threading.Event
+    ended: Callable[[], None]
 
 
 class Streams:
@@ -124,13 +125,14 @@ class Streams:
         self._thread = threading.Thread(target=self._read, name="harness-streams", daemon=True)
         self._thread.start()
 
-    def add(self, process: NodeProcess, steps: Generator[None, None, None]) -> threading.Event:
+    def add(self, process: NodeProcess, steps: Generator[None, None, None],
+            ended: Callable[[], None] = lambda: None) -> threading.Event:
         """Read process (its readable() is not None) from now on, working on its output through steps; the event is
-        set once its output ended and steps with it."""
+        set once its output ended and steps with it, and ended called (on this reading thread: it must not wait)."""
         fd = process.readable()
         assert fd is not None
         process.drive()
-        driven = _Driven(process, steps, threading.Event())
+        driven = _Driven(process, steps, threading.Event(), ended)
         with self._lock:
             self._added.append((fd, driven))
         os.write(self._wake_write, b"+")
@@ -194,3 +196,4 @@ class Streams:
             self._selector.unregister(fd)
         driven.steps.close()
         driven.done.set()
+        driven.ended()

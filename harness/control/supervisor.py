@@ -6,6 +6,7 @@ harness.health) and the ranks' stacks (stack_capture.py); its threads route what
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import re
 import threading
@@ -147,13 +148,16 @@ class Supervisor:
         for process, live in self._started:
             process.messages = heard_as(process, live, self._heard)
         self._spawn(self._listen, len(self._started))
+        # A node's end follows its output's (its agent's stdout closes as it exits; an SSH channel, a pod's link as
+        # they end): each node is waited for once its output ended, on a thread of its own from then, not on a thread
+        # per node the whole run (2,048 of them at 2,048 nodes, waiting).
         for process, live in self._started:
             if process.readable() is None:
-                self._spawn(self.output.pump, process, live)
+                self._spawn(self._pump_then_reap, process, live)
             else:
                 self._streams = self._streams or Streams(self.say)
-                self._pumped.append(self._streams.add(process, self.output.steps(process, live)))
-            self._spawn(self._reap, process, live)
+                self._pumped.append(self._streams.add(process, self.output.steps(process, live),
+                                                      functools.partial(self._spawn, self._reap, process, live)))
         if self.health_loop.judge is not None or self.health_loop.run is not None:
             self._spawn(self.health_loop.loop)
 
@@ -194,6 +198,12 @@ class Supervisor:
             self.health_loop.run.write_result(self.health_loop.attempt, rank, result)
         except OSError as exc:
             self.say(f"rank {rank}'s result could not be kept in {self.health_loop.run.path}: {exc.strerror or exc}")
+
+    def _pump_then_reap(self, process: NodeProcess, live: LiveNode) -> None:
+        try:
+            self.output.pump(process, live)
+        finally:
+            self._reap(process, live)
 
     def _reap(self, process: NodeProcess, live: LiveNode) -> None:
         outcome = process.wait()
