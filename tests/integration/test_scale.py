@@ -1,11 +1,12 @@
 """The harness with 32 simulated nodes: each node a real node agent and torchrun's place taken by a stand-in that
 starts its ranks as torchrun does, the ranks costing no torch import (testbed/standin; bench/scale.py measures
 16 to 256 nodes). A hang is found and named among 64 ranks, the terminal shows the ranks' identical lines as one
-line that names them, and the run's logs keep every line."""
+line that names them, and the run's logs keep every line; the controller's threads do not grow with the nodes."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from conftest import REPO, assert_nothing_left, free_port, harness
 
@@ -38,6 +39,8 @@ def test_a_hang_among_32_nodes_is_named_and_identical_lines_collapse(write_yaml,
     status = harness("status", run.run_id, "--runs-dir", str(tmp_path / "runs"))
     assert status.returncode == 0 and re.search(rf"^\s*{WORLD - 1}\s+node{NODES - 1}\b", status.stdout, re.M), \
         status.stdout
+    threads = int(re.search(r"^Threads:\s+(\d+)", Path(f"/proc/{run.proc.pid}/status").read_text(), re.M)[1])
+    assert threads < NODES // 2, f"the controller runs {threads} threads for {NODES} nodes: they grow with the nodes"
     verdict = run.wait_for(r"^harness: hang: (.*)", timeout=STALL + 15 + 60).group(1)
     assert re.search(rf"ranks 0-{WORLD - 2} wait in all_reduce #{HANG_STEP} at \S+collectives.py:\d+ in _collective; "
                      rf"rank {WORLD - 1} \(node{NODES - 1} on sim{NODES - 1}\) has not reached #{HANG_STEP}, at "
