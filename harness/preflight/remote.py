@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 from harness.errors import HarnessError
 from harness.spec.inventory import Host
 from harness.targets.boot import shipped
-from harness.targets.host_command import CommandResult, RemoteTimeout
+from harness.targets.host_command import FAN_OUT, CommandResult, RemoteTimeout
 
 MARKER = "HARNESS_PREFLIGHT_ANSWER="
 TORCH_TIMEOUT_FACTOR = 6  # steps that import torch (full probe, collective) get this many `timeout`s
@@ -92,7 +92,7 @@ def on_hosts(work: Callable[[str], T], names: Iterable[str]) -> dict[str, T | Ex
 
     if not names:
         return {}
-    with ThreadPoolExecutor(max_workers=min(len(names), 64)) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(names), FAN_OUT)) as pool:
         return dict(zip(names, pool.map(guarded, names), strict=True))
 
 

@@ -11,6 +11,10 @@ from harness.plan.shell import remote_command
 from harness.spec.inventory import Host
 from harness.targets.boot import BOOT, shipped
 
+# Hosts reached at once, at most (SSH connections opened, preflight's checks run): 2,048 handshakes at once take the
+# controller's cores past the connect timeout (each host's sshd sees one; its MaxStartups, 10:30:100, is per daemon).
+FAN_OUT = 64
+
 
 class RemoteTimeout(HarnessError):
     """A remote command overran its deadline; it was stopped, and what it printed is kept."""

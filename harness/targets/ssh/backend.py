@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from harness.targets.agent_link import (
     start_all,
 )
 from harness.targets.base import CheckFailed, NodeProcess
-from harness.targets.host_command import NoFreePort, RemoteTimeout, free_port_on
+from harness.targets.host_command import FAN_OUT, NoFreePort, RemoteTimeout, free_port_on
 from harness.targets.ssh.container import in_containers
 from harness.targets.ssh.transport import Connection, SSHConnectError, connect
 
@@ -301,7 +302,7 @@ class SSHBackend:
         return self._lent | self._opened
 
     def _connect(self, nodes: tuple[NodePlan, ...], timeout: float) -> list[BaseException]:
-        """Open the connections nodes' hosts lack, in parallel; what failed."""
+        """Open the connections nodes' hosts lack, FAN_OUT at a time; what failed."""
         errors: list[BaseException] = []
 
         def open_one(node: NodePlan) -> None:
@@ -314,11 +315,9 @@ class SSHBackend:
                 errors.append(exc)
 
         missing = [node for node in nodes if node.host not in self._lent and node.host not in self._opened]
-        threads = [threading.Thread(target=open_one, args=(node,)) for node in missing]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        if missing:
+            with ThreadPoolExecutor(max_workers=min(len(missing), FAN_OUT)) as pool:
+                pool.map(open_one, missing)
         return errors
 
     def start(self, plan: Plan, spec: JobSpec) -> list[NodeProcess]:
