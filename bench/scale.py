@@ -209,6 +209,7 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
         "culprit_named": culprit in verdict[1], "verdict": verdict[1][:600],
         "stopped_s": round((launch.ended or time.monotonic()) - said, 1),
         "wrongly_slow": len({match[1] for _, line in launch.lines if (match := SLOW.match(line))}),
+        "wrongly_slow_said": [line[:300] for _, line in launch.lines if SLOW.match(line)][:3],  # by which measure
     }
 
 
