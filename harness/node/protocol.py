@@ -282,14 +282,20 @@ def parse_arrivals(body: str) -> NodeArrivals:
     payload = json.loads(body)
     t, ahead = float(payload["t"]), None if payload.get("ahead") is None else float(payload["ahead"])
     if "collectives" in payload:
-        return NodeArrivals(t, [CollectiveArrivals(str(group), int(seq), None if at is None else int(at),
-                                           {int(rank): int(ns) for rank, ns in _mapping(named).items()})
-                                for group, seq, at, named in payload["collectives"]], ahead)
+        return NodeArrivals(t, [_collective(*item) for item in payload["collectives"]], ahead)
     collectives = []
     for rank, arrived in _mapping(payload["ranks"]).items():
         number = int(rank)
         collectives += [CollectiveArrivals(str(group), int(seq), None, {number: int(ns)}) for group, seq, ns in arrived]
     return NodeArrivals(t, collectives, ahead)
+
+
+def _collective(group: object, seq: object, at: object, named: object) -> CollectiveArrivals:
+    said = CollectiveArrivals(str(group), int(str(seq)), None if at is None else int(str(at)),
+                              {int(rank): int(ns) for rank, ns in _mapping(named).items()})
+    if said.at is None and not said.named:
+        raise ValueError("a collective's arrivals say no time")
+    return said
 
 
 def _mapping(value: object) -> dict[str, Any]:

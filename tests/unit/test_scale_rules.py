@@ -114,7 +114,7 @@ def test_a_nodes_collectives_travel_in_few_lines_within_pipe_buf_and_come_back_w
     """Each line one write(2) within PIPE_BUF (no rank's output can split it), however many collectives and named
     ranks; parsed, every collective is back in order, with the sample's time and the node's clock."""
     said = [CollectiveArrivals(f"group-{seq % 3}-{'x' * (seq % 40)}", seq, None if seq % 7 == 0 else 1_700_000_000 * 10**9 + seq,
-                       {rank: 1_700_000_000 * 10**9 + seq * rank for rank in range(seq % 20)}) for seq in range(200)]
+                       {rank: 1_700_000_000 * 10**9 + seq * rank for rank in range(1 + seq % 20)}) for seq in range(200)]
     bodies = arrivals_bodies(1234.5, said, ahead=-3.25)
     lines = [message_line(Kind.ARRIVALS, body) for body in bodies]
     assert len(lines) > 1 and max(len(line) for line in lines) <= PIPE_BUF
@@ -208,7 +208,8 @@ def test_the_median_of_ranks_said_together_is_the_median_of_each_rank() -> None:
     '{"t": 1, "ranks": {"0": [null]}}', '{"t": 1, "ahead": "late", "ranks": {}}', '{"t": 1, "collectives": 5}',
     '{"t": 1, "collectives": [["g", 1, 5]]}', '{"t": 1, "collectives": [["g", 1, 5, []]]}',
     '{"t": 1, "collectives": [["g", "x", 5, {}]]}', '{"t": 1, "collectives": [["g", 1, 5, {"r": 1}]]}',
-    '{"t": 1, "collectives": [["g", 1, "soon", {}]]}', '{"t": 1, "collectives": [["g", 1, 5, {"0": null}]]}'])
+    '{"t": 1, "collectives": [["g", 1, "soon", {}]]}', '{"t": 1, "collectives": [["g", 1, 5, {"0": null}]]}',
+    '{"t": 1, "collectives": [["g", 1, null, {}]]}', '{"t": 1, "collectives": [["g", 1.5, 5, {}]]}'])
 def test_a_damaged_arrivals_message_is_refused_as_the_listener_expects(body: str) -> None:
     """The listener drops a message that raises ValueError, KeyError or TypeError: anything else would end it."""
     with pytest.raises((ValueError, KeyError, TypeError)):
