@@ -515,8 +515,8 @@ def test_two_jobs_rendered_into_one_folder_are_applied_one_at_a_time_by_the_prin
         applied = list(yaml.safe_load_all((out / f"{name}.yaml").read_text()))
         assert applied and {o["metadata"]["labels"]["app.kubernetes.io/instance"] for o in applied} == {name}, applied
     assert sorted(p.name for p in out.iterdir()) == ["first.yaml", "second.yaml"]
-    make = subprocess.run(["make", "-s", "-n", "k8s", "JOB=jobs/k8s-smoke.yaml"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    make = subprocess.run(["make", "-s", "--no-print-directory", "-n", "k8s", "JOB=jobs/k8s-smoke.yaml"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
     assert make.stdout.splitlines()[-1].endswith("harness render jobs/k8s-smoke.yaml --target k8s --out k8s/k8s-smoke"), \
         make.stdout
     assert sorted(p.name for p in (REPO / "k8s").glob("*.yaml")) == ["cifar.yaml"]
