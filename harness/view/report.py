@@ -277,7 +277,7 @@ def _plots(r: _Run) -> str:
     marks = [Mark(r.since(t), f"attempt {n}") for n, t in starts.items()] if len(starts) > 1 else []
     parts = [head]
     for plot in PLOTS:
-        series = ([] if drawn is ranks else _spread(r, kept, plot.measure)) + _series(r, kept, drawn, plot.measure)
+        series = _series(r, kept, drawn, plot.measure, spread=len(ranks) > DRAWN_RANKS)
         values = [y for segments in series for points in segments for _, y in points]
         if values and plot.measure is _step_rate:
             bands, acts, said = _slowness(r)
@@ -391,7 +391,7 @@ def _over_steps(r: _Run) -> str:
         ranks = sorted({rank for sample in r.samples for rank, point in sample.ranks.items()
                         if read(point) is not None and point.step is not None})
         drawn = _drawn(r, ranks)
-        series = ([] if drawn is ranks else _step_spread(r, read)) + _step_series(r, drawn, read)
+        series = ([] if len(ranks) <= DRAWN_RANKS else _step_spread(r, read)) + _step_series(r, drawn, read)
         points = [point for segments in series for part in segments for point in part]
         if points:
             axis = StepAxis(max(1.0, *(step for step, _ in points)))
@@ -452,25 +452,10 @@ def _drawn(r: _Run, ranks: list[int]) -> list[int]:
 
 def _labels(ranks: list[int], drawn: list[int]) -> dict[int, str]:
     """The legend of a chart of the drawn ranks' lines, after the spread's three where there is one."""
-    if drawn is ranks:
+    if len(ranks) <= DRAWN_RANKS:
         return {i: f"rank {rank}" for i, rank in enumerate(ranks)}
     return {0: f"least of the {len(ranks):,} ranks", 1: "their median", 2: "their most",
             **{3 + i: f"rank {rank}" for i, rank in enumerate(drawn)}}
-
-
-def _spread(r: _Run, samples: Sequence[Sample], measure: Measure) -> list[Segments]:
-    """The ranks' least, median and most value at each sample, a new segment at every attempt and after a sample where
-    none has one."""
-    runs: list[list[tuple[float, list[float]]]] = [[]]
-    attempt = None
-    for sample, values in _measured(samples, measure):
-        known = [value for value, _ in values.values() if value is not None]
-        if runs[-1] and (not known or sample.attempt != attempt):
-            runs.append([])
-        if known:
-            runs[-1].append((r.since(sample.t), known))
-            attempt = sample.attempt
-    return _spread_of(runs)
 
 
 _Measured = tuple[float | None, bool]  # a rank's value at a sample (None: not known); whether it goes on from before
@@ -501,10 +486,15 @@ def _measured(samples: Sequence[Sample], measure: Measure) -> Iterable[tuple[Sam
         yield sample, values
 
 
-def _series(r: _Run, samples: Sequence[Sample], ranks: list[int], measure: Measure) -> list[Segments]:
-    """Each rank's points (in ranks' order), a new segment at every attempt and after each gap."""
+def _series(r: _Run, samples: Sequence[Sample], ranks: list[int], measure: Measure,
+            spread: bool = False) -> list[Segments]:
+    """Each rank's points (in ranks' order), a new segment at every attempt and after each gap; with spread, first the
+    least, median and most of every rank's value at each sample (a new segment at every attempt and after a sample
+    where none has one), from the same one pass over the samples."""
     segments: dict[int, Segments] = {rank: [] for rank in ranks}
     joined: set[int] = set()  # ranks whose last sample had a value: the next one continues its line
+    runs: list[list[tuple[float, list[float]]]] = [[]]  # the spread's points, in runs without a gap
+    attempt = None
     for sample, values in _measured(samples, measure):
         for rank, (value, same) in values.items():
             if rank not in segments:
@@ -516,7 +506,14 @@ def _series(r: _Run, samples: Sequence[Sample], ranks: list[int], measure: Measu
                 segments[rank].append([])
                 joined.add(rank)
             segments[rank][-1].append((r.since(sample.t), value))
-    return [segments[rank] for rank in ranks]
+        if spread:
+            known = [value for value, _ in values.values() if value is not None]
+            if runs[-1] and (not known or sample.attempt != attempt):
+                runs.append([])
+            if known:
+                runs[-1].append((r.since(sample.t), known))
+                attempt = sample.attempt
+    return (_spread_of(runs) if spread else []) + [segments[rank] for rank in ranks]
 
 
 def _first_failure(r: _Run) -> str:
