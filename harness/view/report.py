@@ -437,13 +437,13 @@ def _step_spread(r: _Run, read: Callable[[RankPoint], float | None]) -> list[Seg
 
 def _drawn(r: _Run, ranks: list[int]) -> list[int]:
     """The ranks a chart draws a line of: each one, up to DRAWN_RANKS; past them (their spread is drawn instead), the
-    ranks the health watch named or that failed, up to NAMED_DRAWN."""
+    ranks the health watch named or that failed first in an attempt, up to NAMED_DRAWN."""
     if len(ranks) <= DRAWN_RANKS:
         return ranks
     named: list[int] = []
     for a in r.summary.attempts if r.summary else []:
         named += [e.rank for e in a.health if e.rank is not None]
-        named += [f.rank for f in a.failures if f.rank is not None]
+        named += [f.rank for f in a.failures[:1] if f.rank is not None]  # its first: the others followed from it
     if r.summary is None and (health := r.run.read_health(r.state.attempt)) is not None:
         named += sorted(health.slow)
     present = set(ranks)
