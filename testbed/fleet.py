@@ -49,6 +49,7 @@ from harness.node.protocol import (
     sample_interval,
     stacks_bodies,
 )
+from harness.node.ranks import ProgressWatch
 from harness.plan.planner import NodePlan
 from harness.targets.agent_link import READ_BYTES, AgentNode
 from harness.targets.local.backend import LocalBackend
@@ -90,6 +91,7 @@ class StandInNode:
         self.started_at = time.time()
         self.arrived = dict.fromkeys(self.ranks, 0)  # the last collective each rank's arrivals said
         self.digest = ArrivalsDigest()  # as an agent says them: a collective once every rank arrived
+        self.progress_watch = ProgressWatch()  # as an agent judges its ranks' progress
         self.said_step = 0  # the last step whose lines were sent
         self.ended = False
         self.clock = ControllerClock()  # as an agent keeps it, from the controller's pings
@@ -141,7 +143,7 @@ class StandInNode:
             pending = now - self._enqueued_at(waiting, t0) if waiting > done and t0 is not None else -1.0
             samples[rank] = RankSample(100_000 + rank, "S", 0.05 + done * self.job.busy, done * self.job.busy,
                                        done * IO_PER_STEP, done, pending)
-        for body in health_bodies(now, samples):
+        for body in health_bodies(now, self.progress_watch.judged(now, samples)):
             self.send(Kind.HEALTH, body)
         arrived: dict[int, list[Arrival]] = {}
         for rank in self.ranks:

@@ -2,18 +2,19 @@
 harness.node.collectives): which ranks stalled, how each rank looks now, and which rank its peers wait
 for. Pure: samples in, judgements out (the words of a hang are verdict.py's).
 
-Progress is CPU time and I/O, not output, and collectives completing: a rank that computes without
-printing uses CPU, one that sleeps between steps still sends its collectives' data; a rank that
-waits in a collective, sleeps, or is stopped does neither (gloo waits asleep), and a rank whose
-collective has not completed for health.stall seconds made none, even when its CPU spins (NCCL waits
-in a CUDA synchronization). A rank without progress for health.stall seconds means the job is hung --
-whatever its peers print. A slow rank is the one its peers wait for: it enqueues its collectives last
-(Flight Recorder's arrival times, arrivals.py), and its main thread is busy while theirs sleep (see
-docs/health.md). The agents sample as often as spec.job.Health.sample_seconds says, which these rules
-were made for, and every second while an attempt is young (node.protocol.sample_interval): shorter
-intervals only make progress easier to see, never a hang. A job of many nodes is sampled less often
-(node.protocol.paced); the rules judge by time, not by a count of samples, so a hang is still found, within
-stall + two intervals of its last progress.
+Progress is CPU time and I/O, not output, and collectives completing: a rank that computes without printing uses
+CPU, one that sleeps between steps still sends its collectives' data; a rank that waits in a collective, sleeps, or
+is stopped does neither (gloo waits asleep), and a rank whose collective has not completed for health.stall seconds
+made none, even when its CPU spins (NCCL waits in a CUDA synchronization). Each agent judges its own ranks' progress
+(node.ranks.ProgressWatch: how long each has gone without, how long its collectives' count stood still, said with
+each sample); the judge weighs that against health.stall once per sample, so a tick looks only at the ranks that may
+be hung. A rank without progress for health.stall seconds means the job is hung -- whatever its peers print. A slow
+rank is the one its peers wait for: it enqueues its collectives last (Flight Recorder's arrival times, arrivals.py),
+and its main thread is busy while theirs sleep (see docs/health.md). The agents sample as often as
+spec.job.Health.sample_seconds says, which these rules were made for, and every second while an attempt is young
+(node.protocol.sample_interval): shorter intervals only make progress easier to see, never a hang. A job of many
+nodes is sampled less often (node.protocol.paced); the rules judge by time, not by a count of samples, so a hang is
+still found, within stall + two intervals of its last progress.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 from harness.health.arrivals import PEERS_ALONE, Arrivals
 from harness.health.rank_stack import state_words
 from harness.node.protocol import NodeArrivals, RankSample
+from harness.node.ranks import ProgressWatch
 from harness.plan.planner import Node
 
-IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU between two samples made no progress
 SLOW_WINDOW = 20.0  # seconds over which each rank's busy share is measured
 STILL_SECONDS = 10.0  # idle this long (and for three samples) is shown as no progress, before it is a hang
 SLOW_CONFIRM = 20.0  # seconds a rank must stay slow before it is named (and well again before it is cleared)
@@ -50,13 +51,6 @@ class Sample(NamedTuple):
     pending: float
     gpu_util: float = -1.0  # % of the SMs' time since the sample before; -1: no GPU known
     gpu_memory: int = -1  # bytes held; -1: not known
-
-
-def progressed(before: Sample, after: Sample) -> bool:
-    """Whether the rank made progress between two samples: it used more than IDLE_SHARE of a CPU, read or wrote
-    something, or completed a collective (an NCCL rank's complete with no I/O of its process)."""
-    return after.cpu - before.cpu > IDLE_SHARE * (after.t - before.t) or after.io != before.io or \
-        after.completed > before.completed
 
 
 class SlowMeasure(NamedTuple):
@@ -101,18 +95,17 @@ class _Rank:
     onset: float | None = None  # when its slowness began, as dated once it is named (HealthJudge.slow_changes)
     well_since: float | None = None
     named_slow: float | None = None  # the percentage it was named with
-    # Kept as samples come, so that each tick's look at a rank costs the same however many samples it keeps (at
-    # 16,384 ranks a walk over every rank's samples twice a second was most of a core): its newest progress (the
-    # times of the two samples between which it last progressed), and the newest sample whose count of completed
-    # collectives differs from its newest's.
-    moved: tuple[float, float] | None = None
-    other_count_at: float | None = None
+    # As its agent judged its newest sample (node.ranks.ProgressWatch): when it last progressed (its first sample's
+    # time: not yet), and when its count of completed collectives last changed (None: never), by the node's clock.
+    moved: float = 0.0
+    counted: float | None = None
 
-    def last_progress(self) -> float | None:
-        """When it last progressed, of what its kept samples show (None: they show none)."""
-        if self.moved is None or not self.samples or self.moved[0] < self.samples[0].t:
-            return None
-        return self.moved[1]
+    def hung(self, stall: float) -> bool:
+        """No progress for `stall` seconds as of its newest sample, or its oldest unfinished collective waited that
+        long while none of its collectives completed (whatever its CPU did: NCCL spins in a CUDA synchronization)."""
+        last = self.samples[-1]
+        return self.moved <= last.t - stall or (last.pending >= stall and last.completed >= 0 and (
+            self.counted is None or self.counted < last.t - stall))
 
 
 P = ParamSpec("P")
@@ -141,25 +134,29 @@ class HealthJudge:
     ended: set[int] = field(default_factory=set)  # node ranks that have ended
     arrivals: Arrivals = field(default_factory=lambda: Arrivals(horizon=2 * SLOW_WINDOW))
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    # Kept as samples come, so that a tick looks only at the ranks that may be hung, not at every rank (at 16,384
+    # ranks twice a second): those whose newest sample shows them hung, and those whose recorder was not read.
+    suspects: set[int] = field(default_factory=set)
+    unread: set[int] = field(default_factory=set)
+    # Nodes whose agent does not judge its ranks' progress (an older harness): judged here as their agent would.
+    unjudged: dict[int, ProgressWatch] = field(default_factory=dict)
 
     @_locked
     def observe(self, node: Node, t: float, samples: Mapping[int, RankSample]) -> None:
         """One health message of node's agent: its ranks' samples taken at t."""
+        if any(taken.idle < 0 for taken in samples.values()):
+            samples = self.unjudged.setdefault(node.node_rank, ProgressWatch()).judged(t, samples)
+        keep = max(self.stall, SLOW_WINDOW) + 30
         for number, taken in samples.items():
             rank = self.ranks.setdefault(number, _Rank(node, taken.pid, taken.state, t))
             rank.pid, rank.state = taken.pid, taken.state
-            sample = Sample(t, taken.cpu, taken.busy, taken.io, taken.completed, taken.pending, taken.gpu_util,
-                            taken.gpu_memory)
-            if rank.samples:
-                before = rank.samples[-1]
-                if progressed(before, sample):
-                    rank.moved = (before.t, t)
-                if before.completed != sample.completed:
-                    rank.other_count_at = before.t
-            rank.samples.append(sample)
-            keep = max(self.stall, SLOW_WINDOW) + 30
-            while rank.samples and rank.samples[0].t < t - keep:
+            rank.moved, rank.counted = t - taken.idle, None if taken.still < 0 else t - taken.still
+            rank.samples.append(Sample(t, taken.cpu, taken.busy, taken.io, taken.completed, taken.pending,
+                                       taken.gpu_util, taken.gpu_memory))
+            while rank.samples[0].t < t - keep:
                 rank.samples.popleft()
+            _mark(self.suspects, number, self.stall > 0 and rank.hung(self.stall))
+            _mark(self.unread, number, taken.completed < 0)
 
     @_locked
     def arrived(self, node: Node, received: float, said: NodeArrivals) -> None:
@@ -176,34 +173,27 @@ class HealthJudge:
     @_locked
     def stalled(self) -> list[int]:
         """Ranks of running nodes that made no progress in any sample interval of the last `stall` seconds
-        (each used less than IDLE_SHARE of a CPU and read or wrote nothing), so that "no progress for
-        `stall` s" is literally true; or whose oldest unfinished collective has waited `stall` seconds
-        while none of theirs completed, whatever their CPU did."""
+        (node.ranks.progressed: each used less than IDLE_SHARE of a CPU and read or wrote nothing), so that "no
+        progress for `stall` s" is literally true; or whose oldest unfinished collective has waited `stall` seconds
+        while none of theirs completed, whatever their CPU did (_Rank.hung, as of each rank's newest sample)."""
         if self.stall <= 0:
             return []
         found = []
         starting = self._starting()
-        for number, rank in sorted(self._live().items()):
-            if starting and rank.samples and rank.samples[-1].completed == 0 and \
-                    rank.samples[-1].t - rank.seen < self.startup:
-                continue  # waits in its first collective for ranks still starting: the rendezvous, not a hang
-            if rank.samples and _collective_stuck(rank, self.stall):
-                found.append(number)
+        for number in sorted(self.suspects):
+            rank = self.ranks[number]
+            if rank.node.node_rank in self.ended:
                 continue
-            last = rank.samples[-1].t if rank.samples else 0.0
-            if not rank.samples or rank.samples[0].t > last - self.stall:
-                continue  # not watched for `stall` seconds yet
-            moved = rank.last_progress()
-            if moved is None or moved <= last - self.stall:
-                found.append(number)
+            if starting and rank.samples[-1].completed == 0 and rank.samples[-1].t - rank.seen < self.startup:
+                continue  # waits in its first collective for ranks still starting: the rendezvous, not a hang
+            found.append(number)
         return found
 
     def _starting(self) -> bool:
         """Some rank of the attempt has not made its process group yet (unseen, or its recorder not read): at
         hundreds of nodes start-up is spread over more than a short stall, and the first ranks' wait in their
         first collective is the job starting. Once every rank has, a rank stuck before that collective is a hang."""
-        return self.startup > 0 and (len(self.ranks) < self.world_size or any(
-            not rank.samples or rank.samples[-1].completed < 0 for rank in self.ranks.values()))
+        return self.startup > 0 and (len(self.ranks) < self.world_size or bool(self.unread))
 
     @_locked
     def views(self) -> dict[int, RankView]:
@@ -214,8 +204,7 @@ class HealthJudge:
                 continue
             before, last = rank.samples[-2], rank.samples[-1]
             span = max(last.t - before.t, 1e-6)
-            moved = rank.last_progress()
-            idle = max(last.t - (moved if moved is not None else rank.samples[0].t), last.pending)
+            idle = max(last.t - rank.moved, last.pending)
             busy = min(1.0, (last.busy - before.busy) / span)
             if rank.state in ("T", "t"):
                 state = state_words(rank.state)
@@ -309,10 +298,8 @@ class HealthJudge:
         return {r: v.named_slow for r, v in self.ranks.items() if v.named_slow is not None}
 
 
-def _collective_stuck(rank: _Rank, stall: float) -> bool:
-    """The rank's oldest unfinished collective has waited `stall` seconds (by its node's clock, from when it
-    was enqueued), and the count of its completed collectives did not move in that time."""
-    last = rank.samples[-1]
-    if last.pending < stall or last.completed < 0:
-        return False
-    return rank.other_count_at is None or rank.other_count_at < last.t - stall
+def _mark(ranks: set[int], rank: int, member: bool) -> None:
+    if member:
+        ranks.add(rank)
+    else:
+        ranks.discard(rank)

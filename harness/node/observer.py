@@ -26,7 +26,17 @@ from harness.node.protocol import (
     sample_interval,
     stacks_bodies,
 )
-from harness.node.ranks import as_seen, children_of, dump, find_ranks, py_spy_path, python_children, sample, source_line
+from harness.node.ranks import (
+    ProgressWatch,
+    as_seen,
+    children_of,
+    dump,
+    find_ranks,
+    py_spy_path,
+    python_children,
+    sample,
+    source_line,
+)
 
 Say = Callable[[Kind, str], None]
 
@@ -45,6 +55,7 @@ class RankObserver:
         self.seen: dict[int, int] = {}  # pid -> rank, of every rank found (for the OOM killer's record)
         self.arrived: dict[int, int] = {}  # rank -> when it enqueued the newest collective read (ns)
         self.digest = ArrivalsDigest()  # the collectives some ranks have arrived at and others not yet
+        self.progress_watch = ProgressWatch()  # each rank's progress, judged here (weighed by the controller)
         self.nvml: Nvml | str | None = None  # opened at the first sample; a string: why there is none
         self.launcher: int | None = None  # the node's command's process (its torchrun, once the shell exec'd it)
         self.started: str | None = None  # the STARTED message's body, once said (said again to a new controller)
@@ -63,8 +74,9 @@ class RankObserver:
     def sample_every(self, seconds: float, ended: threading.Event, nodes: int = 1) -> None:
         """Every `seconds` (every second while the attempt is young), less often in a job of many nodes (nodes:
         sample_interval), until ended, how far each rank has run (what the controller judges hangs and slow ranks
-        by, and draws in timeline.jsonl), and the collectives every rank of the node has newly arrived at, each said
-        once for the node (collectives.ArrivalsDigest)."""
+        by, and draws in timeline.jsonl) with how long each has gone without progress (ranks.ProgressWatch), and
+        the collectives every rank of the node has newly arrived at, each said once for the node
+        (collectives.ArrivalsDigest)."""
         started = time.monotonic()
         while not ended.wait(sample_interval(seconds, time.monotonic() - started, nodes)):
             below, _ = process_tree(os.getpid())
@@ -85,7 +97,7 @@ class RankObserver:
             for body in arrivals_bodies(now, self.digest.add(self.ranks, arrived, time.time_ns()),
                                         self.clock.ahead()):
                 self.say(Kind.ARRIVALS, body)
-            for body in health_bodies(now, samples):
+            for body in health_bodies(now, self.progress_watch.judged(now, samples)):
                 self.say(Kind.HEALTH, body)
 
     def _with_gpu_use(self, samples: dict[int, RankSample], tree: dict[int, list[int]]) -> dict[int, RankSample]:

@@ -29,7 +29,7 @@ MARKER = b"\x1eharness-"
 RS = MARKER[:1]  # ASCII's record separator: every message begins with it
 ESCAPED_RS = RS + b"\x1f"  # an RS of the node's own output, as the agent passes it: followed by a unit separator
 CHUNK = 3000  # characters of a stacks answer's JSON per message: every line stays within PIPE_BUF (4096)
-SAMPLES_PER_LINE = 32  # 32 ranks' health samples stay well within PIPE_BUF
+SAMPLES_PER_LINE = 24  # 24 ranks' health samples stay within PIPE_BUF, however large each number
 YOUNG_SECONDS = 30.0  # an attempt this young is sampled every YOUNG_EVERY seconds
 YOUNG_EVERY = 1.0
 # The health samples a controller takes a second at most, whatever the job's size (one per node per sample: paced)
@@ -113,6 +113,10 @@ class RankSample(NamedTuple):
     pending: float = -1.0  # seconds its oldest unfinished collective has waited; -1: none (or unread)
     gpu_util: float = -1.0  # % of the SMs' time its processes ran kernels since the last sample (harness.node.gpu)
     gpu_memory: int = -1  # bytes of GPU memory its processes hold; -1 (both): no GPU known to the driver
+    # Its agent's judgement of its progress (harness.node.ranks.ProgressWatch): seconds since its newest sample
+    # that showed progress (since its first sample: none yet); -1: not said (an agent of an older harness)
+    idle: float = -1.0
+    still: float = -1.0  # seconds since its count of completed collectives last changed; -1: it never did
 
 
 class Arrival(NamedTuple):
@@ -243,7 +247,8 @@ def health_bodies(t: float, samples: dict[int, RankSample]) -> list[str]:
 
 # The fields RankSample gained after its first five, in order, and how each is read: an older agent sends
 # fewer, a newer one more.
-LATER_FIELDS: dict[str, type] = {"completed": int, "pending": float, "gpu_util": float, "gpu_memory": int}
+LATER_FIELDS: dict[str, type] = {"completed": int, "pending": float, "gpu_util": float, "gpu_memory": int,
+                                  "idle": float, "still": float}
 
 
 def parse_health(body: str) -> HealthSamples:

@@ -10,6 +10,11 @@ controller judges progress and slowness by (health/judge.py):
 - io: bytes it and its children read and wrote (/proc/PID/io): a rank that mostly sleeps between
   steps still sends its collectives' data (gloo writes to sockets), a rank blocked in one does not;
 - state: the main thread's scheduler state (R running, S sleeping, D disk, T stopped, Z zombie).
+From them the agent judges each rank's progress (ProgressWatch): how long it has gone without, and how long its
+count of completed collectives has stood still, said with every sample (RankSample.idle, .still). The controller
+then judges a hang from two numbers a rank, as of the rank's newest sample, and a tick looks only at the ranks
+that may be hung (at 16,384 ranks a look at every rank twice a second was a fifth of its core). The rule is
+node-local, as NVIDIA's ft_launcher's rank monitors are; the threshold (health.stall) stays the controller's.
 
 A rank that a warm worker became (a standby's, harness.node.standby) carries its RANK only in its Python's
 os.environ, not in the environment the kernel shows: it announces it in the agent's directory instead
@@ -31,12 +36,14 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from harness.node.proctable import environ, is_alive, stat_fields
 from harness.node.protocol import RankSample
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+IDLE_SHARE = 0.02  # a rank that used less than 2% of one CPU between two samples made no progress
 
 
 def find_ranks(below: list[int], run_id: str, directory: str | None = None) -> dict[int, int]:
@@ -122,6 +129,40 @@ def sample(ranks: dict[int, int], tree: dict[int, list[int]]) -> dict[int, RankS
         found[rank] = RankSample(pid, own[0].decode(), round(cpu / CLOCK_TICKS, 2), round((on_cpu + waiting) / 1e9, 3),
                                  io)
     return found
+
+
+def progressed(before: RankSample, after: RankSample, seconds: float) -> bool:
+    """Whether the rank made progress between two samples `seconds` apart: it used more than IDLE_SHARE of a CPU,
+    read or wrote something, or completed a collective (an NCCL rank's complete with no I/O of its process)."""
+    return after.cpu - before.cpu > IDLE_SHARE * seconds or after.io != before.io or after.completed > before.completed
+
+
+class ProgressWatch:
+    """The ranks of one node, sample after sample (each rank's samples taken at the node's times)."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[float, RankSample]] = {}  # each rank's newest sample, and when it was taken
+        self._moved: dict[int, float] = {}  # when each rank last progressed (its first sample's time: not yet)
+        self._counted: dict[int, float] = {}  # the newest sample whose count of completed collectives was not now's
+
+    def judged(self, t: float, samples: Mapping[int, RankSample]) -> dict[int, RankSample]:
+        """Each of samples, taken at t, with its rank's idle and still seconds (to the millisecond)."""
+        judged = {}
+        for rank, sample in samples.items():
+            last = self._last.get(rank)
+            if last is None:
+                self._moved[rank] = t
+            else:
+                before_t, before = last
+                if progressed(before, sample, t - before_t):
+                    self._moved[rank] = t
+                if before.completed != sample.completed:
+                    self._counted[rank] = before_t
+            self._last[rank] = (t, sample)
+            counted = self._counted.get(rank)
+            judged[rank] = sample._replace(idle=round(t - self._moved[rank], 3),
+                                           still=-1.0 if counted is None else round(t - counted, 3))
+        return judged
 
 
 def _io_bytes(pid: int) -> int:

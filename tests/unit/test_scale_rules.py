@@ -40,8 +40,11 @@ from harness.node.protocol import (
     message_line,
     paced,
     parse_arrivals,
+    parse_health,
     sample_interval,
+    split_line,
 )
+from harness.node.ranks import ProgressWatch
 from harness.plan.planner import Node
 from harness.spec.job import Health
 from harness.targets.base import Messages, Outcome
@@ -276,8 +279,9 @@ def test_one_listener_waits_for_every_node_s_messages_without_polling_and_takes_
 
 
 def _walked(samples: list[RankSample], times: list[float], stall: float) -> tuple[bool, float]:
-    """What the judge said before it kept each rank's newest progress: a walk over every kept sample -- stalled (no
-    progress in any interval of the last stall seconds, or a collective stuck that long) and idle seconds."""
+    """What the judge said before it kept each rank's newest progress: a walk over every sample -- stalled (no
+    progress in any interval of the last stall seconds, or a collective stuck that long) and idle seconds (since its
+    newest progress, however long ago)."""
     kept = list(zip(times, samples, strict=True))
     last_t, last = kept[-1]
     stuck = last.pending >= stall and last.completed >= 0 and \
@@ -292,9 +296,12 @@ def _walked(samples: list[RankSample], times: list[float], stall: float) -> tupl
 @pytest.mark.parametrize("seed", range(40))
 def test_a_rank_is_judged_from_its_newest_progress_as_from_a_walk_over_its_samples(seed: int) -> None:
     """Each tick looks at a rank in the same time however many samples it keeps; what it finds is what the walk over
-    every sample found: random courses of progress, idleness and stuck collectives, judged after every sample."""
+    every sample found: random courses of progress, idleness and stuck collectives, judged after every sample -- by
+    the rank's agent (its idle and still seconds said with each sample, node.ranks.ProgressWatch) and, for an agent that says
+    neither (an older harness), by the controller alike."""
     rng = random.Random(seed)
-    judge = HealthJudge(stall=STALL, slow=0)
+    judge, told = HealthJudge(stall=STALL, slow=0), HealthJudge(stall=STALL, slow=0)
+    agent = ProgressWatch()
     node = Node(host="h1", address="10.0.0.1", node_rank=0, nproc=1)
     t, cpu, io_bytes, completed, waited_since = 0.0, 0.0, 0, 0, None
     taken: list[RankSample] = []
@@ -309,13 +316,54 @@ def test_a_rank_is_judged_from_its_newest_progress_as_from_a_walk_over_its_sampl
         waited_since = None if rng.random() < 0.15 else (waited_since if waited_since is not None else t)
         sample = RankSample(7, "S", cpu, cpu, io_bytes, completed, t - waited_since if waited_since is not None else -1)
         judge.observe(node, t, {0: sample})
+        told.observe(node, t, agent.judged(t, {0: sample}))
         taken.append(sample)
         times.append(t)
-        kept = [i for i, when in enumerate(times) if when >= t - (STALL + 30)]
-        stalled, idle = _walked([taken[i] for i in kept], [times[i] for i in kept], STALL)
+        stalled, idle = _walked(taken, times, STALL)
         assert (judge.stalled() == [0]) == stalled, (seed, t)
-        if len(kept) >= 2:
+        assert (told.stalled() == [0]) == stalled, (seed, t)
+        if len(taken) >= 2:
             assert judge.views()[0].idle == pytest.approx(idle), (seed, t)
+            assert told.views()[0].idle == pytest.approx(idle, abs=0.001), (seed, t)
+    assert not told.unjudged and judge.unjudged, "said by the agent, the controller judges no rank's progress itself"
+
+
+def test_of_16384_ranks_a_tick_looks_only_at_the_one_that_may_be_hung() -> None:
+    """2,048 nodes of 8 ranks, sampled by their agents every paced interval, one rank stopping: what a tick looks at
+    (the judge's suspects) is that rank alone, and it is found within the stall and two intervals of its stop."""
+    nodes = [Node(host=f"h{n}", address=f"10.0.{n // 256}.{n % 256}", node_rank=n, nproc=8) for n in range(2048)]
+    agents = [ProgressWatch() for _ in nodes]
+    judge = HealthJudge(stall=STALL, slow=0)
+    interval, stops_at, hung = paced(SAMPLE, len(nodes)), 20.0, 16_383
+    found = None
+    for k in range(int(120 / interval)):
+        t = k * interval
+        for node, agent in zip(nodes, agents, strict=True):
+            samples = {rank: RankSample(rank, "S", min(t, stops_at) if rank == hung else t, 0.0, 0)
+                       for rank in node.ranks}
+            judge.observe(node, t, agent.judged(t, samples))
+        assert judge.suspects <= {hung}
+        if judge.stalled():
+            found = t
+            break
+    assert judge.stalled() == [hung] and found is not None
+    assert STALL <= found - stops_at <= STALL + 2 * interval
+
+
+def test_a_health_line_of_the_largest_numbers_stays_within_pipe_buf() -> None:
+    """Every field of every rank at its widest (a long run's CPU seconds and I/O bytes, a GPU's memory, ranks of six
+    digits): each line is still one write(2) within PIPE_BUF, and every sample comes back whole."""
+    widest = RankSample(4_194_303, "R", 123456.78, 123456.789, 10**13, 10**7, 12345.67, 800.5, 150 << 30,
+                        123456.789, 123456.789)
+    samples = {rank: widest for rank in range(100_000, 100_100)}
+    lines = [message_line(Kind.HEALTH, body) for body in health_bodies(1_764_758_400.123456, samples)]
+    assert max(len(line) for line in lines) <= PIPE_BUF
+    back = {}
+    for line in lines:
+        _, message = split_line(line)
+        assert message is not None
+        back.update(parse_health(message.body).samples)
+    assert back == samples
 
 
 @pytest.mark.parametrize("seed", range(20))
