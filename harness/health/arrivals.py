@@ -40,11 +40,13 @@ class Arrivals:
     nodes: dict[int, range] = field(default_factory=dict)  # node rank -> its ranks, of every node that said
 
     # Worked out once and kept while the live ranks stay the same (at 16,384 ranks, working out every kept collective
-    # at every judgement was a third of the controller's core): each complete collective's first arrival, and each
-    # stretch's lateness by ranks. A collective's are let go when an arrival at it (or, for its stretch, at the next
-    # one) comes, or when it is let go itself.
+    # at every judgement was a third of the controller's core): each complete collective's live ranks by when they
+    # arrived (_groups) and its first arrival, and each stretch's lateness by ranks. A collective's are let go when
+    # an arrival at it (or, for its stretch, at the next one) comes, or when it is let go itself.
     _for: tuple[int, ...] = field(default=(), repr=False, compare=False)
     _live: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)  # node rank -> live ranks
+    _complete: dict[tuple[str, int], list[tuple[float, Ranks]]] = field(default_factory=dict, repr=False,
+                                                                         compare=False)
     _start: dict[tuple[str, int], float] = field(default_factory=dict, repr=False, compare=False)
     _late: dict[tuple[str, int], dict[Ranks, float]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -74,6 +76,7 @@ class Arrivals:
             self._forget(key)
 
     def _forget(self, key: tuple[str, int]) -> None:
+        self._complete.pop(key, None)
         self._start.pop(key, None)
         self._late.pop(key, None)
         self._late.pop((key[0], key[1] - 1), None)
@@ -87,13 +90,13 @@ class Arrivals:
         if len(live) < 2:
             return {}
         if tuple(live) != self._for:
-            self._for, self._start, self._late, self._live = tuple(live), {}, {}, {}
+            self._for, self._complete, self._start, self._late, self._live = tuple(live), {}, {}, {}, {}
             node_of = {rank: number for number, ranks in self.nodes.items() for rank in ranks}
             for rank in live:
                 self._live.setdefault(node_of.get(rank, -1), []).append(rank)
         for key, nodes in self.seen.items():
             if key not in self._start and len(nodes) >= len(self._live) and (groups := self._groups(key)):
-                self._start[key] = min(when for when, _ in groups)
+                self._complete[key], self._start[key] = groups, min(when for when, _ in groups)
         if not self._start:
             return {}
         end = max(self._start.values())
@@ -105,7 +108,7 @@ class Arrivals:
         late_by: dict[Ranks, float] = {}
         for key, start, stop in stretches:
             if (stretch := self._late.get(key)) is None:
-                stretch = self._late[key] = _stretch_late(self._groups(key) or [], len(live), start, stop)
+                stretch = self._late[key] = _stretch_late(self._complete[key], len(live), start, stop)
             for ranks, value in stretch.items():
                 late_by[ranks] = late_by.get(ranks, 0.0) + value
         late = dict.fromkeys(live, 0.0)

@@ -297,7 +297,7 @@ def parse_arrivals(body: str) -> NodeArrivals:
 
 def _collective(group: object, seq: object, at: object, named: object) -> CollectiveArrivals:
     said = CollectiveArrivals(str(group), int(str(seq)), None if at is None else int(str(at)),
-                              {int(rank): int(ns) for rank, ns in _mapping(named).items()})
+                              {int(rank): int(str(ns)) for rank, ns in _mapping(named).items()})
     if said.at is None and not said.named:
         raise ValueError("a collective's arrivals say no time")
     return said

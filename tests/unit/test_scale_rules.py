@@ -212,7 +212,8 @@ def test_the_median_of_ranks_said_together_is_the_median_of_each_rank() -> None:
     '{"t": 1, "collectives": [["g", 1, 5]]}', '{"t": 1, "collectives": [["g", 1, 5, []]]}',
     '{"t": 1, "collectives": [["g", "x", 5, {}]]}', '{"t": 1, "collectives": [["g", 1, 5, {"r": 1}]]}',
     '{"t": 1, "collectives": [["g", 1, "soon", {}]]}', '{"t": 1, "collectives": [["g", 1, 5, {"0": null}]]}',
-    '{"t": 1, "collectives": [["g", 1, null, {}]]}', '{"t": 1, "collectives": [["g", 1.5, 5, {}]]}'])
+    '{"t": 1, "collectives": [["g", 1, null, {}]]}', '{"t": 1, "collectives": [["g", 1.5, 5, {}]]}',
+    '{"t": 1, "collectives": [["g", 1, null, {"0": 1.5}]]}'])
 def test_a_damaged_arrivals_message_is_refused_as_the_listener_expects(body: str) -> None:
     """The listener drops a message that raises ValueError, KeyError or TypeError: anything else would end it."""
     with pytest.raises((ValueError, KeyError, TypeError)):
