@@ -631,7 +631,7 @@ def _attempt(backend: Backend, plan: Plan, spec: JobSpec, run: RunDir, stop: thr
             warming.join()
         backend.close()
     ended = time.time()
-    found = attempt_failures(sup.nodes, sup.stopping_since)
+    found = attempt_failures(sup.nodes, sup.stopping_since, verdict=bool(sup.hang or sup.slow_out or sup.unjoined))
     failures = [failure_of(f, started, ended) for f in found]
     if sup.hang is not None:
         failures.insert(0, hang_failure(sup.hang, sup.hang_at or started, sup.nodes, started))

@@ -74,8 +74,10 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def node_failure(live: LiveNode, stopping_since: float | None) -> NodeFailure | None:
-    """How live's node failed, or None when it succeeded or ended because the supervisor stopped it."""
+def node_failure(live: LiveNode, stopping_since: float | None, verdict: bool = False) -> NodeFailure | None:
+    """How live's node failed, or None when it succeeded or ended because the supervisor stopped it. verdict: the
+    supervisor stopped the attempt on a verdict of its own (a hang, a slow host, a rendezvous not done in time), not
+    on a node's failure: a rank that lost a peer after the stop began lost it to the stop."""
     outcome = live.outcome
     if outcome is None or outcome.ok:
         return None
@@ -99,6 +101,8 @@ def node_failure(live: LiveNode, stopping_since: float | None) -> NodeFailure | 
     who = f"rank {rank}" if rank is not None else "a worker"
     own = live.last_lines(rank)
     lost = next((line for line in reversed(own) if PEER_LOST.search(line)), None)
+    if stopped and verdict and lost:
+        return None
     exit_text = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else \
         f"exit code {code}" if code is not None else outcome.describe()
     if mismatch := next((line for line in reversed(own) if COLLECTIVE_MISMATCH.search(line)), None):
@@ -137,9 +141,10 @@ def _message(line: str) -> str:
     return text.removeprefix("what():").strip()[:300]
 
 
-def attempt_failures(nodes: list[LiveNode], stopping_since: float | None) -> list[NodeFailure]:
-    """Every node that failed on its own: causes first, then consequences, each in the order they ended."""
-    found = [f for live in nodes if (f := node_failure(live, stopping_since)) is not None]
+def attempt_failures(nodes: list[LiveNode], stopping_since: float | None, verdict: bool = False) -> list[NodeFailure]:
+    """Every node that failed on its own: causes first, then consequences, each in the order they ended (verdict:
+    node_failure's)."""
+    found = [f for live in nodes if (f := node_failure(live, stopping_since, verdict)) is not None]
     return sorted(found, key=lambda f: (f.consequence, f.live.ended or 0.0))
 
 

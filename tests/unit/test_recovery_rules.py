@@ -86,6 +86,21 @@ def test_a_node_the_stop_ended_after_gloo_aborted_its_rank_is_a_consequence():
     assert attempt_failures([killed], stopping_since=1.01)[0].evidence == "torchrun killed by SIGKILL"
 
 
+def test_a_peer_lost_to_the_stop_that_followed_a_hangs_verdict_is_no_failure():
+    """A hang's verdict stops every node; one node's end breaks a peer's gloo connection before the TERM reaches
+    that peer, which exits 1 "after losing a peer". The hang is the attempt's one failure: the peer lost its
+    connection to the stop. Stopped on a node's own failure instead, that peer is its consequence, as before."""
+    peer = record(0, Outcome(1), ended=2.1, lines=[GLOO_PEER], rank=0, code=1)
+    aborted = record(2, Outcome(1), ended=2.2, lines=[GLOO_PEER.replace("rank0", "rank2")], rank=2,
+                     code=-signal.SIGABRT)
+    stopped = record(1, Outcome(None, signal=signal.SIGTERM), ended=2.3)
+    assert attempt_failures([peer, aborted, stopped], stopping_since=2.0, verdict=True) == []
+    failures = attempt_failures([peer, aborted, stopped], stopping_since=2.0)
+    assert [(f.live.node.node_rank, f.consequence) for f in failures] == [(0, True), (2, True)]
+    early = record(0, Outcome(1), ended=1.5, lines=[GLOO_PEER], rank=0, code=1)  # before the stop: its own
+    assert [f.live.node.node_rank for f in attempt_failures([early], stopping_since=2.0, verdict=True)] == [0]
+
+
 def test_a_lost_host_is_infra_and_marks_the_host_down():
     lost = record(1, Outcome(None, error="connection to h2 (10.0.0.2) lost (ssh status -1)"), ended=2.0)
     [failure] = attempt_failures([lost], stopping_since=None)
