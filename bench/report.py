@@ -652,7 +652,20 @@ def _scale(s: dict[str, Any]) -> list[str]:
                   "that on two cores what grows is the controller's work alone); the fleet's own CPU per node in the "
                   "agent column. Record: the run folder's size at its end, per rank per second of the run.", ""]
         lines += _scale_rows(s["stand_in_rows"], "stand-ins' CPU per s, MiB")
-    return lines + _scale_arrivals(s.get("arrivals", [])) + _scale_ssh(s.get("ssh", {}))
+    return lines + _scale_arrivals(s.get("arrivals", [])) + _scale_hang_look(s.get("hang_look")) + \
+        _scale_ssh(s.get("ssh", {}))
+
+
+def _scale_hang_look(row: dict[str, Any] | None) -> list[str]:
+    if not row:
+        return []
+    return [f"The controller's CPU on its ranks' health alone (bench/scale.hang_look_cost), {row['nodes']} x "
+            f"{row['ranks'] // row['nodes']} over {row['seconds']:g} s, a sample every {row['interval_s']:g} s, "
+            f"the last rank stopping: the health messages taken {row['messages_cores']} cores; the look for a "
+            f"hang at every tick {row['suspects_cores']} cores over the ranks that may be hung (each agent "
+            f"judging its ranks' progress) against {row['every_rank_cores']} over every rank; both found the "
+            f"rank {row['suspects_found_after_stop_s']} / {row['every_rank_found_after_stop_s']} s after it "
+            f"stopped (stall {row['stall_s']:g} s).", ""]
 
 
 def _scale_arrivals(rows: list[dict[str, Any]]) -> list[str]:

@@ -116,7 +116,8 @@ def profile(name: str, device: str, faults: int = HEALTH_FAULTS) -> dict[str, di
                   "step_seconds": 1.0, "stall": 30, "warmup": 10, "window": 30,
                   "queries": 3, "queries_margin": 20, "start_timeout": 600,
                   "ssh_hosts": 64, "ssh_nproc": 2, "ssh_steps": 40, "ssh_window": 15, "ssh_connect": 30,
-                  "arrivals_rates": [1, 10], "arrivals_seconds": 24},
+                  "arrivals_rates": [1, 10], "arrivals_seconds": 24,
+                  "hang_look_seconds": 120},
         # benchmark 15: per-rank batch 64 makes a step's CPU the rank's (at 16, gloo's waits are most of it, and a
         # quarter of a CPU hardly slows it); 34 epochs of 85 steps leave ~30 s of training after the action, the
         # throttle coming ~135 s in (the standbys 60 s after the ranks join, then 60 s healthy)
