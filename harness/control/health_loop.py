@@ -71,6 +71,7 @@ class HealthLoop:
         self._saved_s = 0.0
         self._sampled = 0.0
         self._table_at: float | None = None  # when every rank's row was last written (a job past SUMMED_PAST ranks)
+        self._timeline_every_at: float | None = None  # when timeline.jsonl last took every rank (past SUMMED_PAST)
         self._captures = 0  # hang captures made (one may prove no hang: its ranks made progress meanwhile)
         self._weighed_at = 0.0  # when every rank was last weighed (HealthLoop.every)
 
@@ -225,7 +226,8 @@ class HealthLoop:
 
     def _write_health(self) -> None:
         """health.json for status and top; a line of timeline.jsonl as soon as a rank's first view or step is
-        known, then every second while the attempt is young and every TIMELINE_SECONDS after (sample_interval)."""
+        known, then every second while the attempt is young and every TIMELINE_SECONDS after (sample_interval);
+        past SUMMED_PAST ranks, every rank in a line every TABLE_SECONDS and the ranks health.json lists between."""
         if self.run is None:
             return
         now = time.time()
@@ -241,7 +243,7 @@ class HealthLoop:
             self.paces.add(self.progress.last_at, self.progress.last_step)
             if self.progress.saving_s > self._saved_s:
                 self._saved_s, self.saved_step = self.progress.saving_s, self.progress.last_step
-        self._write_rows(LiveHealth(
+        listed = self._write_rows(LiveHealth(
             attempt=self.attempt, t=now, slow={rank: round(waited, 1) for rank, waited in slow.items()},
             hang=f"hang: {self.hang.text}" if self.hang else None, ranks=dict(sorted(ranks.items())),
             started_at=self.attempt_started_at, progress=self.progress, slowed=self._slowed(now)))
@@ -249,26 +251,35 @@ class HealthLoop:
         if now - self._sampled >= sample_interval(TIMELINE_SECONDS, age) and \
                 (views or any(r.step is not None for r in ranks.values())):
             self._sampled = now
-            self.run.append_timeline(Sample(now, self.attempt, {
-                rank: RankPoint(views[rank].cpu if rank in views else None,
-                                views[rank].busy if rank in views else None, row.step, row.gpu_util, row.loss,
-                                row.throughput)
-                for rank, row in ranks.items() if rank in views or row.step is not None}))
+            every = listed is None or self._timeline_every_at is None or \
+                now - self._timeline_every_at >= TABLE_SECONDS
+            if every:
+                self._timeline_every_at = now
+            points = {rank: RankPoint(views[rank].cpu if rank in views else None,
+                                      views[rank].busy if rank in views else None, row.step, row.gpu_util, row.loss,
+                                      row.throughput)
+                      for rank, row in ranks.items()
+                      if (every or rank in (listed or ())) and (rank in views or row.step is not None)}
+            if every or points:
+                self.run.append_timeline(Sample(now, self.attempt, points, every))
 
-    def _write_rows(self, health: LiveHealth) -> None:
+    def _write_rows(self, health: LiveHealth) -> set[int] | None:
         """health.json with every rank's row, up to SUMMED_PAST ranks; past them, each node summed up and the odd
         ranks (record/health_summary.py), every rank's row in health-ranks.json every TABLE_SECONDS and once a hang's
-        verdict is made: what is written twice a second grows with the nodes, not with their ranks."""
+        verdict is made: what is written twice a second grows with the nodes, not with their ranks. The ranks whose
+        rows health.json lists (None: every rank)."""
         assert self.run is not None and health.t is not None
         if len(health.ranks) <= SUMMED_PAST:
             self.run.write_health(health)
-            return
+            return None
         hang_untold = self.hang is not None and (self._table_at or 0.0) < (self.hang_at or 0.0)
         if self._table_at is None or health.t - self._table_at >= TABLE_SECONDS or hang_untold:
             self._table_at = health.t
             self.run.write_health_table(replace(health, table_at=health.t))
         spans = [NodeSpan(live.node.node_rank, live.node.host, live.node.ranks) for live in self.nodes]
-        self.run.write_health(summed(health, spans, self.hang.odd if self.hang else [], self._table_at))
+        written = summed(health, spans, self.hang.odd if self.hang else [], self._table_at)
+        self.run.write_health(written)
+        return set(written.ranks)
 
     def _slowed(self, now: float) -> Slowed | None:
         """The slowness of the rank named slow first, as the job's pace shows it now."""

@@ -1,7 +1,10 @@
 """timeline.jsonl: how every rank ran over time -- its CPU use, how busy its main thread was (the rest
 of the time it waited, e.g. for its peers in a collective), the step it was at (with its loss and
 throughput, where it prints them) and how busy it kept its GPU -- one line per health sample, appended
-while the run runs, for `harness report`'s plots."""
+while the run runs, for `harness report`'s plots. Past schema.SUMMED_PAST ranks a line holds every rank only as
+often as health-ranks.json does (health_summary.TABLE_SECONDS), and the odd ranks alone between (those health.json
+lists): every rank every 5 s was 8 bytes per rank per second, 11 GB a day at 16,384 ranks, all of it read by
+`harness report`."""
 
 from __future__ import annotations
 
@@ -33,9 +36,12 @@ class RankPoint:
 
 @dataclass(frozen=True)
 class Sample:
+    """every: ranks holds every rank's point; False: only the odd ranks' (a line between a large job's full ones)."""
+
     t: float
     attempt: int
     ranks: Mapping[int, RankPoint]
+    every: bool = True
 
 
 def append_sample(path: Path, sample: Sample) -> None:
@@ -52,8 +58,8 @@ def sample_line(sample: Sample) -> str:
                          **{key: value for key, value in (("gpu", p.gpu), ("loss", p.loss),
                                                            ("throughput", p.throughput)) if value is not None}}
              for rank, p in sorted(sample.ranks.items())}
-    return json.dumps({"t": round(sample.t, 3), "attempt": sample.attempt, "ranks": ranks}, separators=(",", ":")) \
-        + "\n"
+    head = {"t": round(sample.t, 3), "attempt": sample.attempt, **({} if sample.every else {"odd_only": True})}
+    return json.dumps({**head, "ranks": ranks}, separators=(",", ":")) + "\n"
 
 
 def _rounded(value: float | None) -> float | None:
@@ -74,7 +80,7 @@ def read_timeline(path: Path) -> list[Sample]:
                 int(rank): RankPoint(_number(p, "cpu"), _number(p, "busy"),
                                      None if p.get("step") is None else int(p["step"]), _number(p, "gpu"),
                                      _number(p, "loss"), _number(p, "throughput"))
-                for rank, p in data["ranks"].items()}))
+                for rank, p in data["ranks"].items()}, not data.get("odd_only", False)))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return samples

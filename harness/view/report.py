@@ -266,7 +266,7 @@ def _plots(r: _Run) -> str:
                        f"one have none).</p>{_recorded_step_rate(r)}</section>")
     if not samples:
         return head + f"<p>No plots: {r.run.timeline.name} holds no sample yet.</p>{_recorded_step_rate(r)}</section>"
-    kept = samples[::math.ceil(len(samples) / MAX_SAMPLES)]
+    kept = _thinned(samples)
     ranks = sorted({rank for sample in kept for rank in sample.ranks})
     drawn = _drawn(r, ranks)
     key = legend(_labels(ranks, drawn))
@@ -402,9 +402,20 @@ def _over_steps(r: _Run) -> str:
     return "<section><h2>Over the steps</h2>" + "".join(charts) + "</section>"
 
 
-def _step_points(r: _Run, read: Callable[[RankPoint], float | None]) -> Iterable[tuple[int, int, float, int]]:
-    """(rank, attempt, value, step) of each sample's points with a step and a finite value, in the samples' order."""
-    for sample in r.samples:
+def _thinned(samples: Sequence[Sample]) -> list[Sample]:
+    """At most about MAX_SAMPLES of the samples that hold every rank, evenly spread, and as many of those between that
+    hold the odd ranks alone (a job past schema.SUMMED_PAST ranks): thinned together, the few that hold every rank
+    could all be left out."""
+    kinds = [[sample for sample in samples if sample.every], [sample for sample in samples if not sample.every]]
+    kept = [sample for kind in kinds for sample in kind[::max(1, math.ceil(len(kind) / MAX_SAMPLES))]]
+    return sorted(kept, key=lambda sample: sample.t)
+
+
+def _step_points(r: _Run, read: Callable[[RankPoint], float | None],
+                 every_only: bool = False) -> Iterable[tuple[int, int, float, int]]:
+    """(rank, attempt, value, step) of each sample's points with a step and a finite value, in the samples' order
+    (every_only: of the samples that hold every rank)."""
+    for sample in r.samples if not every_only else (sample for sample in r.samples if sample.every):
         for rank, point in sample.ranks.items():
             value = read(point)
             if point.step is not None and value is not None and math.isfinite(value):
@@ -429,7 +440,7 @@ def _step_series(r: _Run, ranks: list[int], read: Callable[[RankPoint], float | 
 def _step_spread(r: _Run, read: Callable[[RankPoint], float | None]) -> list[Segments]:
     """The ranks' least, median and most value at each step (each rank's first value of it), an attempt a segment."""
     by_attempt: dict[int, dict[int, dict[int, float]]] = {}  # attempt -> step -> rank -> value
-    for rank, attempt, value, step in _step_points(r, read):
+    for rank, attempt, value, step in _step_points(r, read, every_only=True):
         by_attempt.setdefault(attempt, {}).setdefault(step, {}).setdefault(rank, value)
     return _spread_of([[(float(step), list(values.values())) for step, values in sorted(steps.items())]
                        for steps in by_attempt.values()])
@@ -490,7 +501,7 @@ def _series(r: _Run, samples: Sequence[Sample], ranks: list[int], measure: Measu
             spread: bool = False) -> list[Segments]:
     """Each rank's points (in ranks' order), a new segment at every attempt and after each gap; with spread, first the
     least, median and most of every rank's value at each sample (a new segment at every attempt and after a sample
-    where none has one), from the same one pass over the samples."""
+    where none has one; of the samples that hold every rank), from the same one pass over the samples."""
     segments: dict[int, Segments] = {rank: [] for rank in ranks}
     joined: set[int] = set()  # ranks whose last sample had a value: the next one continues its line
     runs: list[list[tuple[float, list[float]]]] = [[]]  # the spread's points, in runs without a gap
@@ -506,7 +517,7 @@ def _series(r: _Run, samples: Sequence[Sample], ranks: list[int], measure: Measu
                 segments[rank].append([])
                 joined.add(rank)
             segments[rank][-1].append((r.since(sample.t), value))
-        if spread:
+        if spread and sample.every:  # a sample of the odd ranks alone says nothing of the others
             known = [value for value, _ in values.values() if value is not None]
             if runs[-1] and (not known or sample.attempt != attempt):
                 runs.append([])

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 
 from harness.control.health_loop import TICK_SECONDS, HealthLoop
-from harness.control.live import LiveNode
+from harness.control.live import LiveNode, RankActivity, StepMark
 from harness.node.proctable import start_ticks
 from harness.node.protocol import HEALTH_MESSAGES_PER_SECOND
 from harness.plan.planner import Node
-from harness.record.health_summary import BEHIND_LISTED, ODD_LISTED, NodeSpan, summed
+from harness.record.health_summary import BEHIND_LISTED, ODD_LISTED, TABLE_SECONDS, NodeSpan, summed
 from harness.record.rundir import RunDir
 from harness.record.schema import SUMMED_PAST, ControllerId, LiveHealth, RankRow, RunState, RunStatus
 from harness.record.stream import StreamReader, stamp
@@ -169,6 +169,36 @@ def test_the_health_loop_writes_every_rank_s_row_only_every_table_seconds_past_s
     loop._table_at = time.time() - 31
     loop._write_health()
     assert run.health_table.exists()
+
+
+def test_past_summed_past_the_timeline_takes_every_rank_every_table_seconds_and_the_odd_ranks_between(
+        tmp_path: Path) -> None:
+    """64 nodes x 8, every rank at step 120 but rank 77 at step 100 (behind: odd): the first line holds every rank,
+    the lines after it only rank 77 (marked so) until TABLE_SECONDS have passed, then every rank again; a job of up to
+    SUMMED_PAST ranks has every rank in every line. What the timeline takes a second then grows with the odd ranks,
+    not with every rank."""
+    for nnodes, world in ((64, 64 * 8), (32, SUMMED_PAST)):
+        (tmp_path / str(nnodes)).mkdir()
+        run = running_run(tmp_path / str(nnodes), nnodes, world)
+        nproc = world // nnodes
+        nodes = [LiveNode(Node(f"sim{n}", f"10.0.0.{n}", n, nproc), started=time.time() - 100) for n in range(nnodes)]
+        for live in nodes:
+            for rank in live.node.ranks:
+                activity = live.activity[rank] = RankActivity(f"[rank{rank}]: step", time.time())
+                activity.steps.append(StepMark(time.time(), 100 if rank == 77 else 120))
+        loop = HealthLoop(None, run, 0, nodes, SimpleNamespace(), SimpleNamespace(say=print), SimpleNamespace())
+        for _ in range(3):
+            loop._write_health()
+            loop._sampled = 0.0  # the next line due at once
+        loop._timeline_every_at = time.time() - TABLE_SECONDS
+        loop._write_health()
+        lines = [json.loads(line) for line in run.timeline.read_text().splitlines()]
+        held = [(len(line["ranks"]), line.get("odd_only", False)) for line in lines]
+        if world > SUMMED_PAST:
+            assert held == [(world, False), (1, True), (1, True), (world, False)]
+            assert list(lines[1]["ranks"]) == ["77"] and lines[1]["ranks"]["77"]["step"] == 100
+        else:
+            assert held == [(world, False)] * 4
 
 
 @pytest.mark.parametrize(("nnodes", "every"), [(16, TICK_SECONDS), (512, 512 / HEALTH_MESSAGES_PER_SECOND)])

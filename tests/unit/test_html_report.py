@@ -55,6 +55,7 @@ from harness.record.schema import (
 )
 from harness.record.timeline import RankPoint, Sample, append_sample, read_timeline
 from harness.view.charts import TimeAxis, color
+from harness.view import report
 from harness.view.report import _spread_of, html_report
 
 T0 = 1_700_000_000.0
@@ -176,6 +177,31 @@ def test_past_drawn_ranks_a_chart_draws_the_ranks_spread_and_the_named_ones_and_
     assert len(pages[400]) < 1.05 * len(pages[40]), {world: len(page) for world, page in pages.items()}
     assert _spread_of([[(1.0, [3.0, 1.0, 2.0]), (2.0, [5.0, 4.0])], []]) == [
         [[(1.0, 1.0), (2.0, 4.0)]], [[(1.0, 2.0), (2.0, 4.5)]], [[(1.0, 3.0), (2.0, 5.0)]]]
+
+
+def test_a_large_jobs_spread_is_drawn_from_the_samples_of_every_rank_and_a_named_ranks_line_from_all(
+        tmp_path: Path) -> None:
+    """Past SUMMED_PAST ranks the timeline holds every rank every TABLE_SECONDS and the odd ranks alone between: the
+    spread is drawn from the samples of every rank (a sample of rank 3 alone is no median of 400), rank 3's own line
+    from every sample that has it; thinned, a long run keeps samples of every rank."""
+    run = create_run_dir(tmp_path, "train-1")
+    run.write_state(_state(run.run_id, RunStatus.FAILED, ControllerId(1, None), attempt=1))
+    run.write_summary(_summary(run))
+    for second in range(6):
+        every = second in (0, 3)
+        append_sample(run.timeline, Sample(T0 + 15 + second, 1, {
+            rank: RankPoint(cpu=0.9 + rank / 1000 + second / 10, busy=0.95, step=10 * second)
+            for rank in (range(400) if every else [3])}, every))
+    page = html_report(run)
+    part = page[page.index('<div id="cpu">'):]
+    part = part[:part.index("</div>")]
+    drawn = [len(points.split()) for points in re.findall(r'<polyline [^>]*points="([^"]*)"', part)]
+    assert drawn == [2, 2, 2, 6], "the least, median and most at the two samples of every rank; rank 3 at all six"
+    assert [sample.every for sample in read_timeline(run.timeline)] == [True, False, False, True, False, False]
+    many = [Sample(T0 + second, 0, {}, second % 10 == 0) for second in range(10 * report.MAX_SAMPLES)]
+    thinned = report._thinned(many)
+    assert sum(sample.every for sample in thinned) == report.MAX_SAMPLES and len(thinned) <= 2 * report.MAX_SAMPLES
+    assert [sample.t for sample in thinned] == sorted(sample.t for sample in thinned)
 
 
 def test_the_page_of_a_failed_restarted_run(tmp_path: Path) -> None:
