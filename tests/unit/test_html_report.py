@@ -54,8 +54,8 @@ from harness.record.schema import (
     Slowed,
 )
 from harness.record.timeline import RankPoint, Sample, append_sample, read_timeline
-from harness.view.charts import TimeAxis, color
 from harness.view import report
+from harness.view.charts import TimeAxis, color
 from harness.view.report import _spread_of, html_report
 
 T0 = 1_700_000_000.0
