@@ -373,6 +373,7 @@ class Pod:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.waiting: Channel | None = None  # the connection waiting for the controller's word
+        self.dialing: socket.socket | None = None  # the connection whose proofs are under way
         self.serving: str | None = None  # the run whose controller this pod last proved, said when it changes
 
     @property
@@ -388,6 +389,11 @@ class Pod:
                 with open(self.key_path, "rb") as handle:
                     key = handle.read()
                 link = socket.create_connection((self.host, self.port), timeout=10)
+                with self.lock:  # stop() breaks off the proofs, which wait seconds for the controller's
+                    if self.stopping.is_set():
+                        link.close()
+                        return None
+                    self.dialing = link
             except OSError as exc:
                 if not said:
                     waiting = f"the run's key at {self.key_path}" if exc.filename == self.key_path else \
@@ -395,7 +401,10 @@ class Pod:
                     print(f"harness pod: waiting for {waiting} ({exc.strerror or exc})", flush=True)
                     said = True
             else:
-                if (proved := self.prove(link, key)) is not None:
+                proved = self.prove(link, key)
+                with self.lock:
+                    self.dialing = None
+                if proved is not None:
                     return proved
             if time.monotonic() - started > self.timeout:
                 return None
@@ -452,7 +461,11 @@ class Pod:
                     return 128 + signal.SIGTERM
                 print(f"harness pod: no controller at {self.peer} for {self.timeout:g} s: ending", flush=True)
                 return CONTROLLER_LOST
-            self.waiting = channel
+            with self.lock:  # a SIGTERM before this ends the waiting session here, one after through stop()
+                if self.stopping.is_set():
+                    channel.abort()
+                    return 128 + signal.SIGTERM
+                self.waiting = channel
             order = _order(channel)
             self.waiting = None
             if order is None:  # the controller went away (or restarts), or what it sent was refused: dial again
@@ -503,7 +516,10 @@ class Pod:
         self.stopping.set()
         self.tell_agents(TERM)  # before their links end: an agent whose stdin only ended would hold its node
         with self.lock:
-            sessions, waiting = list(self.sessions), self.waiting
+            sessions, waiting, dialing = list(self.sessions), self.waiting, self.dialing
+        if dialing is not None:
+            with contextlib.suppress(OSError):
+                dialing.shutdown(socket.SHUT_RDWR)
         for channel in sessions:
             with contextlib.suppress(OSError):
                 channel.send(b"harness pod: SIGTERM: this pod is being deleted; its node stops\n")

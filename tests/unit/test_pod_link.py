@@ -26,6 +26,7 @@ from harness.node.pod import (
     CONTROLLER_PROOF,
     HELLO,
     POD_PROOF,
+    PROOF_SECONDS,
     RECORD,
     TAG_BYTES,
     TERM,
@@ -271,6 +272,22 @@ def test_a_message_the_relay_changed_dropped_reordered_or_replayed_is_refused_an
     assert (ran.read_text().splitlines() if ran.exists() else []) == (["first"] if how == "replayed" else [])
     controller.link.dismiss(0)
     assert pod.process.wait(timeout=30) == 0
+
+
+def test_a_pod_deleted_while_it_waits_for_the_controllers_proof_ends_at_once(tmp_path, pods):
+    """SIGTERM while the pod's hello waits for the controller's proof (a controller that never answers): the pod
+    breaks off the proof and ends, not after PROOF_SECONDS and another dial."""
+    key_path = tmp_path / "link-key"
+    key_path.write_text(secrets.token_hex(32))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        pod = pods(server.getsockname()[1], key_path, POD_0, 0)
+        server.settimeout(60)
+        connection, _ = server.accept()
+        with connection:
+            connection.settimeout(60)
+            assert connection.recv(4096).startswith(HELLO.encode()), "the pod's hello, then it waits for a proof"
+            pod.process.send_signal(signal.SIGTERM)
+            assert pod.process.wait(timeout=PROOF_SECONDS - 1) == 128 + signal.SIGTERM, pod.lines
 
 
 def test_a_message_from_the_pod_that_the_relay_changed_is_refused_and_said(tmp_path, pods):
