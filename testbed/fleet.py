@@ -42,6 +42,7 @@ from harness.node.protocol import (
     Kind,
     RankSample,
     Word,
+    alike_answers,
     arrivals_bodies,
     health_bodies,
     message_line,
@@ -173,6 +174,7 @@ class StandInNode:
     def stacks(self, tag: str, t0: float | None, now: float) -> None:
         """Every rank's answer as the agent gives it (harness.node.observer): its main thread, its collectives."""
         assert self.job is not None
+        answers = {}
         for rank in self.ranks:
             done, waiting = self.completed(rank, t0, now), self.enqueued(rank, t0, now)
             if self.hangs(rank) and self.job.hang_step > 0 and done >= self.job.hang_step - 1:
@@ -184,9 +186,10 @@ class StandInNode:
             entries = [{"group": "0", "seq": seq, "op": "gloo:all_reduce", "done": seq <= done, "sizes": [[1]],
                         "created_ns": int(self._enqueued_at(seq, t0) * 1e9) if t0 is not None else 0}
                        for seq in range(max(1, waiting - KEPT_ENTRIES + 1), waiting + 1)]
-            answer = {"pid": 100_000 + rank, "state": "S", "workers": [], "collectives": entries,
-                      "threads": [{"name": "MainThread", "tid": 100_000 + rank, "active": False, "gil": False,
-                                   "frames": frames}]}
+            answers[rank] = {"pid": 100_000 + rank, "state": "S", "workers": [], "collectives": entries,
+                             "threads": [{"name": "MainThread", "tid": 100_000 + rank, "active": False, "gil": False,
+                                          "frames": frames}]}
+        for rank, answer in alike_answers(answers).items():
             for body in stacks_bodies(tag, rank, answer):
                 self.send(Kind.STACKS, body)
         self.send(Kind.STACKS_DONE, tag)

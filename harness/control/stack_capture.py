@@ -12,7 +12,7 @@ from typing import Any
 
 from harness.control.live import LiveNode
 from harness.health.rank_stack import RankStack, ranks_text
-from harness.node.protocol import LAUNCHER_RANK, Kind, Message, StackChunks
+from harness.node.protocol import LAUNCHER_RANK, Kind, Message, StackChunks, answers_of
 from harness.plan.planner import Node
 from harness.record.rundir import STACKS_TAG, RunDir
 from harness.targets.base import NodeProcess
@@ -39,9 +39,10 @@ class StackCapture:
             if message.kind is Kind.STACKS:
                 chunks = self._chunks.setdefault(live.node.node_rank, StackChunks())
                 if (whole := chunks.take(message.body)) is not None and isinstance(whole.answer, dict):
-                    answers = self._launchers if whole.rank == LAUNCHER_RANK else self._answers
-                    answers.setdefault(whole.tag, {})[live.node.node_rank if whole.rank == LAUNCHER_RANK
-                                                      else whole.rank] = whole.answer
+                    if whole.rank == LAUNCHER_RANK:
+                        self._launchers.setdefault(whole.tag, {})[live.node.node_rank] = whole.answer
+                    else:  # with the ranks whose stacks were alike, each made whole again
+                        self._answers.setdefault(whole.tag, {}).update(answers_of(whole.rank, whole.answer))
             elif message.kind is Kind.STACKS_DONE:
                 self._answered.setdefault(message.body, set()).add(live.node.node_rank)
                 self._changed.notify_all()

@@ -21,6 +21,7 @@ from harness.node.protocol import (
     ControllerClock,
     Kind,
     RankSample,
+    alike_answers,
     arrivals_bodies,
     health_bodies,
     sample_interval,
@@ -141,7 +142,8 @@ class RankObserver:
 
     def send_stacks(self, tag: str) -> None:
         """Every rank's last collectives at once, then its stack and its DataLoader workers', read in parallel, each
-        frame with its source line as this node has it; then `stacks-done TAG`. A controller that cannot wait for
+        frame with its source line as this node has it, alike ranks' once (protocol.alike_answers); then
+        `stacks-done TAG`. A controller that cannot wait for
         every stack (hundreds of ranks on a few cores) still judges by the collectives of every rank."""
         below, _ = process_tree(os.getpid())
         ranks = find_ranks(below, self.run_id, self.directory) or self.ranks
@@ -187,8 +189,9 @@ class RankObserver:
             reader.start()
         for reader in readers:
             reader.join()
-        for rank, answer in sorted(answers.items()):  # then the stacks, which take py-spy a while per rank
+        for rank, answer in answers.items():
             answer["collectives"] = collectives.get(rank, "the rank is gone")
+        for rank, answer in sorted(alike_answers(answers).items()):  # then the stacks, alike ranks' once
             for body in stacks_bodies(tag, rank, answer):
                 self.say(Kind.STACKS, body)
         self.say(Kind.STACKS_DONE, tag)

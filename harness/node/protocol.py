@@ -337,6 +337,64 @@ def stacks_bodies(tag: str, rank: int, answer: object) -> list[str]:
     return _chunked(f"{tag} {rank}", json.dumps(answer))
 
 
+# What tells ranks with alike stacks apart: their processes, threads and collectives (with each one's enqueue time).
+OWN_KEYS = ("pid", "collectives")
+
+
+def alike_answers(answers: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Stacks answers as an agent sends them: ranks whose answers are alike but for who each is (its pid, its threads'
+    ids, its DataLoader workers' alike, its collectives) as one answer, the first rank's, with each other rank's own
+    parts under "alike" (answers_of makes them whole again). A node's ranks wait at the same line in a hang: its 8
+    stacks of 5-20 KB each were sent 8 times, 16,384 times at 2,048 nodes."""
+    first: dict[str, dict[str, Any]] = {}
+    sent: dict[int, dict[str, Any]] = {}
+    for rank, answer in sorted(answers.items()):
+        own, rest = _own(answer)
+        key = json.dumps(rest, sort_keys=True)
+        if key in first:
+            first[key].setdefault("alike", {})[str(rank)] = own
+        else:
+            first[key] = sent[rank] = dict(answer)
+    return sent
+
+
+def answers_of(rank: int, answer: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each rank's whole answer from one answer as alike_answers sends it; ValueError, KeyError or TypeError for a
+    damaged one."""
+    whole = {key: value for key, value in answer.items() if key != "alike"}
+    alike = answer.get("alike", {})
+    if not isinstance(alike, dict):
+        raise TypeError(f"a stacks answer's alike ranks are a {type(alike).__name__}, not a dict")
+    return {rank: whole, **{int(other): _with_own(whole, own) for other, own in alike.items()}}
+
+
+def _own(answer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what is the answer's rank's own, the rest) of an answer or of a DataLoader worker's."""
+    threads, workers = answer.get("threads"), answer.get("workers", [])
+    own = {key: answer[key] for key in OWN_KEYS if key in answer}
+    rest = {key: value for key, value in answer.items() if key not in OWN_KEYS} | {"own": sorted(own)}
+    if isinstance(threads, list):
+        own["tids"] = [thread.get("tid") for thread in threads]
+        rest["threads"] = [{key: value for key, value in thread.items() if key != "tid"} for thread in threads]
+    if workers:
+        parts = [_own(worker) for worker in workers]
+        own["workers"], rest["workers"] = [part[0] for part in parts], [part[1] for part in parts]
+    return own, rest
+
+
+def _with_own(answer: dict[str, Any], own: object) -> dict[str, Any]:
+    if not isinstance(own, dict):
+        raise TypeError(f"a stacks answer's alike rank is a {type(own).__name__}, not a dict")
+    made = {key: value for key, value in answer.items() if key not in OWN_KEYS} | \
+        {key: own[key] for key in OWN_KEYS if key in own}
+    if "tids" in own:
+        made["threads"] = [{**thread, "tid": tid} for thread, tid in zip(answer["threads"], own["tids"], strict=True)]
+    if "workers" in own:
+        made["workers"] = [_with_own(worker, mine) for worker, mine in zip(answer["workers"], own["workers"],
+                                                                            strict=True)]
+    return made
+
+
 def result_bodies(rank: int, result: bytes) -> list[str]:
     """What one rank of a function launch left (harness.api.rank), cut into chunks: `RANK PART LAST CHUNK`."""
     return _chunked(str(rank), base64.b64encode(result).decode("ascii"))

@@ -35,6 +35,9 @@ from harness.node.protocol import (
     Message,
     NodeArrivals,
     RankSample,
+    StackChunks,
+    alike_answers,
+    answers_of,
     arrivals_bodies,
     health_bodies,
     message_line,
@@ -43,6 +46,7 @@ from harness.node.protocol import (
     parse_health,
     sample_interval,
     split_line,
+    stacks_bodies,
 )
 from harness.node.ranks import ProgressWatch
 from harness.plan.planner import Node
@@ -425,3 +429,46 @@ def test_a_node_s_clock_is_taken_from_the_controller_s_pings_not_from_when_the_c
     live = list(range(8))
     assert max(by_pings.waited(live, 20.0).values()) < 1, by_pings.waited(live, 20.0)
     assert min(by_reading.waited(live, 20.0)[rank] for rank in nodes[2].ranks) > 20, "the reading's lag, as late"
+
+
+def _answer(rng: random.Random, rank: int, place: int) -> dict[str, Any]:
+    """A rank's stacks answer as the agent makes it: its main thread at one of a few places, maybe a second thread and
+    a DataLoader worker, its own pid, threads' ids and collectives (times of its own)."""
+    frames = [{"name": "main", "file": "train.py", "line": 10 + place, "code": f"step({place})"}]
+    threads: object = [{"name": "MainThread", "tid": 1000 + rank, "active": True, "gil": False, "frames": frames}]
+    if place == 2:
+        threads = "py-spy had not read it when the verdict was made"
+    elif place == 1:
+        threads.append({"name": "pin_memory", "tid": 5000 + rank, "active": False, "gil": False, "frames": frames})
+    workers = [{"pid": 9000 + rank, "state": "S", "threads": [{"name": "MainThread", "tid": 9000 + rank, "active": False,
+                                                              "gil": False, "frames": frames}]}] if place == 1 else []
+    return {"pid": 1000 + rank, "state": "S", "threads": threads, "workers": workers,
+            "collectives": [{"group": "0", "seq": 7, "op": "gloo:all_reduce", "done": False, "sizes": [[4]],
+                             "created_ns": rng.randrange(10**18)}]}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_alike_stacks_travel_once_with_their_ranks_and_come_back_whole(seed: int) -> None:
+    """A node's ranks at a few places (a thread or a DataLoader worker more at one, py-spy's words at another): one
+    answer per place goes to the controller, every rank's whole answer comes back from them, through the lines a
+    node sends (within PIPE_BUF), its pid, threads' and workers' ids and collectives its own."""
+    rng = random.Random(seed)
+    places = {rank: rng.randrange(4) for rank in range(rng.randrange(1, 17))}
+    answers = {rank: _answer(rng, rank, place) for rank, place in places.items()}
+    sent = alike_answers(answers)
+    assert len(sent) == len(set(places.values()))
+    chunks, back = StackChunks(), {}
+    for rank, answer in sent.items():
+        for body in stacks_bodies("hang-0-1", rank, answer):
+            assert len(message_line(Kind.STACKS, body)) <= PIPE_BUF
+            if (whole := chunks.take(body)) is not None:
+                back.update(answers_of(whole.rank, whole.answer))
+    assert back == answers
+
+
+@pytest.mark.parametrize("alike", ['"ranks"', '{"x": {}}', '{"1": {"pid": 2, "tids": []}}', '{"1": []}'])
+def test_a_damaged_alike_answer_is_refused_as_the_listener_expects(alike: str) -> None:
+    answer = json.loads(f'{{"pid": 1, "state": "S", "threads": [{{"name": "m", "tid": 1, "frames": []}}], '
+                        f'"alike": {alike}}}')
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        answers_of(0, answer)
