@@ -691,7 +691,7 @@ def _scale_rows(rows: list[dict[str, Any]], agents: str) -> list[str]:
     return [*_table(
         ["nodes x ranks", "launch to all running (s)", "controller CPU per node per s (vs fewest)", "controller cores",
          "controller MiB (peak)", "threads, fds", agents, "record lines per s (terminal; s behind)",
-         "record MiB (B/rank/s)",
+         "record MiB (B/rank/s; of them the timeline's)",
          "status / top / logs --rank (s)", "hang to found + stacks read = verdict (s, goal)", "culprit named"],
         [[f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["launch_to_running_s"],
           f"{r['controller_cpu_per_node_per_s']:.4f} ({r['cost_per_node_vs_smallest']}x)", r["controller_cores"],
@@ -699,7 +699,9 @@ def _scale_rows(rows: list[dict[str, Any]], agents: str) -> list[str]:
           f"{r['controller_threads']}, {r['controller_fds']}",
           f"{r['agent_cpu_per_s']:.4f}, {r['agent_rss_mib']:.0f}",
           f"{r['record_lines_per_s']:.0f} ({r['terminal_lines_per_s']:.0f}; {r.get('record_behind_s', '-')})",
-          f"{r['record_mib']} ({r['record_bytes_per_rank_per_s']})" if "record_mib" in r else "-",
+          f"{r['record_mib']} ({r['record_bytes_per_rank_per_s']}"
+          f"{'; ' + str(r['timeline_bytes_per_rank_per_s']) if 'timeline_bytes_per_rank_per_s' in r else ''})"
+          if "record_mib" in r else "-",
           " / ".join(_num(r["answer_s"].get(k), 2) for k in ("status", "top", "logs_rank")),
           f"{r.get('found_s', '-')} + {r.get('capture_s', '-')} = {r['verdict_s']} ({r['verdict_goal_s']:g})"
           + (f"; stopped {r['stopped_s']} s later" if "stopped_s" in r else ""),

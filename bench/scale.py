@@ -195,6 +195,7 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
             _, found_at = _stamps(record / "logs", r"^harness: no progress for \S+ s on ")
             lines = _record_lines(record, wall_begun, wall_ended)
             record_bytes = sum(f.stat().st_size for f in record.rglob("*") if f.is_file())
+            timeline_bytes = (record / "timeline.jsonl").stat().st_size
             lasted = (launch.ended or time.monotonic()) - launch.started
             shown = sum(1 for when, line in launch.lines if begun <= when < begun + seconds)
     culprit = f"rank {world - 1} (node{nnodes - 1} on sim{nnodes - 1}) has not reached #{hang_step}"
@@ -212,6 +213,7 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
         "record_lines_per_s": round(lines / seconds, 1), "printed_lines_per_s": round(world / step_seconds, 1),
         "record_mib": round(record_bytes / 2**20, 1),
         "record_bytes_per_rank_per_s": round(record_bytes / world / lasted, 1),
+        "timeline_bytes_per_rank_per_s": round(timeline_bytes / world / lasted, 2),
         "terminal_lines_per_s": round(shown / seconds, 1),
         "record_behind_s": round(last_taken - last_step, 1),
         "found_s": round(found_at - last_step, 1), "capture_s": round(hung_at - found_at, 1),
