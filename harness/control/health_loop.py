@@ -23,7 +23,7 @@ from harness.health.rank_stack import RankStack, ranks_text, short_ranges
 from harness.health.rendezvous import RendezvousVerdict, rendezvous_verdict
 from harness.health.slowdown import Course, PaceHistory, Slowdown, SlowPolicy, decide, slowdown
 from harness.health.verdict import Ended, Verdict, hang_verdict
-from harness.node.protocol import paced, sample_interval
+from harness.node.protocol import YOUNG_SECONDS, paced, sample_interval
 from harness.plan.planner import Node
 from harness.record.health_summary import TABLE_SECONDS, NodeSpan, summed
 from harness.record.rundir import RunDir
@@ -227,7 +227,8 @@ class HealthLoop:
     def _write_health(self) -> None:
         """health.json for status and top; a line of timeline.jsonl as soon as a rank's first view or step is
         known, then every second while the attempt is young and every TIMELINE_SECONDS after (sample_interval);
-        past SUMMED_PAST ranks, every rank in a line every TABLE_SECONDS and the ranks health.json lists between."""
+        past SUMMED_PAST ranks, every rank in each line while the attempt is young (a short run's course, drawn
+        whole), then every TABLE_SECONDS, and the ranks health.json lists in the lines between."""
         if self.run is None:
             return
         now = time.time()
@@ -251,7 +252,7 @@ class HealthLoop:
         if now - self._sampled >= sample_interval(TIMELINE_SECONDS, age) and \
                 (views or any(r.step is not None for r in ranks.values())):
             self._sampled = now
-            every = listed is None or self._timeline_every_at is None or \
+            every = listed is None or age < YOUNG_SECONDS or self._timeline_every_at is None or \
                 now - self._timeline_every_at >= TABLE_SECONDS
             if every:
                 self._timeline_every_at = now

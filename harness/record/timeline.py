@@ -1,10 +1,10 @@
 """timeline.jsonl: how every rank ran over time -- its CPU use, how busy its main thread was (the rest
 of the time it waited, e.g. for its peers in a collective), the step it was at (with its loss and
 throughput, where it prints them) and how busy it kept its GPU -- one line per health sample, appended
-while the run runs, for `harness report`'s plots. Past schema.SUMMED_PAST ranks a line holds every rank only as
-often as health-ranks.json does (health_summary.TABLE_SECONDS), and the odd ranks alone between (those health.json
-lists): every rank every 5 s was 8 bytes per rank per second, 11 GB a day at 16,384 ranks, all of it read by
-`harness report`."""
+while the run runs, for `harness report`'s plots. Past schema.SUMMED_PAST ranks a line holds every rank while the
+attempt is young (its first 30 s, a sample a second: a short run's course), then only as often as health-ranks.json
+does (health_summary.TABLE_SECONDS), and the odd ranks alone between (those health.json lists): every rank every 5 s
+was 8 bytes per rank per second, 11 GB a day at 16,384 ranks, all of it read by `harness report`."""
 
 from __future__ import annotations
 

@@ -173,10 +173,10 @@ def test_the_health_loop_writes_every_rank_s_row_only_every_table_seconds_past_s
 
 def test_past_summed_past_the_timeline_takes_every_rank_every_table_seconds_and_the_odd_ranks_between(
         tmp_path: Path) -> None:
-    """64 nodes x 8, every rank at step 120 but rank 77 at step 100 (behind: odd): the first line holds every rank,
-    the lines after it only rank 77 (marked so) until TABLE_SECONDS have passed, then every rank again; a job of up to
-    SUMMED_PAST ranks has every rank in every line. What the timeline takes a second then grows with the odd ranks,
-    not with every rank."""
+    """64 nodes x 8, every rank at step 120 but rank 77 at step 100 (behind: odd), past the attempt's young seconds:
+    the first line holds every rank, the lines after it only rank 77 (marked so) until TABLE_SECONDS have passed, then
+    every rank again; while the attempt is young, and in a job of up to SUMMED_PAST ranks, every line has every rank.
+    What the timeline takes a second then grows with the odd ranks, not with every rank."""
     for nnodes, world in ((64, 64 * 8), (32, SUMMED_PAST)):
         (tmp_path / str(nnodes)).mkdir()
         run = running_run(tmp_path / str(nnodes), nnodes, world)
@@ -199,6 +199,11 @@ def test_past_summed_past_the_timeline_takes_every_rank_every_table_seconds_and_
             assert list(lines[1]["ranks"]) == ["77"] and lines[1]["ranks"]["77"]["step"] == 100
         else:
             assert held == [(world, False)] * 4
+        for live in nodes:  # a young attempt: every rank at every sample, its course from its start
+            live.started = time.time()
+        loop._sampled = 0.0
+        loop._write_health()
+        assert len(json.loads(run.timeline.read_text().splitlines()[-1])["ranks"]) == world
 
 
 @pytest.mark.parametrize(("nnodes", "every"), [(16, TICK_SECONDS), (512, 512 / HEALTH_MESSAGES_PER_SECOND)])
