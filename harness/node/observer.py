@@ -168,7 +168,8 @@ class RankObserver:
             for child in python_children(pid, tree):  # its DataLoader workers: a hang may be theirs
                 child_state = (stat_fields(child) or [b"gone"])[0].decode()
                 workers.append({"pid": child, "state": child_state, "threads": threads_of(child, child_state)})
-            answers[rank] = {"pid": pid, "state": state, "threads": threads_of(pid, state), "workers": workers}
+            answers[rank] = {"pid": pid, "state": state, "threads": threads_of(pid, state), "workers": workers,
+                             "collectives": collectives.get(rank, "the rank is gone")}
 
         if not ranks and self.launcher is not None:  # none yet: where its torchrun is, in or before its rendezvous
             state = (stat_fields(self.launcher) or [b"gone"])[0].decode()
@@ -189,8 +190,6 @@ class RankObserver:
             reader.start()
         for reader in readers:
             reader.join()
-        for rank, answer in answers.items():
-            answer["collectives"] = collectives.get(rank, "the rank is gone")
         for rank, answer in sorted(alike_answers(answers).items()):  # then the stacks, alike ranks' once
             for body in stacks_bodies(tag, rank, answer):
                 self.say(Kind.STACKS, body)

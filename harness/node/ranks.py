@@ -13,7 +13,7 @@ controller judges progress and slowness by (health/judge.py):
 From them the agent judges each rank's progress (ProgressWatch): how long it has gone without, and how long its
 count of completed collectives has stood still, said with every sample (RankSample.idle, .still). The controller
 then judges a hang from two numbers a rank, as of the rank's newest sample, and a tick looks only at the ranks
-that may be hung (at 16,384 ranks a look at every rank twice a second was a fifth of its core). The rule is
+that may be hung (at 16,384 ranks a look at every rank took 11 ms, twice a second). The rule is
 node-local, as NVIDIA's ft_launcher's rank monitors are; the threshold (health.stall) stays the controller's.
 
 A rank that a warm worker became (a standby's, harness.node.standby) carries its RANK only in its Python's
