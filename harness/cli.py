@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import NamedTuple, TypeAlias
 
 from harness import __version__, commands
-from harness.control.terminal import COLLAPSE_ABOVE, COLLAPSE_WINDOW
+from harness.control.terminal import COLLAPSE_WINDOW
 from harness.errors import HarnessError
+from harness.node.protocol import COLLAPSE_ABOVE, numbers_of
 from harness.spec.job import SLURM_OPTIONS
 
 # What a detached launch leaves out when it re-runs its own arguments (it adds its own run id and runs dir,
@@ -146,17 +147,9 @@ def _nnodes(text: str) -> NodeCount:
 
 def _ranks(text: str) -> frozenset[int]:
     """`3`, `0,2,5` or ranges as the harness writes them, `0-67,72-951`."""
-    try:
-        ranks: set[int] = set()
-        for part in text.split(","):
-            first, dash, last = part.partition("-")
-            ranks.update(range(int(first), int(last) + 1) if dash else [int(first)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ranks such as 3, 0,2,5 or 0-7,12, got {text!r}") from None
+    ranks = numbers_of(text.replace(" ", ""))
     if not ranks:
         raise argparse.ArgumentTypeError(f"expected ranks such as 3, 0,2,5 or 0-7,12, got {text!r}")
-    if min(ranks) < 0:
-        raise argparse.ArgumentTypeError(f"expected ranks of 0 or more, got {text!r}")
     return frozenset(ranks)
 
 

@@ -40,6 +40,7 @@ from harness.node.protocol import (
     Arrival,
     ControllerClock,
     Kind,
+    RankLines,
     RankSample,
     Word,
     alike_answers,
@@ -89,6 +90,7 @@ class StandInNode:
         self.program_read = False
         self.job: Job | None = None
         self.watch = 0.0
+        self.collapse = 0.0  # as its agent would hold its ranks' lines (protocol.RankLines; 0: not at all)
         self.started_at = time.time()
         self.arrived = dict.fromkeys(self.ranks, 0)  # the last collective each rank's arrivals said
         self.digest = ArrivalsDigest()  # as an agent says them: a collective once every rank arrived
@@ -102,6 +104,7 @@ class StandInNode:
         program = ast.literal_eval(program_line.decode().strip()[len("exec("):-1])
         argv = ast.literal_eval(re.search(r"^ARGV = (.*)$", program, re.M).group(1))  # type: ignore[union-attr]
         self.watch, self.job = float(argv[6]), Job(argv[7])
+        self.collapse = float(argv[14])
         self.program_read = True
 
     def send(self, kind: Kind, body: str) -> None:
@@ -169,7 +172,11 @@ class StandInNode:
                      for rank in self.ranks]
             self.said_step = step
         if text:
-            self.say("".join(text).encode())
+            said = "".join(text).encode()
+            if self.collapse > 0:  # the lines of a step come together: what the agent holds, it says as one
+                held = RankLines(self.collapse)
+                said = held.take(said, now) + held.flush()
+            self.say(said)
 
     def stacks(self, tag: str, t0: float | None, now: float) -> None:
         """Every rank's answer as the agent gives it (harness.node.observer): its main thread, its collectives."""

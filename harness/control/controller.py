@@ -42,11 +42,12 @@ from harness.control.results import (
 from harness.control.stopper import stop_on_signals
 from harness.control.summary_text import report
 from harness.control.supervisor import Supervisor
-from harness.control.terminal import COLLAPSE_ABOVE, Terminal
+from harness.control.terminal import Terminal
 from harness.errors import HarnessError
 from harness.health.judge import HealthJudge
 from harness.health.slowdown import SlowPolicy
 from harness.node.proctable import start_ticks
+from harness.node.protocol import COLLAPSE_ABOVE
 from harness.plan.planner import STORE_WATCH_ENV, NoSpareHosts, Plan, take_healthy
 from harness.plan.render import render_json, render_text
 from harness.record.disk import RESERVE_BYTES, RecordDisk, size_text, space_text

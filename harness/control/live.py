@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from harness.control import worker_output
 from harness.control.cascade import TRACEBACK, Cascade
+from harness.node.protocol import RANKS_PREFIX, collapsed_ranks, expanded
 from harness.plan.planner import Node, NodePlan
 from harness.spec.progress import LinePatterns, global_step, step_total
 from harness.targets.base import Outcome
@@ -157,7 +158,7 @@ class LiveNode:
         logged: list[str] = []
         streamed: list[str] = []
         shown: list[str] = []
-        for raw in _lines(text):
+        for raw in _lines(expanded(text, self.node.ranks)):
             line, show = self.take(raw, quiet_cpp_info, at)
             logged.append(line)
             if not show:
@@ -178,7 +179,7 @@ class LiveNode:
         without any first)."""
         if checkpoint.search(text) is None:
             return
-        for rank, line, found in _ranks_lines(text, checkpoint.search):
+        for rank, line, found in _ranks_lines(text, checkpoint.search, self.node.ranks):
             self.activity.setdefault(rank, RankActivity(line, at)).saving_s += _number(found, "seconds") or 0.0
 
     def release(self) -> Block:
@@ -190,7 +191,7 @@ class LiveNode:
         """Where each rank says its attempt resumed: the step its count starts from, which is no step taken."""
         if progress.find_resume(text) is None:
             return
-        for rank, line, found in _ranks_lines(text, progress.find_resume):
+        for rank, line, found in _ranks_lines(text, progress.find_resume, self.node.ranks):
             activity = self.activity.setdefault(rank, RankActivity(line, at))
             if activity.resumed is None:
                 activity.resumed, activity.restore_s = StepMark(at, global_step(found)), _number(found, "seconds")
@@ -206,12 +207,13 @@ class LiveNode:
             [text[:FIRST_STEP_LOOKED_AT], text[-FIRST_STEP_LOOKED_AT:]]
         if all(progress.search(end) is None for end in ends):
             return
-        for rank, line, found in _ranks_lines(text, progress.search):
+        for rank, line, found in _ranks_lines(text, progress.search, self.node.ranks):
             self.activity.setdefault(rank, RankActivity(line, at)).steps.append(StepMark(at, global_step(found)))
             return
 
     def _note(self, lines: list[str], at: float, progress: LinePatterns | None) -> None:
-        """Each rank's last line and, where progress finds one, its last step, from the block's last lines."""
+        """Each rank's last line and, where progress finds one, its last step, from the block's last lines (a line its
+        agent collapsed from several ranks: each one's)."""
         looked_at = lines[-LAST_LINES_LOOKED_AT:]
         if progress is not None and progress.search("\n".join(looked_at)) is None:
             progress = None  # one scan says no line here has a step
@@ -221,22 +223,35 @@ class LiveNode:
             if progress is None and len(seen) == len(self.node.ranks):
                 break
             rank = worker_output.rank_of(line)
-            if rank is None or rank in stepped or (rank in seen and progress is None):
+            if rank is not None:
+                ranks, text = [rank], None
+            elif line.startswith(RANKS_PREFIX) and (collapsed := collapsed_ranks(line, self.node.ranks)) is not None:
+                ranks, text = collapsed
+            else:
                 continue
-            activity = self.activity.get(rank)
-            if rank not in seen:
-                seen.add(rank)
-                if activity is None:
-                    activity = self.activity[rank] = RankActivity(line, at)
-                else:
-                    activity.line, activity.at = line, at
-            if progress is not None and activity is not None and (found := progress.search(line)):
-                stepped.add(rank)
-                step = global_step(found)
-                if not activity.steps or activity.steps[-1].step != step:  # (the block's first: _note_first_step's)
-                    activity.steps.append(StepMark(at, step))
-                activity.total = step_total(found) or activity.total
-                activity.loss, activity.throughput = _number(found, "loss"), _number(found, "throughput")
+            waiting = [rank for rank in ranks if rank not in stepped and (progress is not None or rank not in seen)]
+            found = progress.search(line) if waiting and progress is not None else None
+            for rank in waiting:
+                self._note_rank(rank, line if text is None else f"[rank{rank}]: {text}", at, found, seen, stepped)
+
+    def _note_rank(self, rank: int, line: str, at: float, found: re.Match[str] | None, seen: set[int],
+                   stepped: set[int]) -> None:
+        """A rank's line, the block's last lines read from the end: its last line (the first seen), and its step
+        where found is the progress pattern's match in it."""
+        if rank not in seen:
+            seen.add(rank)
+            if (last := self.activity.get(rank)) is None:
+                self.activity[rank] = RankActivity(line, at)
+            else:
+                last.line, last.at = line, at
+        if found:
+            activity = self.activity[rank]
+            stepped.add(rank)
+            step = global_step(found)
+            if not activity.steps or activity.steps[-1].step != step:  # (the block's first: _note_first_step's)
+                activity.steps.append(StepMark(at, step))
+            activity.total = step_total(found) or activity.total
+            activity.loss, activity.throughput = _number(found, "loss"), _number(found, "throughput")
 
     def stopping(self) -> None:
         """The harness begins to stop the node: what it says from now on is its reaction (torchrun's
@@ -250,7 +265,8 @@ class LiveNode:
         lines = list(self.tail)
         if self.stopped_at is not None:
             lines = lines[:max(0, len(lines) - (self.taken - self.stopped_at))]
-        own = [line for line in lines if rank is not None and line.startswith(f"[rank{rank}]:")]
+        own = [line for line in worker_output.each_rank(lines, self.node.ranks)
+               if rank is not None and line.startswith(f"[rank{rank}]:")]
         return (own or lines)[-count:]
 
 
@@ -262,9 +278,11 @@ def _number(found: re.Match[str], group: str) -> float | None:
         return None
 
 
-def _ranks_lines(text: str, search: Callable[[str], re.Match[str] | None]) -> Iterator[tuple[int, str, re.Match[str]]]:
-    """Each rank's line of text that search finds, with its rank and the match."""
-    for line in _lines(text):
+def _ranks_lines(text: str, search: Callable[[str], re.Match[str] | None],
+                 ranks: Container[int]) -> Iterator[tuple[int, str, re.Match[str]]]:
+    """Each rank's line of text that search finds, with its rank and the match (ranks: the node's, whose lines its
+    agent may have collapsed)."""
+    for line in worker_output.each_rank(_lines(text), ranks):
         if (found := search(line)) and (rank := worker_output.rank_of(line)) is not None:
             yield rank, line, found
 

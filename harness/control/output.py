@@ -18,6 +18,7 @@ from pathlib import Path
 
 from harness.control.live import Block, LiveNode
 from harness.control.terminal import Terminal
+from harness.node.protocol import RANKS_PREFIX, expanded
 from harness.plan.planner import Node
 from harness.record.stream import StreamRecord, stamp, stamped
 from harness.spec.progress import LinePatterns
@@ -86,15 +87,21 @@ class Output:
                         self.say(f"{live.node.label} on {live.node.host}: its link was lost and is made again; the "
                                  f"{replayed} line(s) it said meanwhile are in its logs, not shown here")
                     live_seen, replay, replayed = True, process.unwatched, 0
-                    self._show(block, prefix)
+                    self._show(block, prefix, live)
                 else:  # said while no controller watched: in the logs and the record, counted, said once (controller)
                     live.unwatched_lines += block.logged.count("\n")
                     replayed += block.logged.count("\n")
-            self._show(live.release(), prefix)
+            self._show(live.release(), prefix, live)
 
-    def _show(self, block: Block, prefix: str) -> None:
-        if block.shown_lines:
-            self.terminal.job_lines(stamped(block.shown, prefix), block.shown_lines)
+    def _show(self, block: Block, prefix: str, live: LiveNode) -> None:
+        """The block's lines on the terminal: those its agent collapsed as every rank's where it shows each line."""
+        if not block.shown_lines:
+            return
+        shown, count = block.shown, block.shown_lines
+        if not self.terminal.collapse and RANKS_PREFIX in shown:
+            shown = expanded(shown, live.node.ranks)
+            count = shown.count("\n")
+        self.terminal.job_lines(stamped(shown, prefix), count)
 
 # One thread reads every node whose link a selector can wait on (a local agent's pipe, an srun step's), instead of a
 # thread per node: at 2,048 nodes those were 2,048 threads taking turns at one GIL, and the health loop, whose tick

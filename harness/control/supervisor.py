@@ -23,11 +23,11 @@ from harness.control.stack_capture import StackCapture
 from harness.control.stopper import Stopper
 from harness.control.terminal import Terminal
 from harness.health.judge import HealthJudge
-from harness.health.rank_stack import number_ranges, ranks_text
+from harness.health.rank_stack import ranks_text
 from harness.health.rendezvous import RendezvousVerdict
 from harness.health.slowdown import SlowPolicy
 from harness.health.verdict import Verdict
-from harness.node.protocol import Kind, Message, ResultChunks, parse_arrivals, parse_health, parse_oom
+from harness.node.protocol import Kind, Message, ResultChunks, number_ranges, parse_arrivals, parse_health, parse_oom
 from harness.plan.planner import Node, NodePlan
 from harness.record.rundir import RunDir
 from harness.record.schema import HealthEvent

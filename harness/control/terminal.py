@@ -5,7 +5,9 @@ left out when the terminal falls too far behind, and the terminal is then told h
 
 At scale the same line comes from every rank (a warning, a step line); with collapse on, the terminal
 holds each job line for a short window and shows the identical ones that came from several ranks (or
-several nodes' torchrun) within it as one line that names them: `[ranks 0-1023]: UserWarning: ...`."""
+several nodes' torchrun) within it as one line that names them: `[ranks 0-1023]: UserWarning: ...`. The agents
+collapse their own ranks' lines first (harness.node.protocol.RankLines): such a line joins as all the ranks it names,
+and a terminal that does not collapse shows each of them."""
 
 from __future__ import annotations
 
@@ -18,15 +20,16 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from harness.health.rank_stack import short_ranges
+from harness.node.protocol import MOST_COLLAPSED, numbers_of
 from harness.record.stream import StreamRecord
 
 BACKLOG_BYTES = 8 << 20  # the job's text waiting for the terminal beyond which its lines are left out here
 COLLAPSE_WINDOW = 0.5  # seconds after a line's latest copy within which further copies from other ranks join it
 COLLAPSE_LONGEST = 4  # windows after its first copy that a line is held at most, however its copies keep coming
-COLLAPSE_ABOVE = 4  # ranks in an attempt beyond which identical lines collapse (harness launch --no-collapse: never)
 # A shown job line: its node, torchrun's rank prefix (none on torchrun's own lines), and a glog-style header
 # (torch's `W1127 09:12:33.123000 12345 ` or C++ `[W1127 09:12:33.123456 `), which differs between copies.
-JOB_LINE = re.compile(r"\[node(\d+)\] (?:\[rank(\d+)\]: )?(\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ (?:\d+ )?)?(.*)")
+JOB_LINE = re.compile(r"\[node(\d+)\] (?:\[rank(\d+)\]: |\[ranks ([\d,-]+)\]: )?"
+                      r"(\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ (?:\d+ )?)?(.*)")
 
 
 @dataclass
@@ -59,25 +62,31 @@ class _Copies:
     released: int = 0  # this key's groups shown already: the number of groups[0]
     next: dict[int, int] = field(default_factory=dict)
 
-    def group_of(self, member: int) -> _Group | None:
-        """The oldest group without a copy from member (None: every one has one)."""
-        at = self.next.get(member, 0) - self.released
+    def group_of(self, members: list[int]) -> _Group | None:
+        """The oldest group without a copy from any of members (None: every one has one)."""
+        at = max(self.next.get(member, 0) for member in members) - self.released
         return self.groups[max(at, 0)] if at < len(self.groups) else None
 
-    def joined(self, member: int) -> None:
-        self.next[member] = max(self.next.get(member, 0), self.released) + 1
+    def joined(self, members: list[int]) -> None:
+        """members' copies joined the group group_of gave, or a new one."""
+        number = max(self.released, *(self.next.get(member, 0) for member in members)) + 1
+        for member in members:
+            self.next[member] = number
 
 
-def _identity(line: str) -> tuple[tuple[str, str] | None, int, str]:
-    """What a line's copies share (None: it has none), whose line it is (a rank, or a node for torchrun's
-    own), and its glog-style header."""
+def _identity(line: str) -> tuple[tuple[str, str] | None, list[int], str]:
+    """What a line's copies share (None: it has none), whose line it is (a rank, the ranks an agent collapsed it
+    from, or a node for torchrun's own), and its glog-style header."""
     parsed = JOB_LINE.match(line)
     if parsed is None:
-        return None, 0, ""
-    node, rank, header, rest = parsed.groups()
+        return None, [0], ""
+    node, rank, ranks, header, rest = parsed.groups()
+    if ranks is not None:
+        named = numbers_of(ranks, MOST_COLLAPSED)
+        return (("rank", rest), named, header or "") if named else (None, [0], "")
     if rank is None:
-        return ("node", rest), int(node), header or ""
-    return ("rank", rest), int(rank), header or ""
+        return ("node", rest), [int(node)], header or ""
+    return ("rank", rest), [int(rank)], header or ""
 
 
 def _lines(text: str) -> Iterator[str]:
@@ -162,9 +171,9 @@ class Terminal:
         due = now + self._window
         was_empty = not self._held
         for line in _lines(text):
-            key, member, header = _identity(line)
+            key, members, header = _identity(line)
             copies = self._open.get(key) if key is not None else None
-            group = copies.group_of(member) if copies is not None else None
+            group = copies.group_of(members) if copies is not None else None
             if group is None:
                 if self._queued + self._held_bytes + len(line) > self._backlog_bytes:
                     self._left_out += 1
@@ -176,8 +185,8 @@ class Terminal:
                     copies = self._open.setdefault(key, _Copies())
                     copies.groups.append(group)
             if copies is not None:
-                copies.joined(member)
-            group.members.append(member)
+                copies.joined(members)
+            group.members += members
             group.due = min(due, group.latest)  # copies still coming: a step's lines from 1,024 ranks take a while
         if was_empty and self._held:
             self._ready.notify()

@@ -10,8 +10,10 @@ is known to have been distributed without touching the user's script.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+from harness.node.protocol import RANKS_PREFIX, collapsed_ranks
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
 # torch's own prefix follows torchrun's with a blank (Python tracebacks) or without (C++ log lines).
@@ -136,10 +138,20 @@ class UserError:
         return None if self.file is None else f"{self.file}:{self.line}, in {self.function}"
 
 
+def each_rank(lines: Iterable[str], ranks: Container[int] | None = None) -> Iterator[str]:
+    """lines, each that an agent collapsed from several ranks as their own lines (ranks: its node's, where known)."""
+    for line in lines:
+        found = collapsed_ranks(line, ranks) if line.startswith(RANKS_PREFIX) else None
+        if found is None:
+            yield line
+        else:
+            yield from (f"[rank{rank}]: {found[1]}" for rank in found[0])
+
+
 def rank_lines(lines: Iterable[str], rank: int) -> list[str]:
     """The rank's own lines, without the prefix."""
     prefix = f"[rank{rank}]: "
-    return [line[len(prefix):] for line in lines if line.startswith(prefix)]
+    return [line[len(prefix):] for line in each_rank(lines) if line.startswith(prefix)]
 
 
 def user_error(lines: Sequence[str]) -> UserError | None:

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from harness.node.protocol import number_ranges
 from harness.plan.planner import Node
 
 # Frames inside these parts of torch are a rank waiting for its peers (a collective, DDP's backward).
@@ -239,17 +240,6 @@ def ranks_text(numbers: Iterable[int], noun: str = "rank") -> str:
     """`rank 5`, or `ranks 0-3,8,10,11`: one line however many there are."""
     numbers = sorted(set(numbers))
     return f"{noun} {numbers[0]}" if len(numbers) == 1 else f"{noun}s {number_ranges(numbers)}"
-
-
-def number_ranges(numbers: Iterable[int]) -> str:
-    """Sorted numbers with runs of three or more as ranges: `0-3,8,10,11`."""
-    runs: list[list[int]] = []
-    for number in sorted(set(numbers)):
-        if runs and number == runs[-1][1] + 1:
-            runs[-1][1] = number
-        else:
-            runs.append([number, number])
-    return ",".join(f"{a}-{b}" if b - a > 1 else ",".join(map(str, range(a, b + 1))) for a, b in runs)
 
 
 def short_ranges(numbers: Iterable[int]) -> str:

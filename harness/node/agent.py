@@ -5,8 +5,8 @@ controller, a process on an SSH host, or an srun step's task. It is started as
 
     python -I -S -c "$BOOT" harness-agent RUN_ID node NODE_RANK attempt ATTEMPT
 
-and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK STANDBY SECRETS HOLD STORE NODES, from the
-first line of its stdin (harness.targets.boot), so it imports nothing but the standard library (not even
+and reads itself, and its arguments GRACE SILENCE WATCH COMMAND CLEANUP HOOK STANDBY SECRETS HOLD STORE NODES COLLAPSE,
+from the first line of its stdin (harness.targets.boot), so it imports nothing but the standard library (not even
 site-packages): hosts need Python, not the harness. It obeys the controller's words on the rest of its
 stdin and says its messages among the node's output on its stdout: harness.node.protocol defines both,
 with what each means. Here: the node's command in a session of its own, its output read by the agent and said
@@ -21,7 +21,8 @@ before runs) that waits on its stdin for the GO word's order, then is its attemp
 step, SIGUSR1 ignored (Slurm's time-limit warning, which the training processes
 catch). SECRETS (JSON: name -> value) join the environment COMMAND runs in: carried on stdin, they are on no command
 line and in no file (harness/spec/secrets.py). What it sees of the ranks is harness.node.observer's, every WATCH
-seconds or less often where the job's NODES would send the controller too many (protocol.sample_interval).
+seconds or less often where the job's NODES would send the controller too many (protocol.sample_interval). Its
+ranks' identical lines, held COLLAPSE seconds (0: none), go as one (protocol.RankLines).
 
 The agent finds its node's processes through harness.node.proctable, as `harness stop` does. It
 keeps a private directory (HARNESS_AGENT_DIR in the node's environment, removed at the end, or by the
@@ -37,6 +38,7 @@ import contextlib
 import ctypes
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -52,6 +54,7 @@ from harness.node.proctable import is_alive, kill_run_processes, process_tree, s
 from harness.node.protocol import (
     RESULTS_FOLDER,
     Kind,
+    RankLines,
     Word,
     escape_output,
     message_line,
@@ -81,7 +84,7 @@ class Agent:
 
     def __init__(self, run_id: str, node_rank: str, attempt: str, grace: float, silence: float, watch: float,
                  command: str, cleanup: str, hook: str, standby: str = "", secrets: dict[str, str] | None = None,
-                 hold: float = 0.0, store_port: int | None = None, nodes: int = 1) -> None:
+                 hold: float = 0.0, store_port: int | None = None, nodes: int = 1, collapse: float = 0.0) -> None:
         self.run_id = run_id
         self.node_rank = node_rank
         self.attempt = attempt
@@ -89,6 +92,7 @@ class Agent:
         self.silence = silence
         self.watch = watch
         self.nodes = nodes  # the job's: its samples are paced by them (protocol.sample_interval)
+        self.collapse = collapse  # seconds its ranks' lines are held for identical copies (0: not at all)
         self.cleanup = cleanup
         self.hold = hold
         self.began = time.time()
@@ -159,11 +163,26 @@ class Agent:
         message's (escape_output)."""
         assert self.child.stdout is not None
         fd = self.child.stdout.fileno()
-        while chunk := os.read(fd, READ_BYTES):
-            self.passing = True
-            self.link.write(escape_output(chunk))
-            self.passing = False
+        held = RankLines(self.collapse) if self.collapse > 0 else None
+        while True:
+            if held is not None and held.due is not None:
+                wait = held.due - time.monotonic()
+                if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                    self._pass(held.flush())
+                    continue
+            chunk = os.read(fd, READ_BYTES)
+            if not chunk:
+                break
+            self._pass(chunk if held is None else held.take(chunk, time.monotonic()))
             self.passed += len(chunk)
+        if held is not None:
+            self._pass(held.flush())
+
+    def _pass(self, output: bytes) -> None:
+        if output:
+            self.passing = True
+            self.link.write(escape_output(output))
+            self.passing = False
 
     def _name(self) -> None:
         """Say in the private directory whose node this is: harness.node.link finds it by that."""
@@ -377,15 +396,16 @@ def remove_orphaned(parent: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby, secrets, hold, store, nodes = \
-        argv[:14]
+    run_id, node_rank, attempt, grace, silence, watch, command, cleanup, hook, standby, secrets, hold, store, nodes, \
+        collapse = argv[:15]
     if "SLURM_STEP_ID" in os.environ:
         # Slurm's time-limit warning reaches every process of the step (scancel --signal=USR1): the training
         # processes catch it and checkpoint; the agent and torchrun (which inherits this) must live on.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         agent = Agent(run_id, node_rank, attempt, float(grace), float(silence), float(watch), command, cleanup, hook,
-                      standby, json.loads(secrets), float(hold), int(store) if store else None, int(nodes))
+                      standby, json.loads(secrets), float(hold), int(store) if store else None, int(nodes),
+                      float(collapse))
     except OSError as exc:
         sys.stdout.write(f"harness node agent: cannot run the node's command: {exc.strerror or exc}\n")
         sys.stdout.flush()

@@ -15,15 +15,31 @@ worker's unfinished line may precede it: `split_line` takes it apart, and the re
 worker's next line). The node's output never holds MARKER: the agent passes it through `escape_output`, which
 follows each of its RS bytes (MARKER's first) with a US byte, and the controller reads it back through
 `unescape_output`; so no byte a rank prints can be taken for a message (a forged NODE_EXIT, a replay's offsets).
+
+The node's output itself: in a job of more than COLLAPSE_ABOVE ranks, an agent with several ranks holds their
+lines (`[rank9]: TEXT`, torchrun's prefix) for COLLAPSE_SECONDS and says identical ones from several of its ranks as
+one line, `[ranks 8-15]: TEXT` (RankLines): at scale the same warning or step line comes from every rank, and the
+controller, its terminal and its record take one line where they took eight. Each rank's lines keep their order;
+`expanded` gives every rank's line again (the controller's slow path, `harness logs`, a terminal that shows every
+line).
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
 import collections
 import json
+import re
+from collections.abc import Container, Iterable
 from enum import Enum
 from typing import Any, NamedTuple
+
+COLLAPSE_ABOVE = 4  # ranks in a job beyond which identical lines of its ranks collapse (harness launch --no-collapse:
+# the terminal shows every one)
+COLLAPSE_SECONDS = 0.25  # how long an agent holds its ranks' lines for identical copies from its other ranks
+COLLAPSE_BYTES = 1 << 16  # held beyond which an agent says them at once
+MOST_COLLAPSED = 1024  # ranks a collapsed line may name where its node's are not known (a node has fewer)
 
 MARKER = b"\x1eharness-"
 RS = MARKER[:1]  # ASCII's record separator: every message begins with it
@@ -437,3 +453,128 @@ def oom_body(killed: dict[int, str]) -> str:
 
 def parse_oom(body: str) -> dict[int, str]:
     return {int(rank): str(line) for rank, line in json.loads(body).items()}
+
+
+# -- The node's output: identical lines of several ranks as one.
+
+RANK_LINE = re.compile(rb"\[rank(\d+)\]: ")
+COLLAPSED = re.compile(r"\[ranks ([\d,-]+)\]: ")
+RANKS_PREFIX = "[ranks "  # a collapsed line's beginning
+
+
+def number_ranges(numbers: Iterable[int]) -> str:
+    """Sorted numbers with runs of three or more as ranges: `0-3,8,10,11`."""
+    runs: list[list[int]] = []
+    for number in sorted(set(numbers)):
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ",".join(f"{a}-{b}" if b - a > 1 else ",".join(map(str, range(a, b + 1))) for a, b in runs)
+
+
+def numbers_of(text: str, most: int | None = None) -> list[int] | None:
+    """The numbers number_ranges wrote (`0-3,8`), in order; None: not such a text, or more than most of them."""
+    numbers: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            return None
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low or (most is not None and len(numbers) + high - low >= most):
+            return None
+        numbers += range(low, high + 1)
+    return numbers
+
+
+def collapsed_ranks(line: str, ranks: Container[int] | None = None) -> tuple[list[int], str] | None:
+    """A collapsed line's ranks and its text after the prefix; None: no collapsed line, or one that names a rank not
+    in ranks (its node's; None: not known, and then at most MOST_COLLAPSED): a line any program could print is no
+    way to make the controller write a million."""
+    found = COLLAPSED.match(line)
+    if found is None:
+        return None
+    numbers = numbers_of(found.group(1), MOST_COLLAPSED)
+    if not numbers or (ranks is not None and not all(rank in ranks for rank in numbers)):
+        return None
+    return numbers, line[found.end():]
+
+
+def expanded(text: str, ranks: Container[int] | None = None) -> str:
+    """text (whole lines) with each collapsed line as its ranks' lines, in rank order."""
+    if RANKS_PREFIX not in text:
+        return text
+    lines = []
+    for line in text.splitlines(keepends=True):
+        found = collapsed_ranks(line, ranks) if line.startswith(RANKS_PREFIX) else None
+        lines += [line] if found is None else [f"[rank{rank}]: {found[1]}" for rank in found[0]]
+    return "".join(lines)
+
+
+class RankLines:
+    """An agent's ranks' lines, held for `seconds` after the first: identical ones of several ranks said as one. A
+    line of no rank (torchrun's own, a rank's line with a carriage return) says what is held first, then itself, so
+    that the node's lines keep their order; a rank's line joins the first held copy after its own last line."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.due: float | None = None  # when what is held is said (None: nothing is)
+        self._groups: list[tuple[bytes, list[int]]] = []  # (text after the prefix, the ranks that said it)
+        self._where: dict[bytes, list[int]] = {}  # text -> the indexes of its groups
+        self._last: dict[int, int] = {}  # rank -> the group of its last held line
+        self._held = 0  # bytes
+        self._rest = b""  # a line's beginning whose end has not come, after what is held
+        self._mid_line = False  # what was said last ended within a line: its end passes as it comes
+
+    def take(self, chunk: bytes, now: float) -> bytes:
+        """What to say now of chunk (and of what was held); the rest is held until due, or until said first."""
+        said: list[bytes] = []
+        data, self._rest = self._rest + chunk, b""
+        if self._mid_line:
+            end = data.find(b"\n") + 1
+            if not end:
+                return data
+            said.append(data[:end])
+            data, self._mid_line = data[end:], False
+        *lines, rest = data.split(b"\n")
+        for line in lines:
+            found = RANK_LINE.match(line)
+            if found is None or b"\r" in line:
+                said += [self.flush(), line, b"\n"]
+            else:
+                self._hold(int(found.group(1)), line[found.end():])
+        if self._held > COLLAPSE_BYTES:
+            said.append(self.flush())
+        if rest:
+            if self._groups:
+                self._rest = rest
+            else:
+                said.append(rest)
+                self._mid_line = True
+        if self._groups and self.due is None:
+            self.due = now + self.seconds
+        return b"".join(said)
+
+    def flush(self) -> bytes:
+        """Everything held, as it is said: each group once, in the order of its first line."""
+        said = [b"[rank%d]: %s\n" % (ranks[0], text) if len(ranks) == 1 else
+                b"[ranks %s]: %s\n" % (number_ranges(ranks).encode(), text) for text, ranks in self._groups]
+        if self._rest:
+            said.append(self._rest)
+            self._mid_line = True
+        self._groups, self._where, self._last, self._held, self._rest, self.due = [], {}, {}, 0, b"", None
+        return b"".join(said)
+
+    def _hold(self, rank: int, text: bytes) -> None:
+        after = self._last.get(rank, -1)
+        copies = self._where.setdefault(text, [])
+        later = bisect.bisect_right(copies, after)
+        if later < len(copies):
+            at = copies[later]
+        else:
+            at = len(self._groups)
+            self._groups.append((text, []))
+            copies.append(at)
+            self._held += len(text) + 16
+        self._groups[at][1].append(rank)
+        self._last[rank] = at

@@ -21,7 +21,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
-from harness.node.protocol import MARKER, Kind, Message, Word, split_line, unescape_output, word_line
+from harness.node.protocol import (
+    COLLAPSE_ABOVE,
+    COLLAPSE_SECONDS,
+    MARKER,
+    Kind,
+    Message,
+    Word,
+    split_line,
+    unescape_output,
+    word_line,
+)
 from harness.plan.planner import NodePlan
 from harness.plan.shell import shell_command, standby_command, standby_order, why_cold
 from harness.spec.job import JobSpec
@@ -50,7 +60,9 @@ def agent_program(node: NodePlan, grace: float, silence: float, watch: float, ho
     """The first line of the agent's stdin: the agent, and what it runs. silence: seconds without a
     word from the controller after which the agent takes it for gone; hold: how long it then holds its node for
     another (supervision.grace; 0: it stops it at once); watch: seconds between its health samples (0: none);
-    nodes: the job's, which make them less frequent where the controller would take too many (protocol.paced);
+    nodes: the job's, which make them less frequent where the controller would take too many (protocol.paced), and
+    say whether its agent collapses its ranks' identical lines (protocol.RankLines: a job of more than COLLAPSE_ABOVE
+    ranks, a node of several);
     standby: the node's torchrun and workers started to wait for its order (Standbys); secrets: values for the
     node's environment that go nowhere else (spec/secrets.py). The node's env values whose names look secret go with
     them, not on the node's line: the agent runs that line as `sh -c LINE`, whose command line any user may read."""
@@ -63,7 +75,13 @@ def agent_program(node: NodePlan, grace: float, silence: float, watch: float, ho
     return shipped("agent", [*_identity(node).values(), f"{grace:g}", f"{silence:g}", f"{watch:g}", command,
                              shlex.join(node.cleanup), RANK_HOOK, STANDBY if standby else "",
                              json.dumps(hidden | dict(secrets or {})), f"{hold:g}",
-                             "" if node.store_port is None else str(node.store_port), str(nodes)])
+                             "" if node.store_port is None else str(node.store_port), str(nodes),
+                             f"{collapse_seconds(nodes, len(node.ranks)):g}"])
+
+
+def collapse_seconds(nodes: int, ranks: int) -> float:
+    """How long a node's agent holds its ranks' lines for identical copies (0: it says each as it comes)."""
+    return COLLAPSE_SECONDS if ranks > 1 and nodes * ranks > COLLAPSE_ABOVE else 0.0
 
 
 def relay_argv(python: str, node: NodePlan) -> list[str]:

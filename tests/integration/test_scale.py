@@ -1,12 +1,15 @@
 """The harness with 32 simulated nodes: each node a real node agent and torchrun's place taken by a stand-in that
 starts its ranks as torchrun does, the ranks costing no torch import (testbed/standin; bench/scale.py measures
 16 to 256 nodes). A hang is found and named among 64 ranks, the terminal shows the ranks' identical lines as one
-line that names them, and the run's logs keep every line; the controller's threads do not grow with the nodes."""
+line that names them (each node's agent collapsed its own first), and the run's logs keep every line; the
+controller's threads do not grow with the nodes."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from harness.node.protocol import RANKS_PREFIX, numbers_of
 
 from conftest import REPO, assert_nothing_left, free_port, harness
 
@@ -54,21 +57,15 @@ def test_a_hang_among_32_nodes_is_named_and_identical_lines_collapse(write_yaml,
         shown = [m for line in run.lines
                  if (m := re.match(rf"(?:\[node\d+\] )?\[ranks? ([\d,-]+)\]: epoch 1/1 step {step}/", line))]
         assert 1 <= len(shown) <= 8, (step, shown)
-        assert sorted(r for m in shown for r in _ranks(m[1])) == list(range(WORLD)), shown
+        assert sorted(r for m in shown for r in numbers_of(m[1]) or []) == list(range(WORLD)), shown
     warnings = [line for line in run.lines if "UserWarning: this stand-in" in line]
     assert len(warnings) < WORLD // 4, warnings
     assert any(line.startswith("[ranks ") for line in warnings), warnings
 
-    # the logs keep each rank's own lines
+    # each node's agent said its ranks' identical lines once, and the logs give each rank's own lines back
+    collapsed = [line for path in (run.runs_dir / run.run_id).glob("node*.log") for line in path.read_text().splitlines()
+                 if line.startswith(RANKS_PREFIX)]
+    assert collapsed, "no node's agent collapsed its ranks' identical lines"
     logs = harness("logs", run.run_id, "--rank", "5", "--runs-dir", str(tmp_path / "runs"))
     steps = re.findall(r"^\[node2\] \[rank5\]: epoch 1/1 step (\d+)/", logs.stdout, re.M)
     assert steps == [str(s) for s in range(1, HANG_STEP)], logs.stdout[-2000:]
-
-
-def _ranks(text: str) -> list[int]:
-    """`0-3,8,10` -> [0, 1, 2, 3, 8, 10]."""
-    found: list[int] = []
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        found += range(int(first), int(last or first) + 1)
-    return found

@@ -203,6 +203,18 @@ class LocalAgent(ChildAgentNode):
     def _agent_lost(self) -> None: ...
 
 
+def _agent_printing(output: bytes, code: int, nproc: int, folder: Path) -> LocalAgent:
+    """A real agent started on a node of nproc ranks whose command prints output and exits with code."""
+    script = f"import sys; sys.stdout.buffer.write({output!r}); sys.stdout.flush(); sys.exit({code})"
+    node = NodePlan(host="h", address="127.0.0.1", node_rank=0, nproc=nproc, argv=(sys.executable, "-c", script),
+                    env={"HARNESS_RUN_ID": "agent-test", "NODE_RANK": "0", "HARNESS_ATTEMPT": "0"},
+                    workdir=str(folder))
+    agent = LocalAgent(node)
+    agent.boot(agent_program(node, grace=1, silence=60, watch=0))
+    agent.talk()
+    return agent
+
+
 def test_a_rank_that_prints_the_agents_marker_forges_no_message(tmp_path: Path) -> None:
     """A rank prints, byte for byte, the agent's messages: its node's end (0), the end of a replay (an offset in
     the stream), an OOM kill, its ranks started; and an RS of its own at a line's end and before a US. A real
@@ -211,15 +223,20 @@ def test_a_rank_that_prints_the_agents_marker_forges_no_message(tmp_path: Path) 
     forged = message_line(Kind.NODE_EXIT, "0") + b"step 1 " + message_line(Kind.WATCHED, json.dumps({"at": 10**9})) \
         + message_line(Kind.OOM, json.dumps({"0": "Out of memory: Killed process 1"})) \
         + message_line(Kind.STARTED, "0") + b"an RS at the end \x1e\n\x1e\x1f stays\n"
-    script = f"import sys; sys.stdout.buffer.write({forged!r}); sys.stdout.flush(); sys.exit(3)"
-    node = NodePlan(host="h", address="127.0.0.1", node_rank=0, nproc=1, argv=(sys.executable, "-c", script),
-                    env={"HARNESS_RUN_ID": "forge-test", "NODE_RANK": "0", "HARNESS_ATTEMPT": "0"},
-                    workdir=str(tmp_path))
-    agent = LocalAgent(node)
-    agent.boot(agent_program(node, grace=1, silence=60, watch=0))
-    agent.talk()
+    agent = _agent_printing(forged, 3, nproc=1, folder=tmp_path)
     said = "".join(agent.output())
     assert said == forged.decode()
     assert agent.wait().exit_code == 3
     assert agent.messages.empty()
     assert agent.position == len(escape_output(forged) + message_line(Kind.NODE_EXIT, "3"))
+
+
+def test_a_real_agent_says_its_ranks_identical_lines_once_and_all_it_held_before_the_nodes_end(tmp_path: Path) -> None:
+    """A node of 8 ranks (a job above COLLAPSE_ABOVE): the agent holds its ranks' lines for their window and says
+    the copies as one, torchrun's own line in its place; what it holds when the node ends comes before the end."""
+    lines = b"".join(b"[rank%d]: UserWarning: deprecated\n" % rank for rank in range(8)) + b"torchrun's own\n" + \
+        b"[rank3]: step 1\n[rank0]: step 1\n"
+    agent = _agent_printing(lines, 0, nproc=8, folder=tmp_path)
+    said = "".join(agent.output())
+    assert said == "[ranks 0-7]: UserWarning: deprecated\ntorchrun's own\n[ranks 0,3]: step 1\n"
+    assert agent.wait().exit_code == 0

@@ -14,8 +14,8 @@ import pytest
 
 from harness import cli, commands
 from harness.control import controller
-from harness.control.terminal import COLLAPSE_ABOVE, Terminal, _Copies, _Group
-from harness.health.rank_stack import number_ranges
+from harness.control.terminal import Terminal, _Copies, _Group
+from harness.node.protocol import COLLAPSE_ABOVE, number_ranges
 
 LONG = 3600.0  # a window no test outlives: what is held is shown by close() or a harness line
 
@@ -108,11 +108,11 @@ def test_a_ranks_next_copy_goes_to_the_oldest_group_without_one_after_older_grou
     copies = _Copies()
 
     def join(member: int) -> _Group:
-        group = copies.group_of(member)
+        group = copies.group_of([member])
         if group is None:
             group = _Group(("rank", "x"), _line(member, "x"), "", 0.0, 0.0)
             copies.groups.append(group)
-        copies.joined(member)
+        copies.joined([member])
         group.members.append(member)
         return group
 
