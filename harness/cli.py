@@ -279,7 +279,8 @@ def _launch_verb(verbs: Verbs, job: argparse.ArgumentParser, runs_dir: argparse.
     launch.add_argument("--no-collapse", action="store_true",
                         help=f"show every rank's line on the terminal as it is; without it, a job of more than "
                              f"{COLLAPSE_ABOVE} ranks has identical lines from several ranks within "
-                             f"{COLLAPSE_WINDOW:g} s shown as one, `[ranks 0-7]: ...` (the logs keep every line)")
+                             f"{COLLAPSE_WINDOW:g} s shown as one, `[ranks 0-7]: ...` (`harness logs` gives every "
+                             f"rank's line)")
     launch.add_argument("--skip-preflight", action="store_true", help="with --hosts: start without the fast checks")
     launch.add_argument("--known-hosts", help="known_hosts file for host keys (default ~/.ssh/known_hosts)")
     launch.add_argument("--accept-new-host-keys", action="store_true",

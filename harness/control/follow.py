@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness.control.terminal import Terminal
 from harness.record.rundir import RunDir
-from harness.record.stream import StreamReader, record_files, unstamp
+from harness.record.stream import StreamReader, each_rank, record_files, unstamp
 from harness.targets.base import JobStatus, Scheduler
 
 POLL_SECONDS = 0.1  # how often the record is read (the run's lines reach the terminal this late at most)
@@ -94,4 +94,5 @@ class Follower:
             if path.name != self.own_file:
                 self.readers.setdefault(path, StreamReader(path))
         for line in heapq.merge(*(reader.lines() for reader in self.readers.values())):
-            self.out.job_lines(unstamp(line), 1)
+            for shown in [line] if self.out.collapse else each_rank(line):
+                self.out.job_lines(unstamp(shown), 1)

@@ -2,8 +2,9 @@
 with the time it arrived, appended as it arrives -- logs/harness.log for the harness's own words (and
 logs/follower.log for those of a `harness launch` that follows a batch job's controller), and per
 attempt one file per node, logs/attempt<N>/node<R>.log, whose lines carry their rank as the stream shows
-them (`[node1] [rank3]: ...`). `harness logs` merges them in time order (view/logs.py), reading each file
-with a StreamReader.
+them (`[node1] [rank3]: ...`), or the ranks whose identical lines their agent said as one (`[node1] [ranks 8-15]:
+...`, harness.node.protocol.RankLines; each_rank gives each rank's back). `harness logs` merges them in time order
+(view/logs.py), reading each file with a StreamReader.
 
 Each line is `STAMP LINE`: STAMP is UTC to the microsecond in a fixed width (STAMP_WIDTH), so that
 lines sort by time as text. The node logs beside them (node<R>.log) keep the node's output as it came,
@@ -18,6 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from harness.node.protocol import RANKS_PREFIX, collapsed_ranks
 from harness.record.atomic import make_folders
 from harness.record.disk import AppendedFile, RecordDisk, RecordFile
 
@@ -34,6 +36,18 @@ def stamp(t: float) -> str:
 def unstamp(line: str) -> str:
     """A line of the record as the stream showed it: without its STAMP."""
     return line[STAMP_WIDTH + 1:]
+
+
+def each_rank(line: str) -> Iterator[str]:
+    """A line of the record, or where its agent collapsed it from several ranks, each rank's own, with its stamp and
+    node (a line of the harness's own has no node, and stays as it is)."""
+    at = line.find("] ", STAMP_WIDTH) + 2  # after the node's label
+    found = collapsed_ranks(line[at:]) if line.startswith("[", STAMP_WIDTH + 1) and \
+        line.startswith(RANKS_PREFIX, at) else None
+    if found is None:
+        yield line
+    else:
+        yield from (f"{line[:at]}[rank{rank}]: {found[1]}" for rank in found[0])
 
 
 def stamped(text: str, head: str) -> str:

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import IO
 
 from harness.errors import HarnessError, UsageError
-from harness.node.protocol import RANKS_PREFIX, collapsed_ranks
 from harness.record.liveness import has_ended
 from harness.record.rundir import RunDir
-from harness.record.stream import STAMP_WIDTH, StreamReader, record_files, stamp, unstamp
+from harness.record.stream import STAMP_WIDTH, StreamReader, each_rank, record_files, stamp, unstamp
 
 FOLLOW_POLL_SECONDS = 0.25
 NODE_FILE = re.compile(r"^attempt(\d+)/node(\d+)\.log$")
@@ -166,20 +165,8 @@ def _span(numbers: set[int]) -> str:
 
 
 def _kept(selection: Selection, lines: Iterable[str]) -> Iterator[str]:
-    return (selection.shown(line) for line in _each_rank(lines) if selection.keeps(line))
-
-
-def _each_rank(lines: Iterable[str]) -> Iterator[str]:
-    """The record's lines, each that an agent collapsed from several ranks (`[node1] [ranks 8-15]: ...`) as every one
-    of theirs, with its stamp and node: the logs show, and filter, each rank's own lines."""
-    for line in lines:
-        at = line.find("] ", STAMP_WIDTH) + 2  # after the node's label (the harness's own lines have none)
-        found = collapsed_ranks(line[at:]) if line.startswith("[", STAMP_WIDTH + 1) and \
-            line.startswith(RANKS_PREFIX, at) else None
-        if found is None:
-            yield line
-        else:
-            yield from (f"{line[:at]}[rank{rank}]: {found[1]}" for rank in found[0])
+    return (selection.shown(line) for each in lines for line in each_rank(each)
+            if selection.keeps(line))
 
 
 def since_stamp(seconds: float) -> str:
