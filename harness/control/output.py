@@ -2,7 +2,7 @@
 in the node's log as they came, and with their times in the run's record (record/stream.py). Each
 node's output is taken a block at a time -- all that arrived since the last read -- so that the stream
 costs per read, not per line, and keeps up with any job's output. One thread (Streams) reads every node a selector
-can wait on; the others are read on a thread each."""
+can wait on (a local or srun agent's pipe, a pod's connection); the others (SSH) are read on a thread each."""
 
 from __future__ import annotations
 
@@ -103,11 +103,11 @@ class Output:
             count = shown.count("\n")
         self.terminal.job_lines(stamped(shown, prefix), count)
 
-# One thread reads every node whose link a selector can wait on (a local agent's pipe, an srun step's), instead of a
-# thread per node: at 2,048 nodes those were 2,048 threads taking turns at one GIL, and the health loop, whose tick
-# needs a good share of it, waited minutes for its turn. Each node's output is worked on as far as it has come
-# (Output.steps), then the thread goes on to the next ready node. Links that no selector can wait on (an SSH
-# channel, a pod's connection) keep a thread of their own (Output.pump).
+# One thread reads every node whose link a selector can wait on (a local agent's pipe, an srun step's, a pod's),
+# instead of a thread per node: at 2,048 nodes those were 2,048 threads taking turns at one GIL, and the health loop,
+# whose tick needs a good share of it, waited minutes for its turn. Each node's output is worked on as far as it has
+# come (Output.steps), then the thread goes on to the next ready node. Links that no selector can wait on (an SSH
+# channel, whose relink blocks) keep a thread of their own (Output.pump).
 
 
 @dataclass
@@ -185,6 +185,8 @@ class Streams:
             data = driven.process.read_ready()
         except OSError:
             data = b""
+        if data is None:  # nothing whole yet (a pod's sealed message in parts)
+            return
         driven.process.feed(data)
         self._advance(fd, driven)
 

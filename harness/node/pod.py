@@ -286,6 +286,26 @@ class Channel:
                 return _xor(sealed[:length], hashlib.shake_256(self._receive_cipher + sequence).digest(length))
         return b""
 
+    def recv_ready(self) -> bytes | None:
+        """Once a selector said the link is readable: one read of it, and the data of every message now whole (None:
+        none is yet; b"": the other end's end). Errors as recv's."""
+        if self._ended:
+            return b""
+        try:
+            chunk = self.link.recv(READ_BYTES)
+        except OSError:
+            self._ended = True
+            raise
+        if not chunk:
+            self._ended = True
+            raise ConnectionError("the link ended without the other end's end: cut on the way, or its end is gone")
+        self._buffer += chunk
+        data = []
+        while not self._ended and len(self._buffer) >= RECORD.size and \
+                len(self._buffer) >= RECORD.size + min(RECORD.unpack_from(self._buffer)[1], RECORD_BYTES) + TAG_BYTES:
+            data.append(self.recv())  # a whole message: read from the buffer alone (b"": the end, said next time)
+        return b"".join(data) if data else None
+
     def _read(self, count: int) -> bytes:
         try:
             while len(self._buffer) < count:

@@ -276,8 +276,9 @@ class AgentNode(ABC):
         read by a thread of its own, through _chunks)."""
         return None
 
-    def read_ready(self) -> bytes:
-        """What the link holds now, once readable() said it holds something (b"": it ended); OSError where it broke."""
+    def read_ready(self) -> bytes | None:
+        """What the link holds now, once readable() said it holds something (b"": it ended; None: nothing whole yet);
+        OSError where it broke."""
         raise NotImplementedError
 
     def drive(self) -> None:

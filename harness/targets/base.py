@@ -83,8 +83,8 @@ class NodeProcess(Protocol):
     def readable(self) -> int | None:
         """A descriptor that a selector may wait on for the node's output (None: it is read on a thread of its own)."""
 
-    def read_ready(self) -> bytes:
-        """What the node's link holds, once readable() is (b"": it ended)."""
+    def read_ready(self) -> bytes | None:
+        """What the node's link holds, once readable() is (b"": it ended; None: nothing whole yet)."""
 
     def drive(self) -> None:
         """output() takes what feed() gives it from now on, read by the controller's one reading thread."""

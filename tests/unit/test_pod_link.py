@@ -32,6 +32,7 @@ from harness.node.pod import (
     TERM,
     Handshake,
     Pod,
+    Refused,
     bounded_json,
     message,
     read_line,
@@ -328,6 +329,41 @@ def test_a_session_ended_by_its_sender_is_told_from_one_cut_on_the_way(tmp_path)
             assert reader.recv() == read
         reader.abort()
         sender.abort()
+
+
+def test_a_selectors_reads_give_each_sealed_message_once_it_is_whole_and_then_the_end():
+    """The controller reads pods through its one selector thread (control/output.py's Streams): a read takes what
+    came, parts of a message say nothing yet, a whole one is given, the sender's end after it; a message changed on
+    the way is refused as recv refuses it."""
+    handshake = Handshake(b"k" * 64, b"hello", "nonce", RUN)
+    wire, relay = socket.socketpair()
+    sender = handshake.channel(wire, "pod", pytest.fail)
+    sender.send(b"first")
+    sender.send(b"second")
+    sender.close()
+    sealed = b""
+    while chunk := relay.recv(1 << 16):
+        sealed += chunk
+    refused: list[str] = []
+    for damage in (None, 8):
+        controller_end, pod_end = socket.socketpair()
+        reader = handshake.channel(controller_end, "controller", refused.append)
+        sent = bytearray(sealed)
+        if damage is not None:
+            sent[damage] ^= 1
+        got = []
+        with contextlib.suppress(Refused) if damage is not None else contextlib.nullcontext():
+            for at in range(0, len(sent), 7):  # in parts of 7 bytes, the link readable after each
+                pod_end.sendall(sent[at:at + 7])
+                if (data := reader.recv_ready()) is not None:
+                    got.append(data)
+        if damage is None:
+            assert got == [b"first", b"second", b""] and reader.recv_ready() == b""
+        else:
+            assert got == [] and len(refused) == 1 and not reader.open, "refused before anything of it is given"
+        pod_end.close()
+        reader.abort()
+    relay.close()
 
 
 def _key_holder(port: int, key: bytes, pod: str, index: int, source: str = "127.0.0.1") -> list[bytes]:

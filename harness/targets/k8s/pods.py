@@ -308,6 +308,19 @@ class PodAgentNode(AgentNode):
         self._ended = threading.Event()
         link.send_message(json.dumps({"run": argv, "env": dict(env)}).encode())
 
+    def readable(self) -> int | None:
+        return self._link.link.fileno()
+
+    def read_ready(self) -> bytes | None:
+        try:
+            data = self._link.recv_ready()
+        except OSError:
+            self._ended.set()
+            raise
+        if data == b"":
+            self._ended.set()
+        return data
+
     def _chunks(self) -> Iterator[bytes]:
         try:
             while chunk := self._link.recv():
