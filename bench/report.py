@@ -178,7 +178,7 @@ def _scale_goals(sc: dict[str, Any]) -> list[dict[str, Any]]:
              "met": big["controller_cores"] <= SCALE_CORES and big["controller_peak_rss_mib"] <= FLEET_GIB * 1024
              and kept_up,
              "note": None if kept_up else "the controller is at one core, its GIL: the record falls behind the "
-                                          "ranks' lines (collapsing them at the agents is not built yet)"},
+                                          "ranks' lines"},
             {**_hang_goal(fleet), "goal": f"stand-in nodes: {_hang_goal(fleet)['goal']}"},
             {"goal": "stand-in nodes: no rank named slow where none is, at every size",
              "value": "; ".join(f"{r['nodes']} nodes: {r.get('wrongly_slow', '-')}" for r in fleet),
@@ -690,7 +690,8 @@ def _scale_arrivals(rows: list[dict[str, Any]]) -> list[str]:
 def _scale_rows(rows: list[dict[str, Any]], agents: str) -> list[str]:
     return [*_table(
         ["nodes x ranks", "launch to all running (s)", "controller CPU per node per s (vs fewest)", "controller cores",
-         "controller MiB (peak)", "threads, fds", agents, "record lines per s (terminal; s behind)",
+         "controller MiB (peak)", "threads, fds", agents,
+         "ranks' lines recorded per s (lines written; terminal; s behind)",
          "record MiB (B/rank/s; of them the timeline's)",
          "status / top / logs --rank (s)", "hang to found + stacks read = verdict (s, goal)", "culprit named"],
         [[f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["launch_to_running_s"],
@@ -698,7 +699,8 @@ def _scale_rows(rows: list[dict[str, Any]], agents: str) -> list[str]:
           f"{r['controller_rss_mib']:.0f} ({r['controller_peak_rss_mib']:.0f})",
           f"{r['controller_threads']}, {r['controller_fds']}",
           f"{r['agent_cpu_per_s']:.4f}, {r['agent_rss_mib']:.0f}",
-          f"{r['record_lines_per_s']:.0f} ({r['terminal_lines_per_s']:.0f}; {r.get('record_behind_s', '-')})",
+          f"{r['record_lines_per_s']:.0f} ({_num(r.get('record_written_lines_per_s'), 0)}; "
+          f"{r['terminal_lines_per_s']:.0f}; {r.get('record_behind_s', '-')})",
           f"{r['record_mib']} ({r['record_bytes_per_rank_per_s']}"
           f"{'; ' + str(r['timeline_bytes_per_rank_per_s']) if 'timeline_bytes_per_rank_per_s' in r else ''})"
           if "record_mib" in r else "-",

@@ -50,7 +50,7 @@ from harness.node.protocol import (
 from harness.node.ranks import ProgressWatch
 from harness.plan.planner import Node
 from harness.preflight.runner import run_preflight
-from harness.record.stream import STAMP_WIDTH, stamp, unstamp
+from harness.record.stream import STAMP_WIDTH, each_rank, stamp, unstamp
 from harness.spec.inventory import load_inventory
 from harness.spec.job import Health, load_job
 from testbed import cluster
@@ -114,14 +114,18 @@ def _timed(argv: list[str], cwd: Path, env: dict[str, str]) -> float:
     return time.monotonic() - begun
 
 
-def _record_lines(run_dir: Path, start: float, end: float) -> int:
-    """The job's lines the run's record got between two wall-clock times."""
+def _record_lines(run_dir: Path, start: float, end: float) -> tuple[int, int]:
+    """The ranks' lines the run's record got between two wall-clock times, and the lines it holds them in (an agent
+    says identical lines of its ranks as one: protocol.RankLines)."""
     first, last = stamp(start), stamp(end)
-    count = 0
+    ranks_lines = written = 0
     for log in (run_dir / "logs" / "attempt0").glob("node*.log"):
         with open(log, encoding="utf-8", errors="replace") as handle:
-            count += sum(1 for line in handle if first <= line[:STAMP_WIDTH] < last)
-    return count
+            for line in handle:
+                if first <= line[:STAMP_WIDTH] < last:
+                    written += 1
+                    ranks_lines += sum(1 for _ in each_rank(line))
+    return ranks_lines, written
 
 
 def _stamps(folder: Path, pattern: str) -> tuple[float, float]:
@@ -193,7 +197,7 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
             last_step, last_taken = _stamps(record / "logs" / "attempt0", rf"\]: epoch 1/1 step {hang_step - 1}/")
             _, hung_at = _stamps(record / "logs", r"^harness: hang: ")
             _, found_at = _stamps(record / "logs", r"^harness: no progress for \S+ s on ")
-            lines = _record_lines(record, wall_begun, wall_ended)
+            lines, written = _record_lines(record, wall_begun, wall_ended)
             record_bytes = sum(f.stat().st_size for f in record.rglob("*") if f.is_file())
             timeline_bytes = (record / "timeline.jsonl").stat().st_size
             lasted = (launch.ended or time.monotonic()) - launch.started
@@ -211,6 +215,7 @@ def one(nnodes: int, nproc: int, cfg: dict[str, Any], fleet: bool = False) -> di
         "answer_s": {name: round(statistics.median(times), 2) for name, times in answers.items() if times},
         "answer_attempts_s": {name: [round(t, 2) for t in times] for name, times in answers.items()},
         "record_lines_per_s": round(lines / seconds, 1), "printed_lines_per_s": round(world / step_seconds, 1),
+        "record_written_lines_per_s": round(written / seconds, 1),
         "record_mib": round(record_bytes / 2**20, 1),
         "record_bytes_per_rank_per_s": round(record_bytes / world / lasted, 1),
         "timeline_bytes_per_rank_per_s": round(timeline_bytes / world / lasted, 2),

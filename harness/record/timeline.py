@@ -9,16 +9,20 @@ was 8 bytes per rank per second, 11 GB a day at 16,384 ranks, all of it read by 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from harness.record.atomic import file_mode
 
+ODD_ONLY = b'"odd_only":true'  # in a line of the odd ranks alone (sample_line)
+RANK_POINT = b'"cpu":'  # once in each rank's point of a line
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class RankPoint:
     """cpu: CPUs the rank (with its children) used over the interval before t (1.0: one CPU all the time; None:
     not measured yet: its step was known before the health watch's first two samples of it); busy: the share
@@ -69,21 +73,57 @@ def _rounded(value: float | None) -> float | None:
 def read_timeline(path: Path) -> list[Sample]:
     """Every sample that can be read, in order; a damaged or cut line is skipped, a missing file is none."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            return [sample for line in file if (sample := _sample_of(line)) is not None]
     except FileNotFoundError:
         return []
-    samples = []
-    for line in text.splitlines():
-        try:
-            data = json.loads(line)
-            samples.append(Sample(float(data["t"]), int(data["attempt"]), {
-                int(rank): RankPoint(_number(p, "cpu"), _number(p, "busy"),
-                                     None if p.get("step") is None else int(p["step"]), _number(p, "gpu"),
-                                     _number(p, "loss"), _number(p, "throughput"))
-                for rank, p in data["ranks"].items()}, not data.get("odd_only", False)))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-    return samples
+
+
+class Drawn(NamedTuple):
+    """The samples a report draws, and how many the timeline holds in all."""
+
+    samples: list[Sample]
+    total: int
+
+
+def read_drawn(path: Path, most: int, most_points: int) -> Drawn:
+    """At most about `most` of the samples that hold every rank, evenly spread, and of those at most as many as
+    hold `most_points` ranks' points in all; and as many of those between that hold the odd ranks alone: a long run
+    of many ranks is drawn from a part of its timeline (a day at 16,384 ranks is gigabytes), read a line at a time
+    (the kinds counted first, without parsing), so that the report's memory does not grow with the run. Thinned
+    together, the few samples that hold every rank could all be left out."""
+    counts, ranks = [0, 0], 1  # lines of every rank, of the odd ranks alone; the most ranks a line holds
+    try:
+        with open(path, "rb") as file:
+            for line in file:
+                every = ODD_ONLY not in line
+                counts[every] += 1
+                if every:
+                    ranks = max(ranks, line.count(RANK_POINT))
+    except FileNotFoundError:
+        return Drawn([], 0)
+    strides = [math.ceil(counts[0] / most) or 1, math.ceil(counts[1] / max(1, min(most, most_points // ranks))) or 1]
+    seen, samples = [0, 0], []
+    with open(path, "rb") as file:
+        for line in file:
+            every = ODD_ONLY not in line
+            if seen[every] % strides[every] == 0 and (sample := _sample_of(line)) is not None:
+                samples.append(sample)
+            seen[every] += 1
+    return Drawn(samples, sum(counts))
+
+
+def _sample_of(line: bytes) -> Sample | None:
+    """A line's sample (None: damaged or cut)."""
+    try:
+        data = json.loads(line)
+        return Sample(float(data["t"]), int(data["attempt"]), {
+            int(rank): RankPoint(_number(p, "cpu"), _number(p, "busy"),
+                                 None if p.get("step") is None else int(p["step"]), _number(p, "gpu"),
+                                 _number(p, "loss"), _number(p, "throughput"))
+            for rank, p in data["ranks"].items()}, not data.get("odd_only", False))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _number(point: Mapping[str, Any], key: str) -> float | None:

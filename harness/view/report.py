@@ -33,7 +33,7 @@ from harness.record.schema import (
     RunStatus,
     RunSummary,
 )
-from harness.record.timeline import RankPoint, Sample, read_timeline
+from harness.record.timeline import RankPoint, Sample, read_drawn
 from harness.view.charts import Dot, Mark, Row, Segments, Span, StepAxis, TimeAxis, legend, line_chart, rows_chart
 from harness.view.stacks import kept_stacks
 from harness.view.status import (
@@ -47,6 +47,7 @@ from harness.view.status import (
 )
 
 MAX_SAMPLES = 600  # per plot: a long run's samples are thinned to about this many, so the page stays small
+MAX_POINTS = 1_000_000  # ranks' points of the samples that hold every rank, read at most (about 100 MiB)
 # Past this many ranks a chart draws their spread (least, median, most) and the ranks the health watch named, not a
 # line each: a 16,384-rank run's page was hundreds of MB, and no one reads 16,384 lines; it is now a 32-rank one's.
 DRAWN_RANKS = 32
@@ -94,7 +95,8 @@ class _Run:
     summary: RunSummary | None
     status: RunStatus
     axis: TimeAxis
-    samples: Sequence[Sample]
+    samples: Sequence[Sample]  # those drawn (timeline.read_drawn)
+    samples_in_all: int
 
     def since(self, t: float) -> float:
         """Seconds since the run started: the charts' x."""
@@ -116,9 +118,10 @@ class _Run:
 def html_report(run: RunDir) -> str:
     """The page of run, from its record and timeline as they are now."""
     state, summary = run.read_state(), run.read_summary()
-    samples = read_timeline(run.timeline)
+    samples, in_all = read_drawn(run.timeline, MAX_SAMPLES, MAX_POINTS)
     ended = summary.ended_at if summary else state.ended_at or max([time.time(), *(s.t for s in samples)])
-    r = _Run(run, state, summary, live_status(state, run), TimeAxis(max(ended - state.started_at, 1.0)), samples)
+    r = _Run(run, state, summary, live_status(state, run), TimeAxis(max(ended - state.started_at, 1.0)), samples,
+             in_all)
     body = [_header(r), _time_spent(r), _attempts(r), _plots(r), _over_steps(r), _first_failure(r), _hang_stacks(r),
             _nodes(r),
             f"<footer><p>written by harness report on {escape(_clock(time.time()))} from "
@@ -266,8 +269,7 @@ def _plots(r: _Run) -> str:
                        f"one have none).</p>{_recorded_step_rate(r)}</section>")
     if not samples:
         return head + f"<p>No plots: {r.run.timeline.name} holds no sample yet.</p>{_recorded_step_rate(r)}</section>"
-    kept = _thinned(samples)
-    ranks = sorted({rank for sample in kept for rank in sample.ranks})
+    ranks = sorted({rank for sample in samples for rank in sample.ranks})
     drawn = _drawn(r, ranks)
     key = legend(_labels(ranks, drawn))
     starts = {a.attempt: a.started_at for a in r.summary.attempts} if r.summary else {}
@@ -277,7 +279,7 @@ def _plots(r: _Run) -> str:
     marks = [Mark(r.since(t), f"attempt {n}") for n, t in starts.items()] if len(starts) > 1 else []
     parts = [head]
     for plot in PLOTS:
-        series = _series(r, kept, drawn, plot.measure, spread=len(ranks) > DRAWN_RANKS)
+        series = _series(r, samples, drawn, plot.measure, spread=len(ranks) > DRAWN_RANKS)
         values = [y for segments in series for points in segments for _, y in points]
         if values and plot.measure is _step_rate:
             bands, acts, said = _slowness(r)
@@ -290,8 +292,8 @@ def _plots(r: _Run) -> str:
             parts.append(recorded)
         elif plot.missing:
             parts.append(f"<p>No plot of {escape(plot.missing)}.</p>")
-    if len(kept) < len(samples):
-        parts.append(f"<p>{len(kept)} of {len(samples)} samples drawn, evenly spread.</p>")
+    if len(samples) < r.samples_in_all:
+        parts.append(f"<p>{len(samples)} of {r.samples_in_all} samples drawn, evenly spread.</p>")
     return "".join(parts) + "</section>"
 
 
@@ -400,15 +402,6 @@ def _over_steps(r: _Run) -> str:
     if not charts:
         return ""
     return "<section><h2>Over the steps</h2>" + "".join(charts) + "</section>"
-
-
-def _thinned(samples: Sequence[Sample]) -> list[Sample]:
-    """At most about MAX_SAMPLES of the samples that hold every rank, evenly spread, and as many of those between that
-    hold the odd ranks alone (a job past schema.SUMMED_PAST ranks): thinned together, the few that hold every rank
-    could all be left out."""
-    kinds = [[sample for sample in samples if sample.every], [sample for sample in samples if not sample.every]]
-    kept = [sample for kind in kinds for sample in kind[::max(1, math.ceil(len(kind) / MAX_SAMPLES))]]
-    return sorted(kept, key=lambda sample: sample.t)
 
 
 def _step_points(r: _Run, read: Callable[[RankPoint], float | None],

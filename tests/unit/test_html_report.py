@@ -53,7 +53,7 @@ from harness.record.schema import (
     RunSummary,
     Slowed,
 )
-from harness.record.timeline import RankPoint, Sample, append_sample, read_timeline
+from harness.record.timeline import RankPoint, Sample, append_sample, read_drawn, read_timeline, sample_line
 from harness.view import report
 from harness.view.charts import TimeAxis, color
 from harness.view.report import _spread_of, html_report
@@ -198,10 +198,32 @@ def test_a_large_jobs_spread_is_drawn_from_the_samples_of_every_rank_and_a_named
     drawn = [len(points.split()) for points in re.findall(r'<polyline [^>]*points="([^"]*)"', part)]
     assert drawn == [2, 2, 2, 6], "the least, median and most at the two samples of every rank; rank 3 at all six"
     assert [sample.every for sample in read_timeline(run.timeline)] == [True, False, False, True, False, False]
-    many = [Sample(T0 + second, 0, {}, second % 10 == 0) for second in range(10 * report.MAX_SAMPLES)]
-    thinned = report._thinned(many)
-    assert sum(sample.every for sample in thinned) == report.MAX_SAMPLES and len(thinned) <= 2 * report.MAX_SAMPLES
-    assert [sample.t for sample in thinned] == sorted(sample.t for sample in thinned)
+    long = tmp_path / "long.jsonl"
+    with long.open("w") as file:
+        file.writelines(sample_line(Sample(T0 + second, 0, {}, second % 10 == 0)) for second in range(60))
+    drawn = read_drawn(long, 6, report.MAX_POINTS)
+    assert drawn.total == 60 and sum(sample.every for sample in drawn.samples) == 6 and len(drawn.samples) <= 12
+    assert [sample.t for sample in drawn.samples] == sorted(sample.t for sample in drawn.samples)
+
+
+def test_a_long_run_of_many_ranks_is_drawn_from_as_many_of_its_samples_as_the_points_allow(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report reads at most MAX_POINTS ranks' points of the samples of every rank, evenly spread, and the samples
+    of the odd ranks between up to MAX_SAMPLES: a day's timeline of 16,384 ranks is gigabytes, and the memory it
+    took grew with the run. The page says how many of them it drew."""
+    run = create_run_dir(tmp_path, "train-1")
+    run.write_state(_state(run.run_id, RunStatus.FAILED, ControllerId(1, None), attempt=0))
+    with run.timeline.open("w") as file:
+        for second in range(200):
+            every = second % 2 == 0
+            file.write(sample_line(Sample(T0 + second, 0, {rank: RankPoint(cpu=0.5, busy=0.9, step=second)
+                                                             for rank in (range(400) if every else [3])}, every)))
+    drawn = read_drawn(run.timeline, 600, 4_000)
+    assert drawn.total == 200 and sum(sample.every for sample in drawn.samples) == 10, "4,000 points of 400 ranks"
+    assert sum(not sample.every for sample in drawn.samples) == 100
+    assert drawn.samples[0].t == T0 and drawn.samples[-1].t == T0 + 199
+    monkeypatch.setattr(report, "MAX_POINTS", 4_000)
+    assert "110 of 200 samples drawn, evenly spread" in html_report(run)
 
 
 def test_the_page_of_a_failed_restarted_run(tmp_path: Path) -> None:
