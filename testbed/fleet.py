@@ -10,9 +10,10 @@ what a real agent is sent: a header naming its node, then its program line (the 
 harness.targets.agent_link.agent_program makes it), then the controller's words. The fleet reads the program's
 arguments as the agent would -- its sample interval (`watch`) and the node's command, whose stand-in rank arguments
 (testbed/standin/rank.py: --steps, --step-seconds, --busy-ms, --warning, --hang-rank, --hang-step) say what the
-ranks do -- and answers as an agent whose ranks run that script would: STARTED, every rank's progress lines, health
-samples and arrivals every interval (with its clock's offset from the controller's pings), every rank's stacks and
-collectives on a STACKS word, NODE_EXIT at the end or on TERM/KILL. The ranks' steps begin once every node has
+ranks do -- and answers as an agent whose ranks run that script would: STARTED, every rank's progress lines (each
+step's identical ones said once, where its agent would: protocol.RankLines), health samples and arrivals every
+interval (with its clock's offset from the controller's pings), every rank's stacks and collectives on a STACKS word,
+NODE_EXIT at the end or on TERM/KILL. The ranks' steps begin once every node has
 started (a step's all_reduce needs every rank); a hung rank stops before its step's collective, and its peers wait
 in it.
 """
