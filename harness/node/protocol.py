@@ -501,14 +501,16 @@ def collapsed_ranks(line: str, ranks: Container[int] | None = None) -> tuple[lis
 
 
 def expanded(text: str, ranks: Container[int] | None = None) -> str:
-    """text (whole lines) with each collapsed line as its ranks' lines, in rank order."""
+    """text (whole lines) with each collapsed line as its ranks' lines, in rank order. Lines end at \\n alone, as the
+    agent ended them (str.splitlines would end one at a form feed or a separator a rank printed)."""
     if RANKS_PREFIX not in text:
         return text
+    *whole, rest = text.split("\n")
     lines = []
-    for line in text.splitlines(keepends=True):
+    for line in whole:
         found = collapsed_ranks(line, ranks) if line.startswith(RANKS_PREFIX) else None
         lines += [line] if found is None else [f"[rank{rank}]: {found[1]}" for rank in found[0]]
-    return "".join(lines)
+    return "".join(line + "\n" for line in lines) + rest
 
 
 class RankLines:

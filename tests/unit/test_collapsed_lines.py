@@ -98,6 +98,8 @@ def test_a_collapsed_line_makes_no_rank_of_another_node_nor_a_million_lines():
         assert collapsed_ranks(forged, NODE_RANKS) is None, forged
         assert expanded(forged + "\n", NODE_RANKS) == forged + "\n"
     assert collapsed_ranks("[ranks 0-99999999]: x") is None, "where its node's ranks are not known: at most 1,024"
+    assert expanded("[ranks 8,9]: a\x0cb\x1ec\u2028d\n", NODE_RANKS) == \
+        "[rank8]: a\x0cb\x1ec\u2028d\n[rank9]: a\x0cb\x1ec\u2028d\n", "a line ends at its newline alone"
     node = _node()
     node.take_block("[ranks 0-99999999]: step 4\n[ranks 0-15]: step 4\n", at=1.0, progress=PROGRESS)
     assert node.activity == {}
