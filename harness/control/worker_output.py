@@ -13,7 +13,7 @@ import re
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from harness.node.protocol import RANKS_PREFIX, collapsed_ranks
+from harness.node.protocol import each_ranks
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ")
 # torch's own prefix follows torchrun's with a blank (Python tracebacks) or without (C++ log lines).
@@ -141,11 +141,7 @@ class UserError:
 def each_rank(lines: Iterable[str], ranks: Container[int] | None = None) -> Iterator[str]:
     """lines, each that an agent collapsed from several ranks as their own lines (ranks: its node's, where known)."""
     for line in lines:
-        found = collapsed_ranks(line, ranks) if line.startswith(RANKS_PREFIX) else None
-        if found is None:
-            yield line
-        else:
-            yield from (f"[rank{rank}]: {found[1]}" for rank in found[0])
+        yield from each_ranks(line, ranks)
 
 
 def rank_lines(lines: Iterable[str], rank: int) -> list[str]:

@@ -506,11 +506,13 @@ def expanded(text: str, ranks: Container[int] | None = None) -> str:
     if RANKS_PREFIX not in text:
         return text
     *whole, rest = text.split("\n")
-    lines = []
-    for line in whole:
-        found = collapsed_ranks(line, ranks) if line.startswith(RANKS_PREFIX) else None
-        lines += [line] if found is None else [f"[rank{rank}]: {found[1]}" for rank in found[0]]
-    return "".join(line + "\n" for line in lines) + rest
+    return "".join(own + "\n" for line in whole for own in each_ranks(line, ranks)) + rest
+
+
+def each_ranks(line: str, ranks: Container[int] | None = None) -> list[str]:
+    """line, or where its agent collapsed it from several ranks (of ranks, as collapsed_ranks), each rank's own."""
+    found = collapsed_ranks(line, ranks) if line.startswith(RANKS_PREFIX) else None
+    return [line] if found is None else [f"[rank{rank}]: {found[1]}" for rank in found[0]]
 
 
 class RankLines:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from harness.node.protocol import RANKS_PREFIX, collapsed_ranks
+from harness.node.protocol import each_ranks
 from harness.record.atomic import make_folders
 from harness.record.disk import AppendedFile, RecordDisk, RecordFile
 
@@ -41,13 +41,11 @@ def unstamp(line: str) -> str:
 def each_rank(line: str) -> Iterator[str]:
     """A line of the record, or where its agent collapsed it from several ranks, each rank's own, with its stamp and
     node (a line of the harness's own has no node, and stays as it is)."""
-    at = line.find("] ", STAMP_WIDTH) + 2  # after the node's label
-    found = collapsed_ranks(line[at:]) if line.startswith("[", STAMP_WIDTH + 1) and \
-        line.startswith(RANKS_PREFIX, at) else None
-    if found is None:
+    if not line.startswith("[", STAMP_WIDTH + 1):
         yield line
-    else:
-        yield from (f"{line[:at]}[rank{rank}]: {found[1]}" for rank in found[0])
+        return
+    at = line.find("] ", STAMP_WIDTH) + 2  # after the node's label
+    yield from (line[:at] + own for own in each_ranks(line[at:]))
 
 
 def stamped(text: str, head: str) -> str:
