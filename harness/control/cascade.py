@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.control import worker_output
+from harness.health.rank_stack import ranks_text
+from harness.node.protocol import number_ranges
 
 TRACEBACK = "Traceback (most recent call last):"
 LONGEST_TRACEBACK = 400  # lines buffered before a traceback that never ends is shown as it is
@@ -69,3 +71,13 @@ class Cascade:
         lines = [line for rank in sorted(self.reading) for line in self.reading[rank]]
         self.reading.clear()
         return lines
+
+
+def alike_words(alike: dict[int, int], logs_command: str) -> list[str]:
+    """What the run's end says of the tracebacks held back for being another rank's again: a line per traceback
+    shown, naming every rank that failed alike (at 16,384 ranks failing alike, one line, not 16,383)."""
+    by_first: dict[int, list[int]] = {}
+    for rank, first in sorted(alike.items()):
+        by_first.setdefault(first, []).append(rank)
+    return [f"{ranks_text(ranks)} failed with the same traceback as rank {first}, held back from this terminal: "
+            f"`{logs_command} --rank {number_ranges(ranks)}`" for first, ranks in sorted(by_first.items())]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.control.cascade import Cascade
+from harness.control.cascade import Cascade, alike_words
 from harness.control.health_loop import HealthLoop
 from harness.control.live import LiveNode
 from harness.control.output import Output, Streams
@@ -264,9 +264,8 @@ class Supervisor:
                      f"peer that went away); see them with `{self.output.terminal.logs_command}"
                      + (f" --rank {number_ranges(ranks)}`" if ranks else "`"))
         alike = {rank: first for live in self.nodes for rank, first in live.cascade.alike.items()}
-        for rank, first in sorted(alike.items()):
-            self.say(f"rank {rank} failed with the same traceback as rank {first}, held back from this terminal: "
-                     f"`{self.output.terminal.logs_command} --rank {rank}`")
+        for words in alike_words(alike, self.output.terminal.logs_command):
+            self.say(words)
 
     def _spawn(self, target: Callable[..., Any], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)

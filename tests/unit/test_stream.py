@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from harness.control.cascade import alike_words
 from harness.control.health_loop import rank_row
 from harness.control.live import FIRST_STEP_LOOKED_AT, TAIL_KEPT, LiveNode, StepMark
 from harness.control.output import Output
@@ -167,6 +168,10 @@ def test_the_same_traceback_of_another_rank_is_shown_once_whichever_node_says_it
     assert first.take_block(text(traceback(0, error)), at=1.0).shown == text(traceback(0, error))
     assert second.take_block(text([*traceback(1, error), "[rank1]: after"]), at=1.0).shown == "[rank1]: after\n"
     assert second.cascade.alike == {1: 0} and second.cascade.held == 0, "not a consequence: a rank that failed alike"
+    assert alike_words({rank: 0 for rank in range(1, 16384)} | {9: 3}, "harness logs r") == [
+        "ranks 1-8,10-16383 failed with the same traceback as rank 0, held back from this terminal: `harness logs r "
+        "--rank 1-8,10-16383`",
+        "rank 9 failed with the same traceback as rank 3, held back from this terminal: `harness logs r --rank 9`"]
     other = traceback(1, "ValueError: its own")
     assert second.take_block(text(other), at=2.0).shown == text(other), "another traceback is shown"
 
